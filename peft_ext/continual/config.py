@@ -1,0 +1,313 @@
+"""The run configuration (a YAML file) and its validation.
+
+Every key is checked before any work starts: unknown keys, wrong types, missing files and impossible values raise
+one :class:`ConfigError` that names the key (``train.epochs``) and says what would be valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from .methods import MethodOptions, get_continual_method
+from .runner import TrainConfig
+from .tasks import PROTOCOLS
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, of the wrong type, missing or impossible."""
+
+
+@dataclass
+class ModelSection:
+    """The backbone.
+
+    Args:
+        backbone: ``"minilm"`` (offline, packaged), a hub id, or a local model directory.
+        max_length: Truncation length in tokens.
+        dropout: Dropout before the classification head.
+    """
+
+    backbone: str = "minilm"
+    max_length: int = 32
+    dropout: float = 0.1
+
+    def validate(self) -> None:
+        if self.max_length < 2:
+            raise ValueError(f"`max_length` must be >= 2, got {self.max_length}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"`dropout` must be in [0, 1), got {self.dropout}")
+        if self.backbone.startswith((".", "/", "~")) and not Path(self.backbone).expanduser().is_dir():
+            raise ValueError(f"`backbone` {self.backbone!r} looks like a local path but no such directory exists")
+
+
+@dataclass
+class DataSection:
+    """The task sequence.
+
+    Args:
+        dataset: Data set the sequence is built from (``wordnet``: WordNet 3.0 gloss -> supersense).
+        n_tasks: Number of tasks.
+        classes_per_task: Classes each task introduces.
+        train_per_class: Training examples per class (cap).
+        test_per_class: Test examples per class (cap).
+        protocol: ``class-incremental`` or ``task-incremental``.
+        seed: Seed that picks and orders the classes.
+        classes: Explicit class names in task order (overrides the seed's choice).
+    """
+
+    dataset: Literal["wordnet"] = "wordnet"
+    n_tasks: int = 5
+    classes_per_task: int = 4
+    train_per_class: int = 80
+    test_per_class: int = 40
+    protocol: str = "class-incremental"
+    seed: int = 0
+    classes: list[str] | None = None
+
+    def validate(self) -> None:
+        for key in ("n_tasks", "classes_per_task", "train_per_class", "test_per_class"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"`{key}` must be a positive integer, got {getattr(self, key)}")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"`protocol` must be one of {PROTOCOLS}, got {self.protocol!r}")
+        if self.classes is not None and len(self.classes) != self.n_tasks * self.classes_per_task:
+            raise ValueError(
+                f"`classes` lists {len(self.classes)} names but n_tasks * classes_per_task = "
+                f"{self.n_tasks * self.classes_per_task}"
+            )
+
+
+@dataclass
+class OutputSection:
+    """Where results go.
+
+    Args:
+        dir: Output folder for results.json, results.md and accuracy_matrix.png (created if missing).
+    """
+
+    dir: str = "runs/quickstart"
+
+    def validate(self) -> None:
+        path = Path(self.dir)
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"`dir` {self.dir!r} exists and is not a directory")
+
+
+@dataclass
+class MethodEntry:
+    """One method of the run: its registered name and its validated options."""
+
+    name: str
+    options: MethodOptions
+
+
+@dataclass
+class RunConfig:
+    """A whole run: one task sequence, one backbone, several methods compared side by side."""
+
+    name: str = "run"
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    output: OutputSection = field(default_factory=OutputSection)
+    methods: list[MethodEntry] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# validation
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it (ints widened to float, '1e-3' parsed)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as err:
+                errors.append(err)
+        raise ConfigError(f"`{key}` must be {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"`{key}` must be one of {list(typing.get_args(tp))}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"`{key}` must be a {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is type(None):
+        if value is not None:
+            raise ConfigError(f"`{key}` must be null, got {value!r}")
+        return None
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"`{key}` must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"`{key}` must be an integer, got {type(value).__name__} {value!r}")
+        return value
+    if tp is float:
+        # YAML 1.1 reads `1e-3` (no dot) as a string; accept it as the number the user meant.
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"`{key}` must be a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"`{key}` must be a string, got {type(value).__name__} {value!r}")
+        return value
+    raise TypeError(f"unsupported annotation {tp!r} for `{key}`")  # a bug in a section class, not in the config
+
+
+def _unknown_key(key: str, prefix: str, valid: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f" (did you mean `{close[0]}`?)" if close else ""
+    return ConfigError(f"unknown key `{prefix}{key}`{hint}; valid keys: {', '.join(valid)}")
+
+
+def build_section(cls: type, data: Any, prefix: str = "", skip: tuple[str, ...] = ()) -> Any:
+    """Build the dataclass ``cls`` from a mapping, checking keys and types; then run its ``validate()``."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        where = f"`{prefix.rstrip('.')}`" if prefix else "the config"
+        raise ConfigError(f"{where} must be a mapping of keys to values, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = [f.name for f in dataclasses.fields(cls) if f.name not in skip]
+    kwargs = {}
+    for key, value in data.items():
+        if key in skip:
+            continue
+        if key not in fields:
+            raise _unknown_key(str(key), prefix, fields)
+        kwargs[key] = _coerce(value, hints[key], prefix + key)
+    missing = [
+        f.name for f in dataclasses.fields(cls)
+        if f.name not in kwargs and f.name not in skip
+        and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"missing key `{prefix}{missing[0]}`")
+    obj = cls(**kwargs)
+    if hasattr(obj, "validate"):
+        try:
+            obj.validate()
+        except ValueError as err:
+            msg = str(err)
+            raise ConfigError(msg.replace("`", f"`{prefix}", 1) if msg.startswith("`") else f"{prefix}: {msg}") from None
+    return obj
+
+
+def _build_method(data: Any, index: int) -> MethodEntry:
+    prefix = f"methods[{index}]."
+    if not isinstance(data, dict) or "name" not in data:
+        raise ConfigError(f"`methods[{index}]` must be a mapping with a `name`, got {data!r}")
+    try:
+        cls = get_continual_method(data["name"])
+    except ValueError as err:
+        raise ConfigError(f"`{prefix}name`: {err}") from None
+    return MethodEntry(name=cls.name, options=build_section(cls.options_cls, data, prefix, skip=("name",)))
+
+
+def config_from_dict(data: Any) -> RunConfig:
+    """Validate a parsed YAML document and build a :class:`RunConfig`."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"the config must be a mapping at the top level, got {type(data).__name__}")
+    sections = {"model": ModelSection, "data": DataSection, "train": TrainConfig, "output": OutputSection}
+    valid = ["name", *sections, "methods"]
+    for key in data:
+        if key not in valid:
+            raise _unknown_key(str(key), "", valid)
+    name = data.get("name", "run")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"`name` must be a non-empty string, got {name!r}")
+    built = {key: build_section(cls, data.get(key), f"{key}.") for key, cls in sections.items()}
+    methods = data.get("methods")
+    if not isinstance(methods, list) or not methods:
+        raise ConfigError(f"`methods` must be a non-empty list of methods, got {methods!r}")
+    entries = [_build_method(m, i) for i, m in enumerate(methods)]
+    labels = [e.options.label or e.name for e in entries]
+    dup = {x for x in labels if labels.count(x) > 1}
+    if dup:
+        raise ConfigError(f"`methods` has two entries labelled {sorted(dup)[0]!r}; give them distinct `label`s")
+    return RunConfig(name=name, methods=entries, **built)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key.path=value`` overrides (values parsed as YAML). In ``methods`` a path part is an index or a name.
+
+    Example: ``train.epochs=2``, ``methods.seq_lora.lr=5e-4``, ``data.classes=[noun.animal, verb.motion]``.
+    """
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        path, raw = item.split("=", 1)
+        parts = path.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"--set key {path!r} has an empty part")
+        value = yaml.safe_load(raw)
+        node: Any = data
+        for depth, part in enumerate(parts[:-1]):
+            where = ".".join(parts[: depth + 1])
+            if isinstance(node, list):
+                node = node[_list_index(node, part, where)]
+            else:
+                node = node.setdefault(part, {})
+                if not isinstance(node, (dict, list)):
+                    raise ConfigError(f"--set {path}: `{where}` is a value, not a section")
+        last = parts[-1]
+        if isinstance(node, list):
+            node[_list_index(node, last, path)] = value
+        else:
+            node[last] = value
+    return data
+
+
+def _list_index(items: list, part: str, where: str) -> int:
+    if part.isdigit():
+        if int(part) >= len(items):
+            raise ConfigError(f"--set {where}: index {part} is out of range (the list has {len(items)} entries)")
+        return int(part)
+    names = [m.get("label") or m.get("name") if isinstance(m, dict) else None for m in items]
+    if part not in names:
+        raise ConfigError(f"--set {where}: no entry named {part!r}; entries: {names}")
+    return names.index(part)
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Read, override and validate a YAML run config."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {err}") from None
+    return config_from_dict(apply_overrides(data if data is not None else {}, overrides or []))

@@ -1,0 +1,75 @@
+"""The main job: build the task sequence and the backbone from a :class:`RunConfig`, run every method, report."""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .config import RunConfig
+from .methods import get_continual_method
+from .report import matrix_table, metrics_table, save_results
+from .runner import MethodResult, run_sequence
+from .tasks import TaskSequence
+
+
+def build_sequence(config: RunConfig) -> TaskSequence:
+    """The task sequence the config's ``data`` section describes."""
+    data = config.data
+    if data.dataset == "wordnet":
+        from ..data.wordnet import wordnet_task_sequence
+
+        return wordnet_task_sequence(
+            n_tasks=data.n_tasks,
+            classes_per_task=data.classes_per_task,
+            seed=data.seed,
+            train_per_class=data.train_per_class,
+            test_per_class=data.test_per_class,
+            protocol=data.protocol,
+            supersenses=data.classes,
+        )
+    raise ValueError(f"unknown dataset {data.dataset!r}")  # unreachable: the config's Literal type checks it
+
+
+def run_job(config: RunConfig, echo: Callable[[str], Any] = print) -> list[MethodResult]:
+    """Run every method of ``config`` on the same sequence and backbone; write results; return them."""
+    from ..data.collate import TextCollator
+    from ..models import load_text_classifier
+
+    start = time.perf_counter()
+    sequence = build_sequence(config)
+    echo(f"[peft-ext] {config.name}: {sequence.name} ({sequence.protocol}), {len(sequence)} tasks, "
+         f"{sequence.num_classes} classes, {sum(len(t.train) for t in sequence.tasks)} train / "
+         f"{sum(len(t.test) for t in sequence.tasks)} test examples")
+    for i, task in enumerate(sequence.tasks):
+        echo(f"  t{i}: {task.name}")
+    torch.manual_seed(config.train.seed)
+    base, tokenizer = load_text_classifier(config.model.backbone, sequence.num_classes, config.model.dropout)
+    collate = TextCollator(tokenizer, config.model.max_length)
+    results = []
+    for entry in config.methods:
+        method = get_continual_method(entry.name)(entry.options)
+        echo(f"\n[peft-ext] method {method.label}")
+        result = run_sequence(sequence, method, base, collate, config.train)
+        echo(matrix_table(result))
+        results.append(result)
+    wall = time.perf_counter() - start
+    meta = {
+        "name": config.name,
+        "sequence": sequence.name,
+        "protocol": sequence.protocol,
+        "sequence_meta": sequence.meta,
+        "backbone": config.model.backbone,
+        "wall_seconds": round(wall, 1),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+    }
+    paths = save_results(results, config.output.dir, meta, [t.name for t in sequence.tasks])
+    echo(f"\n[peft-ext] metrics (percent), {len(sequence)} tasks, wall time {wall:.0f} s\n")
+    echo(metrics_table(results))
+    echo(f"\n[peft-ext] wrote {paths['json']}, {paths['markdown']}, {paths['png']}")
+    return results

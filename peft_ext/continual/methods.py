@@ -1,0 +1,194 @@
+"""Continual-learning method plugins and the registry the runner and the CLI read.
+
+A method turns a freshly built base model into the model it trains (``build``), may act before and after each task
+(``before_task`` / ``after_task``: fold adapters, collect statistics, re-wrap), may add a regularizer
+(``extra_loss``), and picks what is trained (``trainable_parameters``). Each method declares its options as a
+dataclass, so configs are validated against it before any work starts.
+
+Baselines shipped here (every later method is measured against them, side by side, in one run):
+
+- ``frozen_linear``: frozen backbone, only the linear head is trained, task after task (lower bound).
+- ``seq_lora``: PEFT's LoRA, the same adapter fine-tuned task after task (how forgetting looks without care).
+- ``joint``: LoRA trained once on the union of all tasks (upper bound; no accuracy matrix before the last row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from .runner import RunContext
+    from .tasks import Task
+
+
+@dataclass
+class MethodOptions:
+    """Options every method has.
+
+    Args:
+        lr: Learning rate of the method's optimizer.
+        weight_decay: Decoupled weight decay (AdamW).
+        label: Name shown in tables and plots (default: the method name).
+    """
+
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    label: str | None = None
+
+    def validate(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"`lr` must be > 0, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ValueError(f"`weight_decay` must be >= 0, got {self.weight_decay}")
+
+
+@dataclass
+class LoraOptions(MethodOptions):
+    """Options of the LoRA-based baselines.
+
+    Args:
+        r: LoRA rank.
+        alpha: LoRA alpha (scale = alpha / r).
+        dropout: LoRA dropout.
+        target_modules: Module-name suffixes to adapt (MiniLM/BERT: ``query``, ``key``, ``value``, ``dense``).
+    """
+
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["query", "value"])
+
+    def validate(self) -> None:
+        super().validate()
+        if self.r < 1:
+            raise ValueError(f"`r` must be a positive integer, got {self.r}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"`dropout` must be in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            raise ValueError("`target_modules` must name at least one module, got an empty list")
+
+
+class ContinualMethod:
+    """Base class of a continual-learning method plugin.
+
+    Subclasses set ``name`` and ``options_cls`` and override what they need. Register them with
+    :func:`register_continual_method` so configs can name them.
+    """
+
+    name: ClassVar[str] = ""
+    options_cls: ClassVar[type[MethodOptions]] = MethodOptions
+    #: Train once on the union of all tasks instead of task after task.
+    joint: ClassVar[bool] = False
+
+    def __init__(self, options: MethodOptions | None = None, **kwargs: Any) -> None:
+        if options is None:
+            options = self.options_cls(**kwargs)
+        elif kwargs:
+            raise TypeError("pass either an options object or keyword options, not both")
+        options.validate()
+        self.options = options
+
+    @property
+    def label(self) -> str:
+        return self.options.label or self.name
+
+    def build(self, base_model: nn.Module, ctx: RunContext) -> nn.Module:
+        """Return the model to train; ``base_model`` is a fresh copy that the method may modify."""
+        return base_model
+
+    def before_task(self, model: nn.Module, task_id: int, task: Task, ctx: RunContext) -> nn.Module:
+        """Called before training task ``task_id``; may return a different (re-wrapped) model."""
+        return model
+
+    def after_task(self, model: nn.Module, task_id: int, task: Task, ctx: RunContext) -> nn.Module:
+        """Called after training task ``task_id`` and before its evaluation; may return a different model."""
+        return model
+
+    def trainable_parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        return [p for p in model.parameters() if p.requires_grad]
+
+    def make_optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=self.options.lr, weight_decay=self.options.weight_decay)
+
+    def extra_loss(self, model: nn.Module, batch: dict[str, Any], task_id: int) -> torch.Tensor | None:
+        """An optional regularizer added to the task loss (e.g. O-LoRA's orthogonality loss)."""
+        return None
+
+
+CONTINUAL_METHODS: dict[str, type[ContinualMethod]] = {}
+
+
+def register_continual_method(cls: type[ContinualMethod]) -> type[ContinualMethod]:
+    """Class decorator: make ``cls`` available to configs under ``cls.name``."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} must set a non-empty `name`")
+    existing = CONTINUAL_METHODS.get(cls.name)
+    if existing is not None and existing.__qualname__ != cls.__qualname__:
+        raise ValueError(f"a continual method named {cls.name!r} is already registered ({existing.__qualname__})")
+    CONTINUAL_METHODS[cls.name] = cls
+    return cls
+
+
+def get_continual_method(name: str) -> type[ContinualMethod]:
+    try:
+        return CONTINUAL_METHODS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown continual method {name!r}; registered methods: {sorted(CONTINUAL_METHODS)}"
+        ) from None
+
+
+def head_module_name(model: nn.Module) -> str:
+    """Name of the classification head the runner's models expose (``classifier``)."""
+    if not isinstance(getattr(model, "classifier", None), nn.Module):
+        raise TypeError(f"{type(model).__name__} has no `classifier` module; continual baselines need one")
+    return "classifier"
+
+
+@register_continual_method
+class FrozenLinear(ContinualMethod):
+    """Lower bound: the backbone stays frozen; only the linear head learns, task after task."""
+
+    name = "frozen_linear"
+
+    def build(self, base_model: nn.Module, ctx: RunContext) -> nn.Module:
+        head = getattr(base_model, head_module_name(base_model))
+        base_model.requires_grad_(False)
+        head.requires_grad_(True)
+        return base_model
+
+
+class _LoraMethod(ContinualMethod):
+    options_cls = LoraOptions
+
+    def build(self, base_model: nn.Module, ctx: RunContext) -> nn.Module:
+        from peft import LoraConfig, get_peft_model
+
+        opts = self.options
+        config = LoraConfig(
+            r=opts.r,
+            lora_alpha=opts.alpha,
+            lora_dropout=opts.dropout,
+            target_modules=list(opts.target_modules),
+            modules_to_save=[head_module_name(base_model)],
+        )
+        return get_peft_model(base_model, config)
+
+
+@register_continual_method
+class SequentialLoRA(_LoraMethod):
+    """PEFT's LoRA fine-tuned on each task in turn, with nothing to protect old tasks."""
+
+    name = "seq_lora"
+
+
+@register_continual_method
+class JointLoRA(_LoraMethod):
+    """Upper bound: the same LoRA trained once on the union of every task's training data."""
+
+    name = "joint"
+    joint = True

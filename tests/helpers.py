@@ -1,0 +1,38 @@
+"""Shared test fixtures: a tiny text classifier and a small, learnable synthetic task sequence.
+
+The synthetic sequence is only for mechanical runner tests (fast, exact); quality is measured on real data.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from peft_ext.continual.tasks import Example, Task, TaskSequence
+from peft_ext.models import SentenceClassifier, tiny_bert
+
+
+def tiny_classifier(num_labels: int, seed: int = 0) -> SentenceClassifier:
+    return SentenceClassifier(tiny_bert(vocab_size=64, hidden_size=32, seed=seed).bert, num_labels, dropout=0.0)
+
+
+def token_sequence(n_tasks: int = 3, classes_per_task: int = 2, per_class: int = 24, seed: int = 0) -> TaskSequence:
+    """Class c's sentences are drawn from its own 4 token ids (plus shared noise), so classes are separable."""
+    gen = torch.Generator().manual_seed(seed)
+    n_classes = n_tasks * classes_per_task
+    tasks = []
+    for t in range(n_tasks):
+        classes = list(range(t * classes_per_task, (t + 1) * classes_per_task))
+        splits = {"train": [], "test": []}
+        for c in classes:
+            for split, n in (("train", per_class), ("test", per_class // 2)):
+                for _ in range(n):
+                    own = 4 + 4 * c + torch.randint(0, 4, (5,), generator=gen)
+                    noise = torch.randint(4 + 4 * n_classes, 64, (3,), generator=gen)
+                    splits[split].append(Example(torch.cat([own, noise]), c))
+        tasks.append(Task(f"t{t}", classes, splits["train"], splits["test"]))
+    return TaskSequence("tokens", [f"c{c}" for c in range(n_classes)], tasks)
+
+
+def stack_collate(examples):
+    ids = torch.stack([ex.inputs for ex in examples])
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([e.label for e in examples])}

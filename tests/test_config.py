@@ -1,0 +1,102 @@
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from peft_ext.continual.config import ConfigError, apply_overrides, config_from_dict, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+
+
+@pytest.fixture
+def data():
+    return yaml.safe_load(QUICKSTART.read_text())
+
+
+def test_every_shipped_config_is_valid():
+    configs = sorted((ROOT / "configs").glob("*.yaml"))
+    assert QUICKSTART in configs
+    for path in configs:
+        cfg = load_config(path)
+        assert cfg.methods, path
+
+
+def test_quickstart_values(data):
+    cfg = config_from_dict(data)
+    assert [m.name for m in cfg.methods] == ["frozen_linear", "seq_lora", "joint"]
+    assert cfg.methods[1].options.r == 8 and cfg.methods[1].options.lr == pytest.approx(1e-3)
+    assert cfg.data.n_tasks == 5 and cfg.data.classes_per_task == 4
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d.update(trian={}), r"unknown key `trian` \(did you mean `train`\?\)"),
+        (lambda d: d["train"].update(epoch=2), r"unknown key `train.epoch` \(did you mean `epochs`\?\)"),
+        (lambda d: d["train"].update(epochs="two"), r"`train.epochs` must be an integer, got str 'two'"),
+        (lambda d: d["train"].update(epochs=2.5), r"`train.epochs` must be an integer"),
+        (lambda d: d["train"].update(epochs=0), r"`train.epochs` must be a positive integer, got 0"),
+        (lambda d: d["train"].update(progress="yes"), r"`train.progress` must be true or false"),
+        (lambda d: d["data"].update(protocol="online"), r"`data.protocol` must be one of"),
+        (lambda d: d["data"].update(dataset="imagenet"), r"`data.dataset` must be one of \['wordnet'\]"),
+        (lambda d: d["data"].update(classes=["noun.animal"]), r"`data.classes` lists 1 names"),
+        (lambda d: d["methods"][1].update(lr=-1), r"`methods\[1\].lr` must be > 0, got -1.0"),
+        (lambda d: d["methods"][1].update(r=0), r"`methods\[1\].r` must be a positive integer, got 0"),
+        (lambda d: d["methods"][1].update(rank=4), r"unknown key `methods\[1\].rank`"),
+        (lambda d: d["methods"][0].update(name="ewc"), r"`methods\[0\].name`: unknown continual method 'ewc'"),
+        (lambda d: d["methods"][0].update(r=4), r"unknown key `methods\[0\].r`"),
+        (lambda d: d.update(methods=[]), r"`methods` must be a non-empty list"),
+        (lambda d: d["methods"].append({"name": "seq_lora"}), r"two entries labelled 'seq_lora'"),
+        (lambda d: d["model"].update(backbone="./no/such/model"), r"`model.backbone` './no/such/model' looks like"),
+        (lambda d: d.update(model=[1, 2]), r"`model` must be a mapping"),
+    ],
+)
+def test_bad_values_name_the_key_and_what_is_valid(data, mutate, message):
+    mutate(data)
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(data)
+
+
+def test_yaml_exponent_without_dot_is_read_as_a_number(data):
+    data["methods"][1]["lr"] = "1e-3"  # what yaml.safe_load gives for `lr: 1e-3`
+    assert config_from_dict(data).methods[1].options.lr == pytest.approx(1e-3)
+    data["methods"][1]["lr"] = "fast"
+    with pytest.raises(ConfigError, match=r"`methods\[1\].lr` must be a number, got str 'fast'"):
+        config_from_dict(data)
+
+
+def test_output_dir_that_is_a_file(tmp_path, data):
+    f = tmp_path / "file"
+    f.write_text("x")
+    data["output"]["dir"] = str(f)
+    with pytest.raises(ConfigError, match=r"`output.dir` .* is not a directory"):
+        config_from_dict(data)
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_overrides(data):
+    d = apply_overrides(copy.deepcopy(data), ["train.epochs=3", "methods.seq_lora.lr=5e-4", "methods.0.lr=0.1"])
+    cfg = config_from_dict(d)
+    assert cfg.train.epochs == 3
+    assert cfg.methods[1].options.lr == pytest.approx(5e-4)
+    assert cfg.methods[0].options.lr == pytest.approx(0.1)
+    d = apply_overrides(copy.deepcopy(data), ["data.classes=[a, b]", "data.n_tasks=1", "data.classes_per_task=2"])
+    assert d["data"]["classes"] == ["a", "b"]
+    with pytest.raises(ConfigError, match="key=value"):
+        apply_overrides(copy.deepcopy(data), ["train.epochs"])
+    with pytest.raises(ConfigError, match="no entry named 'lora'"):
+        apply_overrides(copy.deepcopy(data), ["methods.lora.lr=1"])
+    with pytest.raises(ConfigError, match="index 9 is out of range"):
+        apply_overrides(copy.deepcopy(data), ["methods.9.lr=1"])
+    with pytest.raises(ConfigError, match="is a value, not a section"):
+        apply_overrides(copy.deepcopy(data), ["name.x=1"])

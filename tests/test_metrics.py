@@ -1,0 +1,64 @@
+import math
+
+import pytest
+
+from peft_ext.continual.metrics import (
+    average_incremental_accuracy,
+    backward_transfer,
+    final_average_accuracy,
+    forgetting,
+    summarize,
+)
+
+NAN = float("nan")
+# Hand-worked 3-task matrix. Rows: after task i; columns: task j.
+R = [
+    [0.9, NAN, NAN],
+    [0.6, 0.8, NAN],
+    [0.5, 0.7, 0.9],
+]
+
+
+def test_final_average_accuracy():
+    assert final_average_accuracy(R) == pytest.approx((0.5 + 0.7 + 0.9) / 3)
+
+
+def test_average_incremental_accuracy():
+    # A_0 = 0.9, A_1 = (0.6 + 0.8) / 2 = 0.7, A_2 = 0.7  ->  (0.9 + 0.7 + 0.7) / 3
+    assert average_incremental_accuracy(R) == pytest.approx(2.3 / 3)
+
+
+def test_backward_transfer():
+    # ((0.5 - 0.9) + (0.7 - 0.8)) / 2 = -0.25
+    assert backward_transfer(R) == pytest.approx(-0.25)
+
+
+def test_forgetting_uses_the_best_earlier_accuracy_not_the_diagonal():
+    # Task 0 improves after task 1 (0.5 -> 0.8), then drops to 0.6: forgetting counts 0.8 - 0.6, BWT counts +0.1.
+    M = [
+        [0.5, NAN, NAN],
+        [0.8, 0.9, NAN],
+        [0.6, 0.9, 1.0],
+    ]
+    assert forgetting(M) == pytest.approx(((0.8 - 0.6) + (0.9 - 0.9)) / 2)
+    assert backward_transfer(M) == pytest.approx(((0.6 - 0.5) + (0.9 - 0.9)) / 2)
+
+
+def test_single_task_has_no_forgetting():
+    assert summarize([[0.7]]) == {"final_acc": 0.7, "avg_incremental_acc": 0.7, "bwt": 0.0, "forgetting": 0.0}
+
+
+def test_positive_transfer_gives_negative_forgetting_only_when_it_never_peaked_earlier():
+    M = [[0.5, NAN], [0.7, 0.9]]
+    assert backward_transfer(M) == pytest.approx(0.2)
+    assert forgetting(M) == pytest.approx(-0.2)
+
+
+def test_bad_matrices_are_rejected_with_the_offending_entry():
+    with pytest.raises(ValueError, match="square"):
+        final_average_accuracy([[0.1, 0.2]])
+    with pytest.raises(ValueError, match=r"R\[1\]\[0\]"):
+        forgetting([[0.5, NAN], [NAN, 0.4]])
+    with pytest.raises(ValueError, match="empty"):
+        backward_transfer([])
+    assert math.isnan(R[0][1])  # entries above the diagonal are allowed to be undefined

@@ -1,0 +1,129 @@
+import math
+
+import pytest
+import torch
+
+from peft_ext.continual import TrainConfig, get_continual_method, run_sequence
+from peft_ext.continual.methods import ContinualMethod, MethodOptions
+from peft_ext.continual.report import matrix_table, metrics_table, save_results
+from peft_ext.continual.tasks import Example, Task, TaskSequence
+
+from .helpers import stack_collate, tiny_classifier, token_sequence
+
+FAST = TrainConfig(epochs=4, batch_size=8, progress=False, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def seq():
+    return token_sequence()
+
+
+def _run(name, seq, **opts):
+    method = get_continual_method(name)(**opts)
+    base = tiny_classifier(seq.num_classes)
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    result = run_sequence(seq, method, base, stack_collate, FAST)
+    after = base.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "the runner must not modify the base model"
+    return result
+
+
+def test_seq_lora_fills_the_lower_triangle_and_learns(seq):
+    r = _run("seq_lora", seq, lr=5e-3, r=4, target_modules=["query", "value"])
+    T = len(seq)
+    for i in range(T):
+        for j in range(T):
+            assert (r.accuracy_matrix[i][j] is None) == (j > i)
+    # each task is learned right after training it (chance is 1/2 within a task, lower class-incrementally)
+    assert min(r.accuracy_matrix[i][i] for i in range(T)) > 0.8
+    assert r.metrics["final_acc"] == pytest.approx(sum(r.accuracy_matrix[-1]) / T)
+    assert r.trainable_params < r.total_params / 5
+    assert len(r.task_losses) == T and all(math.isfinite(x) for x in r.task_losses)
+
+
+def test_frozen_linear_trains_only_the_head(seq):
+    method = get_continual_method("frozen_linear")(lr=1e-2)
+    base = tiny_classifier(seq.num_classes)
+    model = method.build(base, None)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {"classifier.weight", "classifier.bias"}
+    r = _run("frozen_linear", seq, lr=1e-2)
+    assert r.trainable_params == 32 * seq.num_classes + seq.num_classes
+
+
+def test_joint_reports_only_the_last_row(seq):
+    r = _run("joint", seq, lr=5e-3, r=4)
+    assert all(x is None for row in r.accuracy_matrix[:-1] for x in row)
+    assert all(x is not None for x in r.accuracy_matrix[-1])
+    assert r.metrics["bwt"] is None and r.metrics["forgetting"] is None
+    assert r.metrics["final_acc"] > 0.5
+
+
+def test_runs_are_deterministic(seq):
+    a = _run("seq_lora", seq, lr=5e-3, r=4)
+    b = _run("seq_lora", seq, lr=5e-3, r=4)
+    assert a.accuracy_matrix == b.accuracy_matrix
+    assert a.task_losses == b.task_losses
+
+
+def test_class_incremental_evaluation_scores_against_all_seen_classes():
+    """A model that always predicts the newest class is right on the newest task only (CIL), but a
+    task-incremental evaluation restricts it to each task's own classes."""
+
+    class Newest(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bias = torch.nn.Parameter(torch.arange(4, dtype=torch.float))  # class 3 always wins
+
+        def forward(self, input_ids, attention_mask=None):
+            return self.bias.expand(input_ids.shape[0], 4)
+
+    class Noop(ContinualMethod):
+        name = "noop_test"
+        options_cls = MethodOptions
+
+        def make_optimizer(self, params):
+            return torch.optim.SGD(params, lr=0.0)
+
+    ex = lambda c: Example(torch.zeros(2, dtype=torch.long), c)  # noqa: E731
+    tasks = [Task("a", [0, 1], [ex(0), ex(1)], [ex(0), ex(1)]), Task("b", [2, 3], [ex(2), ex(3)], [ex(2), ex(3)])]
+    cil = run_sequence(TaskSequence("s", list("abcd"), tasks), Noop(), Newest(), stack_collate, FAST)
+    # after task a the seen classes are {0,1}: the model predicts 1 -> 50% on a; after b it predicts 3 everywhere
+    assert cil.accuracy_matrix == [[0.5, None], [0.0, 0.5]]
+    til = run_sequence(
+        TaskSequence("s", list("abcd"), tasks, protocol="task-incremental"), Noop(), Newest(), stack_collate, FAST
+    )
+    assert til.accuracy_matrix == [[0.5, None], [0.5, 0.5]]
+
+
+def test_reports_are_written(tmp_path, seq):
+    r = _run("seq_lora", seq, lr=5e-3, r=4)
+    paths = save_results([r], tmp_path / "out", {"name": "unit"}, [t.name for t in seq.tasks])
+    import json
+
+    data = json.loads(paths["json"].read_text())
+    assert data["results"][0]["accuracy_matrix"] == r.accuracy_matrix
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = paths["markdown"].read_text()
+    assert "| seq_lora |" in md and f"{100 * r.metrics['final_acc']:.1f}" in md
+    assert matrix_table(r).count("\n") == len(seq) + 1
+    assert "final acc" in metrics_table([r])
+    assert not list((tmp_path / "out").glob("*.tmp")), "no temporary files may be left behind"
+
+
+def test_training_with_no_trainable_parameters_is_a_clear_error(seq):
+    class Frozen(ContinualMethod):
+        name = "frozen_test"
+
+        def build(self, base_model, ctx):
+            return base_model.requires_grad_(False)
+
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        run_sequence(seq, Frozen(), tiny_classifier(seq.num_classes), stack_collate, FAST)
+
+
+def test_bad_train_config_is_rejected():
+    with pytest.raises(ValueError, match="epochs"):
+        TrainConfig(epochs=0).validate()
+    with pytest.raises(ValueError, match="train_logit_mask"):
+        TrainConfig(train_logit_mask="nope").validate()
