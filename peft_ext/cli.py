@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 
@@ -67,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # bitsandbytes logs a warning at import on CPU-only machines about an optional kernel package; it is noise for
+    # every command here (quantized bases are not used by the CLI's jobs).
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     from peft_ext.continual.config import ConfigError
 
     try:

@@ -1,0 +1,587 @@
+"""WordNet 3.0 gloss classification: predict a synset's supersense (lexicographer file) from its definition.
+
+The package ships ``files/wordnet_glosses.tsv.xz``, one row per WordNet 3.0 synset (117,659 rows) with columns
+``synset``, ``supersense``, ``lemmas``, ``definition`` and ``examples``. It was built from Debian's ``wordnet-base``
+data files by :func:`build_wordnet_glosses` (``python -m peft_ext.data.wordnet build``) and is distributed under the
+WordNet 3.0 license in ``files/WORDNET_LICENSE``. Loading it needs nothing outside this package.
+
+The train/test split is a fixed function of the synset id (a SHA-1 hash, about 20% test), so it never depends on
+the caps, the seed or the classes asked for, and a synset is in the same split in every task sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import lzma
+import os
+import random
+import re
+import sys
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..continual.tasks import PROTOCOLS, Example, Task, TaskSequence
+
+__all__ = [
+    "DEFAULT_PATH",
+    "LEXNAMES",
+    "SPLITS",
+    "TEST_PERCENT",
+    "GlossExample",
+    "build_wordnet_glosses",
+    "class_counts",
+    "load_wordnet_glosses",
+    "parse_data_line",
+    "parse_data_lines",
+    "split_of",
+    "wordnet_task_sequence",
+]
+
+# Lexicographer file names, indexed by the ``lex_filenum`` field of the data files (WordNet's lexnames(5WN)).
+LEXNAMES: tuple[str, ...] = (
+    "adj.all",
+    "adj.pert",
+    "adv.all",
+    "noun.Tops",
+    "noun.act",
+    "noun.animal",
+    "noun.artifact",
+    "noun.attribute",
+    "noun.body",
+    "noun.cognition",
+    "noun.communication",
+    "noun.event",
+    "noun.feeling",
+    "noun.food",
+    "noun.group",
+    "noun.location",
+    "noun.motive",
+    "noun.object",
+    "noun.person",
+    "noun.phenomenon",
+    "noun.plant",
+    "noun.possession",
+    "noun.process",
+    "noun.quantity",
+    "noun.relation",
+    "noun.shape",
+    "noun.state",
+    "noun.substance",
+    "noun.time",
+    "verb.body",
+    "verb.change",
+    "verb.cognition",
+    "verb.communication",
+    "verb.competition",
+    "verb.consumption",
+    "verb.contact",
+    "verb.creation",
+    "verb.emotion",
+    "verb.motion",
+    "verb.perception",
+    "verb.possession",
+    "verb.social",
+    "verb.stative",
+    "verb.weather",
+    "adj.ppl",
+)
+
+SPLITS = ("train", "test")
+TEST_PERCENT = 20
+DEFAULT_WORDNET_DIR = "/usr/share/wordnet"
+DEFAULT_PATH = Path(__file__).resolve().parent / "files" / "wordnet_glosses.tsv.xz"
+DATA_FILES = ("data.adj", "data.adv", "data.noun", "data.verb")
+COLUMNS = ("synset", "supersense", "lemmas", "definition", "examples")
+# Joins the examples of one synset in the file; no WordNet 3.0 gloss contains "|" after the field separator.
+EXAMPLE_SEP = " | "
+
+# ss_type -> (synset id prefix, lexname prefix). Satellites ("s") live in data.adj next to head adjectives and share
+# its offset space, so they get the "a" prefix of the file they come from.
+_SS_TYPES = {
+    "n": ("n", "noun."),
+    "v": ("v", "verb."),
+    "a": ("a", "adj."),
+    "s": ("a", "adj."),
+    "r": ("r", "adv."),
+}
+# Syntactic markers WordNet appends to some adjective lemmas ("galore(ip)"); they are not part of the word.
+_ADJ_MARKER = re.compile(r"\((?:a|p|ip)\)$")
+# Examples start at the first quote after a ";". A handful of glosses omit the space (`responsive;"an alert mind"`).
+_EXAMPLES_START = re.compile(r';\s*"')
+_EXAMPLE_SPLIT = re.compile(r';\s*(?=")')
+_QUOTED = re.compile(r'"(.*)"\s*(.*)', re.DOTALL)
+_WHITESPACE = re.compile(r"[\t\r\n]+")
+
+
+@dataclass(frozen=True, slots=True)
+class GlossExample:
+    """One WordNet 3.0 synset with its supersense label.
+
+    Args:
+        synset: Synset id: the part of speech (``n``, ``v``, ``a`` for adjectives and satellites, ``r``) followed by
+            the 8-digit offset in that data file, e.g. ``"n02084071"``.
+        supersense: The lexicographer file name (one of :data:`LEXNAMES`); this is the class label.
+        lemmas: The synset's words, underscores as in WordNet (``"take_a_breath"``), adjective markers removed.
+        definition: The gloss up to its first quoted example.
+        examples: The quoted usage examples, quotes removed (an attribution such as ``- Shakespeare`` is kept).
+        split: ``"train"`` or ``"test"`` (see :func:`split_of`).
+    """
+
+    synset: str
+    supersense: str
+    lemmas: tuple[str, ...]
+    definition: str
+    examples: tuple[str, ...]
+    split: str
+
+    @property
+    def text(self) -> str:
+        """The input a classifier sees: the definition alone.
+
+        Lemmas and examples are left out on purpose: a lemma often names its class outright (``"dog"``), and
+        examples are missing for most synsets, so the definition is the one field that is always there and carries
+        no label leak.
+        """
+        return self.definition
+
+
+def split_of(synset: str) -> str:
+    """The split of a synset: ``"test"`` for about :data:`TEST_PERCENT` percent of ids, else ``"train"``.
+
+    SHA-1 of the id rather than Python's ``hash()``, which is salted per process for strings.
+
+    Args:
+        synset: A synset id such as ``"n02084071"``.
+    """
+    digest = hashlib.sha1(synset.encode("ascii")).digest()
+    return "test" if int.from_bytes(digest[:8], "big") % 100 < TEST_PERCENT else "train"
+
+
+def _clean(text: str) -> str:
+    return _WHITESPACE.sub(" ", text).strip()
+
+
+def _split_gloss(gloss: str) -> tuple[str, tuple[str, ...]]:
+    match = _EXAMPLES_START.search(gloss)
+    if match is None:
+        return _clean(gloss), ()
+    definition = _clean(gloss[: match.start()])
+    examples = []
+    for segment in _EXAMPLE_SPLIT.split(gloss[match.start() + 1 :]):
+        segment = _clean(segment).rstrip(";").strip()
+        quoted = _QUOTED.fullmatch(segment)
+        if quoted is not None:
+            # `"text"- Author` -> `text - Author`; the greedy group keeps inner quotes of odd glosses intact.
+            segment = " ".join(part for part in (quoted[1].strip(), quoted[2].strip()) if part)
+        if segment:
+            examples.append(segment.replace("|", "/"))
+    return definition, tuple(examples)
+
+
+def _fields_add_up(fields: list[str], n_words: int, is_verb: bool) -> bool:
+    # A misread w_cnt shifts every later field, so checking that the pointers (and verb frames) consume exactly the
+    # rest of the line catches it even when the misplaced fields happen to look like numbers.
+    p_at = 4 + 2 * n_words
+    if len(fields) <= p_at or not fields[p_at].isdigit():
+        return False
+    n_ptrs = int(fields[p_at])
+    ptrs, rest = fields[p_at + 1 : p_at + 1 + 4 * n_ptrs], fields[p_at + 1 + 4 * n_ptrs :]
+    if len(ptrs) != 4 * n_ptrs:
+        return False
+    for i in range(0, len(ptrs), 4):
+        offset, pos, source_target = ptrs[i + 1 : i + 4]
+        if not (len(offset) == 8 and offset.isdigit() and pos in _SS_TYPES and len(source_target) == 4):
+            return False
+    if not is_verb:
+        return not rest
+    return bool(rest) and rest[0].isdigit() and len(rest) == 1 + 3 * int(rest[0])
+
+
+def parse_data_line(line: str) -> GlossExample | None:
+    """Parse one line of a WordNet 3.0 ``data.*`` file.
+
+    Args:
+        line: ``synset_offset lex_filenum ss_type w_cnt word lex_id [word lex_id ...] p_cnt [ptr ...] [frames ...]
+            | gloss``, where ``w_cnt`` is two hexadecimal digits. License header lines (two leading spaces) and
+            blank lines give ``None``.
+
+    Returns:
+        The synset, or ``None`` for a header or blank line.
+    """
+    if not line.strip() or line.startswith("  "):
+        return None
+    head, sep, gloss = line.partition("|")
+    fields = head.split()
+    if not sep or len(fields) < 6:
+        raise ValueError(
+            f"Not a WordNet data line (expected `offset lex_filenum ss_type w_cnt words ... | gloss`): {line[:80]!r}"
+        )
+    offset, lex_filenum, ss_type, w_cnt = fields[:4]
+    if ss_type not in _SS_TYPES:
+        raise ValueError(f"Unknown ss_type {ss_type!r} (valid: {sorted(_SS_TYPES)}) in line {line[:80]!r}")
+    if not (len(offset) == 8 and offset.isdigit()):
+        raise ValueError(f"Synset offset {offset!r} is not 8 decimal digits in line {line[:80]!r}")
+    lexnum = int(lex_filenum) if lex_filenum.isdigit() else -1
+    if not 0 <= lexnum < len(LEXNAMES):
+        raise ValueError(f"lex_filenum {lex_filenum!r} is outside 0..{len(LEXNAMES) - 1} in line {line[:80]!r}")
+    prefix, lex_prefix = _SS_TYPES[ss_type]
+    supersense = LEXNAMES[lexnum]
+    # A mismatch means the fields were misread (or the file is not WordNet 3.0), so refuse rather than mislabel.
+    if not supersense.startswith(lex_prefix):
+        raise ValueError(f"lex_filenum {lexnum} ({supersense}) does not fit ss_type {ss_type!r} in {line[:80]!r}")
+    n_words = int(w_cnt, 16) if re.fullmatch(r"[0-9a-fA-F]{2}", w_cnt) else 0
+    if n_words == 0 or not _fields_add_up(fields, n_words, ss_type == "v"):
+        raise ValueError(f"w_cnt {w_cnt!r} does not match the words and pointers of line {line[:80]!r}")
+    words = fields[4 : 4 + 2 * n_words : 2]
+    if prefix == "a":
+        words = [_ADJ_MARKER.sub("", word) for word in words]
+    synset = f"{prefix}{offset}"
+    definition, examples = _split_gloss(gloss)
+    return GlossExample(synset, supersense, tuple(words), definition, examples, split_of(synset))
+
+
+def parse_data_lines(lines: Iterable[str]) -> list[GlossExample]:
+    """Parse the lines of a WordNet data file, skipping the license header.
+
+    Args:
+        lines: The file's lines (with or without line endings).
+    """
+    return [record for record in map(parse_data_line, lines) if record is not None]
+
+
+def _encode_tsv(records: Iterable[GlossExample]) -> bytes:
+    rows = ["\t".join(COLUMNS)]
+    for r in sorted(records, key=lambda r: r.synset):
+        fields = (r.synset, r.supersense, " ".join(r.lemmas), r.definition, EXAMPLE_SEP.join(r.examples))
+        rows.append("\t".join(_clean(f) for f in fields))
+    return ("\n".join(rows) + "\n").encode("utf-8")
+
+
+def build_wordnet_glosses(
+    wordnet_dir: str | os.PathLike[str] = DEFAULT_WORDNET_DIR, out_path: str | os.PathLike[str] | None = None
+) -> Path:
+    """Parse the WordNet 3.0 data files and write the xz-compressed TSV this module loads.
+
+    The output is byte-for-byte reproducible: rows are sorted by synset id and the xz container holds no timestamp
+    or file name (xz rather than gzip because it keeps the file near 3.4 MB instead of 4.5 MB).
+
+    Args:
+        wordnet_dir: Directory holding ``data.noun``, ``data.verb``, ``data.adj`` and ``data.adv`` (Debian's
+            ``wordnet-base`` installs them in ``/usr/share/wordnet``).
+        out_path: Where to write; defaults to the package's ``files/wordnet_glosses.tsv.xz``.
+
+    Returns:
+        The path written.
+    """
+    wordnet_dir = Path(wordnet_dir)
+    out = Path(out_path) if out_path is not None else DEFAULT_PATH
+    missing = [str(wordnet_dir / name) for name in DATA_FILES if not (wordnet_dir / name).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"WordNet data files not found: {', '.join(missing)}. Pass --wordnet-dir pointing at the WordNet 3.0 "
+            f"`dict` directory, or on Debian/Ubuntu run `apt-get install wordnet-base` (it installs them in "
+            f"{DEFAULT_WORDNET_DIR})."
+        )
+    records: list[GlossExample] = []
+    for name in DATA_FILES:
+        # WordNet 3.0 is pure ASCII; latin-1 cannot fail on other bytes, and the parser rejects anything malformed.
+        with open(wordnet_dir / name, encoding="latin-1") as fh:
+            for lineno, line in enumerate(fh, start=1):
+                try:
+                    record = parse_data_line(line)
+                except ValueError as err:
+                    raise ValueError(f"{wordnet_dir / name}:{lineno}: {err}") from err
+                if record is not None:
+                    records.append(record)
+    ids = Counter(r.synset for r in records)
+    dupes = sorted(s for s, n in ids.items() if n > 1)
+    if dupes:
+        raise ValueError(f"Synset ids repeated in {wordnet_dir}: {dupes[:5]}")
+    # Preset 6 (xz's default, 8 MiB dictionary) compresses within 0.3% of preset 9 at a fraction of its memory.
+    payload = lzma.compress(_encode_tsv(records), format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC64, preset=6)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_bytes(payload)
+    os.replace(tmp, out)
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def _read_file(path: str, mtime_ns: int, size: int) -> tuple[GlossExample, ...]:
+    # mtime and size are part of the key so a rebuilt file is re-read rather than served stale.
+    del mtime_ns, size
+    with lzma.open(path, "rt", encoding="utf-8", newline="\n") as fh:
+        header = fh.readline().rstrip("\n").split("\t")
+        if tuple(header) != COLUMNS:
+            raise ValueError(f"{path} has columns {header}, expected {list(COLUMNS)}")
+        records = []
+        for lineno, line in enumerate(fh, start=2):
+            fields = line.rstrip("\n").split("\t")
+            if len(fields) != len(COLUMNS):
+                raise ValueError(f"{path}:{lineno} has {len(fields)} fields, expected {len(COLUMNS)}")
+            synset, supersense, lemmas, definition, examples = fields
+            records.append(
+                GlossExample(
+                    synset,
+                    supersense,
+                    tuple(lemmas.split(" ")),
+                    definition,
+                    tuple(examples.split(EXAMPLE_SEP)) if examples else (),
+                    split_of(synset),
+                )
+            )
+    return tuple(records)
+
+
+def _all_records(path: str | os.PathLike[str] | None) -> tuple[GlossExample, ...]:
+    p = Path(path) if path is not None else DEFAULT_PATH
+    if not p.is_file():
+        raise FileNotFoundError(
+            f"WordNet gloss file {p} not found; rebuild it with `python -m peft_ext.data.wordnet build --out {p}`"
+        )
+    stat = p.stat()
+    return _read_file(str(p.resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+def _check_supersenses(supersenses: Iterable[str]) -> list[str]:
+    if isinstance(supersenses, str):
+        raise ValueError(f"`supersenses` must be an iterable of names, not the string {supersenses!r}")
+    names = list(supersenses)
+    unknown = [name for name in names if name not in LEXNAMES]
+    if unknown:
+        raise ValueError(f"Unknown supersenses {unknown}; valid names are {list(LEXNAMES)}")
+    return names
+
+
+def _rank(seed: int, synset: str) -> bytes:
+    return hashlib.sha1(f"{seed}:{synset}".encode("ascii")).digest()
+
+
+def load_wordnet_glosses(
+    split: str | None = None,
+    supersenses: Iterable[str] | None = None,
+    max_per_class: int | None = None,
+    seed: int = 0,
+    path: str | os.PathLike[str] | None = None,
+) -> list[GlossExample]:
+    """Load WordNet 3.0 synsets labelled with their supersense, sorted by synset id.
+
+    Args:
+        split: ``"train"``, ``"test"`` or ``None`` for both.
+        supersenses: Keep only these classes (names from :data:`LEXNAMES`); ``None`` keeps all.
+        max_per_class: Keep at most this many synsets per class (within ``split``). The kept ones are those with the
+            smallest SHA-1 of ``f"{seed}:{synset}"``, so the subset is deterministic, changes with ``seed``, and a
+            smaller cap keeps a subset of what a larger one keeps. ``None`` keeps all.
+        seed: Picks the capped subset; unused without ``max_per_class``.
+        path: Gloss file to read; defaults to the one shipped with the package.
+
+    Returns:
+        The matching examples in synset-id order.
+    """
+    if split is not None and split not in SPLITS:
+        raise ValueError(f"`split` must be one of {SPLITS} or None, got {split!r}")
+    if max_per_class is not None and (not isinstance(max_per_class, int) or max_per_class <= 0):
+        raise ValueError(f"`max_per_class` must be a positive int or None, got {max_per_class!r}")
+    wanted = set(_check_supersenses(supersenses)) if supersenses is not None else None
+    records = [
+        r
+        for r in _all_records(path)
+        if (split is None or r.split == split) and (wanted is None or r.supersense in wanted)
+    ]
+    if max_per_class is None:
+        return records
+    by_class: dict[str, list[GlossExample]] = {}
+    for r in records:
+        by_class.setdefault(r.supersense, []).append(r)
+    keep = {
+        r.synset
+        for members in by_class.values()
+        for r in sorted(members, key=lambda r: _rank(seed, r.synset))[:max_per_class]
+    }
+    return [r for r in records if r.synset in keep]
+
+
+def class_counts(path: str | os.PathLike[str] | None = None) -> dict[str, dict[str, int]]:
+    """Number of synsets per supersense and split: ``{supersense: {"train": n, "test": m}}``, in LEXNAMES order.
+
+    Args:
+        path: Gloss file to read; defaults to the one shipped with the package.
+    """
+    counts = Counter((r.supersense, r.split) for r in _all_records(path))
+    present = {name for name, _ in counts}
+    return {name: {s: counts[name, s] for s in SPLITS} for name in LEXNAMES if name in present}
+
+
+def _positive_int(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"`{name}` must be a positive int, got {value!r}")
+    return value
+
+
+def wordnet_task_sequence(
+    n_tasks: int = 5,
+    classes_per_task: int = 4,
+    seed: int = 0,
+    train_per_class: int = 100,
+    test_per_class: int = 40,
+    protocol: str = "class-incremental",
+    supersenses: Sequence[str] | None = None,
+    path: str | os.PathLike[str] | None = None,
+) -> TaskSequence:
+    """A continual-learning sequence of WordNet supersense-classification tasks with disjoint classes.
+
+    A class is eligible when it has at least ``train_per_class`` train and ``test_per_class`` test synsets; at the
+    default caps (100/40) that is 41 of the 45 supersenses (``adj.ppl``, ``noun.Tops``, ``noun.motive`` and
+    ``verb.weather`` are too small). ``random.Random(seed).sample`` over the sorted eligible names picks and orders
+    the classes, which are dealt to tasks ``classes_per_task`` at a time. Both default-cap layouts below sample 20
+    classes, so they see the same 20 in the same order. At the default caps, seed 0 picks
+
+    * 5x4: ``t0`` noun.state, noun.time, adv.all, noun.person; ``t1`` verb.consumption, verb.competition,
+      noun.substance, noun.possession; ``t2`` verb.communication, noun.relation, noun.plant, verb.change; ``t3``
+      noun.attribute, verb.perception, noun.animal, noun.communication; ``t4`` verb.social, noun.act, verb.contact,
+      noun.cognition.
+    * 10x2: ``t0`` noun.state, noun.time; ``t1`` adv.all, noun.person; ``t2`` verb.consumption, verb.competition;
+      ``t3`` noun.substance, noun.possession; ``t4`` verb.communication, noun.relation; ``t5`` noun.plant,
+      verb.change; ``t6`` noun.attribute, verb.perception; ``t7`` noun.animal, noun.communication; ``t8``
+      verb.social, noun.act; ``t9`` verb.contact, noun.cognition.
+
+    Each class contributes exactly ``train_per_class`` train and ``test_per_class`` test examples, chosen as in
+    :func:`load_wordnet_glosses` with the same ``seed``. ``Example.inputs`` is :attr:`GlossExample.text` (the
+    definition) and labels are global ids into ``class_names`` (the chosen supersenses in task order). Train examples
+    are shuffled with a seeded RNG (so classes are interleaved); test examples stay in synset-id order.
+
+    Args:
+        n_tasks: Number of tasks.
+        classes_per_task: New classes per task.
+        seed: Picks and orders the classes and the capped example subsets.
+        train_per_class: Train examples per class.
+        test_per_class: Test examples per class.
+        protocol: ``"class-incremental"`` or ``"task-incremental"``.
+        supersenses: Use exactly these classes in this order (``n_tasks * classes_per_task`` names, all eligible)
+            instead of a seeded pick.
+        path: Gloss file to read; defaults to the one shipped with the package.
+    """
+    n_tasks = _positive_int("n_tasks", n_tasks)
+    classes_per_task = _positive_int("classes_per_task", classes_per_task)
+    train_per_class = _positive_int("train_per_class", train_per_class)
+    test_per_class = _positive_int("test_per_class", test_per_class)
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"`protocol` must be one of {PROTOCOLS}, got {protocol!r}")
+    n_classes = n_tasks * classes_per_task
+    counts = class_counts(path)
+    eligible = sorted(
+        name for name, c in counts.items() if c["train"] >= train_per_class and c["test"] >= test_per_class
+    )
+    if supersenses is not None:
+        chosen = _check_supersenses(supersenses)
+        if len(set(chosen)) != len(chosen):
+            dupes = sorted({name for name in chosen if chosen.count(name) > 1})
+            raise ValueError(f"`supersenses` repeats {dupes}")
+        if len(chosen) != n_classes:
+            raise ValueError(
+                f"`supersenses` has {len(chosen)} names but n_tasks * classes_per_task = {n_tasks} * "
+                f"{classes_per_task} = {n_classes}"
+            )
+        too_small = [name for name in chosen if name not in eligible]
+        if too_small:
+            detail = ", ".join(
+                f"{n} ({counts.get(n, {}).get('train', 0)}/{counts.get(n, {}).get('test', 0)})" for n in too_small
+            )
+            raise ValueError(
+                f"Supersenses {detail} have fewer than {train_per_class} train / {test_per_class} test synsets; "
+                f"eligible at these caps: {eligible}"
+            )
+    else:
+        if n_classes > len(eligible):
+            raise ValueError(
+                f"n_tasks * classes_per_task = {n_tasks} * {classes_per_task} = {n_classes} classes needed, but only "
+                f"{len(eligible)} supersenses have at least {train_per_class} train and {test_per_class} test "
+                f"synsets; lower the caps or ask for fewer classes"
+            )
+        chosen = random.Random(seed).sample(eligible, n_classes)
+
+    label_of = {name: i for i, name in enumerate(chosen)}
+    data = {
+        split: load_wordnet_glosses(split=split, supersenses=chosen, max_per_class=cap, seed=seed, path=path)
+        for split, cap in (("train", train_per_class), ("test", test_per_class))
+    }
+    tasks = []
+    for t in range(n_tasks):
+        names = chosen[t * classes_per_task : (t + 1) * classes_per_task]
+        wanted = set(names)
+        train = [Example(r.text, label_of[r.supersense]) for r in data["train"] if r.supersense in wanted]
+        test = [Example(r.text, label_of[r.supersense]) for r in data["test"] if r.supersense in wanted]
+        random.Random(f"{seed}:train:{t}").shuffle(train)
+        tasks.append(Task(f"t{t}:" + "+".join(names), [label_of[n] for n in names], train, test))
+    source = Path(path) if path is not None else DEFAULT_PATH
+    return TaskSequence(
+        name=f"wordnet-supersenses-{n_tasks}x{classes_per_task}-seed{seed}",
+        class_names=list(chosen),
+        tasks=tasks,
+        protocol=protocol,  # type: ignore[arg-type]
+        meta={
+            "dataset": "WordNet 3.0 gloss -> supersense (lexicographer file)",
+            "source": source.name,
+            "source_sha256": _sha256(str(source.resolve())),
+            "license": "WordNet 3.0 license (peft_ext/data/files/WORDNET_LICENSE)",
+            "input": "definition",
+            "seed": seed,
+            "n_tasks": n_tasks,
+            "classes_per_task": classes_per_task,
+            "train_per_class": train_per_class,
+            "test_per_class": test_per_class,
+            "test_percent": TEST_PERCENT,
+            "class_selection": "given" if supersenses is not None else "random.Random(seed).sample(eligible)",
+            "n_eligible": len(eligible),
+        },
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def _sha256(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _stats_markdown(path: str | os.PathLike[str] | None = None) -> str:
+    counts = class_counts(path)
+    lines = ["| supersense | train | test | total |", "|---|---:|---:|---:|"]
+    for name, c in counts.items():
+        lines.append(f"| {name} | {c['train']} | {c['test']} | {c['train'] + c['test']} |")
+    train = sum(c["train"] for c in counts.values())
+    test = sum(c["test"] for c in counts.values())
+    lines.append(f"| **all ({len(counts)} classes)** | {train} | {test} | {train + test} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: ``build`` rebuilds the gloss file, ``stats`` prints its class counts as a Markdown table.
+
+    Args:
+        argv: Arguments (defaults to ``sys.argv[1:]``).
+    """
+    parser = argparse.ArgumentParser(prog="python -m peft_ext.data.wordnet", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    build = sub.add_parser("build", help="rebuild the gloss file from the WordNet 3.0 data files")
+    build.add_argument("--wordnet-dir", default=DEFAULT_WORDNET_DIR, help="directory with data.noun etc.")
+    build.add_argument("--out", default=None, help=f"output path (default: {DEFAULT_PATH})")
+    stats = sub.add_parser("stats", help="print per-supersense train/test counts")
+    stats.add_argument("--path", default=None, help="gloss file (default: the packaged one)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "build":
+            out = build_wordnet_glosses(args.wordnet_dir, args.out)
+            print(f"wrote {out} ({out.stat().st_size} bytes, {len(_all_records(out))} synsets)")
+        else:
+            print(_stats_markdown(args.path))
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

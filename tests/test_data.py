@@ -1,0 +1,295 @@
+"""WordNet gloss data: parser, reproducible builder, packaged file, splits, caps and task sequences."""
+
+from __future__ import annotations
+
+import lzma
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from peft_ext.data import (
+    LEXNAMES,
+    GlossExample,
+    build_wordnet_glosses,
+    class_counts,
+    load_wordnet_glosses,
+    parse_data_line,
+    parse_data_lines,
+    split_of,
+    wordnet_task_sequence,
+)
+from peft_ext.data.wordnet import DEFAULT_PATH, main
+
+SYSTEM_WORDNET = Path("/usr/share/wordnet")
+HEADER = "  1 This software and database is being provided to you, the LICENSEE, by  \n"
+
+# w_cnt "0b" is hexadecimal for 11 words (decimal parsing fails on it); three pointers follow the words.
+NOUN_11_WORDS = (
+    "08000000 15 n 0b w0 0 w1 0 w2 0 w3 0 w4 0 w5 0 w6 0 w7 0 w8 0 w9 0 w10 0 003 @ 08001000 n 0000 "
+    "~ 08002000 n 0000 %p 08003000 n 0000 | a place with eleven names  \n"
+)
+# A verb with examples (one attributed) and verb frames after the pointers.
+VERB_WITH_EXAMPLES = (
+    "00001740 29 v 02 breathe 0 respire 1 001 @ 00002000 v 0000 02 + 02 00 + 08 00 | draw air into, and expel out "
+    'of, the lungs; "I can breathe better when the air is clean"; "The patient is respiring"- A. Doctor  \n'
+)
+# An adjective satellite ("s") with a syntactic marker on one lemma and no space before its example.
+ADJ_SATELLITE = (
+    "00003553 00 s 02 emergent 0 emerging(a) 0 001 & 00003356 a 0000 | "
+    'coming into existence;"an emergent republic"  \n'
+)
+
+
+def test_parser_on_hand_written_lines():
+    noun, verb, adj = parse_data_lines([HEADER, NOUN_11_WORDS, VERB_WITH_EXAMPLES, ADJ_SATELLITE])
+    assert noun.synset == "n08000000"
+    assert noun.supersense == "noun.location"
+    assert noun.lemmas == tuple(f"w{i}" for i in range(11))
+    assert noun.definition == "a place with eleven names"
+    assert noun.examples == ()
+
+    assert verb.synset == "v00001740"
+    assert verb.supersense == "verb.body"
+    assert verb.lemmas == ("breathe", "respire")
+    assert verb.definition == "draw air into, and expel out of, the lungs"
+    assert verb.text == verb.definition
+    assert verb.examples == ("I can breathe better when the air is clean", "The patient is respiring - A. Doctor")
+
+    assert adj.synset == "a00003553"
+    assert adj.supersense == "adj.all"
+    assert adj.lemmas == ("emergent", "emerging")
+    assert adj.definition == "coming into existence"
+    assert adj.examples == ("an emergent republic",)
+    for record in (noun, verb, adj):
+        assert record.split == split_of(record.synset)
+
+
+def test_parser_skips_header_and_rejects_malformed_lines():
+    assert parse_data_line(HEADER) is None
+    assert parse_data_line("\n") is None
+    # lex_filenum 29 is verb.body, impossible for a noun.
+    with pytest.raises(ValueError, match="verb.body"):
+        parse_data_line(NOUN_11_WORDS.replace(" 15 n ", " 29 n ", 1))
+    with pytest.raises(ValueError, match="outside 0..44"):
+        parse_data_line(NOUN_11_WORDS.replace(" 15 n ", " 45 n ", 1))
+    # Claiming 12 words makes the pointer count land on a word.
+    with pytest.raises(ValueError, match="w_cnt"):
+        parse_data_line(NOUN_11_WORDS.replace(" 0b ", " 0c ", 1))
+    with pytest.raises(ValueError, match="ss_type"):
+        parse_data_line(NOUN_11_WORDS.replace(" 15 n ", " 15 x ", 1))
+
+
+def _fake_wordnet(root: Path) -> Path:
+    """A tiny WordNet ``dict`` directory; data.noun lists its synsets out of order to exercise sorting."""
+    root.mkdir()
+    lines = {
+        "data.noun": [NOUN_11_WORDS, '00002000 05 n 01 dog 0 000 | a canine\tpet; "the dog barked"  \n'],
+        "data.verb": [VERB_WITH_EXAMPLES],
+        "data.adj": [ADJ_SATELLITE, "00001740 00 a 01 able 0 000 | having the means  \n"],
+        "data.adv": ["00001000 02 r 01 well 0 000 | in a good way  \n"],
+    }
+    for name, body in lines.items():
+        (root / name).write_text(HEADER + "".join(body), encoding="ascii")
+    return root
+
+
+def test_build_is_byte_for_byte_deterministic(tmp_path):
+    wordnet = _fake_wordnet(tmp_path / "dict")
+    first = build_wordnet_glosses(wordnet, tmp_path / "a.tsv.xz")
+    second = build_wordnet_glosses(wordnet, tmp_path / "b.tsv.xz")
+    assert first.read_bytes() == second.read_bytes()
+
+    rows = lzma.decompress(first.read_bytes()).decode("utf-8").splitlines()
+    assert rows[0] == "synset\tsupersense\tlemmas\tdefinition\texamples"
+    assert [row.split("\t")[0] for row in rows[1:]] == [
+        "a00001740",
+        "a00003553",
+        "n00002000",
+        "n08000000",
+        "r00001000",
+        "v00001740",
+    ]
+    assert rows[3] == "n00002000\tnoun.animal\tdog\ta canine pet\tthe dog barked"  # the tab in the gloss is gone
+
+    loaded = load_wordnet_glosses(path=first)
+    assert [r.synset for r in loaded] == [row.split("\t")[0] for row in rows[1:]]
+    assert loaded[1] == parse_data_line(ADJ_SATELLITE)
+    assert loaded[3] == parse_data_line(NOUN_11_WORDS)
+
+
+def test_build_cli_and_missing_files(tmp_path, capsys):
+    wordnet = _fake_wordnet(tmp_path / "dict")
+    out = tmp_path / "cli.tsv.xz"
+    assert main(["build", "--wordnet-dir", str(wordnet), "--out", str(out)]) == 0
+    assert out.read_bytes() == build_wordnet_glosses(wordnet, tmp_path / "api.tsv.xz").read_bytes()
+
+    (wordnet / "data.adv").write_text(HEADER + "00001000 02 r 01 well 0 000 in a good way\n", encoding="ascii")
+    with pytest.raises(ValueError, match=r"data\.adv:2: Not a WordNet data line"):
+        build_wordnet_glosses(wordnet, tmp_path / "never.tsv.xz")
+    (wordnet / "data.verb").unlink()
+    with pytest.raises(FileNotFoundError, match=r"data\.verb.*apt-get install wordnet-base"):
+        build_wordnet_glosses(wordnet, tmp_path / "never.tsv.xz")
+    assert not (tmp_path / "never.tsv.xz").exists()
+    assert main(["build", "--wordnet-dir", str(tmp_path / "nowhere"), "--out", str(out)]) == 1
+    assert "apt-get install wordnet-base" in capsys.readouterr().err
+
+
+# Slow only by the test's standards (~10 s, almost all of it xz compression); CI machines skip it.
+@pytest.mark.slow
+@pytest.mark.skipif(not SYSTEM_WORDNET.is_dir(), reason="WordNet data not installed (apt-get install wordnet-base)")
+def test_rebuild_matches_committed_file(tmp_path):
+    rebuilt = build_wordnet_glosses(SYSTEM_WORDNET, tmp_path / "wordnet_glosses.tsv.xz")
+    committed = DEFAULT_PATH.read_bytes()
+    # Content first, so a liblzma difference cannot hide behind (or be mistaken for) a data difference.
+    assert lzma.decompress(rebuilt.read_bytes()) == lzma.decompress(committed)
+    assert rebuilt.read_bytes() == committed
+
+
+def test_committed_file_contents():
+    records = load_wordnet_glosses()
+    # WordNet 3.0 has 82,115 noun, 13,767 verb, 18,156 adjective (incl. satellite) and 3,621 adverb synsets.
+    assert len(records) == 117659
+    assert Counter(r.synset[0] for r in records) == {"n": 82115, "v": 13767, "a": 18156, "r": 3621}
+    ids = [r.synset for r in records]
+    assert ids == sorted(set(ids))
+    labels = {r.supersense for r in records}
+    assert labels == set(class_counts())
+    assert labels <= set(LEXNAMES)
+    assert len(labels) >= 40
+    assert all(r.definition and "\t" not in r.definition for r in records)
+    dog = next(r for r in records if r.synset == "n02084071")
+    assert dog.supersense == "noun.animal"
+    assert dog.lemmas == ("dog", "domestic_dog", "Canis_familiaris")
+    assert dog.definition.startswith("a member of the genus Canis")
+    assert dog.examples == ("the dog barked all night",)
+
+
+def test_split_is_disjoint_stable_and_about_20_percent():
+    train = load_wordnet_glosses(split="train")
+    test = load_wordnet_glosses(split="test")
+    assert {r.split for r in train} == {"train"} and {r.split for r in test} == {"test"}
+    assert not {r.synset for r in train} & {r.synset for r in test}
+    assert len(train) + len(test) == len(load_wordnet_glosses())
+    assert 0.19 < len(test) / (len(train) + len(test)) < 0.21
+    # Pinned: changing the hash scheme would silently reshuffle the split behind every published number.
+    assert (len(train), len(test)) == (93984, 23675)
+    assert [split_of(s) for s in ("a00003356", "a00003553", "a00003700", "a00003829")] == [
+        "train",
+        "test",
+        "train",
+        "test",
+    ]
+
+
+def test_caps_are_respected_deterministic_and_seeded():
+    names = ["noun.animal", "verb.motion", "noun.feeling"]
+    capped = load_wordnet_glosses(split="train", supersenses=names, max_per_class=30, seed=0)
+    assert Counter(r.supersense for r in capped) == {name: 30 for name in names}
+    assert {r.split for r in capped} == {"train"}
+    assert capped == load_wordnet_glosses(split="train", supersenses=names, max_per_class=30, seed=0)
+    other = load_wordnet_glosses(split="train", supersenses=names, max_per_class=30, seed=1)
+    assert {r.synset for r in other} != {r.synset for r in capped}
+    smaller = load_wordnet_glosses(split="train", supersenses=names, max_per_class=10, seed=0)
+    assert {r.synset for r in smaller} < {r.synset for r in capped}
+    # A cap above a class's size keeps the whole class.
+    tops = load_wordnet_glosses(split="test", supersenses=["noun.Tops"], max_per_class=1000)
+    assert len(tops) == class_counts()["noun.Tops"]["test"] > 0
+
+
+def test_load_validates_arguments():
+    with pytest.raises(ValueError, match="'train', 'test'"):
+        load_wordnet_glosses(split="dev")
+    with pytest.raises(ValueError, match=r"noun\.dog.*noun\.animal"):
+        load_wordnet_glosses(supersenses=["noun.dog"])
+    with pytest.raises(ValueError, match="not the string"):
+        load_wordnet_glosses(supersenses="noun.animal")
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match="max_per_class"):
+            load_wordnet_glosses(max_per_class=bad)
+
+
+SEED0_5X4 = [
+    "noun.state", "noun.time", "adv.all", "noun.person",
+    "verb.consumption", "verb.competition", "noun.substance", "noun.possession",
+    "verb.communication", "noun.relation", "noun.plant", "verb.change",
+    "noun.attribute", "verb.perception", "noun.animal", "noun.communication",
+    "verb.social", "noun.act", "verb.contact", "noun.cognition",
+]  # fmt: skip
+
+
+def test_task_sequence_structure_and_global_labels():
+    seq = wordnet_task_sequence()
+    assert seq.class_names == SEED0_5X4  # the picks the docstring documents
+    assert seq.meta["n_eligible"] == 41 and seq.meta["seed"] == 0 and seq.meta["train_per_class"] == 100
+    assert len(seq) == 5 and seq.protocol == "class-incremental"
+    by_text = {}
+    for r in load_wordnet_glosses():
+        by_text.setdefault(r.definition, set()).add(r.supersense)
+    seen: set[int] = set()
+    for t, task in enumerate(seq.tasks):
+        assert task.classes == list(range(4 * t, 4 * t + 4))
+        assert task.name == f"t{t}:" + "+".join(SEED0_5X4[4 * t : 4 * t + 4])
+        assert not seen & set(task.classes)
+        seen |= set(task.classes)
+        assert Counter(ex.label for ex in task.train) == {c: 100 for c in task.classes}
+        assert Counter(ex.label for ex in task.test) == {c: 40 for c in task.classes}
+        for ex in task.train + task.test:
+            assert isinstance(ex.inputs, str)
+            assert seq.class_names[ex.label] in by_text[ex.inputs]
+    # Test examples come from the test split only.
+    test_texts = {r.definition for r in load_wordnet_glosses(split="test")}
+    assert all(ex.inputs in test_texts for task in seq.tasks for ex in task.test)
+
+
+def test_task_sequence_is_deterministic_per_seed():
+    a = wordnet_task_sequence(n_tasks=10, classes_per_task=2, seed=3)
+    b = wordnet_task_sequence(n_tasks=10, classes_per_task=2, seed=3)
+    assert a.class_names == b.class_names
+    assert [t.train for t in a.tasks] == [t.train for t in b.tasks]
+    c = wordnet_task_sequence(n_tasks=10, classes_per_task=2, seed=4)
+    assert c.class_names != a.class_names
+    assert wordnet_task_sequence(n_tasks=10, classes_per_task=2).class_names == SEED0_5X4
+
+
+def test_task_sequence_with_given_supersenses():
+    names = ["verb.motion", "noun.animal", "adj.pert", "noun.food"]
+    seq = wordnet_task_sequence(
+        n_tasks=2, classes_per_task=2, supersenses=names, train_per_class=20, test_per_class=5,
+        protocol="task-incremental",
+    )  # fmt: skip
+    assert seq.class_names == names
+    assert [t.name for t in seq.tasks] == ["t0:verb.motion+noun.animal", "t1:adj.pert+noun.food"]
+    assert seq.protocol == "task-incremental"
+    assert {ex.label for ex in seq.tasks[1].train} == {2, 3}
+    assert len(seq.tasks[1].test) == 10
+
+
+def test_task_sequence_errors():
+    with pytest.raises(ValueError, match="only 41 supersenses"):
+        wordnet_task_sequence(n_tasks=7, classes_per_task=6)
+    # Larger caps shrink the eligible set.
+    big = [name for name, c in class_counts().items() if c["train"] >= 5000]
+    assert 0 < len(big) < 41
+    with pytest.raises(ValueError, match=f"only {len(big)} supersenses"):
+        wordnet_task_sequence(n_tasks=len(big) + 1, classes_per_task=1, train_per_class=5000, test_per_class=1)
+    assert wordnet_task_sequence(n_tasks=len(big), classes_per_task=1, train_per_class=5000, test_per_class=1)
+    with pytest.raises(ValueError, match=r"noun\.dog"):
+        wordnet_task_sequence(n_tasks=1, classes_per_task=2, supersenses=["noun.animal", "noun.dog"])
+    with pytest.raises(ValueError, match=r"noun\.Tops"):
+        wordnet_task_sequence(n_tasks=1, classes_per_task=2, supersenses=["noun.animal", "noun.Tops"])
+    with pytest.raises(ValueError, match="3 names"):
+        wordnet_task_sequence(n_tasks=1, classes_per_task=2, supersenses=["noun.animal", "noun.act", "noun.food"])
+    with pytest.raises(ValueError, match="repeats"):
+        wordnet_task_sequence(n_tasks=1, classes_per_task=2, supersenses=["noun.animal", "noun.animal"])
+    with pytest.raises(ValueError, match="n_tasks"):
+        wordnet_task_sequence(n_tasks=0)
+    with pytest.raises(ValueError, match="protocol"):
+        wordnet_task_sequence(protocol="domain-incremental")
+
+
+def test_gloss_example_is_frozen():
+    record = load_wordnet_glosses(max_per_class=1)[0]
+    assert isinstance(record, GlossExample)
+    with pytest.raises(AttributeError):
+        record.supersense = "noun.act"  # type: ignore[misc]
