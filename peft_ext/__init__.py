@@ -6,7 +6,21 @@ and ``PeftModel.from_pretrained`` work for them like for PEFT's own types.
 
 from __future__ import annotations
 
-from .registry import register_peft_type, registered_peft_types
+import logging
+
+
+class _DropOptionalKernelNotice(logging.Filter):
+    """bitsandbytes warns at import, on every CPU-only machine, that an optional kernel package is missing. It is
+    not actionable for peft-ext users (CPU 4-bit layers still work), so this one message is dropped; others pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "from kernels-community" not in record.getMessage()
+
+
+# Installed before anything imports peft (and with it bitsandbytes).
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropOptionalKernelNotice())
+
+from .registry import register_peft_type, registered_peft_types  # noqa: E402
 
 __version__ = "0.1.0"
 

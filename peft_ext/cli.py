@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 
@@ -58,8 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in (("run", "run a continual-learning job"), ("check", "validate a config and exit")):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("config", help="YAML run config, e.g. configs/quickstart.yaml")
-        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config value (dotted path; in `methods` use the method name or index)")
+        p.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config value (dotted path; in `methods` use the method name or index)",
+        )
         if name == "run":
             p.add_argument("--no-progress", action="store_true", help="no progress bars")
     sub.add_parser("list", help="list registered adapter types, optimizers and continual methods")
@@ -68,9 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # bitsandbytes logs a warning at import on CPU-only machines about an optional kernel package; it is noise for
-    # every command here (quantized bases are not used by the CLI's jobs).
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     from peft_ext.continual.config import ConfigError
 
     try:

@@ -35,4 +35,8 @@ def token_sequence(n_tasks: int = 3, classes_per_task: int = 2, per_class: int =
 
 def stack_collate(examples):
     ids = torch.stack([ex.inputs for ex in examples])
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([e.label for e in examples])}
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "labels": torch.tensor([e.label for e in examples]),
+    }

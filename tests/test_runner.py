@@ -82,7 +82,7 @@ def test_class_incremental_evaluation_scores_against_all_seen_classes():
         name = "noop_test"
         options_cls = MethodOptions
 
-        def make_optimizer(self, params):
+        def make_optimizer(self, model, params):
             return torch.optim.SGD(params, lr=0.0)
 
     ex = lambda c: Example(torch.zeros(2, dtype=torch.long), c)  # noqa: E731
@@ -127,3 +127,15 @@ def test_bad_train_config_is_rejected():
         TrainConfig(epochs=0).validate()
     with pytest.raises(ValueError, match="train_logit_mask"):
         TrainConfig(train_logit_mask="nope").validate()
+
+
+def test_lr_schedules():
+    from peft_ext.continual.runner import lr_factor
+
+    assert [lr_factor(s, 10, "constant", 0.0) for s in (0, 9)] == [1.0, 1.0]
+    assert lr_factor(0, 10, "linear", 0.0) == 1.0 and lr_factor(5, 10, "linear", 0.0) == 0.5
+    assert lr_factor(5, 10, "cosine", 0.0) == pytest.approx(0.5)
+    # warmup: 2 of 10 steps ramp up, then the schedule starts from 1
+    assert lr_factor(0, 10, "linear", 0.2) == pytest.approx(1 / 3) and lr_factor(2, 10, "linear", 0.2) == 1.0
+    with pytest.raises(ValueError, match="warmup_ratio"):
+        TrainConfig(warmup_ratio=1.0).validate()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -209,9 +208,12 @@ def build_section(cls: type, data: Any, prefix: str = "", skip: tuple[str, ...] 
             raise _unknown_key(str(key), prefix, fields)
         kwargs[key] = _coerce(value, hints[key], prefix + key)
     missing = [
-        f.name for f in dataclasses.fields(cls)
-        if f.name not in kwargs and f.name not in skip
-        and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.name not in kwargs
+        and f.name not in skip
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
     ]
     if missing:
         raise ConfigError(f"missing key `{prefix}{missing[0]}`")
@@ -221,7 +223,9 @@ def build_section(cls: type, data: Any, prefix: str = "", skip: tuple[str, ...] 
             obj.validate()
         except ValueError as err:
             msg = str(err)
-            raise ConfigError(msg.replace("`", f"`{prefix}", 1) if msg.startswith("`") else f"{prefix}: {msg}") from None
+            raise ConfigError(
+                msg.replace("`", f"`{prefix}", 1) if msg.startswith("`") else f"{prefix}: {msg}"
+            ) from None
     return obj
 
 

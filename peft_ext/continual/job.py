@@ -41,9 +41,11 @@ def run_job(config: RunConfig, echo: Callable[[str], Any] = print) -> list[Metho
 
     start = time.perf_counter()
     sequence = build_sequence(config)
-    echo(f"[peft-ext] {config.name}: {sequence.name} ({sequence.protocol}), {len(sequence)} tasks, "
-         f"{sequence.num_classes} classes, {sum(len(t.train) for t in sequence.tasks)} train / "
-         f"{sum(len(t.test) for t in sequence.tasks)} test examples")
+    echo(
+        f"[peft-ext] {config.name}: {sequence.name} ({sequence.protocol}), {len(sequence)} tasks, "
+        f"{sequence.num_classes} classes, {sum(len(t.train) for t in sequence.tasks)} train / "
+        f"{sum(len(t.test) for t in sequence.tasks)} test examples"
+    )
     for i, task in enumerate(sequence.tasks):
         echo(f"  t{i}: {task.name}")
     torch.manual_seed(config.train.seed)

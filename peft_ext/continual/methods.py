@@ -111,7 +111,8 @@ class ContinualMethod:
     def trainable_parameters(self, model: nn.Module) -> list[nn.Parameter]:
         return [p for p in model.parameters() if p.requires_grad]
 
-    def make_optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    def make_optimizer(self, model: nn.Module, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        """The optimizer for one task (a fresh one per task); ``params`` are :meth:`trainable_parameters`."""
         return torch.optim.AdamW(params, lr=self.options.lr, weight_decay=self.options.weight_decay)
 
     def extra_loss(self, model: nn.Module, batch: dict[str, Any], task_id: int) -> torch.Tensor | None:

@@ -21,7 +21,9 @@ def _check(R: Matrix) -> int:
             raise ValueError(f"the accuracy matrix must be square ({T} x {T}); row {i} has {len(row)} entries")
         for j in range(i + 1):
             if not math.isfinite(row[j]):
-                raise ValueError(f"R[{i}][{j}] must be a finite accuracy (task {j} was trained by step {i}), got {row[j]}")
+                raise ValueError(
+                    f"R[{i}][{j}] must be a finite accuracy (task {j} was trained by step {i}), got {row[j]}"
+                )
     return T
 
 
@@ -46,14 +48,14 @@ def backward_transfer(R: Matrix) -> float:
 
 
 def forgetting(R: Matrix) -> float:
-    """F = (1/(T-1)) * sum_{j<T-1} (max_{j<=l<T-1} R[l][j] - R[T-1][j]) (Chaudhry et al. 2018). 0.0 for one task.
+    """F = (1/(T-1)) * sum_{j<T-1} (max_{j<=k<T-1} R[k][j] - R[T-1][j]) (Chaudhry et al. 2018). 0.0 for one task.
 
     Unlike BWT it compares with the best accuracy a task ever had, not the one right after training it.
     """
     T = _check(R)
     if T == 1:
         return 0.0
-    return sum(max(R[l][j] for l in range(j, T - 1)) - R[T - 1][j] for j in range(T - 1)) / (T - 1)
+    return sum(max(R[k][j] for k in range(j, T - 1)) - R[T - 1][j] for j in range(T - 1)) / (T - 1)
 
 
 def summarize(R: Matrix) -> dict[str, float]:

@@ -79,8 +79,15 @@ def plot_accuracy_matrices(results: Sequence[MethodResult], path: str | Path, ti
         for i in range(T):
             for j in range(T):
                 if not np.isnan(M[i, j]):
-                    ax.text(j, i, f"{M[i, j]:.0f}", ha="center", va="center", fontsize=7,
-                            color="white" if M[i, j] < 60 else "black")
+                    ax.text(
+                        j,
+                        i,
+                        f"{M[i, j]:.0f}",
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                        color="white" if M[i, j] < 60 else "black",
+                    )
         ax.set_title(f"{r.label}\nfinal {_pct(r.metrics.get('final_acc'))}%", fontsize=9)
         ax.set_xlabel("evaluated on task j")
         ax.set_ylabel("after training task i")

@@ -25,6 +25,20 @@ from .tasks import Example, Task, TaskSequence
 
 Collate = Callable[[Sequence[Example]], dict[str, Any]]
 TRAIN_MASKS = ("task", "seen", "all")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+def lr_factor(step: int, total: int, schedule: str, warmup_ratio: float) -> float:
+    """Multiplier of the base learning rate at ``step`` (0-based) of ``total``: linear warmup, then the schedule."""
+    warmup = int(warmup_ratio * total)
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup) / max(total - warmup, 1)
+    if schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 @dataclass
@@ -40,6 +54,8 @@ class TrainConfig:
         train_logit_mask: Which logits the training loss sees in class-incremental runs: ``"task"`` (the current
             task's classes; the usual choice for a shared head, it keeps old classes' logits from being pushed
             down), ``"seen"`` (all classes so far) or ``"all"``.
+        lr_schedule: Per-task learning-rate schedule: ``"constant"``, ``"linear"`` (decay to 0) or ``"cosine"``.
+        warmup_ratio: Fraction of each task's steps with linear warmup from 0.
         seed: Seed for the head initialization and the data order; every method of a run uses the same one.
         device: ``"cpu"``, ``"cuda"``, or ``"auto"`` (CUDA when available).
         progress: Show tqdm progress bars.
@@ -50,6 +66,8 @@ class TrainConfig:
     eval_batch_size: int = 128
     max_grad_norm: float = 1.0
     train_logit_mask: Literal["task", "seen", "all"] = "task"
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_ratio: float = 0.0
     seed: int = 0
     device: str = "auto"
     progress: bool = True
@@ -60,6 +78,10 @@ class TrainConfig:
                 raise ValueError(f"`{key}` must be a positive integer, got {getattr(self, key)}")
         if self.max_grad_norm < 0:
             raise ValueError(f"`max_grad_norm` must be >= 0 (0 disables clipping), got {self.max_grad_norm}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"`warmup_ratio` must be in [0, 1), got {self.warmup_ratio}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"`lr_schedule` must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         if self.train_logit_mask not in TRAIN_MASKS:
             raise ValueError(f"`train_logit_mask` must be one of {TRAIN_MASKS}, got {self.train_logit_mask!r}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
@@ -164,13 +186,16 @@ def train_examples(
     params = method.trainable_parameters(model)
     if not params:
         raise ValueError(f"method {method.name!r} left no trainable parameters")
-    optimizer = method.make_optimizer(params)
+    optimizer = method.make_optimizer(model, params)
     num_classes = ctx.sequence.num_classes
     mask = None if allowed_classes is None else _class_mask(num_classes, allowed_classes, ctx.device)
     rng = random.Random(cfg.seed * 1000 + task_id)
     model.train()
     total, steps = 0.0, 0
     n_batches = math.ceil(len(examples) / cfg.batch_size) * cfg.epochs
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, n_batches, cfg.lr_schedule, cfg.warmup_ratio)
+    )
     bar = tqdm(total=n_batches, desc=desc, disable=not cfg.progress, leave=False)
     for _ in range(cfg.epochs):
         for batch in _batches(examples, cfg.batch_size, rng):
@@ -189,6 +214,7 @@ def train_examples(
             if cfg.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             optimizer.step()
+            scheduler.step()
             total += loss.item()
             steps += 1
             bar.update(1)
@@ -253,8 +279,15 @@ def run_sequence(
         for j in range(i + 1):
             allowed = _allowed_for_eval(sequence, i, j)
             R[i][j] = evaluate(
-                model, sequence.tasks[j].test, allowed, sequence.num_classes, collate, device,
-                batch_size=train.eval_batch_size, progress=train.progress, desc=f"{method.label} eval t{j}",
+                model,
+                sequence.tasks[j].test,
+                allowed,
+                sequence.num_classes,
+                collate,
+                device,
+                batch_size=train.eval_batch_size,
+                progress=train.progress,
+                desc=f"{method.label} eval t{j}",
             )
         eval_s += time.perf_counter() - start
 
@@ -284,7 +317,9 @@ def run_sequence(
             start = time.perf_counter()
             model = method.before_task(model, i, task, ctx)
             allowed = _allowed_for_training(sequence, i, train)
-            losses.append(train_examples(model, method, task.train, allowed, i, ctx, desc=f"{method.label} {task.name}"))
+            losses.append(
+                train_examples(model, method, task.train, allowed, i, ctx, desc=f"{method.label} {task.name}")
+            )
             model = method.after_task(model, i, task, ctx)
             train_s += time.perf_counter() - start
             eval_row(i)
