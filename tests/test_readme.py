@@ -1,0 +1,24 @@
+"""The README's quickstart must keep working: run it (shrunk) exactly as written otherwise."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _quickstart() -> str:
+    text = README.read_text()
+    section = text[text.index("## Quickstart") :]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+@pytest.mark.slow
+def test_readme_quickstart_runs(capsys):
+    code = _quickstart()
+    shrunk = code.replace("n_tasks=5", "n_tasks=2").replace("train_per_class=80", "train_per_class=8")
+    shrunk = shrunk.replace("test_per_class=40", "test_per_class=4").replace("epochs=3", "epochs=1, progress=False")
+    assert shrunk != code, "the README quickstart changed: update this test's shrinking"
+    exec(compile(shrunk, str(README), "exec"), {})
+    assert "| seq_lora |" in capsys.readouterr().out
