@@ -2,7 +2,7 @@
 
 The package ships ``files/wordnet_glosses.tsv.xz``, one row per WordNet 3.0 synset (117,659 rows) with columns
 ``synset``, ``supersense``, ``lemmas``, ``definition`` and ``examples``. It was built from Debian's ``wordnet-base``
-data files by :func:`build_wordnet_glosses` (``python -m peft_ext.data.wordnet build``) and is distributed under the
+data files by :func:`build_wordnet_glosses` (``python -m peft_ext.data build``) and is distributed under the
 WordNet 3.0 license in ``files/WORDNET_LICENSE``. Loading it needs nothing outside this package.
 
 The train/test split is a fixed function of the synset id (a SHA-1 hash, about 20% test), so it never depends on
@@ -341,7 +341,7 @@ def _all_records(path: str | os.PathLike[str] | None) -> tuple[GlossExample, ...
     p = Path(path) if path is not None else DEFAULT_PATH
     if not p.is_file():
         raise FileNotFoundError(
-            f"WordNet gloss file {p} not found; rebuild it with `python -m peft_ext.data.wordnet build --out {p}`"
+            f"WordNet gloss file {p} not found; rebuild it with `python -m peft_ext.data build --out {p}`"
         )
     stat = p.stat()
     return _read_file(str(p.resolve()), stat.st_mtime_ns, stat.st_size)
@@ -563,7 +563,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Args:
         argv: Arguments (defaults to ``sys.argv[1:]``).
     """
-    parser = argparse.ArgumentParser(prog="python -m peft_ext.data.wordnet", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m peft_ext.data", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build", help="rebuild the gloss file from the WordNet 3.0 data files")
     build.add_argument("--wordnet-dir", default=DEFAULT_WORDNET_DIR, help="directory with data.noun etc.")
@@ -582,6 +582,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,7 @@
+"""``python -m peft_ext.data build|stats``: rebuild or summarize the committed WordNet gloss file."""
+
+import sys
+
+from .wordnet import main
+
+sys.exit(main())
