@@ -20,8 +20,23 @@ class _DropOptionalKernelNotice(logging.Filter):
 # Installed before anything imports peft (and with it bitsandbytes).
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropOptionalKernelNotice())
 
+from .optim import DCTAdamW, Riemannion  # noqa: E402
 from .registry import register_peft_type, registered_peft_types  # noqa: E402
+from .tuners.mora import MoRAConfig  # noqa: E402
+from .tuners.pclr import PCLRConfig  # noqa: E402
+from .tuners.riemannion import RiemannionConfig  # noqa: E402
+from .tuners.splitlora import SplitLoRAConfig  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "register_peft_type", "registered_peft_types"]
+__all__ = [
+    "DCTAdamW",
+    "MoRAConfig",
+    "PCLRConfig",
+    "Riemannion",
+    "RiemannionConfig",
+    "SplitLoRAConfig",
+    "__version__",
+    "register_peft_type",
+    "registered_peft_types",
+]

@@ -42,10 +42,10 @@ def test_run_end_to_end_writes_results(tmp_path, tiny_backbone, capsys):
     assert main(["run", str(cfg), "--no-progress", "--set", "methods.seq_lora.r=2"]) == 0
     out = capsys.readouterr().out
     assert "| method | final acc | avg incr acc | BWT | forgetting |" in out
-    for name in ("frozen_linear", "seq_lora", "joint"):
+    for name in ("frozen_linear", "seq_lora", "splitlora", "joint"):
         assert f"| {name} |" in out
     results = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert [r["method"] for r in results["results"]] == ["frozen_linear", "seq_lora", "joint"]
+    assert [r["method"] for r in results["results"]] == ["frozen_linear", "seq_lora", "splitlora", "joint"]
     assert results["meta"]["sequence_meta"]["n_tasks"] == 2
     assert len(results["results"][1]["accuracy_matrix"]) == 2
     assert (tmp_path / "out" / "accuracy_matrix.png").stat().st_size > 1000
@@ -63,7 +63,7 @@ def test_config_errors_exit_2_with_one_clear_line(tmp_path, tiny_backbone, capsy
 
 def test_check_and_list(capsys):
     assert main(["check", str(ROOT / "configs" / "quickstart.yaml")]) == 0
-    assert "valid (3 methods: frozen_linear, seq_lora, joint)" in capsys.readouterr().out
+    assert "valid (4 methods: frozen_linear, seq_lora, splitlora, joint)" in capsys.readouterr().out
     assert main(["list"]) == 0
     out = capsys.readouterr().out
     assert "adapter types" in out and "optimizers" in out

@@ -4,4 +4,13 @@ from __future__ import annotations
 
 from torch.optim import Optimizer
 
-OPTIMIZERS: dict[str, type[Optimizer]] = {}
+from .dct_adamw import DCTAdamW
+from .riemannion import Riemannion, RiemannLoRA, create_riemannion_optimizer
+
+__all__ = ["OPTIMIZERS", "DCTAdamW", "RiemannLoRA", "Riemannion", "create_riemannion_optimizer"]
+
+OPTIMIZERS: dict[str, type[Optimizer]] = {
+    "dct_adamw": DCTAdamW,
+    "riemannion": Riemannion,
+    "riemannlora": RiemannLoRA,
+}

@@ -1,0 +1,167 @@
+"""PCLR on the WordNet supersense sequence with MiniLM-L6: index vs importance compression (and sequential LoRA).
+
+The question (issue 6, METHODS.md section 3): the public code compresses the rank pool by dropping every s-th rank;
+the paper speaks of importance. Which keeps more accuracy? Both PCLR variants see the same sequence, backbone, head
+initialization, batches and schedule; only the compression rule differs. A variant without integration shows what
+the distillation step adds, and sequential LoRA is the forgetting reference.
+
+Run (about 6-8 minutes on 2 shared CPU cores at the defaults)::
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/pclr.py
+
+Prints one table: accuracy on each task right after learning it (the diagonal, after compression), final average
+accuracy, forgetting, average incremental accuracy, pool ranks after each task, how many ranks of each task survive
+at the end, and wall time per method. ``--overhead-only`` times one forward pass instead. docs/pclr.md records
+the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from peft_ext.continual import TrainConfig, get_continual_method, run_sequence
+from peft_ext.data.collate import TextCollator
+from peft_ext.data.wordnet import wordnet_task_sequence
+from peft_ext.models import load_text_classifier
+from peft_ext.tuners.pclr import group_layers
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tasks", type=int, default=4)
+    parser.add_argument("--classes-per-task", type=int, default=3)
+    parser.add_argument("--train-per-class", type=int, default=40)
+    parser.add_argument("--test-per-class", type=int, default=20)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--pool-size", type=int, default=32)
+    parser.add_argument("--ranks", type=int, default=16)
+    parser.add_argument("--compress", type=float, default=0.5, help="fraction dropped after every task but the first")
+    parser.add_argument("--top-k", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-baselines", action="store_true", help="skip seq_lora and the no-integration variant")
+    parser.add_argument("--overhead-only", action="store_true", help="only time one forward: PCLR vs LoRA")
+    args = parser.parse_args()
+    if args.overhead_only:
+        routing_overhead(args)
+        return
+
+    sequence = wordnet_task_sequence(
+        n_tasks=args.tasks,
+        classes_per_task=args.classes_per_task,
+        seed=args.seed,
+        train_per_class=args.train_per_class,
+        test_per_class=args.test_per_class,
+    )
+    base, tokenizer = load_text_classifier("minilm", sequence.num_classes, dropout=0.1, seed=args.seed)
+    collate = TextCollator(tokenizer, 32)
+    train = TrainConfig(epochs=args.epochs, batch_size=16, eval_batch_size=128, seed=args.seed, progress=False)
+    pclr = dict(
+        pool_size=args.pool_size,
+        ranks_schedule=[args.ranks],
+        compress_schedule=[0.0, args.compress],
+        top_k=args.top_k,
+        alpha=float(args.top_k),
+        shared_r=4,
+        target_modules=["query", "value"],
+        lr=2e-3,
+    )
+    variants = [
+        ("pclr_index", "pclr", {**pclr, "compress_rule": "index"}),
+        ("pclr_importance", "pclr", {**pclr, "compress_rule": "importance"}),
+    ]
+    if not args.no_baselines:
+        variants.append(
+            ("pclr_importance_no_integrate", "pclr", {**pclr, "compress_rule": "importance", "integrate_epochs": 0})
+        )
+        variants.append(("seq_lora", "seq_lora", {"r": 8, "alpha": 16.0, "lr": 1e-3}))
+
+    rows = []
+    for label, name, options in variants:
+        method = get_continual_method(name)(**options, label=label)
+        pools: list[int] = []
+        survivors: list[list[int]] = []
+        if name == "pclr":
+            original = method.after_task
+
+            def after_task(model, task_id, task, ctx, _original=original, _pools=pools, _survivors=survivors):
+                out = _original(model, task_id, task, ctx)
+                _pools.append(ctx.state["pclr_pool"][-1])
+                # which task each surviving rank of the first block came from: does a rule favour old or new ranks?
+                owner = next(iter(group_layers(model).values()))[0]
+                tags = owner.active_rank_task("default")
+                _survivors.append([int((tags == t).sum()) for t in range(task_id + 1)])
+                return out
+
+            method.after_task = after_task
+        start = time.perf_counter()
+        result = run_sequence(sequence, method, base, collate, train)
+        seconds = time.perf_counter() - start
+        m = result.metrics
+        diagonal = sum(result.accuracy_matrix[t][t] for t in range(len(sequence))) / len(sequence)
+        rows.append(
+            (label, diagonal, m["final_acc"], m["forgetting"], m["avg_incremental_acc"], pools, survivors, seconds)
+        )
+        print(
+            f"[pclr bench] {label}: final {100 * m['final_acc']:.1f}  forgetting {100 * m['forgetting']:.1f}  "
+            f"pool {pools}  ranks per task kept {survivors}  {seconds:.0f} s",
+            flush=True,
+        )
+
+    print(
+        f"\nWordNet supersenses, {args.tasks} tasks x {args.classes_per_task} classes, MiniLM-L6, class-incremental,"
+        f" torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
+    print(
+        "| method | just-learnt acc % | final acc % | forgetting % | avg incremental acc % | "
+        "pool ranks after each task | ranks kept per task at the end (block 0) | wall s |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for label, diagonal, final, forget, aia, pools, survivors, seconds in rows:
+        pool = ", ".join(map(str, pools)) if pools else "-"
+        kept = ", ".join(map(str, survivors[-1])) if survivors else "-"
+        print(
+            f"| {label} | {100 * diagonal:.1f} | {100 * final:.1f} | {100 * forget:.1f} | {100 * aia:.1f} | {pool} | "
+            f"{kept} | {seconds:.0f} |"
+        )
+
+
+def routing_overhead(args: argparse.Namespace, batch: int = 32, tokens: int = 32, repeats: int = 10) -> None:
+    """Time one eval forward of MiniLM with PCLR (pool at its cap, top-K routing) against LoRA of rank ``top_k``."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from peft_ext import PCLRConfig
+
+    base, _ = load_text_classifier("minilm", 4, dropout=0.0, seed=0)
+    ids = torch.randint(1000, 20000, (batch, tokens), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    configs = {
+        "base": None,
+        f"lora_r{args.top_k}": LoraConfig(r=args.top_k, target_modules=["query", "value"]),
+        f"pclr_N{args.pool_size}_K{args.top_k}": PCLRConfig(
+            target_modules=["query", "value"],
+            pool_size=args.pool_size,
+            ranks_schedule=[args.pool_size],
+            top_k=args.top_k,
+            init_weights=False,
+        ),
+    }
+    print(f"\nForward time, batch {batch} x {tokens} tokens, eval, no grad, {torch.get_num_threads()} threads")
+    print("| model | ms per forward |\n|---|---|")
+    for label, config in configs.items():
+        model = copy.deepcopy(base) if config is None else get_peft_model(copy.deepcopy(base), config)
+        model.eval()
+        with torch.no_grad():
+            model(**inputs)
+            start = time.perf_counter()
+            for _ in range(repeats):
+                model(**inputs)
+        print(f"| {label} | {1000 * (time.perf_counter() - start) / repeats:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""PCLR as a continual-learning method plugin: the rank pool with keyed routing and its task cycle.
+
+Per task (METHODS.md section 3; :mod:`peft_ext.tuners.pclr.cycle`): before training, the task's query prototype is
+computed from its training inputs and :func:`~peft_ext.tuners.pclr.begin_task` adds the task's trainable ranks;
+training optimizes the new ranks, their keys (through the query loss, added by :meth:`PCLRMethod.extra_loss`) and the
+classification head; after training, :func:`~peft_ext.tuners.pclr.end_task` stores the prototype, compresses and
+integrates as scheduled, and freezes the ranks. Evaluation runs without a task id (prototype routing decides).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch import nn
+
+from .methods import ContinualMethod, MethodOptions, head_module_name, register_continual_method
+from .runner import _batches, _to_device
+
+if TYPE_CHECKING:
+    from .runner import RunContext
+    from .tasks import Task
+
+__all__ = ["PCLRMethod", "PCLROptions"]
+
+
+@dataclass
+class PCLROptions(MethodOptions):
+    """Options of the ``pclr`` method (see :class:`peft_ext.PCLRConfig` for the adapter fields).
+
+    Args:
+        pool_size: Cap on ranks per linear.
+        ranks_schedule: New ranks per task (last entry repeats).
+        compress_schedule: Fraction of the pool dropped after each task (last entry repeats).
+        compress_rule: ``"index"`` (public code) or ``"importance"``.
+        top_k: Ranks selected per sample.
+        alpha: Pool scale numerator (scale ``alpha / top_k``).
+        shared_r: Rank of the shared LoRA (0: none).
+        shared_alpha: Shared LoRA scale numerator.
+        train_shared: Also train the shared LoRA while learning each task (default: only during integration).
+        target_modules: Module-name suffixes to adapt.
+        query_loss_weight: Weight of the key loss ``1 - cos(q, k)``.
+        prototype_routing: Restrict ranks by the nearest stored task prototype at inference.
+        init_from_static: Initialize new ranks from the best-matching static ranks.
+        integrate_epochs: Distillation passes over the task's data after compression (0: no integration).
+        integrate_lr: Distillation learning rate.
+        temperature: Distillation temperature.
+        key_pull_threshold: Cosine above which a key counts as close to a task prototype.
+        key_pull_strength: How far keys close to several prototypes move toward them.
+    """
+
+    pool_size: int = 64
+    ranks_schedule: list[int] = field(default_factory=lambda: [16])
+    compress_schedule: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.25])
+    compress_rule: str = "importance"
+    top_k: int = 16
+    alpha: float = 16.0
+    shared_r: int = 4
+    shared_alpha: float = 8.0
+    train_shared: bool = False
+    target_modules: list[str] = field(default_factory=lambda: ["query", "value"])
+    query_loss_weight: float = 0.2
+    prototype_routing: bool = True
+    init_from_static: bool = True
+    integrate_epochs: int = 1
+    integrate_lr: float = 1e-3
+    temperature: float = 2.0
+    key_pull_threshold: float = 0.8
+    key_pull_strength: float = 0.5
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.target_modules:
+            raise ValueError("`target_modules` must name at least one module, got an empty list")
+        if self.integrate_epochs < 0:
+            raise ValueError(f"`integrate_epochs` must be >= 0, got {self.integrate_epochs}")
+        if not self.integrate_lr > 0:
+            raise ValueError(f"`integrate_lr` must be > 0, got {self.integrate_lr}")
+        self.adapter_config(None)  # validates the adapter fields with PCLRConfig's messages
+
+    def adapter_config(self, head: Optional[str]) -> Any:
+        """The :class:`peft_ext.PCLRConfig` these options describe (``head`` goes to ``modules_to_save``)."""
+        from ..tuners.pclr import PCLRConfig
+
+        return PCLRConfig(
+            pool_size=self.pool_size,
+            ranks_schedule=list(self.ranks_schedule),
+            compress_schedule=list(self.compress_schedule),
+            compress_rule=self.compress_rule,
+            top_k=self.top_k,
+            alpha=self.alpha,
+            shared_r=self.shared_r,
+            shared_alpha=self.shared_alpha,
+            target_modules=list(self.target_modules),
+            query_loss_weight=self.query_loss_weight,
+            prototype_routing=self.prototype_routing,
+            init_from_static=self.init_from_static,
+            modules_to_save=[head] if head else None,
+        )
+
+
+@register_continual_method
+class PCLRMethod(ContinualMethod):
+    """PCLR: a capped LoRA rank pool, per-sample keyed routing, compress - integrate - learn per task."""
+
+    name = "pclr"
+    options_cls = PCLROptions
+
+    def build(self, base_model: nn.Module, ctx: RunContext) -> nn.Module:
+        from peft import get_peft_model
+
+        model = get_peft_model(base_model, self.options.adapter_config(head_module_name(base_model)))
+        ctx.state["pclr_pool"] = []
+        ctx.state["pclr_integrate"] = []
+        return model
+
+    def _task_batches(self, task: Task, ctx: RunContext) -> list[dict[str, Any]]:
+        return [
+            _to_device(ctx.collate(chunk), ctx.device) for chunk in _batches(task.train, ctx.train.batch_size, None)
+        ]
+
+    def before_task(self, model: nn.Module, task_id: int, task: Task, ctx: RunContext) -> nn.Module:
+        from ..tuners.pclr import begin_task, query_prototype
+
+        prototype = query_prototype(model, self._task_batches(task, ctx))
+        ctx.state["pclr_prototype"] = prototype
+        begin_task(model, task_id, prototype)
+        return model
+
+    def trainable_parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        learnt = ("pclr_A.", "pclr_B.", "pclr_keys.", "modules_to_save.")
+        params = []
+        for name, p in model.named_parameters():
+            trains = any(part in name for part in learnt) or (self.options.train_shared and "pclr_shared_" in name)
+            # the shared LoRA trains only as part of the integration student unless train_shared is set
+            p.requires_grad_(trains)
+            if trains:
+                params.append(p)
+        return params
+
+    def extra_loss(self, model: nn.Module, batch: dict[str, Any], task_id: int) -> torch.Tensor | None:
+        from ..tuners.pclr import query_loss
+
+        return query_loss(model)
+
+    def after_task(self, model: nn.Module, task_id: int, task: Task, ctx: RunContext) -> nn.Module:
+        from ..tuners.pclr import end_task, pool_in_use
+
+        mask = torch.zeros(ctx.sequence.num_classes, dtype=torch.bool, device=ctx.device)
+        mask[list(task.classes)] = True
+        opts = self.options
+        result = end_task(
+            model,
+            task_id,
+            ctx.state.pop("pclr_prototype"),
+            self._task_batches(task, ctx),
+            integrate_epochs=opts.integrate_epochs,
+            integrate_lr=opts.integrate_lr,
+            temperature=opts.temperature,
+            mask=mask,
+            key_pull_threshold=opts.key_pull_threshold,
+            key_pull_strength=opts.key_pull_strength,
+        )
+        ctx.state["pclr_pool"].append(pool_in_use(model))
+        ctx.state["pclr_integrate"].append(None if result is None else (result.kl_before, result.kl_after))
+        return model

@@ -1,0 +1,283 @@
+"""The rank-pool gather: every sample adds its own subset of a pool of rank-1 components to a linear's output.
+
+For a pool of ``N`` rank-1 components ``(a_i, b_i)`` stored as ``A_pool`` (in x N; column ``i`` is ``a_i``) and
+``B_pool`` (N x out; row ``i`` is ``b_i``), and an index set ``S_b`` of ``K`` ranks per sample ``b``::
+
+    y[b] = scale * sum_k gates[b, k] * (x[b] @ A_pool[:, S_b[k]]) * B_pool[S_b[k], :]
+
+i.e. ``y[b] = scale * (x[b] @ A_pool[:, S_b]) @ B_pool[S_b, :]`` with hard 0/1 gates (METHODS.md section 3, "the hot
+operation"). ``x[b]`` is a single row or a sequence of tokens. ``gates`` is optional (all ones); a zero gate lets a
+sample use fewer than ``K`` ranks (PCLR sets it when prototype routing leaves a sample fewer than ``K`` usable ranks).
+An index repeated within one sample counts once per occurrence, in every variant.
+
+Implementations (all pure functions of tensors, differentiable through autograd; dx, dA_pool and dB_pool
+accumulate over samples that share a rank):
+
+- :func:`rank_pool_gather_loop`: a Python loop over samples. Slow; the test oracle.
+- :func:`rank_pool_gather_indexed`: gathers the ``K`` selected columns/rows per sample (B x K x in and B x K x out
+  copies) and runs two batched matmuls. FLOPs scale with ``K``; pays for the copies.
+- :func:`rank_pool_gather_masked`: one dense pass over all ``N`` ranks, then a per-sample count mask (exact because
+  the gates are 0/1). No copies, ``N / K`` times the FLOPs; the better choice when ``K`` is close to ``N`` or the
+  batch has many samples with few tokens.
+
+:func:`rank_pool_gather` is the dispatch point. It picks the fast kernel when one is registered and usable, else the
+cheaper torch reference by a cost model (:func:`choose_reference`).
+
+Dispatch and the Triton plug-in point
+-------------------------------------
+``PEFT_EXT_KERNELS`` (environment variable) = ``auto`` (default), ``torch`` or ``triton``:
+
+- ``torch``: always a torch reference.
+- ``auto`` / ``triton``: the fast kernel registered with :func:`register_rank_pool_kernel` if there is one and it
+  accepts the inputs (its ``supports(x)`` is true, e.g. CUDA tensors); otherwise the torch reference, silently, so
+  CPU runs never fail because of the setting. No fast kernel is registered yet: the fused Triton kernel (issue 8)
+  registers itself here with the same signature and PCLR does not need to know which path ran.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+
+__all__ = [
+    "KERNEL_ENV_VAR",
+    "RankPoolKernel",
+    "choose_reference",
+    "kernel_mode",
+    "rank_pool_gather",
+    "rank_pool_gather_indexed",
+    "rank_pool_gather_loop",
+    "rank_pool_gather_masked",
+    "register_rank_pool_kernel",
+    "registered_rank_pool_kernel",
+]
+
+KERNEL_ENV_VAR = "PEFT_EXT_KERNELS"
+_MODES = ("auto", "torch", "triton")
+_METHODS = ("auto", "indexed", "masked", "loop")
+
+# Relative cost of copying one gathered weight element vs. one multiply-add in the cost model below. Gathers are
+# memory-bound scatters of whole rows, so one copied element costs several FLOPs; 4 is a conservative CPU/GPU figure.
+_COPY_COST = 4.0
+
+
+@dataclass(frozen=True)
+class RankPoolKernel:
+    """A fast rank-pool gather implementation.
+
+    Args:
+        name: Label, e.g. ``"triton"``.
+        fn: Same signature and semantics as :func:`rank_pool_gather_indexed`.
+        supports: Whether ``fn`` can run on these inputs (e.g. ``x.is_cuda``).
+    """
+
+    name: str
+    fn: Callable[..., torch.Tensor]
+    supports: Callable[[torch.Tensor], bool]
+
+
+_FAST_KERNEL: Optional[RankPoolKernel] = None
+
+
+def register_rank_pool_kernel(kernel: Optional[RankPoolKernel]) -> None:
+    """Install (or with ``None`` remove) the fast kernel that :func:`rank_pool_gather` prefers.
+
+    Args:
+        kernel: The kernel; its ``fn`` must match :func:`rank_pool_gather_indexed` to tolerance (tests compare them).
+    """
+    global _FAST_KERNEL
+    if kernel is not None and not isinstance(kernel, RankPoolKernel):
+        raise TypeError(f"kernel must be a RankPoolKernel or None, got {type(kernel).__name__}")
+    _FAST_KERNEL = kernel
+
+
+def registered_rank_pool_kernel() -> Optional[RankPoolKernel]:
+    """The fast kernel installed with :func:`register_rank_pool_kernel`, or ``None``."""
+    return _FAST_KERNEL
+
+
+def kernel_mode() -> str:
+    """The value of ``PEFT_EXT_KERNELS`` (``auto`` when unset); raises ``ValueError`` for anything else."""
+    mode = os.environ.get(KERNEL_ENV_VAR, "auto").strip().lower() or "auto"
+    if mode not in _MODES:
+        raise ValueError(f"{KERNEL_ENV_VAR}={mode!r} is not valid; use one of {_MODES}")
+    return mode
+
+
+def _check(
+    x: torch.Tensor, A_pool: torch.Tensor, B_pool: torch.Tensor, indices: torch.Tensor, gates: Optional[torch.Tensor]
+) -> None:
+    for name, t in (("x", x), ("A_pool", A_pool), ("B_pool", B_pool), ("indices", indices)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
+    if x.dim() not in (2, 3):
+        raise ValueError(f"`x` must be (batch, in) or (batch, tokens, in), got shape {tuple(x.shape)}")
+    if A_pool.dim() != 2 or B_pool.dim() != 2:
+        raise ValueError(
+            f"`A_pool` must be (in, N) and `B_pool` (N, out); got {tuple(A_pool.shape)} and {tuple(B_pool.shape)}"
+        )
+    if A_pool.shape[0] != x.shape[-1]:
+        raise ValueError(f"`A_pool` has {A_pool.shape[0]} input rows but `x` has width {x.shape[-1]}")
+    if A_pool.shape[1] != B_pool.shape[0]:
+        raise ValueError(f"`A_pool` has {A_pool.shape[1]} ranks but `B_pool` has {B_pool.shape[0]}")
+    if indices.dim() != 2 or indices.shape[0] != x.shape[0]:
+        raise ValueError(f"`indices` must be (batch={x.shape[0]}, K), got shape {tuple(indices.shape)}")
+    if indices.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"`indices` must be int64 or int32, got {indices.dtype}")
+    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= A_pool.shape[1]):
+        raise ValueError(
+            f"`indices` must lie in [0, {A_pool.shape[1]}), got values in [{int(indices.min())}, {int(indices.max())}]"
+        )
+    if gates is not None and gates.shape != indices.shape:
+        raise ValueError(f"`gates` must have the shape of `indices` {tuple(indices.shape)}, got {tuple(gates.shape)}")
+
+
+def _as_3d(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    return (x.unsqueeze(1), True) if x.dim() == 2 else (x, False)
+
+
+def rank_pool_gather_loop(
+    x: torch.Tensor,
+    A_pool: torch.Tensor,
+    B_pool: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+    gates: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Per-sample loop reference (the oracle): ``y[b] = scale * (x[b] A[:, S_b] diag(g_b)) B[S_b, :]``.
+
+    Args:
+        x: (batch, in) or (batch, tokens, in).
+        A_pool: (in, N).
+        B_pool: (N, out).
+        indices: (batch, K) rank indices per sample.
+        scale: Output scale (PCLR: ``alpha / K``).
+        gates: Optional (batch, K) gate values (0/1 in PCLR); default all ones.
+
+    Returns:
+        (batch, out) or (batch, tokens, out), the dtype of ``x``.
+    """
+    _check(x, A_pool, B_pool, indices, gates)
+    rows = []
+    for b in range(x.shape[0]):
+        idx = indices[b].long()
+        h = x[b] @ A_pool[:, idx]
+        if gates is not None:
+            h = h * gates[b].to(h.dtype)
+        rows.append(scale * (h @ B_pool[idx, :]))
+    return torch.stack(rows)
+
+
+def rank_pool_gather_indexed(
+    x: torch.Tensor,
+    A_pool: torch.Tensor,
+    B_pool: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+    gates: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Gather-based reference: copy each sample's ``K`` ranks, then two batched matmuls (BGMV style).
+
+    Args: as :func:`rank_pool_gather_loop`.
+    """
+    _check(x, A_pool, B_pool, indices, gates)
+    x3, squeeze = _as_3d(x)
+    idx = indices.long()
+    # A_pool.mT[idx] reads rows of the (N, in) transpose: when the pool is stored rank-major (PCLR stores A as N x in
+    # and passes its transpose), each gathered rank is one contiguous row.
+    a = A_pool.mT[idx]  # (batch, K, in)
+    b = B_pool[idx]  # (batch, K, out)
+    h = torch.bmm(x3, a.mT)  # (batch, tokens, K)
+    if gates is not None:
+        h = h * gates.to(h.dtype).unsqueeze(1)
+    y = torch.bmm(h, b) * scale
+    return y.squeeze(1) if squeeze else y
+
+
+def rank_pool_gather_masked(
+    x: torch.Tensor,
+    A_pool: torch.Tensor,
+    B_pool: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+    gates: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Masked-dense reference: all ``N`` ranks for every sample, weighted by how often (and with which gate) each
+    sample selected them. Exact for 0/1 gates; ``N / K`` times the FLOPs of the gathered version.
+
+    Args: as :func:`rank_pool_gather_loop`.
+    """
+    _check(x, A_pool, B_pool, indices, gates)
+    x3, squeeze = _as_3d(x)
+    weights = torch.zeros(indices.shape[0], A_pool.shape[1], dtype=x.dtype, device=x.device)
+    src = torch.ones(indices.shape, dtype=x.dtype, device=x.device) if gates is None else gates.to(x.dtype)
+    # scatter_add, not scatter: a rank a sample selects twice must count twice, as in the gathered version
+    weights.scatter_add_(1, indices.long(), src)
+    h = (x3 @ A_pool) * weights.unsqueeze(1)  # (batch, tokens, N)
+    y = (h @ B_pool) * scale
+    return y.squeeze(1) if squeeze else y
+
+
+def choose_reference(tokens: int, n_ranks: int, k: int, width_in: int, width_out: int) -> str:
+    """Which torch reference is cheaper: ``"indexed"`` or ``"masked"``, by a FLOP-plus-copy cost model.
+
+    Per sample, the gathered version costs ``tokens * K * (in + out)`` multiply-adds plus ``K * (in + out)`` copied
+    elements (weighted by a copy cost); the masked version costs ``tokens * N * (in + out)`` multiply-adds and no
+    copy. Both share the ``(in + out)`` factor, so the choice only depends on tokens, ``N`` and ``K``.
+
+    Args:
+        tokens: Tokens per sample.
+        n_ranks: Pool size ``N``.
+        k: Ranks per sample ``K``.
+        width_in: Input width (kept for kernels whose cost depends on it; unused by this model).
+        width_out: Output width (idem).
+    """
+    gathered = k * (tokens + _COPY_COST)
+    dense = float(n_ranks * tokens)
+    return "masked" if dense <= gathered else "indexed"
+
+
+def rank_pool_gather(
+    x: torch.Tensor,
+    A_pool: torch.Tensor,
+    B_pool: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+    gates: Optional[torch.Tensor] = None,
+    method: Literal["auto", "indexed", "masked", "loop"] = "auto",
+) -> torch.Tensor:
+    """``y[b] = scale * (x[b] @ A_pool[:, S_b]) @ B_pool[S_b, :]`` per sample; the entry point PCLR calls.
+
+    Args:
+        x: (batch, in) or (batch, tokens, in).
+        A_pool: (in, N); pass the transpose of a rank-major (N, in) tensor so each rank is contiguous.
+        B_pool: (N, out).
+        indices: (batch, K) int64/int32 rank indices per sample; repeats count once per occurrence.
+        scale: Output scale.
+        gates: Optional (batch, K) 0/1 gates; default all ones.
+        method: ``"auto"`` (fast kernel if registered and allowed by ``PEFT_EXT_KERNELS``, else the cheaper
+            reference), or force ``"indexed"``, ``"masked"`` or ``"loop"``.
+
+    Returns:
+        The adapter output, (batch, out) or (batch, tokens, out).
+    """
+    if method not in _METHODS:
+        raise ValueError(f"`method` must be one of {_METHODS}, got {method!r}")
+    if method == "auto":
+        mode = kernel_mode()
+        fast = _FAST_KERNEL
+        if mode != "torch" and fast is not None and fast.supports(x):
+            _check(x, A_pool, B_pool, indices, gates)
+            return fast.fn(x, A_pool, B_pool, indices, scale, gates)
+        tokens = 1 if x.dim() == 2 else x.shape[1]
+        method = choose_reference(tokens, A_pool.shape[1], indices.shape[1], A_pool.shape[0], B_pool.shape[1])
+    impl = {
+        "indexed": rank_pool_gather_indexed,
+        "masked": rank_pool_gather_masked,
+        "loop": rank_pool_gather_loop,
+    }[method]
+    return impl(x, A_pool, B_pool, indices, scale, gates)

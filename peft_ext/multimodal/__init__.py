@@ -1,0 +1,31 @@
+"""Multimodal data and the missing-modality protocol for dual-encoder adapters (MoRA, METHODS.md section 4).
+
+- :mod:`.emoji`: the committed emoji image + name pairs (Unicode emoji list x Noto Color Emoji), and its builder;
+- :mod:`.missing`: missing rate / type masks and placeholders (empty text, blank image);
+- :mod:`.metrics`: accuracy, F1-macro, AUROC.
+
+Rebuild the data file with ``python -m peft_ext.multimodal build`` (needs Debian's unicode-data and
+fonts-noto-color-emoji).
+"""
+
+from __future__ import annotations
+
+from .emoji import EmojiPairs, build_emoji_pairs, load_emoji_pairs, split_of
+from .metrics import accuracy, auroc, f1_macro
+from .missing import MISSING_TYPES, MissingMasks, MissingSpec, apply_missing, blank_image, missing_masks
+
+__all__ = [
+    "MISSING_TYPES",
+    "EmojiPairs",
+    "MissingMasks",
+    "MissingSpec",
+    "accuracy",
+    "apply_missing",
+    "auroc",
+    "blank_image",
+    "build_emoji_pairs",
+    "f1_macro",
+    "load_emoji_pairs",
+    "missing_masks",
+    "split_of",
+]

@@ -1,0 +1,662 @@
+"""DCT-AdamW: AdamW whose moments live in a rank-r subspace picked from a fixed DCT basis, without any SVD.
+
+Reference: Modoranu, Safaryan, Alistarh et al., "SVD-Free Low-Rank Adaptive Gradient Optimization" / "FFT-based
+Dynamic Subspace Selection" (arXiv 2505.17967); formulas in ``shared/METHODS.md`` section 5. The DCT math is in
+:mod:`peft_ext.optim.dct`; the pure update functions are here (:func:`adam_direction`, :func:`match_indices`,
+:func:`rotate_selected`, :func:`quantize_8bit`); :class:`DCTAdamW` only manages state.
+
+Against GaLore (the usual alternative), what changes for a user:
+
+* No SVD: a subspace refresh is one DCT of the gradient (an FFT or a product with a matrix shared by every layer of
+  that size) plus a top-k, so refreshing every step (the paper's default) is affordable.
+* The per-layer projector is ``r`` integers instead of an ``r x n`` float matrix, and ``state_dict()`` holds only
+  tensors and plain numbers, so it loads with ``torch.load(weights_only=True)`` and a resumed run is bit-identical to
+  an uninterrupted one.
+* Data parallel: the selection is a deterministic function of the (all-reduced) gradient, and with
+  ``torch.distributed`` initialized the indices are also broadcast from rank 0, so every rank applies the same
+  update.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from .dct import DCT_METHODS, dct_matrix, dct_select, project, project_back, projection_side
+
+__all__ = [
+    "NONFINITE_POLICIES",
+    "QUANT_BLOCKSIZES",
+    "QUANT_MAPS",
+    "DCTAdamW",
+    "adam_direction",
+    "dequantize_8bit",
+    "match_indices",
+    "matches_target",
+    "quantize_8bit",
+    "rotate_selected",
+]
+
+NONFINITE_POLICIES = ("raise", "skip")
+#: Block sizes bitsandbytes' blockwise quantization accepts on every backend (CUDA kernels are compiled for these).
+QUANT_BLOCKSIZES = (64, 128, 256, 512, 1024, 2048, 4096)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pure functions
+
+
+def adam_direction(
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    betas: tuple[float, float],
+    eps: float,
+    step: int | torch.Tensor,
+) -> torch.Tensor:
+    """Update Adam's moments in place with ``grad`` and return the bias-corrected direction ``m^ / (sqrt(v^) + eps)``.
+
+    The arithmetic is torch.optim.AdamW's (``m/(1-b1^t) / (sqrt(v)/sqrt(1-b2^t) + eps)``), so with the identity
+    basis this is AdamW up to floating-point rounding.
+
+    Args:
+        exp_avg: First moment, updated in place.
+        exp_avg_sq: Second moment, updated in place.
+        grad: The (projected) gradient, same shape as the moments.
+        betas: ``(beta1, beta2)``.
+        eps: Added to ``sqrt(v^)``.
+        step: Number of updates these moments have seen, including this one: an int, or an integer tensor
+            broadcastable to the moments when every column (row) has its own age (see ``column_bias_correction``
+            in :class:`DCTAdamW`).
+    """
+    beta1, beta2 = betas
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    if isinstance(step, torch.Tensor):
+        t = step.to(exp_avg.dtype)
+        bias1 = 1 - torch.pow(beta1, t)
+        bias2_sqrt = (1 - torch.pow(beta2, t)).sqrt()
+    else:
+        bias1 = 1 - beta1**step
+        bias2_sqrt = math.sqrt(1 - beta2**step)
+    # Two temporaries, the rest in place: for an embedding-sized plain-AdamW tensor every extra copy is a full pass.
+    denom = exp_avg_sq.sqrt().div_(bias2_sqrt).add_(eps)
+    return torch.div(exp_avg, denom, out=denom).div_(bias1)
+
+
+def match_indices(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Match two ascending index selections: ``(kept, source)`` with ``kept[k]`` true when ``new[k]`` is in ``old``,
+    at position ``source[k]`` (meaningless where ``kept`` is false)."""
+    if old.numel() == 0:
+        return torch.zeros_like(new, dtype=torch.bool), torch.zeros_like(new)
+    source = torch.searchsorted(old, new).clamp_max_(old.numel() - 1)
+    return old[source] == new, source
+
+
+def rotate_selected(tensor: torch.Tensor, old: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
+    """Carry ``tensor`` (indexed by the ``old`` selection along ``dim``) over to the ``new`` selection.
+
+    Because the DCT basis is orthonormal, the paper's rotation ``Q[I_old] Q[I_new]^T`` is a 0/1 partial permutation:
+    a basis vector kept by both selections keeps its slice, a new one starts at zero. This applies that permutation
+    by index matching instead of an ``r x r`` product (same result, no float error, O(r log r)).
+    """
+    kept, source = match_indices(old, new)
+    shape = list(tensor.shape)
+    shape[dim] = new.numel()
+    out = tensor.new_zeros(shape)
+    where = kept.nonzero().squeeze(1)
+    out.index_copy_(dim, where, tensor.index_select(dim, source[where]))
+    return out
+
+
+#: The 8-bit code books: bitsandbytes' signed dynamic (exponent) map for the first moment, its unsigned variant for
+#: the non-negative second moment (all 256 codes on [0, 1], as in bitsandbytes' 8-bit Adam), and a uniform signed map
+#: for the error-feedback residual. The residual is dense and roughly Gaussian within a block, where the uniform grid
+#: has about a third less RMS error than the dynamic one (0.70% vs 1.09% of the norm, blocks of 256); the public code
+#: also quantizes its error buffer uniformly.
+QUANT_MAPS = ("dynamic", "udynamic", "linear")
+_QMAPS: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _qmap(kind: str, device: torch.device) -> torch.Tensor:
+    key = (kind, device)
+    if key not in _QMAPS:
+        from bitsandbytes.functional import create_dynamic_map, create_linear_map
+
+        if kind == "linear":
+            code = create_linear_map(signed=True)
+        elif kind in ("dynamic", "udynamic"):
+            code = create_dynamic_map(signed=kind == "dynamic")
+        else:
+            raise ValueError(f"`kind` must be one of {QUANT_MAPS}, got {kind!r}")
+        _QMAPS[key] = code.to(device)
+    return _QMAPS[key]
+
+
+def quantize_8bit(x: torch.Tensor, kind: str = "dynamic", blocksize: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise 8-bit quantization through bitsandbytes: ``(codes uint8, absmax float32)``.
+
+    Each block of ``blocksize`` consecutive values is scaled by its absolute maximum and rounded to the nearest of
+    the 256 values of the code book ``kind`` (see :data:`QUANT_MAPS`; Dettmers et al., "8-bit Optimizers via
+    Block-wise Quantization"). On CPU bitsandbytes 0.50 runs this in its native C kernel for fp32, bf16 and fp16.
+    """
+    from bitsandbytes.functional import quantize_blockwise
+
+    if blocksize not in QUANT_BLOCKSIZES:
+        raise ValueError(f"`blocksize` must be one of {QUANT_BLOCKSIZES}, got {blocksize!r}")
+    source = x.detach().float().contiguous()
+    codes, qstate = quantize_blockwise(source, code=_qmap(kind, x.device), blocksize=blocksize)
+    return codes, qstate.absmax
+
+
+def dequantize_8bit(
+    codes: torch.Tensor,
+    absmax: torch.Tensor,
+    kind: str = "dynamic",
+    blocksize: int = 256,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_8bit` (same ``kind`` and ``blocksize``); returns a tensor of ``codes``' shape."""
+    from bitsandbytes.functional import dequantize_blockwise
+
+    out = dequantize_blockwise(codes, absmax=absmax, code=_qmap(kind, codes.device), blocksize=blocksize)
+    return out.to(dtype)
+
+
+def matches_target(module_name: str, target_modules: str | Sequence[str] | None) -> bool:
+    """Whether ``module_name`` is selected by ``target_modules``.
+
+    ``None`` selects everything. A string is a regular expression that must match the whole module name (as in
+    PEFT). A list selects a module when one of its entries is a run of whole dotted components of the name:
+    ``"query"`` matches ``encoder.layer.0.attention.self.query`` and, under PEFT, that module's
+    ``query.lora_A.default``, but not ``query_proj``.
+    """
+    if target_modules is None:
+        return True
+    if isinstance(target_modules, str):
+        return re.fullmatch(target_modules, module_name) is not None
+    padded = f".{module_name}."
+    return any(f".{t}." in padded for t in target_modules)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the optimizer
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`{name}` must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"`{name}` must be a positive integer, got {value}")
+    return value
+
+
+def _caller_stacklevel() -> int:
+    """``stacklevel`` that makes a warning point at the code that called ``step()``.
+
+    ``step`` runs under torch's profiling and ``no_grad`` wrappers, whose depth differs between torch versions, so
+    the frames of this module and of torch are counted instead of hard-coded.
+    """
+    torch_dir = os.path.dirname(torch.__file__)
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename != __file__ and not filename.startswith(torch_dir):
+            break
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed support
+        return False
+    return isinstance(p, DTensor) or isinstance(getattr(p, "data", None), DTensor)
+
+
+def _check_group(group: dict[str, Any]) -> None:
+    for key in ("lr", "eps", "weight_decay", "scale"):
+        value = group[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"`{key}` must be a finite number >= 0, got {value!r}")
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"`betas` must be a pair of numbers in [0, 1), got {betas!r}")
+    _positive_int("rank", group["rank"])
+    _positive_int("update_proj_gap", group["update_proj_gap"])
+    _positive_int("max_shape", group["max_shape"])
+    _positive_int("min_8bit_size", group["min_8bit_size"])
+    if group["dct_method"] not in DCT_METHODS:
+        raise ValueError(f"`dct_method` must be one of {DCT_METHODS}, got {group['dct_method']!r}")
+    norm = group["selection_norm"]
+    if isinstance(norm, bool) or not isinstance(norm, (int, float)) or not norm > 0:
+        raise ValueError(f"`selection_norm` must be a positive number or math.inf (paper: 1), got {norm!r}")
+    if group["quant_blocksize"] not in QUANT_BLOCKSIZES:
+        raise ValueError(f"`quant_blocksize` must be one of {QUANT_BLOCKSIZES}, got {group['quant_blocksize']!r}")
+    for key in ("rotate_moments", "column_bias_correction", "error_feedback", "moments_8bit", "error_feedback_8bit"):
+        if not isinstance(group[key], bool):
+            raise TypeError(f"`{key}` must be True or False, got {group[key]!r}")
+    if group["error_feedback_8bit"] and not group["error_feedback"]:
+        raise ValueError("`error_feedback_8bit=True` needs `error_feedback=True` (there is no buffer to quantize)")
+    targets = group["target_modules"]
+    if targets is not None:
+        if isinstance(targets, str):
+            try:
+                re.compile(targets)
+            except re.error as err:
+                raise ValueError(f"`target_modules` {targets!r} is not a valid regular expression: {err}") from None
+        elif not isinstance(targets, (list, tuple)) or not all(isinstance(t, str) and t for t in targets):
+            raise TypeError(f"`target_modules` must be None, a regex string or a list of names, got {targets!r}")
+        elif not targets:
+            raise ValueError("`target_modules` is an empty list; use None to project every eligible matrix")
+        if "param_names" not in group:
+            raise TypeError(
+                "`target_modules` selects parameters by name, but the parameters came without names: pass "
+                "`model.named_parameters()` (or param groups of (name, parameter) pairs), not `model.parameters()`"
+            )
+    for p in group["params"]:
+        if not p.is_floating_point():
+            raise TypeError(f"DCTAdamW optimizes floating-point tensors, got a {p.dtype} parameter")
+        if _is_dtensor(p):
+            raise TypeError(
+                "DCTAdamW does not support sharded DTensor parameters (FSDP2 / tensor parallel): a shard is not the "
+                "matrix whose DCT spectrum is ranked. Use DistributedDataParallel, whose parameters are whole."
+            )
+
+
+class DCTAdamW(Optimizer):
+    """AdamW with low-rank moments in a dynamically selected DCT subspace (DCT-AdamW, arXiv 2505.17967).
+
+    For a projected ``(R, C)`` matrix with ``R >= C`` (else mirrored, see :mod:`peft_ext.optim.dct`), every
+    ``update_proj_gap`` steps the gradient's DCT-II ``S = G Q^T`` is computed and the ``r`` columns with the largest
+    L1 norm become the subspace ``I``; each step then runs Adam on ``a = G Q[I]^T`` (``R x r``) and applies
+    ``p <- p (1 - lr wd) - lr * scale * adam(a) Q[I]``. Only ``r`` indices are stored per layer; the ``n x n`` DCT
+    matrix is built once per size and shared. Everything else (vectors, matrices with a dimension ``>= max_shape``
+    such as embeddings and LM heads, matrices outside ``target_modules``) gets plain AdamW inside the same optimizer.
+
+    When to use it: full fine-tuning or pre-training where Adam's moments dominate memory and GaLore's SVD refresh is
+    too slow or its state cannot be checkpointed. When not to: tiny models (the projection saves nothing worth its
+    approximation), LoRA-style adapters whose matrices already have a dimension of ``r`` (nothing to compress), or
+    FSDP/tensor-parallel training (sharded parameters are rejected; DDP is supported).
+
+    Decisions the paper leaves open, and what this implementation does:
+
+    * ``rank`` larger than a matrix's projected dimension ``n``: clamped to ``n``, with one ``UserWarning`` naming
+      every such matrix when their state is created. At ``r = n`` the update is Adam in the DCT-rotated basis (no
+      memory saving); use ``target_modules`` to give those matrices plain AdamW instead. Not an error, because one
+      ``rank`` usually serves matrices of many shapes (a classifier head may be narrower than ``r``).
+    * Non-finite gradients: checked on every parameter before anything is modified. ``nonfinite_grad="raise"``
+      (default) raises ``FloatingPointError`` naming the parameter; ``"skip"`` skips the whole step (no parameter,
+      moment or counter changes) with a ``UserWarning``, counted in :attr:`skipped_steps`. A mixed-precision
+      ``torch.amp.GradScaler`` already skips such steps before calling ``step()``, so neither path is hit there.
+    * A column that enters the selection starts with zero moments (METHODS.md). By default its bias correction
+      uses the parameter's step count, as in the public code; its first updates are then 3 to 6.5 times Adam's
+      unit step (``(1 - beta1^k) / sqrt(1 - beta2^k)`` after ``k`` updates, before the moments fill). With
+      ``column_bias_correction=True`` each column is corrected by its own age, so a new column starts exactly like
+      a fresh Adam coordinate. In a small ablation (docs/dct_adamw.md, table 4) that helped only at the highest
+      learning rate with the smallest rank and was slightly worse elsewhere, so the paper's behaviour stays the
+      default. With ``rank`` equal to the full dimension both agree with AdamW on the rotated parameter.
+
+    Args:
+        params: Parameters or param groups. Pass ``model.named_parameters()`` (or groups of ``(name, param)``
+            pairs) when using ``target_modules``. Every option below except ``sync_indices`` and ``nonfinite_grad``
+            can be set per group.
+        lr: Learning rate.
+        rank: Subspace dimension ``r`` per projected matrix; a projected ``(R, C)`` matrix keeps ``2 max(R, C) r``
+            moment entries instead of AdamW's ``2 R C``.
+        update_proj_gap: Refresh the selection every this many steps. The paper's default is 1 (a refresh costs one
+            DCT); raise it only if the refresh shows up in profiles.
+        betas: Adam's ``(beta1, beta2)``.
+        eps: Adam's epsilon.
+        weight_decay: Decoupled weight decay, applied to the full parameter as in AdamW.
+        scale: Multiplier on the projected matrices' update (GaLore's ``scale``; not applied to weight decay or to
+            plain-AdamW parameters). A rank-``r`` update moves a matrix less than a full Adam step at the same
+            ``lr``; GaLore's README uses 0.25 with lr 0.01 for pre-training and 4 with lr ~3e-5 for fine-tuning.
+        target_modules: Which matrices are projected: ``None`` (every 2-D parameter below ``max_shape``), a list of
+            module names matched as whole dotted components (``["query", "value", "dense"]``), or a regex string
+            matched against the full module name. Others get plain AdamW.
+        max_shape: Matrices with a dimension ``>= max_shape`` get plain AdamW (embeddings and LM heads, whose rows
+            are sparse updates rather than a low-rank signal).
+        rotate_moments: When the selection changes, keep the moments of columns present in both selections and
+            zero the new ones (the rotation of METHODS.md section 5). Off: moments stay positional, as in GaLore,
+            and are reinterpreted in the new basis.
+        column_bias_correction: Bias-correct each column by its own age (only with ``rotate_moments``); see above.
+            Off by default, as in the paper.
+        error_feedback: Keep the residual ``E = (G + E) - a Q[I]`` and add it to the next gradient, so directions
+            outside the subspace are delayed rather than lost. Costs a full ``R x C`` buffer per matrix (1 byte per
+            entry with ``error_feedback_8bit``): larger than the moments it saves at small ``r``.
+        moments_8bit: Store both moments (projected and plain-AdamW ones, from ``min_8bit_size`` entries) 8-bit with
+            bitsandbytes' blockwise dynamic quantization. Saves 3/4 of the moment memory; see the tolerance measured
+            in the tests. On CPU it costs time (every step de- and re-quantizes), and bitsandbytes' CPU library
+            links the system libgomp while torch bundles its own: with more than one torch thread both OpenMP
+            runtimes spin-wait for the same cores and a step can be 30x slower. Use one torch thread or
+            ``OMP_WAIT_POLICY=PASSIVE`` there.
+        error_feedback_8bit: Store the error-feedback buffer 8-bit.
+        quant_blocksize: Block size of the 8-bit quantization.
+        min_8bit_size: Buffers with fewer entries stay 32-bit even in 8-bit mode: biases and norms, whose state is
+            negligible and whose few blocks would gain nothing (bitsandbytes' 8-bit optimizers use the same 4096).
+        dct_method: ``"auto"`` (FFT from size :data:`~peft_ext.optim.dct.FFT_MIN_SIZE` on), ``"matmul"`` or ``"fft"``;
+            all three select the same columns up to floating-point ties.
+        selection_norm: Norm of the column score (paper: 1).
+        sync_indices: Broadcast each refreshed selection from rank 0 (``r`` integers per matrix). ``None``: whenever
+            ``torch.distributed`` is initialized with more than one process. DDP already gives every rank the same
+            gradient, so this guards against reductions that are not bit-identical across ranks.
+        nonfinite_grad: ``"raise"`` or ``"skip"``; see above.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        rank: int = 128,
+        update_proj_gap: int = 1,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        scale: float = 1.0,
+        target_modules: str | Sequence[str] | None = None,
+        max_shape: int = 32_000,
+        rotate_moments: bool = True,
+        column_bias_correction: bool = False,
+        error_feedback: bool = False,
+        moments_8bit: bool = False,
+        error_feedback_8bit: bool = False,
+        quant_blocksize: int = 256,
+        min_8bit_size: int = 4096,
+        dct_method: str = "auto",
+        selection_norm: float = 1.0,
+        sync_indices: bool | None = None,
+        nonfinite_grad: str = "raise",
+    ) -> None:
+        if sync_indices not in (None, True, False):
+            raise TypeError(f"`sync_indices` must be None, True or False, got {sync_indices!r}")
+        if nonfinite_grad not in NONFINITE_POLICIES:
+            raise ValueError(f"`nonfinite_grad` must be one of {NONFINITE_POLICIES}, got {nonfinite_grad!r}")
+        self.sync_indices = sync_indices
+        self.nonfinite_grad = nonfinite_grad
+        #: Steps skipped because of non-finite gradients (``nonfinite_grad="skip"``); not part of ``state_dict``.
+        self.skipped_steps = 0
+        defaults = {
+            "lr": lr,
+            "rank": rank,
+            "update_proj_gap": update_proj_gap,
+            "betas": tuple(betas) if isinstance(betas, (list, tuple)) else betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "scale": scale,
+            "target_modules": list(target_modules) if isinstance(target_modules, (list, tuple)) else target_modules,
+            "max_shape": max_shape,
+            "rotate_moments": rotate_moments,
+            "column_bias_correction": column_bias_correction,
+            "error_feedback": error_feedback,
+            "moments_8bit": moments_8bit,
+            "error_feedback_8bit": error_feedback_8bit,
+            "quant_blocksize": quant_blocksize,
+            "min_8bit_size": min_8bit_size,
+            "dct_method": dct_method,
+            "selection_norm": selection_norm,
+        }
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        try:
+            _check_group(self.param_groups[-1])
+        except (TypeError, ValueError):
+            self.param_groups.pop()  # a rejected group must not stay behind in a live optimizer
+            raise
+
+    # ------------------------------------------------------------------------------------------------------------
+    # which parameters are projected
+
+    def _param_name(self, group: dict[str, Any], index: int) -> str | None:
+        names = group.get("param_names")
+        return names[index] if names is not None else None
+
+    def _describe(self, group: dict[str, Any], index: int, p: torch.Tensor) -> str:
+        name = self._param_name(group, index)
+        number = next(i for i, g in enumerate(self.param_groups) if g is group)  # `index` would compare tensors
+        where = f"`{name}`" if name is not None else f"parameter {index} of group {number}"
+        return f"{where} (shape {tuple(p.shape)})"
+
+    def _planned_rank(self, group: dict[str, Any], index: int, p: torch.Tensor) -> tuple[int | None, int]:
+        """``(rank, requested)``: the rank ``p`` will be projected to (None: plain AdamW) and the group's rank."""
+        if p.ndim != 2 or max(p.shape) >= group["max_shape"]:
+            return None, group["rank"]
+        name = self._param_name(group, index)
+        module = name.rsplit(".", 1)[0] if name is not None and "." in name else (name or "")
+        if not matches_target(module, group["target_modules"]):
+            return None, group["rank"]
+        side = projection_side(p.shape)
+        n = p.shape[1] if side == "right" else p.shape[0]
+        return min(group["rank"], n), group["rank"]
+
+    def projection_plan(self) -> list[tuple[str, tuple[int, ...], int | None]]:
+        """``(name, shape, rank)`` for every parameter; ``rank`` is None for parameters that get plain AdamW.
+
+        Parameters without names are listed as ``"group G, param I"``. Useful to check ``target_modules`` before
+        training.
+        """
+        plan = []
+        for g, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                name = self._param_name(group, i) or f"group {g}, param {i}"
+                plan.append((name, tuple(p.shape), self._planned_rank(group, i, p)[0]))
+        return plan
+
+    # ------------------------------------------------------------------------------------------------------------
+    # state storage: each buffer lives either as a float tensor `key` or as 8-bit `key_q` + `key_absmax`
+
+    @staticmethod
+    def _load(
+        state: dict[str, Any], key: str, shape: Sequence[int], kind: str, blocksize: int, work: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor:
+        if key in state:
+            return state[key].to(work)
+        if f"{key}_q" in state:
+            return dequantize_8bit(state[f"{key}_q"], state[f"{key}_absmax"], kind, blocksize, work)
+        return torch.zeros(shape, dtype=work, device=device)
+
+    @staticmethod
+    def _store(
+        state: dict[str, Any], key: str, value: torch.Tensor, eight_bit: bool, kind: str, group: dict[str, Any],
+        dtype: torch.dtype,
+    ) -> None:
+        if eight_bit and value.numel() >= group["min_8bit_size"]:
+            state[f"{key}_q"], state[f"{key}_absmax"] = quantize_8bit(value, kind, group["quant_blocksize"])
+            state.pop(key, None)
+        else:
+            state[key] = value if value.dtype == dtype else value.to(dtype)
+            state.pop(f"{key}_q", None)
+            state.pop(f"{key}_absmax", None)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # the step
+
+    def _sync_active(self) -> bool:
+        ready = dist.is_available() and dist.is_initialized()
+        if self.sync_indices is True and not ready:
+            raise ValueError(
+                "`sync_indices=True` needs torch.distributed to be initialized (call init_process_group first); "
+                "use None to sync only when it is"
+            )
+        return bool(self.sync_indices is not False and ready and dist.get_world_size() > 1)
+
+    def _check_finite(self, items: list[tuple[dict[str, Any], int, torch.Tensor]]) -> bool:
+        if not items:
+            return True
+        # min and max are finite exactly when every entry is (both propagate nan; inf shows up in one of them).
+        # aminmax reads the gradient once without a boolean copy (~25x faster than isfinite().all() on CPU), and the
+        # whole model meets in one host sync per device instead of one per parameter.
+        per_device: dict[torch.device, list[torch.Tensor]] = {}
+        for _, _, p in items:
+            if p.grad.numel():
+                per_device.setdefault(p.grad.device, []).append(torch.stack(torch.aminmax(p.grad.detach())).float())
+        if all(bool(torch.isfinite(torch.stack(e)).all()) for e in per_device.values()):
+            return True
+        group, index, p = next(item for item in items if not bool(torch.isfinite(item[2].grad).all()))
+        message = f"non-finite gradient (inf or nan) in {self._describe(group, index, p)}"
+        if self.nonfinite_grad == "raise":
+            raise FloatingPointError(
+                f"{message}; nothing was updated. Pass nonfinite_grad='skip' to skip such steps instead."
+            )
+        warnings.warn(
+            f"{message}; skipping this optimizer step (no parameter or state changed)", stacklevel=_caller_stacklevel()
+        )
+        self.skipped_steps += 1
+        return False
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimization step over every parameter that has a gradient.
+
+        Args:
+            closure: Optional callable that re-evaluates the model and returns the loss.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        items = [
+            (group, i, p) for group in self.param_groups for i, p in enumerate(group["params"]) if p.grad is not None
+        ]
+        for group, i, p in items:
+            if p.grad.is_sparse:
+                raise TypeError(f"DCTAdamW does not support sparse gradients ({self._describe(group, i, p)})")
+        if not self._check_finite(items):
+            return loss
+        sync = self._sync_active() if items else False
+        clamped: list[str] = []
+        for group, i, p in items:
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                rank, requested = self._planned_rank(group, i, p)
+                if rank is not None:
+                    state["rank"] = rank
+                    if rank < requested:
+                        clamped.append(f"{self._describe(group, i, p)}: rank {requested} -> {rank}")
+            if "rank" in state:
+                self._dct_step(group, p, state, sync)
+            else:
+                self._adamw_step(group, p, state)
+        if clamped:
+            warnings.warn(
+                "DCTAdamW: `rank` exceeds the projected (smaller) dimension of "
+                + "; ".join(clamped)
+                + ". Clamped to that dimension: these matrices get Adam in the full DCT basis with no memory saving; "
+                "exclude them through `target_modules` to give them plain AdamW.",
+                stacklevel=_caller_stacklevel(),
+            )
+        return loss
+
+    @staticmethod
+    def _work_dtype(p: torch.Tensor) -> torch.dtype:
+        # Half-precision parameters are updated in fp32 arithmetic (stored back in their own dtype), as the DCT and
+        # the sqrt/div of Adam lose too much in bf16.
+        return torch.float64 if p.dtype == torch.float64 else torch.float32
+
+    def _adamw_step(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]) -> None:
+        work = self._work_dtype(p)
+        eight, bs = group["moments_8bit"], group["quant_blocksize"]
+        m = self._load(state, "exp_avg", p.shape, "dynamic", bs, work, p.device)
+        v = self._load(state, "exp_avg_sq", p.shape, "udynamic", bs, work, p.device)
+        state["step"] += 1
+        direction = adam_direction(m, v, p.grad.to(work), group["betas"], group["eps"], state["step"])
+        self._store(state, "exp_avg", m, eight, "dynamic", group, p.dtype)
+        self._store(state, "exp_avg_sq", v, eight, "udynamic", group, p.dtype)
+        if group["weight_decay"] != 0:
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+        p.add_(direction.to(p.dtype), alpha=-group["lr"])
+
+    def _dct_step(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any], sync: bool) -> None:
+        work = self._work_dtype(p)
+        rank = state["rank"]
+        side = projection_side(p.shape)
+        dim = 1 if side == "right" else 0
+        n = p.shape[dim]
+        low_shape = (p.shape[0], rank) if side == "right" else (rank, p.shape[1])
+        bs = group["quant_blocksize"]
+        ages_on = group["rotate_moments"] and group["column_bias_correction"]
+        q = dct_matrix(n, work, p.device)
+
+        grad = p.grad.to(work)
+        if group["error_feedback"]:
+            grad = grad + self._load(state, "error", p.shape, "linear", bs, work, p.device)
+        m = self._load(state, "exp_avg", low_shape, "dynamic", bs, work, p.device)
+        v = self._load(state, "exp_avg_sq", low_shape, "udynamic", bs, work, p.device)
+
+        ages = state.get("column_step")
+        if ages_on and ages is None:
+            # Columns present since before ages were tracked have seen every step so far.
+            ages = torch.full((rank,), state["step"], dtype=torch.int64, device=p.device)
+        old = state.get("indices")
+        if old is None or state["step"] % group["update_proj_gap"] == 0:
+            indices, low = dct_select(grad, rank, side, group["selection_norm"], group["dct_method"])
+            if sync:
+                local = indices.clone()
+                dist.broadcast(indices, src=0)
+                if not torch.equal(local, indices):
+                    low = project(grad, q.index_select(0, indices), side)
+            if old is not None and group["rotate_moments"]:
+                m = rotate_selected(m, old, indices, dim)
+                v = rotate_selected(v, old, indices, dim)
+                if ages_on:
+                    ages = rotate_selected(ages, old, indices, 0)
+            state["indices"] = indices
+            basis = q.index_select(0, indices)
+        else:
+            basis = q.index_select(0, old)
+            low = project(grad, basis, side)
+
+        if group["error_feedback"]:
+            residual = grad - project_back(low, basis, side)
+            self._store(state, "error", residual, group["error_feedback_8bit"], "linear", group, p.dtype)
+
+        state["step"] += 1
+        if ages_on:
+            state["column_step"] = ages = ages + 1
+            step: int | torch.Tensor = ages.view(1, -1) if side == "right" else ages.view(-1, 1)
+        else:
+            state.pop("column_step", None)
+            step = state["step"]
+        direction = adam_direction(m, v, low, group["betas"], group["eps"], step)
+        self._store(state, "exp_avg", m, group["moments_8bit"], "dynamic", group, p.dtype)
+        self._store(state, "exp_avg_sq", v, group["moments_8bit"], "udynamic", group, p.dtype)
+
+        if group["weight_decay"] != 0:
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+        p.add_(project_back(direction, basis, side).to(p.dtype), alpha=-group["lr"] * group["scale"])
+
+    # ------------------------------------------------------------------------------------------------------------
+    # checkpointing
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by :meth:`state_dict` (after ``torch.load(..., weights_only=True)`` too).
+
+        ``torch.optim.Optimizer`` casts every floating-point state tensor to its parameter's dtype; the selected
+        indices and column ages (int64), the 8-bit codes (uint8) and their absmax scales (float32) are put back in
+        their saved dtype afterwards, so a bf16 model keeps exact indices and scales.
+        """
+        super().load_state_dict(state_dict)
+        saved_ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for pid, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(pid)
+            if not saved:
+                continue
+            for key, value in saved.items():
+                if isinstance(value, torch.Tensor) and self.state[p][key].dtype != value.dtype:
+                    self.state[p][key] = value.to(device=p.device, copy=True)

@@ -1,0 +1,515 @@
+"""Riemannion: Muon on the fixed-rank manifold, for Riemannion adapters (METHODS.md section 1).
+
+Each adapter's delta ``X = A B^T`` is a point of the manifold of rank-r matrices, and the step moves X itself, not
+its factors, so the result does not depend on how X is split into factors (LoRA's factor ambiguity). Per adapter,
+with momentum ``M`` (a tangent vector), lr ``eta``, momentum ``beta`` and weight decay ``gamma``:
+
+1. ``grad = P_T(G)`` from the products ``G B_R`` and ``G^T A`` that the layer's backward pass delivers;
+2. ``M <- beta * M + grad`` (``M`` was transported to the current point at the end of the previous step);
+3. ``D = P_T(Ortho(M))`` (or of ``grad + beta * M`` with Nesterov): the nonzero singular values set to 1, exactly,
+   by QR + a 2r x 2r SVD (no Newton-Schulz);
+4. ``X <- R((1 - eta * gamma) X - eta * D)``, the best rank-r approximation (retraction);
+5. ``M`` (pre-orthogonalization, as in Muon) is transported to the new point by re-projection.
+
+The learning rate is in spectral-norm units, like Muon's: every step moves X by ``eta`` in spectral norm. Paper
+defaults (Llama-3-8B, r=16): lr 1e-4, weight decay 3.16e-3, momentum 0.9, linear schedule with 10% warmup.
+:class:`RiemannLoRA` is the SGD variant (heavy-ball momentum on ``P_T(G)``, no orthogonalization; lr in Frobenius
+units). Other trainable parameters (classification heads, ``modules_to_save``) are updated by an AdamW inside the
+same optimizer (as Muon's ``MuonWithAuxAdam`` does).
+
+When not to use it: on adapters other than Riemannion's (the optimizer refuses them), or with ordinary optimizers on
+Riemannion adapters (they would break ``A``'s orthonormality; the constructor checks it).
+
+Use with ``transformers.Trainer``, either way::
+
+    # build it yourself (any scheduler works: every group, manifold and AdamW, has its own "lr")
+    optimizer = create_riemannion_optimizer(model, lr=1e-3, aux_lr=1e-3)
+    scheduler = transformers.get_linear_schedule_with_warmup(optimizer, num_warmup_steps, num_training_steps)
+    trainer = Trainer(model=model, args=args, train_dataset=data, optimizers=(optimizer, scheduler))
+
+    # or let the Trainer build it: the Trainer passes kwargs["model"] as the first argument (as for LOMO)
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      optimizer_cls_and_kwargs=(Riemannion, {"model": model, "lr": 1e-3, "aux_lr": 1e-3}))
+
+The optimizer needs the model to know which parameters form an adapter (``A``, ``B`` and the zero probe ``Z``);
+``Riemannion(params)`` without it raises ``TypeError``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any, Literal, Optional, Union
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from ..manifolds.fixed_rank import FixedRankPoint, TangentVector, egrad2rgrad, orthogonalize, retr, transp
+from ..tuners.riemannion.layer import AdapterRef, find_adapters
+
+__all__ = ["RiemannLoRA", "Riemannion", "adamw_update", "create_riemannion_optimizer", "riemannion_update"]
+
+ParamsT = Union[Iterable[Tensor], Iterable[dict[str, Any]], nn.Module]
+_GROUP_KEYS = {"lr", "aux_lr", "momentum", "nesterov", "weight_decay", "aux_weight_decay", "orthogonalize", "betas"}
+_GROUP_KEYS |= {"eps", "manifold", "params", "rtol"}
+
+
+def riemannion_update(
+    point: FixedRankPoint,
+    grad_right: Tensor,
+    grad_left: Tensor,
+    momentum: Optional[TangentVector],
+    *,
+    lr: float,
+    beta: float,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    orthogonalize_step: bool = True,
+    rtol: Optional[float] = None,
+) -> tuple[FixedRankPoint, TangentVector]:
+    """One Riemannion (or, with ``orthogonalize_step=False``, RiemannLoRA) step for one adapter; pure.
+
+    Args:
+        point: The current point ``X = A B^T``.
+        grad_right: ``G B_R`` (m x r), the gradient of the layer's zero probe ``Z``.
+        grad_left: ``G^T A`` (n x r), the gradient of ``B``.
+        momentum: The momentum tangent vector at ``point`` (``None`` on the first step).
+        lr: Step size (spectral-norm units when orthogonalizing, Frobenius units otherwise).
+        beta: Momentum coefficient.
+        nesterov: Step along ``grad + beta * M`` instead of ``M``.
+        weight_decay: Decoupled weight decay: the step retracts ``(1 - lr * weight_decay) X - lr * D``.
+        orthogonalize_step: Orthogonalize the direction (Riemannion) or not (RiemannLoRA).
+        rtol: Rank threshold of the orthogonalization; see :func:`peft_ext.manifolds.ortho_lowrank`.
+
+    Returns:
+        ``(new_point, momentum transported to new_point)``; the stored momentum is the pre-orthogonalization one.
+    """
+    grad = egrad2rgrad(point, grad_right, grad_left)
+    buf = grad if momentum is None else momentum * beta + grad
+    direction = grad + buf * beta if nesterov else buf
+    if orthogonalize_step:
+        direction = orthogonalize(point, direction, rtol)
+    new_point = retr(point, direction * (-lr), x_scale=1.0 - lr * weight_decay)
+    return new_point, transp(point, new_point, buf)
+
+
+def adamw_update(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    step: int,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """One AdamW step in place, the same arithmetic as ``torch.optim.AdamW`` (decoupled decay, bias correction).
+
+    Args:
+        param: The parameter (updated in place).
+        grad: Its gradient.
+        exp_avg: First moment (updated in place).
+        exp_avg_sq: Second moment (updated in place).
+        step: The step number, counting from 1.
+        lr: Learning rate.
+        betas: Moment coefficients.
+        eps: Denominator term.
+        weight_decay: Decoupled weight decay.
+    """
+    beta1, beta2 = betas
+    param.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = math.sqrt(1 - beta2**step)
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+
+
+class Riemannion(Optimizer):
+    """Muon on the fixed-rank manifold for Riemannion adapters, with an auxiliary AdamW for other parameters.
+
+    See the module docstring for the update. State per adapter (on its ``A``): ``step`` and the momentum's factors
+    ``momentum_A`` (m x r) and ``momentum_B`` (n x r), kept in float32 or wider; per AdamW parameter: ``step``,
+    ``exp_avg``, ``exp_avg_sq``. Only tensors and numbers, so ``state_dict()`` loads with
+    ``torch.load(weights_only=True)``.
+
+    Parameter groups: every group given is split into a manifold group (the Riemannion adapters in it, in module
+    order) and an AdamW group (everything else), so a scheduler scales both. A group may set ``"manifold": True`` to
+    assert it holds only adapter parameters (``ValueError`` otherwise); ``A``, ``B`` and ``Z`` of one adapter must be
+    in the same group.
+
+    Args:
+        params: The model (all its trainable parameters are optimized) or parameters / parameter groups of
+            ``model``.
+        model: The model holding the adapters; needed when ``params`` is not the model.
+        lr: Manifold step size (spectral-norm units).
+        momentum: Momentum coefficient in [0, 1).
+        nesterov: Nesterov momentum.
+        weight_decay: Decoupled weight decay of the adapters (and of AdamW parameters unless ``aux_weight_decay``).
+        orthogonalize: Orthogonalize the step (Riemannion); ``False`` gives the SGD variant (RiemannLoRA).
+        aux_lr: AdamW learning rate (default: ``lr``).
+        aux_betas: AdamW betas.
+        aux_eps: AdamW eps.
+        aux_weight_decay: AdamW weight decay (default: ``weight_decay``).
+        nonfinite: On a non-finite gradient anywhere: ``"raise"`` a ``ValueError`` naming the parameter (default) or
+            ``"skip"`` the whole step (nothing changes; ``skipped_steps`` counts them, as ``GradScaler`` would).
+        rtol: Rank threshold of the orthogonalization (default ``max(m, n) * eps``).
+
+    Raises:
+        TypeError: If the model is not given.
+        ValueError: On invalid hyperparameters, on non-adapter parameters in a ``"manifold": True`` group, on split
+            adapters, and on adapters that are off the manifold (``A`` not orthonormal or ``Z`` nonzero).
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        *,
+        model: Optional[nn.Module] = None,
+        lr: float = 1e-3,
+        momentum: float = 0.9,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+        orthogonalize: bool = True,
+        aux_lr: Optional[float] = None,
+        aux_betas: tuple[float, float] = (0.9, 0.999),
+        aux_eps: float = 1e-8,
+        aux_weight_decay: Optional[float] = None,
+        nonfinite: Literal["raise", "skip"] = "raise",
+        rtol: Optional[float] = None,
+    ) -> None:
+        if isinstance(params, nn.Module):
+            if model is not None and model is not params:
+                raise ValueError("pass the model either as `params` or as `model=`, not two different modules")
+            model = params
+            params = [p for p in model.parameters() if p.requires_grad]
+        if model is None:
+            raise TypeError(
+                f"{type(self).__name__} needs the model to find the Riemannion adapters: call "
+                f"{type(self).__name__}(model, ...), {type(self).__name__}(params, model=model, ...) or "
+                "create_riemannion_optimizer(model, ...); with transformers.Trainer put 'model' in the kwargs of "
+                "optimizer_cls_and_kwargs"
+            )
+        if nonfinite not in ("raise", "skip"):
+            raise ValueError(f"`nonfinite` must be 'raise' or 'skip', got {nonfinite!r}")
+        self.nonfinite = nonfinite
+        self._adapters = find_adapters(model)
+        self._names = {id(p): name for name, p in model.named_parameters()}
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "weight_decay": weight_decay,
+            "orthogonalize": orthogonalize,
+            "betas": tuple(aux_betas),
+            "eps": aux_eps,
+            "rtol": rtol,
+            "manifold": False,
+            "skipped_steps": 0,
+        }
+        groups = self._split_groups(params, aux_lr, aux_weight_decay)
+        super().__init__(groups, defaults)
+        for index, group in enumerate(self.param_groups):
+            _check_group(group, index)
+        self._check_points()
+
+    # -- construction ------------------------------------------------------------------------------------------------
+
+    def _split_groups(
+        self, params: Iterable[Any], aux_lr: Optional[float], aux_weight_decay: Optional[float]
+    ) -> list[dict[str, Any]]:
+        role: dict[int, tuple[int, str]] = {}
+        for i, ref in enumerate(self._adapters):
+            for part, p in (("A", ref.A), ("B", ref.B), ("Z", ref.Z)):
+                role[id(p)] = (i, part)
+        user_groups = list(params)
+        if not user_groups:
+            raise ValueError(f"{type(self).__name__} got an empty parameter list")
+        if not isinstance(user_groups[0], dict):
+            user_groups = [{"params": user_groups}]
+        groups = []
+        for index, group in enumerate(user_groups):
+            group = dict(group)
+            unknown = set(group) - _GROUP_KEYS
+            if unknown:
+                raise ValueError(
+                    f"param group {index} has unknown keys {sorted(unknown)}; valid keys: {sorted(_GROUP_KEYS)}"
+                )
+            params_in = group.pop("params")
+            params_in = [params_in] if isinstance(params_in, Tensor) else list(params_in)
+            flag = group.pop("manifold", None)
+            group_aux_lr = group.pop("aux_lr", aux_lr)
+            group_aux_wd = group.pop("aux_weight_decay", aux_weight_decay)
+            parts: dict[int, dict[str, Tensor]] = {}
+            others = []
+            for p in params_in:
+                if id(p) in role:
+                    i, part = role[id(p)]
+                    parts.setdefault(i, {})[part] = p
+                else:
+                    others.append(p)
+            if flag is True and others:
+                raise ValueError(
+                    f"param group {index} is marked manifold=True but {len(others)} of its parameters are not part of "
+                    f"a Riemannion adapter (first: {self._describe(others[0])}); only riemannion_A/B/Z parameters of "
+                    "RiemannionLayer modules of the model are valid there"
+                )
+            if flag is False and parts:
+                raise ValueError(
+                    f"param group {index} is marked manifold=False but holds Riemannion adapter parameters "
+                    f"({self._adapters[min(parts)]}); they can only be updated on the manifold"
+                )
+            for i, found in parts.items():
+                missing = sorted({"A", "B", "Z"} - found.keys())
+                if missing:
+                    raise ValueError(
+                        f"param group {index} holds riemannion_{'/'.join(sorted(found))} of {self._adapters[i]} but "
+                        f"not riemannion_{'/'.join(missing)}: A, B and Z of an adapter are updated together and must "
+                        "be in the same group"
+                    )
+            if parts:
+                ordered = [parts[i][part] for i in sorted(parts) for part in ("A", "B", "Z")]
+                groups.append({**group, "params": ordered, "manifold": True})
+            if others:
+                aux = {**group, "params": others, "manifold": False}
+                if group_aux_lr is not None:
+                    aux["lr"] = group_aux_lr
+                if group_aux_wd is not None:
+                    aux["weight_decay"] = group_aux_wd
+                groups.append(aux)
+        return groups
+
+    def _describe(self, p: Tensor) -> str:
+        return f"{self._names.get(id(p), 'an unnamed parameter')} of shape {tuple(p.shape)}"
+
+    @torch.no_grad()
+    def _check_points(self) -> None:
+        for group in self.param_groups:
+            if not group["manifold"]:
+                continue
+            for A, _, Z in _triples(group):
+                ref = self._ref_of(A)
+                gram = A.double().mT @ A.double()
+                err = (gram - torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)).abs().max().item()
+                tol = 1e-3 if A.dtype in (torch.float16, torch.bfloat16) else 1e-4
+                if err > tol:
+                    raise ValueError(
+                        f"{ref}: riemannion_A is not orthonormal (max |A^T A - I| = {err:.1e} > {tol}); it was "
+                        "changed outside the Riemannion optimizer, so the adapter is off the manifold"
+                    )
+                if Z.any():
+                    raise ValueError(
+                        f"{ref}: riemannion_Z is a gradient probe and must stay zero; it was changed outside the "
+                        "Riemannion optimizer (e.g. by AdamW)"
+                    )
+
+    def _ref_of(self, A: Tensor) -> AdapterRef | str:
+        return next((ref for ref in self._adapters if ref.A is A), "an adapter")
+
+    # -- stepping -------------------------------------------------------------------------------------------------
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because of non-finite gradients (``nonfinite="skip"``); saved with the state dict."""
+        return int(self.param_groups[0]["skipped_steps"])
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        """Update every adapter on the manifold and every other parameter with AdamW.
+
+        Args:
+            closure: Re-evaluates the model and returns the loss (optional).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        bad = self._first_nonfinite_grad()
+        if bad is not None:
+            if self.nonfinite == "raise":
+                raise ValueError(
+                    f"non-finite gradient in {bad}; no parameter was updated. Fix the loss scale / data, or pass "
+                    "nonfinite='skip' to skip such steps"
+                )
+            for group in self.param_groups:
+                group["skipped_steps"] += 1
+            return loss
+        for group in self.param_groups:
+            if group["manifold"]:
+                self._step_manifold(group)
+            else:
+                self._step_aux(group)
+        return loss
+
+    def _first_nonfinite_grad(self) -> Optional[str]:
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if not params:
+            return None
+        # one host sync for the whole model; find the culprit only when something is wrong
+        if torch.stack([torch.isfinite(p.grad).all() for p in params]).all():
+            return None
+        p = next(p for p in params if not torch.isfinite(p.grad).all())
+        return self._describe(p)
+
+    def _step_manifold(self, group: dict[str, Any]) -> None:
+        # Adapters of the same shape are stacked and updated in one batched call (the geometry takes leading batch
+        # dimensions): a transformer has many same-shaped adapters, and per-adapter QR/SVD calls would dominate.
+        buckets: dict[tuple, list[tuple[Tensor, Tensor, Tensor]]] = {}
+        for A, B, Z in _triples(group):
+            if B.grad is None and Z.grad is None:
+                continue  # the adapter took no part in the loss (e.g. inactive): nothing to do, like torch optimizers
+            key = (tuple(A.shape), tuple(B.shape), A.dtype, A.device, "momentum_A" in self.state[A])
+            buckets.setdefault(key, []).append((A, B, Z))
+        for (_, _, dtype, _, has_momentum), items in buckets.items():
+            work = torch.promote_types(dtype, torch.float32)
+            point = FixedRankPoint.from_factors(
+                torch.stack([A.to(work) for A, _, _ in items]), torch.stack([B.to(work) for _, B, _ in items])
+            )
+            grad_right = torch.stack([_grad_or_zeros(Z, work) for _, _, Z in items])
+            grad_left = torch.stack([_grad_or_zeros(B, work) for _, B, _ in items])
+            buf = None
+            if has_momentum:
+                states = [self.state[A] for A, _, _ in items]
+                buf = TangentVector(
+                    torch.stack([s["momentum_A"] for s in states]), torch.stack([s["momentum_B"] for s in states])
+                )
+            new_point, new_buf = riemannion_update(
+                point,
+                grad_right,
+                grad_left,
+                buf,
+                lr=group["lr"],
+                beta=group["momentum"],
+                nesterov=group["nesterov"],
+                weight_decay=group["weight_decay"],
+                orthogonalize_step=group["orthogonalize"],
+                rtol=group["rtol"],
+            )
+            for i, (A, B, _) in enumerate(items):
+                A.copy_(new_point.A[i])
+                B.copy_(new_point.B[i])
+                state = self.state[A]
+                state["step"] = state.get("step", 0) + 1
+                if group["momentum"] > 0:
+                    # clones: a view would make torch.save write the whole stacked buffer for every adapter
+                    state["momentum_A"], state["momentum_B"] = new_buf.A_dot[i].clone(), new_buf.B_dot[i].clone()
+
+    def _step_aux(self, group: dict[str, Any]) -> None:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            adamw_update(
+                p,
+                p.grad,
+                state["exp_avg"],
+                state["exp_avg_sq"],
+                state["step"],
+                lr=group["lr"],
+                betas=group["betas"],
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+            )
+
+
+class RiemannLoRA(Riemannion):
+    """The SGD variant (METHODS.md: "RiemannLoRA"): heavy-ball momentum on ``P_T(G)``, retraction, no Ortho.
+
+    The learning rate is in Frobenius units (a plain gradient step on the manifold), so it is usually larger than
+    Riemannion's. Every argument is :class:`Riemannion`'s; ``orthogonalize`` defaults to ``False``.
+    """
+
+    def __init__(self, params: ParamsT, *, orthogonalize: bool = False, **kwargs: Any) -> None:
+        super().__init__(params, orthogonalize=orthogonalize, **kwargs)
+
+
+def _grad_or_zeros(p: Tensor, dtype: torch.dtype) -> Tensor:
+    return p.grad.to(dtype) if p.grad is not None else torch.zeros(p.shape, dtype=dtype, device=p.device)
+
+
+def _triples(group: dict[str, Any]) -> Iterable[tuple[Tensor, Tensor, Tensor]]:
+    params = group["params"]
+    return zip(params[0::3], params[1::3], params[2::3])
+
+
+def _check_group(group: dict[str, Any], index: int) -> None:
+    def bad(key: str, valid: str) -> ValueError:
+        return ValueError(f"param group {index}: `{key}` must be {valid}, got {group[key]!r}")
+
+    if not (isinstance(group["lr"], (int, float)) and group["lr"] >= 0 and math.isfinite(group["lr"])):
+        raise bad("lr", "a finite number >= 0")
+    if not 0 <= group["weight_decay"] < math.inf:
+        raise bad("weight_decay", "a finite number >= 0")
+    if group["manifold"]:
+        if not 0 <= group["momentum"] < 1:
+            raise bad("momentum", "in [0, 1)")
+        if group["nesterov"] and group["momentum"] == 0:
+            raise bad("nesterov", "False when momentum is 0 (Nesterov needs momentum)")
+        if group["rtol"] is not None and not 0 <= group["rtol"] < 1:
+            raise bad("rtol", "None or in [0, 1)")
+    else:
+        betas = group["betas"]
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+            raise bad("betas", "a pair of numbers in [0, 1)")
+        if not group["eps"] > 0:
+            raise bad("eps", "> 0")
+
+
+def create_riemannion_optimizer(
+    model: nn.Module,
+    lr: float = 1e-3,
+    *,
+    variant: Literal["muon", "sgd"] = "muon",
+    momentum: float = 0.9,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    aux_lr: Optional[float] = None,
+    aux_betas: tuple[float, float] = (0.9, 0.999),
+    aux_eps: float = 1e-8,
+    aux_weight_decay: Optional[float] = None,
+    nonfinite: Literal["raise", "skip"] = "raise",
+) -> Riemannion:
+    """Build a :class:`Riemannion` (or :class:`RiemannLoRA`) for all trainable parameters of a PEFT model.
+
+    Args:
+        model: A model with trainable Riemannion adapters (e.g. from ``get_peft_model``).
+        lr: Manifold learning rate (spectral-norm units for ``"muon"``, Frobenius units for ``"sgd"``).
+        variant: ``"muon"`` (Riemannion) or ``"sgd"`` (RiemannLoRA).
+        momentum: Momentum coefficient.
+        nesterov: Nesterov momentum.
+        weight_decay: Decoupled weight decay of the adapters.
+        aux_lr: AdamW learning rate for the other trainable parameters (default ``lr``).
+        aux_betas: AdamW betas.
+        aux_eps: AdamW eps.
+        aux_weight_decay: AdamW weight decay (default ``weight_decay``).
+        nonfinite: ``"raise"`` or ``"skip"``; see :class:`Riemannion`.
+    """
+    variants = {"muon": Riemannion, "sgd": RiemannLoRA}
+    if variant not in variants:
+        raise ValueError(f"`variant` must be one of {sorted(variants)}, got {variant!r}")
+    if not any(ref.A.requires_grad for ref in find_adapters(model)):
+        raise ValueError(
+            "create_riemannion_optimizer: the model has no trainable Riemannion adapter; build it with "
+            "get_peft_model(model, RiemannionConfig(...)) and make sure the adapter is active"
+        )
+    return variants[variant](
+        model,
+        lr=lr,
+        momentum=momentum,
+        nesterov=nesterov,
+        weight_decay=weight_decay,
+        aux_lr=aux_lr,
+        aux_betas=aux_betas,
+        aux_eps=aux_eps,
+        aux_weight_decay=aux_weight_decay,
+        nonfinite=nonfinite,
+    )

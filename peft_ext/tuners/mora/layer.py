@@ -1,0 +1,311 @@
+"""The MoRA layer: a square projection of one tower with a shared (Gram-coupled) and a specific low-rank branch.
+
+Per adapter the layer holds the modality-specific LoRA pair ``mora_spec_A`` (``r x in``), ``mora_spec_B``
+(``out x r``) and the two magnitude vectors ``mora_mag_shared`` / ``mora_mag_specific`` (``out``). The modality-common
+factors ``S_A`` / ``S_B`` live once, on the tuner (:class:`~.model.MoRAModel`), and the layer reads them through a
+plain (unregistered) reference, so the state dict holds one copy and every module of the pair uses the same tensors.
+
+The composed weight (METHODS.md section 4) is::
+
+    W' = diag(s_sh) (W + a dW_sh) + diag(s_sp) (W + a dW_sp),   s_x = m_x / ||W + a dW_x||_row
+
+and the layer adds ``x (W' - W)^T`` to the base output. Writing the adapter as the delta ``W' - W`` (rather than
+replacing the base forward) keeps the base path untouched, so the identity at init is exact (``W' - W`` is exactly
+zero when ``m_sh = 0``, ``m_sp = ||W||`` and ``M_B = 0``) and quantized bases need no special forward.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional
+
+import torch
+from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check_adapters_to_merge
+from peft.utils import quantization_extra_repr, resolve_quantization_backend
+from torch import nn
+
+from ..riemannion.layer import _disable_bnb_cpu_repacking
+from .config import MoRAConfig
+
+__all__ = ["MODALITIES", "Linear", "MoRALayer", "SharedFactors", "row_norm"]
+
+MODALITIES = ("text", "vision")
+
+
+def row_norm(weight: torch.Tensor) -> torch.Tensor:
+    """L2 norm of each output unit's weight vector (``weight`` is ``out x in``): DoRA's magnitude convention."""
+    return torch.linalg.vector_norm(weight, dim=1)
+
+
+class SharedFactors:
+    """The tuner's modality-common parameters as the layers see them: ``S_A[adapter][pair]``, ``S_B[adapter][pair]``.
+
+    A plain object (not an ``nn.Module``), so that layers holding it do not register the shared parameters again:
+    ``state_dict`` and ``named_parameters`` list them once, under the tuner.
+
+    Args:
+        text: ``ModuleDict`` adapter -> ``ParameterDict`` pair key -> ``S_A`` (``d_text x r``).
+        vision: ``ModuleDict`` adapter -> ``ParameterDict`` pair key -> ``S_B`` (``d_vision x r``).
+    """
+
+    def __init__(self, text: nn.ModuleDict, vision: nn.ModuleDict) -> None:
+        self.text = text
+        self.vision = vision
+
+    def pair(self, adapter_name: str, pair_key: str, modality: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(own, other)``: this tower's factor and the other tower's, for one adapter and layer pair."""
+        a = self.text[adapter_name][pair_key]
+        b = self.vision[adapter_name][pair_key]
+        return (a, b) if modality == "text" else (b, a)
+
+
+class MoRALayer(BaseTunerLayer):
+    """State and shared logic of a layer carrying MoRA adapters (see the module docstring)."""
+
+    adapter_layer_names: tuple[str, ...] = ("mora_spec_A", "mora_spec_B", "mora_mag_shared", "mora_mag_specific")
+    other_param_names: tuple[str, ...] = ("r", "scaling", "mora_pair")
+
+    def __init__(self, base_layer: nn.Module, modality: str, shared: SharedFactors, **kwargs: Any) -> None:
+        if modality not in MODALITIES:
+            raise ValueError(f"`modality` must be one of {MODALITIES}, got {modality!r}")
+        self.base_layer = base_layer
+        self.quantization_backend = resolve_quantization_backend(
+            self.get_base_layer(), get_apply_tensor_subclass=kwargs.get("get_apply_tensor_subclass")
+        )
+        if self.quantization_backend is not None:
+            _disable_bnb_cpu_repacking(self.get_base_layer())
+        self.mora_modality = modality
+        # object.__setattr__: keep the reference out of nn.Module's registry (one copy in the state dict, see above)
+        object.__setattr__(self, "_mora_shared", shared)
+        self.r: dict[str, int] = {}
+        self.scaling: dict[str, float] = {}
+        self.mora_pair: dict[str, str] = {}
+        self.mora_spec_A = nn.ParameterDict({})
+        self.mora_spec_B = nn.ParameterDict({})
+        self.mora_mag_shared = nn.ParameterDict({})
+        self.mora_mag_specific = nn.ParameterDict({})
+        self._disable_adapters = False
+        self.merged_adapters: list[str] = []
+        # one entry per merge() call: {adapter: (s_sh, s_sp)}, what unmerge() needs to invert it exactly
+        self._mora_merge_scales: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        self.kwargs = kwargs
+        in_features, out_features = _get_in_out_features(self.get_base_layer())
+        if in_features is None or out_features is None:
+            raise TypeError(f"MoRA cannot read the in/out features of {type(self.get_base_layer()).__name__}")
+        if in_features != out_features:
+            raise ValueError(
+                f"MoRA's shared delta S (G) S^T is square, so it adapts square projections only; this layer is "
+                f"{out_features} x {in_features}. Restrict `target_modules` to the attention projections."
+            )
+        self.in_features = in_features
+        self.out_features = out_features
+
+    def update_layer(self, adapter_name: str, pair_key: str, config: MoRAConfig, inference_mode: bool = False) -> None:
+        """Add (or re-create) adapter ``adapter_name``; the shared factors must already exist on the tuner.
+
+        Args:
+            adapter_name: Name of the adapter.
+            pair_key: Key of this layer's modality-common pair in the tuner's shared factors.
+            config: The adapter's configuration.
+            inference_mode: Create it frozen.
+        """
+        r, d = config.r, self.out_features
+        own, _ = self._mora_shared.pair(adapter_name, pair_key, self.mora_modality)
+        if own.shape[0] != d:
+            raise ValueError(f"shared factor for pair {pair_key!r} has {own.shape[0]} rows, this layer is {d} wide")
+        self.r[adapter_name] = r
+        self.scaling[adapter_name] = config.scaling
+        self.mora_pair[adapter_name] = pair_key
+        # LoRA's init for the specific pair: A Kaiming-uniform-like, B zero (identity) or small random (tests)
+        bound = 1.0 / d**0.5
+        self.mora_spec_A[adapter_name] = nn.Parameter(torch.empty(r, d).uniform_(-bound, bound))
+        spec_b = torch.zeros(d, r) if config.init_weights else torch.randn(d, r) * 0.5
+        self.mora_spec_B[adapter_name] = nn.Parameter(spec_b)
+        with torch.no_grad():
+            norm = row_norm(self.get_base_weight().float())
+        if config.init_weights:
+            mag_shared, mag_specific = torch.zeros_like(norm), norm
+        else:
+            mag_shared, mag_specific = norm / 2, norm / 2
+        self.mora_mag_shared[adapter_name] = nn.Parameter(mag_shared)
+        self.mora_mag_specific[adapter_name] = nn.Parameter(mag_specific.clone())
+        self._move_adapter_to_device_of_base_layer(adapter_name)
+        self.set_adapter(self.active_adapters, inference_mode=inference_mode)
+
+    # -- the composed weight ----------------------------------------------------------------------------------------
+
+    def shared_delta(self, adapter_name: str) -> torch.Tensor:
+        """The modality-common delta ``S_own (S_other^T S_other) S_own^T`` (``d x d``) of this layer's tower."""
+        own, other = self._mora_shared.pair(adapter_name, self.mora_pair[adapter_name], self.mora_modality)
+        return own @ (other.mT @ other) @ own.mT
+
+    def specific_delta(self, adapter_name: str) -> torch.Tensor:
+        """The modality-specific delta ``M_B M_A`` (``d x d``)."""
+        return self.mora_spec_B[adapter_name] @ self.mora_spec_A[adapter_name]
+
+    def _scales(
+        self, adapter_name: str, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(s_sh, s_sp, a dW_sh, a dW_sp)`` for the base weight ``weight`` (float32)."""
+        a = self.scaling[adapter_name]
+        d_sh = a * self.shared_delta(adapter_name)
+        d_sp = a * self.specific_delta(adapter_name)
+        # Not detached: DoRA (paper section 4.3, and PEFT) treats the norm as a constant to save the d x d graph;
+        # MoRA adapts a few top layers only, so we keep METHODS.md's formula's exact gradient. The clamp keeps an
+        # all-zero row of W (norm 0, delta 0) at scale 0 instead of 0/0.
+        tiny = torch.finfo(weight.dtype).tiny
+        s_sh = self.mora_mag_shared[adapter_name] / row_norm(weight + d_sh).clamp_min(tiny)
+        s_sp = self.mora_mag_specific[adapter_name] / row_norm(weight + d_sp).clamp_min(tiny)
+        return s_sh, s_sp, d_sh, d_sp
+
+    def get_delta_weight(self, adapter_name: str, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``W' - W = (s_sh + s_sp - 1) W + s_sh a dW_sh + s_sp a dW_sp`` (rows scaled), float32, ``out x in``.
+
+        Exactly zero at the identity init (``m_sh = 0``, ``m_sp = ||W||``, ``M_B = 0``): ``s_sp = ||W|| / ||W + 0||``
+        is the same float divided by itself.
+
+        Args:
+            adapter_name: The adapter.
+            weight: The base weight to compose with (default: the layer's, dequantized if needed).
+        """
+        if weight is None:
+            weight = self.get_base_weight()
+        weight = weight.detach().float()
+        s_sh, s_sp, d_sh, d_sp = self._scales(adapter_name, weight)
+        return (s_sh + s_sp - 1).unsqueeze(1) * weight + s_sh.unsqueeze(1) * d_sh + s_sp.unsqueeze(1) * d_sp
+
+    def _adapter_output(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        return self._cast_input_dtype(x, delta.dtype) @ delta.mT
+
+    def _check_forward_args(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        adapter_names = kwargs.get("adapter_names")
+        if adapter_names is None:
+            return
+        if len(x) != len(adapter_names):
+            raise ValueError(
+                f"`adapter_names` must have one entry per input, got {len(adapter_names)} names for {len(x)} inputs"
+            )
+        if self.merged:
+            raise ValueError("Cannot pass `adapter_names` while adapters are merged; call `unmerge_adapter()` first")
+
+
+class Linear(nn.Module, MoRALayer):
+    """A square ``torch.nn.Linear`` (or bitsandbytes ``Linear8bitLt`` / ``Linear4bit``) of one tower, with MoRA.
+
+    Args:
+        base_layer: The layer to adapt.
+        adapter_name: Name of the first adapter.
+        pair_key: Key of the layer pair's shared factors on the tuner.
+        modality: ``"text"`` or ``"vision"``: which shared factor is this tower's own.
+        shared: The tuner's shared factors.
+        config: The adapter's configuration.
+    """
+
+    def __init__(
+        self,
+        base_layer: nn.Module,
+        adapter_name: str,
+        pair_key: str,
+        modality: str,
+        shared: SharedFactors,
+        config: MoRAConfig,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        MoRALayer.__init__(self, base_layer, modality, shared, **kwargs)
+        self._active_adapter = adapter_name
+        self.update_layer(adapter_name, pair_key, config, inference_mode=config.inference_mode)
+
+    def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
+        """Write the active (or the given) adapters' composed weight into the base weight.
+
+        Adapters merged in one call are composed from the same base weight, exactly like the unmerged forward of
+        several active adapters (each delta is relative to ``W``).
+
+        Args:
+            safe_merge: Compute the merged weight in a copy and raise ``ValueError`` if it has non-finite values,
+                leaving the base weight untouched.
+            adapter_names: Adapters to merge (default: the active ones).
+        """
+        adapter_names = [n for n in check_adapters_to_merge(self, adapter_names) if n in self.mora_spec_A]
+        if not adapter_names:
+            return
+        if self.quantization_backend is not None and not self.quantization_backend.supports_merge:
+            raise TypeError(
+                f"Cannot merge into a {self.quantization_backend.backend_name} base layer: it cannot be dequantized"
+            )
+        weight = self.get_base_weight()
+        base = weight.detach().float()
+        merged = base.clone()
+        scales = {}
+        with torch.no_grad():
+            for name in adapter_names:
+                s_sh, s_sp, d_sh, d_sp = self._scales(name, base)
+                merged += (s_sh + s_sp - 1).unsqueeze(1) * base + s_sh.unsqueeze(1) * d_sh + s_sp.unsqueeze(1) * d_sp
+                scales[name] = (s_sh.clone(), s_sp.clone())
+        if safe_merge and not torch.isfinite(merged).all():
+            raise ValueError(
+                f"Merging MoRA adapters {adapter_names} gives non-finite weights (NaN or inf); the adapter is broken "
+                "and the base weight was left unchanged"
+            )
+        self.set_base_weight(merged.to(weight.dtype))
+        self._mora_merge_scales.append(scales)
+        self.merged_adapters.extend(adapter_names)
+
+    def unmerge(self) -> None:
+        """Restore the base weight: invert each merge (a per-row affine map of ``W``) with the scales it used.
+
+        With ``W_m = diag(1 + sum_k (s_sh,k + s_sp,k - 1)) W + sum_k a (s_sh,k dW_sh,k + s_sp,k dW_sp,k)`` the scales
+        cached at merge time make ``W`` recoverable without storing a copy of it (PEFT's DoRA caches its norm the same
+        way).
+        """
+        if not self.merged:
+            warnings.warn("Already unmerged. Nothing to do.", UserWarning, stacklevel=2)
+            return
+        while self._mora_merge_scales:
+            scales = self._mora_merge_scales.pop()
+            weight = self.get_base_weight()
+            restored = weight.detach().float().clone()
+            gain = torch.ones_like(restored[:, 0])
+            with torch.no_grad():
+                for name, (s_sh, s_sp) in scales.items():
+                    a = self.scaling[name]
+                    restored -= s_sh.unsqueeze(1) * (a * self.shared_delta(name))
+                    restored -= s_sp.unsqueeze(1) * (a * self.specific_delta(name))
+                    gain += s_sh + s_sp - 1
+            self.set_base_weight((restored / gain.unsqueeze(1)).to(weight.dtype))
+            for _ in scales:
+                self.merged_adapters.pop()
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self._check_forward_args(x, *args, **kwargs)
+        adapter_names = kwargs.pop("adapter_names", None)
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(x, *args, **kwargs)
+        result = self.base_layer(x, *args, **kwargs)
+        if self.merged:
+            return result
+        active = sorted(set(adapter_names)) if adapter_names is not None else self.active_adapters
+        active = [name for name in active if name in self.mora_spec_A]
+        if not active:
+            return result
+        if self.quantization_backend is not None:
+            result = self.quantization_backend.maybe_clone_base_result(result)
+        dtype = result.dtype
+        weight = self.get_base_weight()
+        for name in active:
+            delta = self.get_delta_weight(name, weight)
+            if adapter_names is None:
+                result = result + self._adapter_output(x, delta).to(dtype)
+            else:
+                rows = [i for i, item in enumerate(adapter_names) if item == name]
+                result[rows] += self._adapter_output(x[rows], delta).to(dtype)
+        return result
+
+    def extra_repr(self) -> str:
+        return f"modality={self.mora_modality}, " + quantization_extra_repr(self)
+
+    def __repr__(self) -> str:
+        return "mora." + super().__repr__()

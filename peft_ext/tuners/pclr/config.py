@@ -1,0 +1,143 @@
+"""Configuration of PCLR: a capped LoRA rank pool with keyed per-sample routing (METHODS.md section 3)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from peft.config import PeftConfig
+from peft.utils import PeftType
+
+COMPRESS_RULES = ("index", "importance")
+
+
+@dataclass
+class PCLRConfig(PeftConfig):
+    """Config of a PCLR adapter: a pool of rank-1 components per target linear, routed per sample by keys.
+
+    Every target linear ``W`` gets ``y = W x + (alpha / top_k) * sum_{i in S(x)} (a_i . x) b_i + shared(x)``, where
+    ``S(x)`` are the ``top_k`` ranks whose keys best match the sample's query (cosine) among the ranks the sample may
+    use. All linears of one layer group (one transformer block, found with ``group_pattern``) share one key set and
+    one selection. The pool holds frozen *static* ranks (earlier tasks) and trainable *new* ranks (the current task);
+    static plus new never exceed ``pool_size``. A freshly created adapter is learning task 0 with
+    ``ranks_schedule[0]`` new ranks. The cycle (``peft_ext.tuners.pclr.cycle``) moves ranks from new to static,
+    compresses and integrates.
+
+    Args:
+        pool_size: Cap on the number of ranks (static + new) per linear (public code: 256).
+        ranks_schedule: New ranks per task ``t`` (entry ``t``; the last entry repeats). Paper: 64, later 32.
+        compress_schedule: Fraction of the pool dropped after task ``t`` (entry ``t``; the last entry repeats).
+            Paper (8 tasks): nothing for the first tasks, then 25 %, then 12.5 %.
+        compress_rule: ``"index"`` (public code: drop every s-th rank) or ``"importance"`` (drop the ranks with the
+            smallest ``||a_i|| ||b_i||`` summed over the group's linears; the paper's intent).
+        top_k: Ranks selected per sample (public code: 64).
+        alpha: Output scale numerator; the pool's output is scaled by ``alpha / top_k``.
+        shared_r: Rank of the always-on shared dense LoRA (0 disables it; public code: 32).
+        shared_alpha: Scale numerator of the shared LoRA (scale ``shared_alpha / shared_r``).
+        query_dim: Width of the routing query; default: the model's input-embedding width.
+        group_pattern: Regex whose first group names a module's layer group; modules that do not match form a group
+            of their own.
+        query_loss_weight: Weight of the query-key loss ``1 - cos(q, k)`` over the selected keys (code: 0.2).
+        prototype_routing: At inference, the nearest stored task prototype ``t*`` restricts a sample to ranks of
+            tasks ``<= t*`` (plus ranks of the task still being learnt).
+        init_from_static: Initialize new ranks' ``a_i`` from the static ranks whose keys best match the new task.
+        init_weights: ``True``: ``b_i = 0`` and shared ``B = 0`` (the adapter starts as the identity). ``False``:
+            random ``b_i`` too (tests of merge and switching).
+        target_modules: Names (or a regex) of the ``nn.Linear`` modules to adapt.
+        exclude_modules: Names (or a regex) of modules not to adapt.
+        modules_to_save: Modules besides the adapters to train and save (e.g. a classification head).
+        max_tasks: Capacity of the stored task prototypes.
+    """
+
+    pool_size: int = field(default=256, metadata={"help": "Cap on ranks (static + new) per linear."})
+    ranks_schedule: list[int] = field(
+        default_factory=lambda: [64, 64, 64, 64, 64, 32], metadata={"help": "New ranks per task; last repeats."}
+    )
+    compress_schedule: list[float] = field(
+        default_factory=lambda: [0.0, 0.0, 0.0, 0.25, 0.125],
+        metadata={"help": "Fraction of the pool dropped after each task; last repeats."},
+    )
+    compress_rule: str = field(default="importance", metadata={"help": "'index' or 'importance'."})
+    top_k: int = field(default=64, metadata={"help": "Ranks selected per sample."})
+    alpha: float = field(default=64.0, metadata={"help": "Pool output scale numerator (scale alpha / top_k)."})
+    shared_r: int = field(default=0, metadata={"help": "Rank of the always-on shared LoRA (0: none)."})
+    shared_alpha: float = field(default=16.0, metadata={"help": "Shared LoRA scale numerator."})
+    query_dim: Optional[int] = field(default=None, metadata={"help": "Query width; default input-embedding width."})
+    group_pattern: str = field(
+        default=r"^(.*?\.(?:layer|layers|h|blocks|block)\.\d+)\.",
+        metadata={"help": "Regex whose group 1 is a module's layer group."},
+    )
+    query_loss_weight: float = field(default=0.2, metadata={"help": "Weight of the 1 - cos(q, k) key loss."})
+    prototype_routing: bool = field(default=True, metadata={"help": "Restrict ranks by nearest task prototype."})
+    init_from_static: bool = field(default=True, metadata={"help": "Init new a_i from best-matching static ranks."})
+    init_weights: bool = field(default=True, metadata={"help": "True: identity at init; False: random b_i."})
+    max_tasks: int = field(default=64, metadata={"help": "Capacity of stored task prototypes."})
+    target_modules: Optional[Union[list[str], str]] = field(
+        default=None, metadata={"help": "Module names or a regex of the nn.Linear modules to adapt."}
+    )
+    exclude_modules: Optional[Union[list[str], str]] = field(
+        default=None, metadata={"help": "Module names or a regex of modules not to adapt."}
+    )
+    modules_to_save: Optional[list[str]] = field(
+        default=None, metadata={"help": "Modules besides the adapters to set trainable and save (e.g. a head)."}
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # Looked up on the enum: register_peft_type instantiates this class before its return value exists.
+        self.peft_type = PeftType.PCLR
+        if isinstance(self.target_modules, list):
+            self.target_modules = set(self.target_modules)
+        if isinstance(self.exclude_modules, list):
+            self.exclude_modules = set(self.exclude_modules)
+        for name in ("pool_size", "top_k", "max_tasks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+        if isinstance(self.shared_r, bool) or not isinstance(self.shared_r, int) or self.shared_r < 0:
+            raise ValueError(f"`shared_r` must be a non-negative integer (0 disables it), got {self.shared_r!r}")
+        self.ranks_schedule = list(self.ranks_schedule)
+        self.compress_schedule = list(self.compress_schedule)
+        if not self.ranks_schedule or any(
+            isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= self.pool_size for r in self.ranks_schedule
+        ):
+            raise ValueError(
+                f"`ranks_schedule` must be a non-empty list of integers in [1, pool_size={self.pool_size}], "
+                f"got {self.ranks_schedule!r}"
+            )
+        if not self.compress_schedule or any(
+            not isinstance(c, (int, float)) or not 0 <= c < 1 for c in self.compress_schedule
+        ):
+            raise ValueError(
+                f"`compress_schedule` must be a non-empty list of fractions in [0, 1), got {self.compress_schedule!r}"
+            )
+        if self.compress_rule not in COMPRESS_RULES:
+            raise ValueError(f"`compress_rule` must be one of {COMPRESS_RULES}, got {self.compress_rule!r}")
+        for name in ("alpha", "shared_alpha", "query_loss_weight"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}")
+        if self.query_dim is not None and (not isinstance(self.query_dim, int) or self.query_dim < 1):
+            raise ValueError(f"`query_dim` must be a positive integer or None, got {self.query_dim!r}")
+        for name in ("prototype_routing", "init_from_static", "init_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}")
+
+    @property
+    def new_capacity(self) -> int:
+        """Room for trainable ranks: the largest entry of ``ranks_schedule``."""
+        return max(self.ranks_schedule)
+
+    @property
+    def scale(self) -> float:
+        """The pool's output scale ``alpha / top_k`` (METHODS.md section 3)."""
+        return self.alpha / self.top_k
+
+    def ranks_for_task(self, task_id: int) -> int:
+        """New ranks of task ``task_id`` (the schedule's last entry repeats)."""
+        return self.ranks_schedule[min(task_id, len(self.ranks_schedule) - 1)]
+
+    def compress_ratio_after(self, task_id: int) -> float:
+        """Fraction of the pool dropped after task ``task_id`` (the schedule's last entry repeats)."""
+        return float(self.compress_schedule[min(task_id, len(self.compress_schedule) - 1)])

@@ -1,0 +1,386 @@
+"""The PCLR layer: a linear with a capped pool of rank-1 components routed per sample, plus an optional shared LoRA.
+
+Per adapter the layer holds (``N_s`` static and ``N_n`` new ranks in use; METHODS.md section 3)
+
+- ``pclr_A_static`` (pool_size x in), ``pclr_B_static`` (pool_size x out): frozen ranks of finished tasks (buffers,
+  so no optimizer or ``set_adapter`` can make them trainable); rows ``>= N_s`` are unused;
+- ``pclr_A`` (new_capacity x in), ``pclr_B`` (new_capacity x out): the current task's trainable ranks;
+- ``pclr_shared_A`` (shared_r x in), ``pclr_shared_B`` (out x shared_r): the always-on shared LoRA;
+- ``pclr_rank_task`` (pool_size + new_capacity): the task each slot belongs to (-1: empty);
+- ``pclr_counts``: ``[N_s, N_n, tasks with a stored prototype, current task]``;
+- on the first layer of each layer group only (the group's *owner*): ``pclr_keys_static`` / ``pclr_keys`` (the keys,
+  same layout as the ranks) and ``pclr_prototypes`` (max_tasks x d).
+
+Ranks are stored rank-major (one row per rank), so gathering a subset reads contiguous rows. The forward pass
+concatenates the active static and new rows into one pool of ``N = N_s + N_n`` ranks and calls
+:func:`peft_ext.kernels.rank_pool_gather` with the group's per-sample selection.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Optional
+
+import torch
+from peft.tuners._buffer_dict import BufferDict
+from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check_adapters_to_merge
+from peft.utils import quantization_extra_repr, resolve_quantization_backend
+from torch import nn
+
+from ...kernels import rank_pool_gather
+from ..riemannion.layer import _disable_bnb_cpu_repacking
+from .config import PCLRConfig
+from .router import RoutingState, allowed_by_prototype, query_key_loss, select_top_k
+
+__all__ = ["Linear", "PCLRLayer"]
+
+# Slots of pclr_counts.
+N_STATIC, N_NEW, N_PROTOS, TASK = 0, 1, 2, 3
+
+
+class PCLRLayer(BaseTunerLayer):
+    """State and shared logic of a layer carrying PCLR adapters (see the module docstring)."""
+
+    adapter_layer_names: tuple[str, ...] = ("pclr_A", "pclr_B", "pclr_keys", "pclr_shared_A", "pclr_shared_B")
+    other_param_names: tuple[str, ...] = (
+        "pclr_A_static",
+        "pclr_B_static",
+        "pclr_keys_static",
+        "pclr_rank_task",
+        "pclr_counts",
+        "pclr_prototypes",
+        "pclr_scale",
+        "pclr_top_k",
+        "pclr_shared_scale",
+        "pclr_prototype_routing",
+    )
+
+    def __init__(self, base_layer: nn.Module, **kwargs: Any) -> None:
+        self.base_layer = base_layer
+        self.quantization_backend = resolve_quantization_backend(
+            self.get_base_layer(), get_apply_tensor_subclass=kwargs.get("get_apply_tensor_subclass")
+        )
+        if self.quantization_backend is not None:
+            _disable_bnb_cpu_repacking(self.get_base_layer())
+        self.pclr_A = nn.ParameterDict({})
+        self.pclr_B = nn.ParameterDict({})
+        self.pclr_keys = nn.ParameterDict({})
+        self.pclr_shared_A = nn.ParameterDict({})
+        self.pclr_shared_B = nn.ParameterDict({})
+        self.pclr_A_static = BufferDict({}, persistent=True)
+        self.pclr_B_static = BufferDict({}, persistent=True)
+        self.pclr_keys_static = BufferDict({}, persistent=True)
+        self.pclr_rank_task = BufferDict({}, persistent=True)
+        self.pclr_counts = BufferDict({}, persistent=True)
+        self.pclr_prototypes = BufferDict({}, persistent=True)
+        self.pclr_scale: dict[str, float] = {}
+        self.pclr_top_k: dict[str, int] = {}
+        self.pclr_shared_scale: dict[str, float] = {}
+        self.pclr_prototype_routing: dict[str, bool] = {}
+        self.pclr_group = ""
+        self._pclr_state: Optional[RoutingState] = None
+        self._disable_adapters = False
+        self.merged_adapters: list[str] = []
+        self.kwargs = kwargs
+        in_features, out_features = _get_in_out_features(self.get_base_layer())
+        if in_features is None or out_features is None:
+            raise TypeError(f"PCLR cannot read the in/out features of {type(self.get_base_layer()).__name__}")
+        self.in_features = in_features
+        self.out_features = out_features
+
+    def owns_keys(self, adapter_name: str) -> bool:
+        """Whether this layer holds its group's keys and prototypes of ``adapter_name``."""
+        state = self._pclr_state
+        return state is not None and state.owners.get((self.pclr_group, adapter_name)) is self
+
+    def group_owner(self, adapter_name: str) -> PCLRLayer:
+        """The layer holding this layer's group keys and prototypes of ``adapter_name``."""
+        state = self._pclr_state
+        if state is None or (self.pclr_group, adapter_name) not in state.owners:
+            raise ValueError(
+                f"PCLR layer of group {self.pclr_group!r} has no key owner for adapter {adapter_name!r}; it is not "
+                "attached to a PCLR model"
+            )
+        return state.owners[(self.pclr_group, adapter_name)]
+
+    def update_layer(
+        self, adapter_name: str, config: PCLRConfig, query_dim: int, inference_mode: bool = False
+    ) -> None:
+        """Add (or re-create) adapter ``adapter_name``: an empty static pool and task 0's new ranks.
+
+        Args:
+            adapter_name: Name of the adapter.
+            config: Its configuration.
+            query_dim: Width of the routing query (keys are created on the group owner only).
+            inference_mode: Create it frozen.
+        """
+        n, m = self.in_features, self.out_features
+        cap, new_cap, n_new = config.pool_size, config.new_capacity, config.ranks_for_task(0)
+        self.pclr_scale[adapter_name] = config.scale
+        self.pclr_top_k[adapter_name] = config.top_k
+        self.pclr_prototype_routing[adapter_name] = config.prototype_routing
+        self.pclr_A_static[adapter_name] = torch.zeros(cap, n)
+        self.pclr_B_static[adapter_name] = torch.zeros(cap, m)
+        A = torch.zeros(new_cap, n)
+        A[:n_new] = torch.randn(n_new, n) / math.sqrt(n)
+        B = torch.zeros(new_cap, m)
+        if not config.init_weights:
+            B[:n_new] = torch.randn(n_new, m) / math.sqrt(n_new)
+        self.pclr_A[adapter_name] = nn.Parameter(A)
+        self.pclr_B[adapter_name] = nn.Parameter(B)
+        tags = torch.full((cap + new_cap,), -1, dtype=torch.long)
+        tags[cap : cap + n_new] = 0
+        self.pclr_rank_task[adapter_name] = tags
+        self.pclr_counts[adapter_name] = torch.tensor([0, n_new, 0, 0], dtype=torch.long)
+        if config.shared_r > 0:
+            r = config.shared_r
+            self.pclr_shared_A[adapter_name] = nn.Parameter(torch.randn(r, n) / math.sqrt(n))
+            shared_B = torch.zeros(m, r) if config.init_weights else torch.randn(m, r) / math.sqrt(r)
+            self.pclr_shared_B[adapter_name] = nn.Parameter(shared_B)
+            self.pclr_shared_scale[adapter_name] = config.shared_alpha / r
+        if self._pclr_state is not None:
+            # The first layer of the group that gets this adapter holds the group's keys (an adapter may target only
+            # some of a block's linears, so ownership is per adapter).
+            self._pclr_state.owners.setdefault((self.pclr_group, adapter_name), self)
+        if self.owns_keys(adapter_name):
+            keys = torch.zeros(new_cap, query_dim)
+            keys[:n_new] = nn.functional.normalize(torch.randn(n_new, query_dim), dim=-1)
+            self.pclr_keys[adapter_name] = nn.Parameter(keys)
+            self.pclr_keys_static[adapter_name] = torch.zeros(cap, query_dim)
+            self.pclr_prototypes[adapter_name] = torch.zeros(config.max_tasks, query_dim)
+        self._move_adapter_to_device_of_base_layer(adapter_name)
+        self.set_adapter(self.active_adapters, inference_mode=inference_mode)
+
+    # -- the pool ------------------------------------------------------------------------------------------------
+
+    def counts(self, adapter_name: str) -> list[int]:
+        """``[static ranks, new ranks, stored prototypes, current task]`` of the adapter."""
+        return [int(v) for v in self.pclr_counts[adapter_name].tolist()]
+
+    def active_rank_task(self, adapter_name: str) -> torch.Tensor:
+        """Task of each active rank, in pool order (static, then new)."""
+        n_s, n_n = self.counts(adapter_name)[:2]
+        tags = self.pclr_rank_task[adapter_name]
+        cap = self.pclr_A_static[adapter_name].shape[0]
+        return torch.cat([tags[:n_s], tags[cap : cap + n_n]])
+
+    def pool(self, adapter_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The active ranks ``(A, B)``: (N x in) and (N x out), static rows first; gradients reach the new ones."""
+        n_s, n_n = self.counts(adapter_name)[:2]
+        A = torch.cat([self.pclr_A_static[adapter_name][:n_s], self.pclr_A[adapter_name][:n_n]])
+        B = torch.cat([self.pclr_B_static[adapter_name][:n_s], self.pclr_B[adapter_name][:n_n]])
+        return A, B
+
+    def keys(self, adapter_name: str) -> torch.Tensor:
+        """The active keys (N x d) of this layer's group, static first."""
+        owner = self.group_owner(adapter_name)
+        n_s, n_n = owner.counts(adapter_name)[:2]
+        return torch.cat([owner.pclr_keys_static[adapter_name][:n_s], owner.pclr_keys[adapter_name][:n_n]])
+
+    def prototypes(self, adapter_name: str) -> torch.Tensor:
+        """The stored task prototypes (T x d), row ``t`` for task ``t``."""
+        owner = self.group_owner(adapter_name)
+        return owner.pclr_prototypes[adapter_name][: owner.counts(adapter_name)[N_PROTOS]]
+
+    def selection(self, adapter_name: str, batch: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This forward pass's per-sample ``(indices, gates)`` for the group (computed once per group and pass).
+
+        Args:
+            adapter_name: The adapter.
+            batch: Rows of the layer input, checked against the query (``None``: a row subset, not checked).
+        """
+        state = self._pclr_state
+        if state is None:
+            raise ValueError(f"PCLR layer of group {self.pclr_group!r} is not attached to a PCLR model")
+        cache_key = (self.pclr_group, adapter_name)
+        if cache_key in state.selections:
+            return state.selections[cache_key]
+        query = state.require_query(batch)
+        keys = self.keys(adapter_name)
+        allowed = None
+        if self.pclr_prototype_routing[adapter_name]:
+            allowed = allowed_by_prototype(query, self.prototypes(adapter_name), self.active_rank_task(adapter_name))
+        indices, gates = select_top_k(query, keys, self.pclr_top_k[adapter_name], allowed)
+        state.selections[cache_key] = (indices, gates)
+        if torch.is_grad_enabled() and keys.requires_grad:
+            state.losses.append(query_key_loss(query, keys, indices, gates))
+        return indices, gates
+
+    def _adapter_output(self, x: torch.Tensor, adapter_name: str, rows: Optional[list[int]] = None) -> torch.Tensor:
+        A, B = self.pool(adapter_name)
+        x = self._cast_input_dtype(x, A.dtype)
+        # A mixed-adapter batch passes this adapter's rows only: select for the whole batch (one query per sample)
+        # and keep those rows, so each row routes exactly as it would alone.
+        indices, gates = self.selection(adapter_name, None if rows is not None else x.shape[0])
+        if rows is not None:
+            indices, gates = indices[rows], gates[rows]
+        out = rank_pool_gather(x, A.mT, B, indices, self.pclr_scale[adapter_name], gates.to(x.dtype))
+        if adapter_name in self.pclr_shared_A:
+            shared_A, shared_B = self.pclr_shared_A[adapter_name], self.pclr_shared_B[adapter_name]
+            out = out + (x @ shared_A.mT) @ shared_B.mT * self.pclr_shared_scale[adapter_name]
+        return out
+
+    # -- merging -------------------------------------------------------------------------------------------------
+
+    def routing_is_static(self, adapter_name: str) -> bool:
+        """Whether every input selects every active rank, so the adapter equals one fixed weight delta.
+
+        True when ``top_k`` covers the pool and prototype routing cannot exclude any rank (every rank belongs to
+        task 0 or to a task without a stored prototype).
+        """
+        n_s, n_n, n_protos, _ = self.counts(adapter_name)
+        if self.pclr_top_k[adapter_name] < n_s + n_n:
+            return False
+        if not self.pclr_prototype_routing[adapter_name] or n_protos == 0:
+            return True
+        tags = self.active_rank_task(adapter_name)
+        return bool(((tags <= 0) | (tags >= n_protos)).all())
+
+    def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
+        """The adapter's weight delta (out x in) when routing is static (see :meth:`routing_is_static`).
+
+        Args:
+            adapter_name: The adapter.
+
+        Raises:
+            ValueError: If routing depends on the input; a merged weight could not reproduce it.
+        """
+        if not self.routing_is_static(adapter_name):
+            n_s, n_n = self.counts(adapter_name)[:2]
+            raise ValueError(
+                f"PCLR adapter {adapter_name!r} routes each input to its own {self.pclr_top_k[adapter_name]} of "
+                f"{n_s + n_n} ranks, so no single weight delta reproduces it; merging needs top_k >= the number of "
+                "active ranks and no prototype restriction"
+            )
+        A, B = self.pool(adapter_name)
+        compute = torch.float32 if A.device.type == "cpu" and A.dtype in (torch.float16, torch.bfloat16) else A.dtype
+        delta = self.pclr_scale[adapter_name] * (B.to(compute).mT @ A.to(compute))
+        if adapter_name in self.pclr_shared_A:
+            shared = self.pclr_shared_B[adapter_name].to(compute) @ self.pclr_shared_A[adapter_name].to(compute)
+            delta = delta + self.pclr_shared_scale[adapter_name] * shared
+        return delta.to(A.dtype)
+
+    def _check_forward_args(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        adapter_names = kwargs.get("adapter_names")
+        if adapter_names is None:
+            return
+        if len(x) != len(adapter_names):
+            raise ValueError(
+                f"`adapter_names` must have one entry per input, got {len(adapter_names)} names for {len(x)} inputs"
+            )
+        if self.merged:
+            raise ValueError("Cannot pass `adapter_names` while adapters are merged; call `unmerge_adapter()` first")
+
+    def _mixed_batch_forward(
+        self, x: torch.Tensor, *args: Any, adapter_names: list[str], **kwargs: Any
+    ) -> torch.Tensor:
+        result = self.base_layer(x, *args, **kwargs)
+        dtype = result.dtype
+        if self.quantization_backend is not None:
+            result = self.quantization_backend.maybe_clone_base_result(result)
+        for name in set(adapter_names):
+            if name == "__base__" or name not in self.pclr_A:
+                continue
+            rows = [i for i, item in enumerate(adapter_names) if item == name]
+            result[rows] += self._adapter_output(x[rows], name, rows=rows).to(dtype)
+        return result
+
+
+class Linear(nn.Module, PCLRLayer):
+    """A ``torch.nn.Linear`` (or a bitsandbytes ``Linear8bitLt`` / ``Linear4bit``) with PCLR adapters.
+
+    Args:
+        base_layer: The layer to adapt.
+        adapter_name: Name of the first adapter.
+        config: Its configuration.
+        query_dim: Width of the routing query.
+        group: The layer group (all linears of one block share keys and selection).
+        state: The model's routing state.
+    """
+
+    def __init__(
+        self,
+        base_layer: nn.Module,
+        adapter_name: str,
+        config: PCLRConfig,
+        query_dim: int,
+        group: str,
+        state: RoutingState,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        PCLRLayer.__init__(self, base_layer, **kwargs)
+        self.pclr_group = group
+        self._pclr_state = state
+        self._active_adapter = adapter_name
+        self.update_layer(adapter_name, config, query_dim, inference_mode=config.inference_mode)
+
+    def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
+        """Add the active (or the given) adapters' deltas to the base weight (static routing only).
+
+        Args:
+            safe_merge: Compute the merged weight in a copy and raise ``ValueError`` if it has non-finite values,
+                leaving the base weight untouched.
+            adapter_names: Adapters to merge (default: the active ones).
+        """
+        adapter_names = check_adapters_to_merge(self, adapter_names)
+        if not adapter_names:
+            return
+        if self.quantization_backend is not None and not self.quantization_backend.supports_merge:
+            raise TypeError(
+                f"Cannot merge into a {self.quantization_backend.backend_name} base layer: it cannot be dequantized"
+            )
+        for name in adapter_names:
+            if name not in self.pclr_A:
+                continue
+            weight = self.get_base_weight()
+            delta = self.get_delta_weight(name).to(weight.dtype)
+            if safe_merge:
+                merged = weight.clone() + delta
+                if not torch.isfinite(merged).all():
+                    raise ValueError(
+                        f"Merging PCLR adapter {name!r} gives non-finite weights; the adapter is broken "
+                        "(the base weight was left unchanged)"
+                    )
+                self.set_base_weight(merged)
+            else:
+                self.set_base_weight(weight + delta)
+            self.merged_adapters.append(name)
+
+    def unmerge(self) -> None:
+        """Subtract the merged adapters' deltas from the base weight again."""
+        if not self.merged:
+            warnings.warn("Already unmerged. Nothing to do.", UserWarning, stacklevel=2)
+            return
+        while self.merged_adapters:
+            name = self.merged_adapters.pop()
+            if name in self.pclr_A:
+                weight = self.get_base_weight()
+                self.set_base_weight(weight - self.get_delta_weight(name).to(weight.dtype))
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self._check_forward_args(x, *args, **kwargs)
+        adapter_names = kwargs.pop("adapter_names", None)
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(x, *args, **kwargs)
+        if adapter_names is not None:
+            return self._mixed_batch_forward(x, *args, adapter_names=adapter_names, **kwargs)
+        result = self.base_layer(x, *args, **kwargs)
+        if self.merged:
+            return result
+        dtype = result.dtype
+        if self.quantization_backend is not None:
+            result = self.quantization_backend.maybe_clone_base_result(result)
+        for name in self.active_adapters:
+            if name in self.pclr_A:
+                result = result + self._adapter_output(x, name).to(dtype)
+        return result
+
+    def extra_repr(self) -> str:
+        return quantization_extra_repr(self)
+
+    def __repr__(self) -> str:
+        return "pclr." + super().__repr__()

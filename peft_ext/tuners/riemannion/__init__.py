@@ -1,0 +1,36 @@
+"""Riemannion: LoRA on the fixed-rank manifold (METHODS.md section 1), registered with PEFT as ``"riemannion"``.
+
+Example::
+
+    from peft import get_peft_model
+    from peft_ext import RiemannionConfig
+    from peft_ext.optim import create_riemannion_optimizer
+    from peft_ext.tuners.riemannion import initialize_loi
+
+    model = get_peft_model(base, RiemannionConfig(r=16, target_modules=["q_proj", "v_proj"]))
+    initialize_loi(model, calibration_batches)  # optional: the gradient-informed LOI start
+    optimizer = create_riemannion_optimizer(model, lr=3e-2, aux_lr=3e-3)  # manifold lr, AdamW lr of the rest
+"""
+
+from __future__ import annotations
+
+from ...registry import register_peft_type
+from .config import RiemannionConfig
+from .layer import AdapterRef, Linear, RiemannionLayer, find_adapters
+from .loi import LoiResult, backprop_rsvd, initialize_loi
+from .model import RiemannionModel
+
+__all__ = [
+    "RIEMANNION",
+    "AdapterRef",
+    "Linear",
+    "LoiResult",
+    "RiemannionConfig",
+    "RiemannionLayer",
+    "RiemannionModel",
+    "backprop_rsvd",
+    "find_adapters",
+    "initialize_loi",
+]
+
+RIEMANNION = register_peft_type("riemannion", config_cls=RiemannionConfig, model_cls=RiemannionModel)

@@ -1,0 +1,89 @@
+"""Configuration of the Riemannion adapter (LoRA on the fixed-rank manifold, METHODS.md section 1)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from peft.config import PeftConfig
+from peft.utils import PeftType
+
+
+@dataclass
+class RiemannionConfig(PeftConfig):
+    """Config of a Riemannion adapter: the weight delta ``X - X0`` with ``X = A B^T`` a point of rank exactly ``r``.
+
+    ``A`` (out x r) has orthonormal columns and ``B`` (in x r) is free; ``X0`` is the initial point, kept inside the
+    adapter (two buffers) so that the model's output is unchanged at initialization without touching the base weight.
+    Train it with :class:`peft_ext.optim.Riemannion` (or its SGD variant :class:`peft_ext.optim.RiemannLoRA`), which
+    moves ``X`` on the manifold; ordinary optimizers would break ``A``'s orthonormality.
+
+    Args:
+        r: Rank of the adapter; must be at most ``min(in_features, out_features)`` of every target layer.
+        target_modules: Names (or a regex) of the ``nn.Linear`` modules to adapt; defaults to LoRA's per-architecture
+            defaults when the model type is known.
+        exclude_modules: Names (or a regex) of modules not to adapt.
+        init_weights: ``True`` (default): start from a random point and store it as ``X0``, so the delta is zero at
+            initialization; call :func:`peft_ext.tuners.riemannion.initialize_loi` afterwards for the
+            gradient-informed LOI point. ``False``: ``X0 = 0``, the delta is the random point itself (for tests).
+        init_scale: Every singular value of the initial point (random or LOI). Default ``1e-2 / sqrt(r)``, the order
+            of magnitude METHODS.md gives for the paper's LOI scale.
+        riemannion_dropout: Dropout on the adapter's input.
+        modules_to_save: Modules besides the adapters to train and save (e.g. a classification head).
+        layers_to_transform: Layer indices to adapt (with ``layers_pattern``).
+        layers_pattern: Name of the ``nn.ModuleList`` that ``layers_to_transform`` indexes.
+    """
+
+    r: int = field(default=16, metadata={"help": "Rank of the adapter (exact rank of X)."})
+    target_modules: Optional[Union[list[str], str]] = field(
+        default=None,
+        metadata={"help": "Module names or a regex of the nn.Linear modules to adapt, e.g. ['q_proj', 'v_proj']."},
+    )
+    exclude_modules: Optional[Union[list[str], str]] = field(
+        default=None, metadata={"help": "Module names or a regex of modules not to adapt."}
+    )
+    init_weights: bool = field(
+        default=True,
+        metadata={"help": "True: delta is zero at init (X0 = X). False: X0 = 0, a non-identity adapter (tests)."},
+    )
+    init_scale: Optional[float] = field(
+        default=None, metadata={"help": "Singular values of the initial point; default 1e-2 / sqrt(r)."}
+    )
+    riemannion_dropout: float = field(default=0.0, metadata={"help": "Dropout on the adapter input."})
+    modules_to_save: Optional[list[str]] = field(
+        default=None, metadata={"help": "Modules besides the adapters to set trainable and save (e.g. a head)."}
+    )
+    layers_to_transform: Optional[Union[list[int], int]] = field(
+        default=None, metadata={"help": "Layer indices to adapt (needs layers_pattern for unusual layouts)."}
+    )
+    layers_pattern: Optional[Union[list[str], str]] = field(
+        default=None, metadata={"help": "Name of the nn.ModuleList that layers_to_transform indexes."}
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # Looked up on the enum (not a module global): register_peft_type instantiates this class to check it before
+        # the registration's return value exists.
+        self.peft_type = PeftType.RIEMANNION
+        if isinstance(self.target_modules, list):
+            self.target_modules = set(self.target_modules)
+        if isinstance(self.exclude_modules, list):
+            self.exclude_modules = set(self.exclude_modules)
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
+            raise ValueError(f"`r` must be a positive integer, got {self.r!r}")
+        if not isinstance(self.init_weights, bool):
+            raise ValueError(f"`init_weights` must be True or False, got {self.init_weights!r}")
+        if self.init_scale is not None and not (math.isfinite(self.init_scale) and self.init_scale > 0):
+            raise ValueError(f"`init_scale` must be a positive finite number or None, got {self.init_scale!r}")
+        if not 0 <= self.riemannion_dropout < 1:
+            raise ValueError(f"`riemannion_dropout` must be in [0, 1), got {self.riemannion_dropout!r}")
+        if isinstance(self.target_modules, str) and self.layers_to_transform is not None:
+            raise ValueError("`layers_to_transform` cannot be used when `target_modules` is a regex string")
+        if self.layers_pattern and self.layers_to_transform is None:
+            raise ValueError("`layers_pattern` needs `layers_to_transform`; set both or neither")
+
+    @property
+    def resolved_init_scale(self) -> float:
+        """``init_scale``, or its default ``1e-2 / sqrt(r)``."""
+        return self.init_scale if self.init_scale is not None else 1e-2 / math.sqrt(self.r)

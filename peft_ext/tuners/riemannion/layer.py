@@ -1,0 +1,344 @@
+"""The Riemannion layer: ``y = W x + (X - X0) x`` with ``X = A B^T`` on the fixed-rank manifold.
+
+Per adapter the layer holds
+
+- ``riemannion_A`` (out x r, orthonormal columns) and ``riemannion_B`` (in x r): the point ``X = A B^T``;
+- ``riemannion_Z`` (out x r): a gradient probe that is always zero;
+- ``riemannion_X0_A``, ``riemannion_X0_B`` (buffers): the initial point ``X0``, subtracted so the delta starts at zero.
+
+The forward pass is one rank-3r product pair, ``[A, Z, -X0_A] ([B, B_R, X0_B]^T x)`` with ``B_R = qr(B).Q``
+(treated as a constant). Because ``Z = 0`` contributes nothing, the output is ``W x + (A B^T - X0) x``, but one
+ordinary backward pass now yields both products the Riemannian gradient needs (METHODS.md, "Getting G B_R and
+G^T A_L from one backward pass"): ``dL/dZ = G B_R`` and ``dL/dB = G^T A``, with ``G = dL/dW``. Nothing is inverted
+(recovering ``G B_R`` from ``dL/dA = G B`` would need ``R^{-1}`` of ``qr(B)``, unstable for the small B of LOI).
+
+The base weight is never modified outside ``merge``; quantized bases (bitsandbytes 4-bit and 8-bit) go through
+PEFT's quantization backends, so one ``Linear`` class serves them all.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from peft.tuners._buffer_dict import BufferDict
+from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check_adapters_to_merge
+from peft.utils import quantization_extra_repr, resolve_quantization_backend
+from torch import nn
+
+from ...manifolds.fixed_rank import random_point, right_basis
+from .config import RiemannionConfig
+
+__all__ = ["AdapterRef", "Linear", "RiemannionLayer", "find_adapters"]
+
+
+def _disable_bnb_cpu_repacking(base_layer: nn.Module) -> None:
+    """Keep a bitsandbytes ``Linear4bit`` base layer in its standard weight layout on CPU.
+
+    bitsandbytes 0.50 repacks a 4-bit weight for its AVX512-BF16 CPU kernel on the first no-grad eval forward. The
+    repacked weight silently dequantizes to wrong values (merging would corrupt the base weight), its kernel has no
+    autograd support (training after an evaluation fails or gets wrong input gradients), and packing is lossy when
+    repeated. So the wrapped layer opts out of it, and a weight packed before wrapping is unpacked the way
+    bitsandbytes itself does before saving (``Linear4bit._save_to_state_dict``). CPU inference through this layer
+    then uses bitsandbytes' generic 4-bit path.
+    """
+    if getattr(base_layer, "support_avx512bf16_for_cpu", False):
+        base_layer.support_avx512bf16_for_cpu = False
+    weight = getattr(base_layer, "weight", None)
+    state = getattr(weight, "quant_state", None)
+    if state is not None and getattr(state, "packing_format_for_cpu", False):
+        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+        weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, state)
+
+
+class RiemannionLayer(BaseTunerLayer):
+    """State and shared logic of a layer carrying Riemannion adapters (see the module docstring)."""
+
+    adapter_layer_names: tuple[str, ...] = ("riemannion_A", "riemannion_B", "riemannion_Z")
+    other_param_names: tuple[str, ...] = (
+        "r",
+        "riemannion_X0_A",
+        "riemannion_X0_B",
+        "riemannion_dropout",
+        "_riemannion_B_R",
+    )
+
+    def __init__(self, base_layer: nn.Module, **kwargs: Any) -> None:
+        self.base_layer = base_layer
+        self.quantization_backend = resolve_quantization_backend(
+            self.get_base_layer(), get_apply_tensor_subclass=kwargs.get("get_apply_tensor_subclass")
+        )
+        if self.quantization_backend is not None:
+            _disable_bnb_cpu_repacking(self.get_base_layer())
+        self.r: dict[str, int] = {}
+        self.riemannion_A = nn.ParameterDict({})
+        self.riemannion_B = nn.ParameterDict({})
+        self.riemannion_Z = nn.ParameterDict({})
+        # Persistent: X0 is part of the adapter, saved and loaded with it (what makes LOI portable).
+        self.riemannion_X0_A = BufferDict({}, persistent=True)
+        self.riemannion_X0_B = BufferDict({}, persistent=True)
+        self.riemannion_dropout = nn.ModuleDict({})
+        self._disable_adapters = False
+        self.merged_adapters: list[str] = []
+        # (kind, basis, zero probe) while initialize_loi runs; see loi.py
+        self._riemannion_probe: Optional[tuple[str, torch.Tensor, torch.Tensor]] = None
+        # B_R per adapter with the (identity, storage, version) of the B it was computed from; see _right_basis
+        self._riemannion_B_R: dict[str, tuple[tuple[int, int, int], torch.Tensor]] = {}
+        self.kwargs = kwargs
+        in_features, out_features = _get_in_out_features(self.get_base_layer())
+        if in_features is None or out_features is None:
+            raise TypeError(f"Riemannion cannot read the in/out features of {type(self.get_base_layer()).__name__}")
+        self.in_features = in_features
+        self.out_features = out_features
+
+    def update_layer(self, adapter_name: str, config: RiemannionConfig, inference_mode: bool = False) -> None:
+        """Add (or re-create) adapter ``adapter_name`` from ``config``.
+
+        Args:
+            adapter_name: Name of the adapter.
+            config: Its configuration.
+            inference_mode: Create it frozen.
+        """
+        r = config.r
+        m, n = self.out_features, self.in_features
+        if r > min(m, n):
+            raise ValueError(
+                f"`r`={r} is larger than min(out_features, in_features) = min({m}, {n}) = {min(m, n)} for this layer; "
+                f"a rank-{r} point does not exist there. Use r <= {min(m, n)} or exclude the layer."
+            )
+        self.r[adapter_name] = r
+        self._riemannion_B_R.pop(adapter_name, None)
+        point = random_point(m, n, r, config.resolved_init_scale)
+        self.riemannion_A[adapter_name] = nn.Parameter(point.A)
+        self.riemannion_B[adapter_name] = nn.Parameter(point.B)
+        self.riemannion_Z[adapter_name] = nn.Parameter(torch.zeros(m, r))
+        if config.init_weights:
+            self.riemannion_X0_A[adapter_name] = point.A.clone()
+            self.riemannion_X0_B[adapter_name] = point.B.clone()
+        else:
+            self.riemannion_X0_A[adapter_name] = torch.zeros(m, r)
+            self.riemannion_X0_B[adapter_name] = torch.zeros(n, r)
+        dropout = config.riemannion_dropout
+        self.riemannion_dropout[adapter_name] = nn.Dropout(p=dropout) if dropout > 0 else nn.Identity()
+        self._move_adapter_to_device_of_base_layer(adapter_name)
+        self.set_adapter(self.active_adapters, inference_mode=inference_mode)
+
+    # -- the delta in factored form ---------------------------------------------------------------------------------
+
+    def _right_basis(self, adapter_name: str) -> torch.Tensor:
+        """``B_R = qr(B).Q``, a constant of the forward pass, recomputed only when B changed.
+
+        B changes once per optimizer step but the forward runs once per micro-batch (and many times in evaluation
+        and LOI), so the QR is cached under B's identity, storage pointer and autograd version counter, which every
+        in-place update of the parameter (optimizer steps, ``load_state_dict``) bumps; writes through ``B.data``
+        bypass the counter and are not supported. The optimizer computes the same deterministic QR itself, so both
+        sides use the same basis.
+        """
+        B = self.riemannion_B[adapter_name]
+        key = (id(B), B.data_ptr(), B._version)
+        cached = self._riemannion_B_R.get(adapter_name)
+        if cached is None or cached[0] != key or cached[1].dtype != B.dtype:
+            with torch.no_grad():
+                cached = (key, right_basis(B))
+            self._riemannion_B_R[adapter_name] = cached
+        return cached[1]
+
+    def _factors(self, adapter_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(L, R)`` with ``L R^T = A B^T + Z B_R^T - X0``: ``L = [A, Z, -X0_A]``, ``R = [B, B_R, X0_B]``."""
+        A = self.riemannion_A[adapter_name]
+        B = self.riemannion_B[adapter_name]
+        B_R = self._right_basis(adapter_name)
+        left = torch.cat([A, self.riemannion_Z[adapter_name], -self.riemannion_X0_A[adapter_name]], dim=1)
+        right = torch.cat([B, B_R, self.riemannion_X0_B[adapter_name]], dim=1)
+        return left, right
+
+    def _adapter_output(self, x: torch.Tensor, adapter_name: str) -> torch.Tensor:
+        left, right = self._factors(adapter_name)
+        x = self._cast_input_dtype(x, left.dtype)
+        x = self.riemannion_dropout[adapter_name](x)
+        return (x @ right) @ left.mT
+
+    def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
+        """The adapter's weight delta (out x in): ``A B^T + Z B_R^T - X0_A X0_B^T`` (``Z`` is zero in training).
+
+        Only merging needs this m x n matrix; the forward pass stays factored.
+
+        Args:
+            adapter_name: The adapter.
+        """
+        left, right = self._factors(adapter_name)
+        # float32 on CPU for half-precision adapters: CPU half matmuls are slow and lossy (as in PEFT's LoRA)
+        if left.device.type == "cpu" and left.dtype in (torch.float16, torch.bfloat16):
+            return (left.float() @ right.float().mT).to(left.dtype)
+        return left @ right.mT
+
+    def _check_forward_args(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        adapter_names = kwargs.get("adapter_names")
+        if adapter_names is None:
+            return
+        if len(x) != len(adapter_names):
+            raise ValueError(
+                f"`adapter_names` must have one entry per input, got {len(adapter_names)} names for {len(x)} inputs"
+            )
+        if self.merged:
+            raise ValueError("Cannot pass `adapter_names` while adapters are merged; call `unmerge_adapter()` first")
+
+    def _mixed_batch_forward(
+        self, x: torch.Tensor, *args: Any, adapter_names: list[str], **kwargs: Any
+    ) -> torch.Tensor:
+        result = self.base_layer(x, *args, **kwargs)
+        dtype = result.dtype
+        if self.quantization_backend is not None:
+            result = self.quantization_backend.maybe_clone_base_result(result)
+        for name in set(adapter_names):
+            if name == "__base__" or name not in self.riemannion_A:
+                continue
+            rows = [i for i, item in enumerate(adapter_names) if item == name]
+            result[rows] += self._adapter_output(x[rows], name).to(dtype)
+        return result
+
+    def _add_probe(self, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+        kind, basis, probe = self._riemannion_probe
+        x = x.to(probe.dtype)
+        if kind == "right":  # out += Zp (N^T x), Zp = 0: dL/dZp = G N
+            extra = (x @ basis) @ probe.mT
+        else:  # out += M (Zp^T x), Zp = 0: dL/dZp = G^T M
+            extra = (x @ probe) @ basis.mT
+        return result + extra.to(result.dtype)
+
+
+class Linear(nn.Module, RiemannionLayer):
+    """A ``torch.nn.Linear`` (or a bitsandbytes ``Linear8bitLt`` / ``Linear4bit``) with Riemannion adapters.
+
+    Args:
+        base_layer: The layer to adapt.
+        adapter_name: Name of the first adapter.
+        config: Its configuration.
+    """
+
+    def __init__(self, base_layer: nn.Module, adapter_name: str, config: RiemannionConfig, **kwargs: Any) -> None:
+        super().__init__()
+        RiemannionLayer.__init__(self, base_layer, **kwargs)
+        self._active_adapter = adapter_name
+        self.update_layer(adapter_name, config, inference_mode=config.inference_mode)
+
+    def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
+        """Add the active (or the given) adapters' deltas to the base weight.
+
+        Args:
+            safe_merge: Compute the merged weight in a copy and raise ``ValueError`` if it has non-finite values,
+                leaving the base weight untouched.
+            adapter_names: Adapters to merge (default: the active ones).
+        """
+        adapter_names = check_adapters_to_merge(self, adapter_names)
+        if not adapter_names:
+            return
+        if self.quantization_backend is not None and not self.quantization_backend.supports_merge:
+            raise TypeError(
+                f"Cannot merge into a {self.quantization_backend.backend_name} base layer: it cannot be dequantized"
+            )
+        for name in adapter_names:
+            if name not in self.riemannion_A:
+                continue
+            weight = self.get_base_weight()
+            delta = self.get_delta_weight(name).to(weight.dtype)
+            if safe_merge:
+                merged = weight.clone() + delta
+                if not torch.isfinite(merged).all():
+                    raise ValueError(
+                        f"Merging Riemannion adapter {name!r} gives non-finite weights; the adapter is broken "
+                        "(the base weight was left unchanged)"
+                    )
+                self.set_base_weight(merged)
+            else:
+                self.set_base_weight(weight + delta)
+            self.merged_adapters.append(name)
+
+    def unmerge(self) -> None:
+        """Subtract the merged adapters' deltas from the base weight again."""
+        if not self.merged:
+            warnings.warn("Already unmerged. Nothing to do.", UserWarning, stacklevel=2)
+            return
+        while self.merged_adapters:
+            name = self.merged_adapters.pop()
+            if name in self.riemannion_A:
+                weight = self.get_base_weight()
+                self.set_base_weight(weight - self.get_delta_weight(name).to(weight.dtype))
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self._check_forward_args(x, *args, **kwargs)
+        adapter_names = kwargs.pop("adapter_names", None)
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            result = self.base_layer(x, *args, **kwargs)
+        elif adapter_names is not None:
+            result = self._mixed_batch_forward(x, *args, adapter_names=adapter_names, **kwargs)
+        elif self.merged:
+            result = self.base_layer(x, *args, **kwargs)
+        else:
+            result = self.base_layer(x, *args, **kwargs)
+            dtype = result.dtype
+            if self.quantization_backend is not None:
+                result = self.quantization_backend.maybe_clone_base_result(result)
+            for name in self.active_adapters:
+                if name in self.riemannion_A:
+                    result = result + self._adapter_output(x, name).to(dtype)
+        if self._riemannion_probe is not None:
+            result = self._add_probe(x, result)
+        return result
+
+    def extra_repr(self) -> str:
+        return quantization_extra_repr(self)
+
+    def __repr__(self) -> str:
+        return "riemannion." + super().__repr__()
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """One Riemannion adapter of a model: where it lives and its current parameters.
+
+    Args:
+        layer_name: Qualified name of the layer in the model.
+        adapter_name: Name of the adapter.
+        layer: The layer.
+    """
+
+    layer_name: str
+    adapter_name: str
+    layer: RiemannionLayer
+
+    @property
+    def A(self) -> nn.Parameter:
+        return self.layer.riemannion_A[self.adapter_name]
+
+    @property
+    def B(self) -> nn.Parameter:
+        return self.layer.riemannion_B[self.adapter_name]
+
+    @property
+    def Z(self) -> nn.Parameter:
+        return self.layer.riemannion_Z[self.adapter_name]
+
+    def __str__(self) -> str:
+        return f"adapter {self.adapter_name!r} of {self.layer_name or 'the model'}"
+
+
+def find_adapters(model: nn.Module, adapter_name: Optional[str] = None) -> list[AdapterRef]:
+    """Every Riemannion adapter in ``model`` (or only those named ``adapter_name``), in module order.
+
+    Args:
+        model: Any module, typically a ``PeftModel``.
+        adapter_name: Restrict to this adapter name.
+    """
+    refs = []
+    for layer_name, module in model.named_modules():
+        if isinstance(module, RiemannionLayer):
+            for name in module.riemannion_A:
+                if adapter_name is None or name == adapter_name:
+                    refs.append(AdapterRef(layer_name, name, module))
+    return refs

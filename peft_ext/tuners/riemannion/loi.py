@@ -1,0 +1,274 @@
+"""LOI: locally optimal, gradient-informed initialization of Riemannion adapters (METHODS.md section 1, "LOI").
+
+LOI picks the starting point ``X0`` of rank r that maximizes the norm of the first Riemannian gradient
+``||P_T(G)||_F``, where ``G = dL/dW`` is the loss gradient of the layer's weight. With ``G = U S V^T``, the maximizer
+is ``X0 = alpha * U[:, :r] V[:, r:2r]^T``: its tangent space contains the top 2r singular directions, so the first
+Riemannian gradient is the best rank-2r approximation of G.
+
+Only the top 2r singular vectors of G are needed, and G itself is never formed: :func:`backprop_rsvd` runs Halko's
+randomized range finder with power iterations where every product with G comes from a backward pass. A zero probe
+``Zp`` added to the layer's output as ``Zp (N^T x)`` has gradient ``dL/dZp = G N``; added as ``M (Zp^T x)`` it has
+gradient ``G^T M``. All layers are probed at once, so the whole model costs ``2 (q + 1)`` passes (forward + backward)
+over the calibration batches, with every weight frozen (no weight gradient, of any size, is computed).
+
+Unlike LoRA-GA (which forms G, rewrites ``W <- W - X0`` and so needs a full-precision base and special saving), the
+initial point stays inside the adapter (``riemannion_X0_A/B``): the base weight is untouched, a 4-bit base works, and
+the adapter saves and loads like any other.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .layer import AdapterRef, find_adapters
+
+__all__ = ["LoiResult", "backprop_rsvd", "initialize_loi"]
+
+Products = Callable[[dict[Hashable, Tensor]], dict[Hashable, Tensor]]
+
+
+def backprop_rsvd(
+    right: Products,
+    left: Products,
+    shapes: Mapping[Hashable, tuple[int, int]],
+    rank: int,
+    *,
+    oversampling: int = 16,
+    power_iters: int = 1,
+    generator: Optional[torch.Generator] = None,
+    dtype: torch.dtype = torch.float32,
+    device: Optional[torch.device] = None,
+) -> dict[Hashable, tuple[Tensor, Tensor, Tensor]]:
+    """Top-``rank`` SVDs of several matrices ``G_key`` known only through products (randomized SVD, Halko et al.).
+
+    Randomized subspace iteration (Halko, Martinsson & Tropp 2011, Alg. 4.4): ``k = rank + oversampling`` Gaussian
+    probes, ``power_iters`` rounds of ``G^T`` / ``G`` products with re-orthonormalization, then the small SVD of
+    ``Q^T G``. Every call of ``right``/``left`` handles all matrices at once; there are ``2 (power_iters + 1)`` calls.
+
+    Args:
+        right: Maps ``{key: N}`` (n x k) to ``{key: G N}`` (m x k).
+        left: Maps ``{key: M}`` (m x k) to ``{key: G^T M}`` (n x k).
+        shapes: ``{key: (m, n)}``.
+        rank: Singular triplets to return per matrix (at most min(m, n)).
+        oversampling: Extra probes beyond ``rank`` (paper default 16).
+        power_iters: Power iterations ``q`` (paper default 1).
+        generator: RNG for the Gaussian probes.
+        dtype: Floating dtype of the probes.
+        device: Device of the probes.
+
+    Returns:
+        ``{key: (U, S, V)}`` with ``G ~ U diag(S) V^T``, ``U`` (m x rank), ``S`` (rank,), ``V`` (n x rank).
+    """
+    if oversampling < 0 or power_iters < 0:
+        raise ValueError(f"`oversampling` and `power_iters` must be >= 0, got {oversampling} and {power_iters}")
+    widths = {}
+    for key, (m, n) in shapes.items():
+        if not 1 <= rank <= min(m, n):
+            raise ValueError(f"rank {rank} must be in [1, min(m, n)] = [1, {min(m, n)}] for {key!r} ({m} x {n})")
+        widths[key] = min(rank + oversampling, m, n)
+    omega = {
+        key: torch.randn(n, widths[key], generator=generator, dtype=dtype).to(device) for key, (m, n) in shapes.items()
+    }
+    Q = {key: torch.linalg.qr(y).Q for key, y in right(omega).items()}
+    for _ in range(power_iters):
+        Qt = {key: torch.linalg.qr(y).Q for key, y in left(Q).items()}
+        Q = {key: torch.linalg.qr(y).Q for key, y in right(Qt).items()}
+    result = {}
+    for key, Bt in left(Q).items():  # Bt = G^T Q, so Q^T G = Bt^T
+        Ub, S, Vh = torch.linalg.svd(Bt.mT, full_matrices=False)
+        result[key] = ((Q[key] @ Ub)[:, :rank], S[:rank], Vh[:rank].mT)
+    return result
+
+
+@dataclass
+class LoiResult:
+    """What :func:`initialize_loi` did.
+
+    Args:
+        singular_values: Per adapted layer, the estimated top-2r singular values of its weight gradient.
+        passes: Forward + backward passes over the calibration batches (``2 (q + 1)``).
+        batches: Calibration batches per pass.
+        seconds: Wall time.
+    """
+
+    singular_values: dict[str, Tensor]
+    passes: int
+    batches: int
+    seconds: float
+
+
+def _default_loss(model: nn.Module, batch: Any) -> Tensor:
+    out = model(**batch) if isinstance(batch, Mapping) else model(batch)
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, Mapping):
+        loss = out.get("loss")
+    if loss is None:
+        raise ValueError(
+            "initialize_loi: the model output has no `loss` (pass labels in the batch, or pass "
+            "loss_fn=lambda model, batch: ... returning a scalar)"
+        )
+    return loss
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, Tensor):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def initialize_loi(
+    model: nn.Module,
+    batches: Iterable[Any],
+    *,
+    adapter_name: Optional[str] = None,
+    loss_fn: Optional[Callable[[nn.Module, Any], Tensor]] = None,
+    num_batches: Optional[int] = None,
+    oversampling: int = 16,
+    power_iters: int = 1,
+    init_scale: Optional[float] = None,
+    seed: int = 0,
+) -> LoiResult:
+    """Move every Riemannion adapter named ``adapter_name`` to its LOI point, keeping the model's output unchanged.
+
+    Per layer, with ``U, V`` the top-2r singular vectors of ``G = dL/dW`` (summed over the batches; estimated by
+    :func:`backprop_rsvd` through backward passes), it sets ``A = U[:, :r]``, ``B = init_scale * V[:, r:2r]`` and
+    stores the same point as ``X0``, so the adapter's delta ``X - X0`` is zero and the output equals the base model's.
+    Call it before building the optimizer (it overwrites the adapter, so old momentum would be stale).
+
+    The model runs in eval mode (dropout off) so that every pass sees the same G; the batches are cached for the same
+    reason. All parameters are frozen while it runs (their ``requires_grad`` is restored afterwards), so no weight
+    gradient is computed; only the zero probes receive gradients.
+
+    Args:
+        model: A model with Riemannion adapters (e.g. the ``PeftModel`` from ``get_peft_model``).
+        batches: Calibration batches: dicts of tensors the model accepts (``model(**batch)``), or anything
+            ``loss_fn`` accepts. Tensors are moved to the adapters' device.
+        adapter_name: Which adapter to initialize; default: the single adapter present.
+        loss_fn: ``loss_fn(model, batch) -> scalar``; default ``model(**batch).loss``.
+        num_batches: Use only the first ``num_batches`` batches.
+        oversampling: Extra random probes beyond 2r (paper: 16).
+        power_iters: Power iterations q (paper: 1; 15 for diffusion models).
+        init_scale: Singular values of the LOI point; default the adapter config's ``init_scale``
+            (``1e-2 / sqrt(r)``).
+        seed: Seed of the random probes.
+
+    Returns:
+        A :class:`LoiResult`.
+    """
+    start = time.perf_counter()
+    refs = _select_adapters(model, adapter_name)
+    if num_batches is not None and num_batches < 1:
+        raise ValueError(f"`num_batches` must be a positive integer or None, got {num_batches}")
+    cached = list(itertools.islice(batches, num_batches))
+    if not cached:
+        raise ValueError("initialize_loi needs at least one calibration batch; `batches` was empty")
+    for ref in refs:
+        if ref.layer.merged:
+            raise ValueError(f"{ref}: unmerge the adapters before initialize_loi")
+        r, m, n = ref.layer.r[ref.adapter_name], ref.layer.out_features, ref.layer.in_features
+        if 2 * r > min(m, n):
+            raise ValueError(f"{ref}: LOI needs 2r = {2 * r} <= min(out, in) = {min(m, n)}; lower r")
+
+    device = refs[0].A.device
+    dtype = torch.promote_types(refs[0].A.dtype, torch.float32)
+    cached = [_to_device(batch, device) for batch in cached]
+    loss_fn = loss_fn or _default_loss
+    layers = {ref.layer_name: ref.layer for ref in refs}
+    shapes = {name: (layer.out_features, layer.in_features) for name, layer in layers.items()}
+    passes = 0
+
+    def products(kind: str, bases: dict[Hashable, Tensor]) -> dict[Hashable, Tensor]:
+        nonlocal passes
+        passes += 1
+        probes = {}
+        for name, layer in layers.items():
+            m, n = shapes[name]
+            rows = m if kind == "right" else n
+            probes[name] = torch.zeros(rows, bases[name].shape[1], dtype=dtype, device=device, requires_grad=True)
+            layer._riemannion_probe = (kind, bases[name].to(dtype), probes[name])
+        try:
+            for batch in cached:
+                loss_fn(model, batch).backward()
+        finally:
+            for layer in layers.values():
+                layer._riemannion_probe = None
+        # a layer the loss does not reach has G = 0 (its probe gets no gradient at all)
+        return {
+            name: probe.grad if probe.grad is not None else torch.zeros_like(probe) for name, probe in probes.items()
+        }
+
+    rank = 2 * refs[0].layer.r[refs[0].adapter_name]
+    if any(2 * ref.layer.r[ref.adapter_name] != rank for ref in refs):
+        ranks = sorted({ref.layer.r[ref.adapter_name] for ref in refs})
+        raise ValueError(f"initialize_loi needs one rank for all layers of the adapter, got ranks {ranks}")
+    flags = {p: p.requires_grad for p in model.parameters()}
+    was_training = model.training
+    generator = torch.Generator().manual_seed(seed)
+    try:
+        model.requires_grad_(False)
+        model.eval()
+        with torch.enable_grad():
+            svds = backprop_rsvd(
+                lambda bases: products("right", bases),
+                lambda bases: products("left", bases),
+                shapes,
+                rank,
+                oversampling=oversampling,
+                power_iters=power_iters,
+                generator=generator,
+                dtype=dtype,
+                device=device,
+            )
+    finally:
+        for p, flag in flags.items():
+            p.requires_grad_(flag)
+        model.train(was_training)
+
+    r = rank // 2
+    with torch.no_grad():
+        for ref in refs:
+            U, S, V = svds[ref.layer_name]
+            scale = init_scale if init_scale is not None else _config_init_scale(model, ref)
+            A, B = U[:, :r], V[:, r:] * scale
+            ref.A.copy_(A)
+            ref.B.copy_(B)
+            ref.Z.zero_()
+            ref.layer.riemannion_X0_A[ref.adapter_name].copy_(A)
+            ref.layer.riemannion_X0_B[ref.adapter_name].copy_(B)
+    return LoiResult(
+        singular_values={name: svd[1] for name, svd in svds.items()},
+        passes=passes,
+        batches=len(cached),
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _select_adapters(model: nn.Module, adapter_name: Optional[str]) -> list[AdapterRef]:
+    refs = find_adapters(model)
+    names = sorted({ref.adapter_name for ref in refs})
+    if not refs:
+        raise ValueError("initialize_loi: the model has no Riemannion adapters (build it with RiemannionConfig)")
+    if adapter_name is None:
+        if len(names) > 1:
+            raise ValueError(f"the model has several Riemannion adapters {names}; pass adapter_name=")
+        adapter_name = names[0]
+    selected = [ref for ref in refs if ref.adapter_name == adapter_name]
+    if not selected:
+        raise ValueError(f"no Riemannion adapter named {adapter_name!r}; the model has {names}")
+    return selected
+
+
+def _config_init_scale(model: nn.Module, ref: AdapterRef) -> float:
+    config = getattr(model, "peft_config", {}).get(ref.adapter_name)
+    if config is None or not hasattr(config, "resolved_init_scale"):
+        raise ValueError(f"cannot find the RiemannionConfig of {ref}; pass init_scale= to initialize_loi")
+    return config.resolved_init_scale

@@ -1,0 +1,128 @@
+"""Configuration of SplitLoRA adapters."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+from peft.config import PeftConfig
+from peft.utils import PeftType
+
+STATISTICS = ("auto", "dense", "sketch")
+INIT_SCALINGS = ("inverse_task", "constant")
+
+
+@dataclass
+class SplitLoRAConfig(PeftConfig):
+    """Configuration of a SplitLoRA adapter (continual learning in the minor subspace; METHODS.md section 2).
+
+    A SplitLoRA layer computes ``y = W x + (dW_old + B A) x``: ``A`` (``r x in``) is frozen, ``B`` (``out x r``) is
+    the only trainable part, and ``dW_old`` is the frozen sum of the finished tasks' ``B A``, kept as stacked low-rank
+    factors (densified only when that is smaller). Between tasks, :meth:`SplitLoRAModel.end_task` picks, per module,
+    the split ``k*`` of the running input covariance, folds ``B A`` into ``dW_old`` and draws the next task's ``A`` in
+    the minor subspace. There is no ``alpha / r`` scaling, as in the authors' public code.
+
+    Args:
+        r: Rank of each task's adapter (the paper uses 10).
+        target_modules: Names (suffixes) or a regex of the ``nn.Linear`` modules to adapt; defaults to PEFT's LoRA
+            targets for known architectures.
+        exclude_modules: Names or a regex of modules not to adapt.
+        trade_off: The stability/plasticity coefficient ``a`` of ``f(j)`` (default 20, the paper's value). Larger
+            values keep fewer primary directions (more plasticity).
+        statistics: How the running input covariance is kept: ``"dense"`` (exact ``in x in`` sum), ``"sketch"`` (a
+            frequent-directions sketch of ``sketch_rank`` rows, for wide layers) or ``"auto"`` (dense when
+            ``in_features <= dense_max_features``, else sketch).
+        sketch_rank: Rows ``l`` of the frequent-directions sketch. The primary subspace can have at most ``l``
+            directions; ``end_task`` warns when the split wants more.
+        dense_max_features: Widest input for which ``"auto"`` keeps a dense covariance (2048: 16 MB per module in
+            float32).
+        init_scaling: Frobenius norm of a new task's ``A``: ``"inverse_task"`` (``||A_kaiming|| / (t + 1)`` before task
+            ``t``, METHODS.md) or ``"constant"`` (``||A_kaiming||``, what the authors' public code does).
+        seed: Seed of the frozen ``A`` draws; with the module name and task index it fixes every ``A``, so a sequence
+            continued after ``from_pretrained`` or run under DDP draws the same matrices.
+        init_weights: ``True`` (default) starts ``B`` at zero, so a new adapter leaves the model unchanged. ``False``
+            starts ``B`` random (for tests that need a non-trivial adapter).
+        modules_to_save: Modules besides the adapted layers that are trained and saved (e.g. a classifier head).
+        layers_to_transform: Layer indices to adapt (with ``layers_pattern``); only with a list ``target_modules``.
+        layers_pattern: Name of the layer list (e.g. ``"layer"``) that ``layers_to_transform`` indexes.
+    """
+
+    r: int = field(default=10, metadata={"help": "Rank of each task's adapter (the paper uses 10)."})
+    target_modules: Optional[Union[list[str], str]] = field(
+        default=None,
+        metadata={"help": "Names (suffixes) or a regex of the nn.Linear modules to adapt."},
+    )
+    exclude_modules: Optional[Union[list[str], str]] = field(
+        default=None, metadata={"help": "Names or a regex of modules not to adapt."}
+    )
+    trade_off: float = field(
+        default=20.0, metadata={"help": "Stability/plasticity coefficient `a` of the split objective f(j)."}
+    )
+    statistics: Literal["auto", "dense", "sketch"] = field(
+        default="auto",
+        metadata={"help": "How the input covariance is kept: 'dense', 'sketch' (frequent directions) or 'auto'."},
+    )
+    sketch_rank: int = field(default=256, metadata={"help": "Rows of the frequent-directions sketch."})
+    dense_max_features: int = field(
+        default=2048, metadata={"help": "Widest input for which statistics='auto' keeps a dense covariance."}
+    )
+    init_scaling: Literal["inverse_task", "constant"] = field(
+        default="inverse_task",
+        metadata={"help": "Norm of a new task's A: 'inverse_task' (||A_kaiming|| / (t + 1)) or 'constant'."},
+    )
+    seed: int = field(default=0, metadata={"help": "Seed of the frozen A draws."})
+    init_weights: bool = field(default=True, metadata={"help": "Start B at zero (True) or random (False, for tests)."})
+    modules_to_save: Optional[list[str]] = field(
+        default=None, metadata={"help": "Modules besides the adapted layers to train and save (e.g. a head)."}
+    )
+    layers_to_transform: Optional[Union[list[int], int]] = field(
+        default=None, metadata={"help": "Layer indices to adapt (with layers_pattern)."}
+    )
+    layers_pattern: Optional[Union[list[str], str]] = field(
+        default=None, metadata={"help": "Name of the layer list that layers_to_transform indexes."}
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # Looked up on PeftType directly (not through a module global): register_peft_type instantiates this config
+        # to check the round trip before the module-level assignment of its return value exists.
+        self.peft_type = PeftType.SPLITLORA
+        if isinstance(self.target_modules, list):
+            self.target_modules = set(self.target_modules)
+        if isinstance(self.exclude_modules, list):
+            self.exclude_modules = set(self.exclude_modules)
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
+            raise ValueError(f"`r` must be a positive integer, got {self.r!r}")
+        if isinstance(self.trade_off, bool) or not isinstance(self.trade_off, (int, float)):
+            raise TypeError(f"`trade_off` must be a number, got {type(self.trade_off).__name__} {self.trade_off!r}")
+        if not (math.isfinite(self.trade_off) and self.trade_off > 0):
+            raise ValueError(f"`trade_off` must be a positive finite number, got {self.trade_off!r}")
+        self.trade_off = float(self.trade_off)
+        if self.statistics not in STATISTICS:
+            raise ValueError(f"`statistics` must be one of {STATISTICS}, got {self.statistics!r}")
+        for key in ("sketch_rank", "dense_max_features"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{key}` must be a positive integer, got {value!r}")
+        if self.init_scaling not in INIT_SCALINGS:
+            raise ValueError(f"`init_scaling` must be one of {INIT_SCALINGS}, got {self.init_scaling!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"`seed` must be an integer, got {type(self.seed).__name__} {self.seed!r}")
+        if isinstance(self.target_modules, str) and self.layers_to_transform is not None:
+            raise ValueError("`layers_to_transform` cannot be used when `target_modules` is a str (a regex).")
+        if isinstance(self.target_modules, str) and self.layers_pattern is not None:
+            raise ValueError("`layers_pattern` cannot be used when `target_modules` is a str (a regex).")
+        if self.layers_pattern and self.layers_to_transform is None:
+            raise ValueError("When `layers_pattern` is specified, `layers_to_transform` must also be specified.")
+
+    def statistics_for(self, in_features: int) -> Literal["dense", "sketch"]:
+        """The statistics kind a layer with ``in_features`` inputs uses under this config."""
+        if self.statistics == "dense":
+            return "dense"
+        if self.statistics == "sketch":
+            return "sketch"
+        # A sketch with at least as many rows as the layer has inputs is no smaller than the dense matrix.
+        if in_features <= self.dense_max_features or self.sketch_rank >= in_features:
+            return "dense"
+        return "sketch"

@@ -1,0 +1,471 @@
+"""SplitLoRA layers: ``y = W x + (dW_old + B A) x`` with a frozen ``A`` and a frozen, compact ``dW_old``."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from peft.tuners._buffer_dict import BufferDict
+from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check_adapters_to_merge
+from peft.utils import quantization_extra_repr, resolve_quantization_backend
+from torch import nn
+
+from .config import SplitLoRAConfig
+from .stats import (
+    accumulate_covariance,
+    choose_split,
+    closed_form_split,
+    covariance_spectrum,
+    fd_compress,
+    fd_update,
+    kaiming_lora_A,
+    minor_subspace_A,
+    primary_dimension,
+    seeded_generator,
+    sketch_spectrum,
+)
+
+__all__ = ["Linear", "SplitLoRALayer"]
+
+
+def _distributed_group(group: Any) -> tuple[bool, Any]:
+    """Whether statistics must be all-reduced, and over which group (``None`` = the default group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False, None
+    return dist.get_world_size(group) > 1, group
+
+
+class SplitLoRALayer(BaseTunerLayer):
+    """Per-adapter state of a SplitLoRA layer.
+
+    Saved with the adapter (``BufferDict``/``ParameterDict`` entries keyed by adapter name):
+
+    - ``splitlora_B`` (``out x r``, trainable) and ``splitlora_A`` (``r x in``, frozen): the current task's adapter.
+    - ``splitlora_old_B`` (``out x R``) and ``splitlora_old_A`` (``R x in``): the finished tasks' ``B A`` stacked,
+      ``R = r * tasks``; or ``splitlora_old_dense`` (``out x in``) once ``R * (out + in) > out * in``.
+    - ``splitlora_cov`` (dense, ``in x in``: running sum of ``x x^T``) or ``splitlora_sketch`` (``l x in``
+      frequent-directions sketch) with ``splitlora_sketch_error`` (certified spectral error of the sketch).
+    - ``splitlora_tokens`` and ``splitlora_energy`` (token count and sum of ``||x||^2`` over all tasks so far):
+      ``C = sum / tokens`` is the running token-weighted mean that METHODS.md asks for, never reset.
+    - ``splitlora_tasks`` (finished tasks) and ``splitlora_primary`` (primary directions chosen last).
+
+    The statistics of the task in progress are held apart (``_splitlora_pending``, not saved) until ``end_task``:
+    under DDP only that increment is all-reduced, never the already-global running sums.
+    """
+
+    adapter_layer_names: tuple[str, ...] = ("splitlora_B",)
+    other_param_names: tuple[str, ...] = (
+        "splitlora_A",
+        "splitlora_old_A",
+        "splitlora_old_B",
+        "splitlora_old_dense",
+        "splitlora_cov",
+        "splitlora_sketch",
+        "splitlora_sketch_error",
+        "splitlora_tokens",
+        "splitlora_energy",
+        "splitlora_tasks",
+        "splitlora_primary",
+        "r",
+        "splitlora_config",
+    )
+    #: Buffers whose shape changes as tasks finish; loading resizes them to the checkpoint's shapes first.
+    resizable_buffer_names: tuple[str, ...] = ("splitlora_old_A", "splitlora_old_B", "splitlora_old_dense")
+
+    def __init__(self, base_layer: nn.Module, seed_key: str, **kwargs: Any) -> None:
+        self.base_layer = base_layer
+        self.quantization_backend = resolve_quantization_backend(
+            self.get_base_layer(), get_apply_tensor_subclass=kwargs.get("get_apply_tensor_subclass")
+        )
+        self.r: dict[str, int] = {}
+        self.splitlora_config: dict[str, SplitLoRAConfig] = {}
+        self.splitlora_B = nn.ParameterDict({})
+        self.splitlora_A = BufferDict({}, persistent=True)
+        self.splitlora_old_A = BufferDict({}, persistent=True)
+        self.splitlora_old_B = BufferDict({}, persistent=True)
+        self.splitlora_old_dense = BufferDict({}, persistent=True)
+        self.splitlora_cov = BufferDict({}, persistent=True)
+        self.splitlora_sketch = BufferDict({}, persistent=True)
+        self.splitlora_sketch_error = BufferDict({}, persistent=True)
+        self.splitlora_tokens = BufferDict({}, persistent=True)
+        self.splitlora_energy = BufferDict({}, persistent=True)
+        self.splitlora_tasks = BufferDict({}, persistent=True)
+        self.splitlora_primary = BufferDict({}, persistent=True)
+        self._splitlora_pending: dict[str, dict[str, torch.Tensor]] = {}
+        self._splitlora_seed_key = seed_key
+        self._disable_adapters = False
+        self.merged_adapters: list[str] = []
+        self.kwargs = kwargs
+        in_features, out_features = _get_in_out_features(self.get_base_layer())
+        if in_features is None or out_features is None:
+            raise TypeError(f"SplitLoRA cannot read in/out features of {type(self.get_base_layer()).__name__}")
+        self.in_features = in_features
+        self.out_features = out_features
+
+    # --- creation ------------------------------------------------------------------------------------------------
+
+    def _adapter_dtype(self) -> torch.dtype:
+        # Adapters and statistics stay in float32 (float64 for float64 bases) whatever the base dtype: PEFT's
+        # autocast_adapter_dtype does the same for LoRA, and bf16 running sums would lose small eigen-directions.
+        weight = getattr(self.get_base_layer(), "weight", None)
+        if weight is not None and weight.dtype == torch.float64:
+            return torch.float64
+        return torch.float32
+
+    def _adapter_device(self) -> torch.device:
+        weight = getattr(self.get_base_layer(), "weight", None)
+        return weight.device if weight is not None else torch.device("cpu")
+
+    def update_layer(self, adapter_name: str, config: SplitLoRAConfig) -> None:
+        """Create (or re-create) the state of ``adapter_name``: task 0, ``A`` random (PEFT's LoRA init), ``B = 0``."""
+        r = config.r
+        n, m = self.in_features, self.out_features
+        if r > n:
+            raise ValueError(
+                f"`r` ({r}) must be at most the input width of {self._splitlora_seed_key!r} ({n}): A is r x {n}"
+            )
+        dtype, device = self._adapter_dtype(), self._adapter_device()
+        self.r[adapter_name] = r
+        self.splitlora_config[adapter_name] = config
+        generator = seeded_generator(config.seed, self._splitlora_seed_key, 0)
+        self.splitlora_A[adapter_name] = kaiming_lora_A(r, n, generator, dtype).to(device)
+        if config.init_weights:
+            b = torch.zeros(m, r, dtype=dtype)
+        else:
+            # Test-only init from the global RNG, so two adapters added under different seeds differ (A is a pure
+            # function of the config and the module, by design).
+            b = torch.randn(m, r, dtype=torch.float64).mul_(0.1).to(dtype)
+        self.splitlora_B[adapter_name] = nn.Parameter(b.to(device))
+        self.splitlora_old_A[adapter_name] = torch.zeros(0, n, dtype=dtype, device=device)
+        self.splitlora_old_B[adapter_name] = torch.zeros(m, 0, dtype=dtype, device=device)
+        self.splitlora_old_dense[adapter_name] = torch.zeros(0, 0, dtype=dtype, device=device)
+        if config.statistics_for(n) == "dense":
+            self.splitlora_cov[adapter_name] = torch.zeros(n, n, dtype=dtype, device=device)
+        else:
+            self.splitlora_sketch[adapter_name] = torch.zeros(config.sketch_rank, n, dtype=dtype, device=device)
+            self.splitlora_sketch_error[adapter_name] = torch.zeros((), dtype=torch.float64, device=device)
+        self.splitlora_tokens[adapter_name] = torch.zeros((), dtype=torch.int64, device=device)
+        self.splitlora_energy[adapter_name] = torch.zeros((), dtype=torch.float64, device=device)
+        self.splitlora_tasks[adapter_name] = torch.zeros((), dtype=torch.int64, device=device)
+        self.splitlora_primary[adapter_name] = torch.zeros((), dtype=torch.int64, device=device)
+        self._splitlora_pending.pop(adapter_name, None)
+        self.set_adapter(self.active_adapters)
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        self._splitlora_pending.pop(adapter_name, None)
+        super().delete_adapter(adapter_name)
+
+    def _move_adapter_to_device_of_base_layer(self, adapter_name: str, device: Optional[torch.device] = None) -> None:
+        # PEFT's version also casts floating buffers to the base dtype (bf16 for a bf16 model); the running
+        # covariance must stay in the adapter dtype, so only the device follows the base layer here.
+        target = device if device is not None else self._adapter_device()
+        for attr in self.adapter_layer_names + self.other_param_names:
+            container = getattr(self, attr, None)
+            if not isinstance(container, (nn.ParameterDict, BufferDict)) or adapter_name not in container:
+                continue
+            value = container[adapter_name]
+            if value.device == target:
+                continue
+            if isinstance(value, nn.Parameter):
+                container[adapter_name] = nn.Parameter(value.data.to(target), requires_grad=value.requires_grad)
+            else:
+                container[adapter_name] = value.to(target)
+
+    # --- statistics ----------------------------------------------------------------------------------------------
+
+    def statistics_kind(self, adapter_name: str) -> str:
+        """``"dense"`` or ``"sketch"``."""
+        return "dense" if adapter_name in self.splitlora_cov else "sketch"
+
+    def has_pending_statistics(self, adapter_name: str) -> bool:
+        """Whether statistics of the task in progress were collected and not yet folded in by ``end_task``."""
+        return adapter_name in self._splitlora_pending
+
+    def _new_pending(self, adapter_name: str) -> dict[str, torch.Tensor]:
+        dtype, device = self._adapter_dtype(), self._adapter_device()
+        pending = {
+            "tokens": torch.zeros((), dtype=torch.int64, device=device),
+            "energy": torch.zeros((), dtype=torch.float64, device=device),
+        }
+        if self.statistics_kind(adapter_name) == "dense":
+            pending["cov"] = torch.zeros(self.in_features, self.in_features, dtype=dtype, device=device)
+        else:
+            pending["sketch"] = torch.zeros_like(self.splitlora_sketch[adapter_name])
+            pending["error"] = torch.zeros((), dtype=torch.float64, device=device)
+        return pending
+
+    @torch.no_grad()
+    def accumulate_statistics(self, adapter_name: str, rows: torch.Tensor) -> None:
+        """Add input rows (one token per row, ``(N, in_features)``) to the task in progress."""
+        if adapter_name not in self.splitlora_B:
+            raise ValueError(f"no SplitLoRA adapter named {adapter_name!r} on {self._splitlora_seed_key!r}")
+        pending = self._splitlora_pending.get(adapter_name)
+        if pending is None:
+            pending = self._splitlora_pending[adapter_name] = self._new_pending(adapter_name)
+        rows = rows.detach().reshape(-1, self.in_features).to(device=pending["tokens"].device)
+        rows = rows.to(self._adapter_dtype())
+        if rows.shape[0] == 0:
+            return
+        pending["tokens"] += rows.shape[0]
+        # summed in the adapter dtype (a float64 copy of every batch costs as much as the covariance update itself);
+        # only the running total is float64
+        pending["energy"] += rows.square().sum().to(torch.float64)
+        if "cov" in pending:
+            accumulate_covariance(pending["cov"], rows)
+        else:
+            pending["sketch"], delta = fd_update(pending["sketch"], rows)
+            pending["error"] += delta
+
+    @torch.no_grad()
+    def finish_statistics(self, adapter_name: str, group: Any = None) -> None:
+        """Fold the task in progress into the running statistics; under ``torch.distributed``, all ranks' first.
+
+        Every rank must call this for every layer in the same order (it runs collectives).
+        """
+        pending = self._splitlora_pending.pop(adapter_name, None)
+        if pending is None:
+            pending = self._new_pending(adapter_name)
+        sync, group = _distributed_group(group)
+        if sync:
+            for key in ("tokens", "energy", "cov", "error"):
+                if key in pending:
+                    dist.all_reduce(pending[key], group=group)
+            if "sketch" in pending:
+                # Frequent-directions sketches merge by stacking and compressing (Ghashami et al. 2016, sec. 3):
+                # every rank gathers the same stack, so every rank computes the same merged sketch.
+                parts = [torch.empty_like(pending["sketch"]) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(parts, pending["sketch"].contiguous(), group=group)
+                pending["sketch"] = torch.cat(parts)
+        self.splitlora_tokens[adapter_name] += pending["tokens"]
+        self.splitlora_energy[adapter_name] += pending["energy"]
+        if "cov" in pending:
+            self.splitlora_cov[adapter_name] += pending["cov"]
+        else:
+            stacked = torch.cat([self.splitlora_sketch[adapter_name], pending["sketch"]])
+            sketch, delta = fd_compress(stacked, self.splitlora_sketch[adapter_name].shape[0])
+            self.splitlora_sketch[adapter_name] = sketch
+            self.splitlora_sketch_error[adapter_name] += pending["error"] + delta
+
+    def covariance(self, adapter_name: str) -> torch.Tensor:
+        """The running uncentered input covariance ``C`` (token-weighted mean over all finished tasks).
+
+        For a sketch this is ``S^T S / tokens``, which underestimates ``C`` by at most
+        :meth:`statistics_error` in spectral norm.
+        """
+        tokens = int(self.splitlora_tokens[adapter_name])
+        if tokens == 0:
+            raise ValueError(f"no statistics yet for adapter {adapter_name!r} on {self._splitlora_seed_key!r}")
+        if self.statistics_kind(adapter_name) == "dense":
+            return self.splitlora_cov[adapter_name] / tokens
+        sketch = self.splitlora_sketch[adapter_name]
+        return sketch.T @ sketch / tokens
+
+    def statistics_error(self, adapter_name: str) -> float:
+        """Certified spectral-norm bound on ``C_true - covariance()`` (0 for dense statistics)."""
+        if self.statistics_kind(adapter_name) == "dense":
+            return 0.0
+        tokens = max(int(self.splitlora_tokens[adapter_name]), 1)
+        return float(self.splitlora_sketch_error[adapter_name]) / tokens
+
+    def spectrum(self, adapter_name: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Eigenvalues (descending), eigenvectors and trace of the running statistics (sum scale)."""
+        if self.statistics_kind(adapter_name) == "dense":
+            return covariance_spectrum(self.splitlora_cov[adapter_name])
+        return sketch_spectrum(self.splitlora_sketch[adapter_name], float(self.splitlora_energy[adapter_name]))
+
+    # --- the task lifecycle --------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def fold_task(self, adapter_name: str) -> None:
+        """``dW_old += B A`` (exactly, by stacking the factors; densified only when that is smaller); ``B = 0``."""
+        b = self.splitlora_B[adapter_name]
+        a = self.splitlora_A[adapter_name]
+        if not bool(torch.isfinite(b).all()):
+            # Folding would spread the non-finite values into dW_old and so into every earlier task's output.
+            raise ValueError(
+                f"B of SplitLoRA adapter {adapter_name!r} on {self._splitlora_seed_key!r} has non-finite values "
+                "(training diverged); nothing was folded. Lower the learning rate and retrain this task."
+            )
+        if bool(b.detach().any()):
+            dense = self.splitlora_old_dense[adapter_name]
+            if dense.numel():
+                dense.addmm_(b.detach().to(dense.dtype), a.to(dense.dtype))
+            else:
+                old_b = torch.cat([self.splitlora_old_B[adapter_name], b.detach().to(a.dtype)], dim=1)
+                old_a = torch.cat([self.splitlora_old_A[adapter_name], a], dim=0)
+                rank, (m, n) = old_a.shape[0], (self.out_features, self.in_features)
+                if rank * (m + n) > m * n:
+                    self.splitlora_old_dense[adapter_name] = old_b @ old_a
+                    old_b, old_a = old_b[:, :0].contiguous(), old_a[:0].contiguous()
+                self.splitlora_old_B[adapter_name] = old_b
+                self.splitlora_old_A[adapter_name] = old_a
+        b.zero_()
+
+    @torch.no_grad()
+    def advance_task(self, adapter_name: str, group: Any = None) -> dict[str, Any]:
+        """Split the running statistics, fold the finished task and prepare the next task's ``A`` (METHODS.md 2).
+
+        Call :meth:`finish_statistics` first. Returns what was chosen (for logs and tests).
+        """
+        config = self.splitlora_config[adapter_name]
+        key = self._splitlora_seed_key
+        task_index = int(self.splitlora_tasks[adapter_name])
+        if int(self.splitlora_tokens[adapter_name]) == 0 or float(self.splitlora_energy[adapter_name]) <= 0:
+            raise ValueError(
+                f"module {key!r} saw no non-zero inputs for adapter {adapter_name!r}: run forward passes over the "
+                "task's data inside `collect_statistics()` before `end_task()`"
+            )
+        values, vectors, total = self.spectrum(adapter_name)
+        n = self.in_features
+        k_star = choose_split(values, task_index, config.trade_off, dim=n, total=total)
+        primary = primary_dimension(k_star, n)
+        if self.statistics_kind(adapter_name) == "sketch":
+            wanted = closed_form_split(values, task_index, config.trade_off, dim=n, total=total) + 1
+            if wanted >= values.numel() and values.numel() < n:
+                warnings.warn(
+                    f"SplitLoRA module {key!r}: the split keeps all {values.numel()} directions of the sketch and may "
+                    f"want more; raise `sketch_rank` (now {values.numel()}) or use statistics='dense'.",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            primary = min(primary, values.numel())
+        if primary >= n:
+            warnings.warn(
+                f"SplitLoRA module {key!r}: the primary subspace fills all {n} input directions, so the next "
+                f"task's A there is zero and that module cannot learn; a larger `trade_off` (now {config.trade_off}) "
+                "keeps fewer directions.",
+                UserWarning,
+                stacklevel=3,
+            )
+        self.fold_task(adapter_name)
+        generator = seeded_generator(config.seed, key, task_index + 1)
+        a = self.splitlora_A[adapter_name]
+        reference = kaiming_lora_A(self.r[adapter_name], n, generator, torch.float64)
+        target_norm = float(torch.linalg.matrix_norm(reference))
+        if config.init_scaling == "inverse_task":
+            target_norm /= task_index + 2  # the new task has index t = task_index + 1; METHODS.md: / (t + 1)
+        new_a = minor_subspace_A(vectors[:, :primary], self.r[adapter_name], target_norm, generator, a.dtype)
+        new_a = new_a.to(a.device)
+        sync, group = _distributed_group(group)
+        if sync:
+            # The statistics are identical on every rank after the all-reduce, so every rank computes the same A;
+            # broadcasting rank 0's copy guards against eigensolvers that differ in the last bits across devices.
+            dist.broadcast(new_a, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        self.splitlora_A[adapter_name] = new_a
+        self.splitlora_tasks[adapter_name] += 1
+        self.splitlora_primary[adapter_name].fill_(primary)
+        return {"task": task_index, "k_star": k_star, "primary": primary, "in_features": n}
+
+    # --- merging ----------------------------------------------------------------------------------------------------
+
+    def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
+        """``dW_old + B A`` as an ``out x in`` matrix in the adapter dtype."""
+        b = self.splitlora_B[adapter_name]
+        delta = b @ self.splitlora_A[adapter_name]
+        if self.splitlora_old_A[adapter_name].shape[0]:
+            delta = delta + self.splitlora_old_B[adapter_name] @ self.splitlora_old_A[adapter_name]
+        if self.splitlora_old_dense[adapter_name].numel():
+            delta = delta + self.splitlora_old_dense[adapter_name]
+        return delta
+
+    def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
+        """Add the adapters' deltas to the base weight (dequantized and re-quantized for quantized bases).
+
+        Args:
+            safe_merge: Check the merged weight for non-finite values before writing it; on failure the base weight
+                is left untouched and a ``ValueError`` is raised.
+            adapter_names: Adapters to merge (default: the active ones).
+        """
+        for name in check_adapters_to_merge(self, adapter_names):
+            if name not in self.splitlora_B:
+                continue
+            with torch.no_grad():
+                weight = self.get_base_weight()
+                merged = weight + self.get_delta_weight(name).to(weight.dtype)
+                if safe_merge and not bool(torch.isfinite(merged).all()):
+                    raise ValueError(
+                        f"Merging SplitLoRA adapter {name!r} into {self._splitlora_seed_key!r} produced non-finite "
+                        "weights; the base weight was left unchanged."
+                    )
+                self.set_base_weight(merged)
+            self.merged_adapters.append(name)
+
+    def unmerge(self) -> None:
+        """Subtract merged adapters again (exact for float bases; quantized bases re-quantize, as in PEFT)."""
+        if not self.merged:
+            warnings.warn("Already unmerged. Nothing to do.", UserWarning, stacklevel=2)
+            return
+        while self.merged_adapters:
+            name = self.merged_adapters.pop()
+            if name in self.splitlora_B:
+                with torch.no_grad():
+                    weight = self.get_base_weight()
+                    self.set_base_weight(weight - self.get_delta_weight(name).to(weight.dtype))
+
+
+class Linear(nn.Module, SplitLoRALayer):
+    """SplitLoRA on an ``nn.Linear`` (or a quantized linear layer PEFT can dequantize, e.g. bitsandbytes)."""
+
+    def __init__(self, base_layer: nn.Module, adapter_name: str, config: SplitLoRAConfig, seed_key: str, **kwargs):
+        super().__init__()
+        SplitLoRALayer.__init__(self, base_layer, seed_key, **kwargs)
+        self._active_adapter = adapter_name
+        self.update_layer(adapter_name, config)
+
+    def _adapter_output(self, adapter_name: str, x: torch.Tensor) -> torch.Tensor:
+        b = self.splitlora_B[adapter_name]
+        x = self._cast_input_dtype(x, b.dtype)
+        out = F.linear(F.linear(x, self.splitlora_A[adapter_name]), b)
+        old_a = self.splitlora_old_A[adapter_name]
+        if old_a.shape[0]:
+            out = out + F.linear(F.linear(x, old_a), self.splitlora_old_B[adapter_name])
+        dense = self.splitlora_old_dense[adapter_name]
+        if dense.numel():
+            out = out + F.linear(x, dense)
+        return out
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        adapter_names = kwargs.pop("adapter_names", None)
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(x, *args, **kwargs)
+        if adapter_names is not None:
+            return self._mixed_batch_forward(x, *args, adapter_names=adapter_names, **kwargs)
+        if self.merged:
+            return self.base_layer(x, *args, **kwargs)
+        result = self.base_layer(x, *args, **kwargs)
+        if self.quantization_backend is not None:
+            result = self.quantization_backend.maybe_clone_base_result(result)
+        result_dtype = result.dtype
+        for name in self.active_adapters:
+            if name in self.splitlora_B:
+                result = result + self._adapter_output(name, x).to(result_dtype)
+        return result
+
+    def _mixed_batch_forward(
+        self, x: torch.Tensor, *args: Any, adapter_names: list[str], **kwargs: Any
+    ) -> torch.Tensor:
+        if len(adapter_names) != x.shape[0]:
+            raise ValueError(
+                f"`adapter_names` has {len(adapter_names)} entries but the batch has {x.shape[0]} samples"
+            )
+        result = self.base_layer(x, *args, **kwargs)
+        if self.quantization_backend is not None:
+            result = self.quantization_backend.maybe_clone_base_result(result)
+        result = result.clone()
+        for adapter in sorted(set(adapter_names)):
+            if adapter == "__base__" or adapter not in self.splitlora_B:
+                continue
+            rows = [i for i, name in enumerate(adapter_names) if name == adapter]
+            result[rows] = result[rows] + self._adapter_output(adapter, x[rows]).to(result.dtype)
+        return result
+
+    def extra_repr(self) -> str:
+        return quantization_extra_repr(self)
+
+    def __repr__(self) -> str:
+        return "splitlora." + super().__repr__()

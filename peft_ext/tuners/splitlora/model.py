@@ -1,0 +1,376 @@
+"""The SplitLoRA tuner: finds and wraps target layers, and runs the task lifecycle across all of them."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Optional
+
+import torch
+from peft.config import PeftConfig
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
+from peft.utils import (
+    TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING,
+    get_quantization_kwargs,
+    resolve_quantization_backend,
+)
+from torch import nn
+
+from .config import SplitLoRAConfig
+from .layer import Linear, SplitLoRALayer
+
+__all__ = ["SplitLoRAModel", "TaskSplit"]
+
+
+@dataclass(frozen=True)
+class TaskSplit:
+    """What ``end_task`` chose for one module.
+
+    Args:
+        task: 0-based index of the task that was finished.
+        k_star: ``argmin_j f(j)`` (METHODS.md section 2).
+        primary: Number of primary directions, ``max(k_star, 1) + 1``; the next ``A`` is orthogonal to them.
+        in_features: Input width ``d`` of the module.
+    """
+
+    task: int
+    k_star: int
+    primary: int
+    in_features: int
+
+
+class _MaskHolder:
+    """The token mask of the forward pass in progress, shared by the statistics hooks."""
+
+    def __init__(self) -> None:
+        self.mask: torch.Tensor | None = None
+        self.warned = False
+
+
+def _capture_mask(holder: _MaskHolder, key: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    mask = kwargs.get(key)
+    holder.mask = mask if isinstance(mask, torch.Tensor) else None
+
+
+def _statistics_hook(holder: _MaskHolder, adapter_name: str, module: SplitLoRALayer, args: tuple, kwargs: dict):
+    x = args[0] if args else kwargs.get("input", kwargs.get("x"))
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"SplitLoRA statistics hook: cannot find the input tensor of {module._splitlora_seed_key!r}")
+    mask = holder.mask
+    if mask is not None and tuple(x.shape[:-1]) == tuple(mask.shape):
+        # Padded positions never reach a masked-mean or last-token head, so they do not belong to the task's input
+        # distribution; the public code (ViT, no padding) never meets them.
+        rows = x[mask.to(device=x.device, dtype=torch.bool)]
+    else:
+        if mask is not None and not holder.warned:
+            holder.warned = True
+            warnings.warn(
+                f"SplitLoRA statistics: the token mask has shape {tuple(mask.shape)} but the input of "
+                f"{module._splitlora_seed_key!r} has leading shape {tuple(x.shape[:-1])}; counting every position "
+                "of such inputs.",
+                UserWarning,
+                stacklevel=2,
+            )
+        rows = x.reshape(-1, x.shape[-1])
+    module.accumulate_statistics(adapter_name, rows)
+
+
+def _adapter_names_pre_forward_hook(target: nn.Module, args: tuple, kwargs: dict, adapter_names: list[str]):
+    kwargs["adapter_names"] = adapter_names
+    return args, kwargs
+
+
+class SplitLoRAModel(BaseTuner):
+    """Creates a SplitLoRA model from a base model (METHODS.md section 2).
+
+    Use it through PEFT: ``model = get_peft_model(base, SplitLoRAConfig(...))``. The task lifecycle is on this tuner
+    and reachable from the ``PeftModel``::
+
+        for task in tasks:
+            model.begin_task()                    # checks the state, makes B trainable; returns the task index
+            train(model, task)                    # a fresh optimizer over the trainable parameters
+            with torch.no_grad(), model.collect_statistics():
+                for batch in task:                # forward hooks accumulate x x^T of every adapted module
+                    model(**batch)
+            model.end_task()                      # split, fold B A into dW_old, new A in the minor subspace
+
+    Inference needs no task id: all tasks share one merged delta. Under ``torch.distributed`` every rank must call
+    ``end_task`` (it all-reduces the task's statistics), so every rank picks the same subspace. Wrap the model with
+    ``DistributedDataParallel(model, forward_sync_buffers=False)`` (``broadcast_buffers=False`` before torch 2.13):
+    every SplitLoRA buffer is identical on all ranks by construction, and the default would re-send them (the
+    covariances included) on every forward, as a collective that hangs when ranks run different numbers of batches.
+    Collect statistics through the unwrapped model.
+
+    Args:
+        model: The model to adapt.
+        config: The adapter's :class:`SplitLoRAConfig`.
+        adapter_name: Name of the adapter (default ``"default"``).
+        low_cpu_mem_usage: Create the adapter weights on the meta device (PEFT's loading path).
+    """
+
+    prefix: str = "splitlora_"
+    tuner_layer_cls = SplitLoRALayer
+    target_module_mapping = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+    def _create_and_replace(
+        self,
+        peft_config: PeftConfig,
+        adapter_name: str,
+        target: nn.Module,
+        target_name: str,
+        parent: nn.Module,
+        current_key: str,
+        *,
+        parameter_name: Optional[str] = None,
+    ) -> None:
+        if current_key is None:
+            raise ValueError("SplitLoRA needs the module's name (current_key) to seed its frozen A.")
+        if isinstance(target, SplitLoRALayer):
+            target.update_layer(adapter_name, peft_config)
+            return
+        base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+        backend = None if isinstance(base, nn.Linear) else resolve_quantization_backend(base)
+        if not isinstance(base, nn.Linear) and (backend is None or backend.layer_type != "linear"):
+            raise ValueError(
+                f"SplitLoRA adapts torch.nn.Linear (or a quantized linear layer), got {type(base).__name__} at "
+                f"{current_key!r}; exclude it from `target_modules`."
+            )
+        new_module = Linear(target, adapter_name, peft_config, current_key, **get_quantization_kwargs(self.model))
+        if adapter_name not in self.active_adapters:
+            new_module.requires_grad_(False)
+        self._replace_module(parent, target_name, new_module, target)
+
+    # --- mixed adapter batches -------------------------------------------------------------------------------------
+
+    @contextmanager
+    def _enable_peft_forward_hooks(self, *args: Any, **kwargs: Any) -> Iterator[None]:
+        adapter_names = kwargs.pop("adapter_names", None)
+        if adapter_names is None:
+            yield
+            return
+        if self.training:
+            raise ValueError("Cannot pass `adapter_names` when the model is in training mode.")
+        known = set().union(*(layer.splitlora_B.keys() for _, layer in self._layers()))
+        unknown = {name for name in adapter_names if name != "__base__"} - known
+        if unknown:
+            raise ValueError(
+                f"Trying to infer with non-existing adapter(s): {', '.join(sorted(unknown))}; "
+                f"available: {sorted(known)} and '__base__'"
+            )
+        if any(layer.merged for _, layer in self._layers()):
+            raise ValueError("Cannot pass `adapter_names` while adapters are merged; call unmerge_adapter() first.")
+        handles = [
+            layer.register_forward_pre_hook(
+                partial(_adapter_names_pre_forward_hook, adapter_names=list(adapter_names)), with_kwargs=True
+            )
+            for _, layer in self._layers()
+        ]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    # --- saving and loading ------------------------------------------------------------------------------------------
+
+    @classmethod
+    def _get_adapter_state_dict(
+        cls,
+        model: nn.Module,
+        config: PeftConfig,
+        adapter_name: str,
+        state_dict: dict[str, torch.Tensor],
+        unwanted_adapter_names: list[str],
+    ) -> dict[str, torch.Tensor]:
+        pending = [
+            layer._splitlora_seed_key
+            for layer in model.modules()
+            if isinstance(layer, SplitLoRALayer) and layer.has_pending_statistics(adapter_name)
+        ]
+        if pending:
+            # They are not part of the saved state: saving now would silently drop part of the task's statistics.
+            raise ValueError(
+                f"SplitLoRA adapter {adapter_name!r} has statistics of the task in progress that are not saved "
+                f"(e.g. {pending[0]!r}); call end_task() before saving."
+            )
+        return super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
+
+    @classmethod
+    def _remap_adapter_state_dict_for_load(
+        cls, model: nn.Module, config: PeftConfig, adapter_name: str, state_dict: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        state_dict = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
+        # The finished tasks' stacked factors grow with every task; give the fresh layers the checkpoint's shapes
+        # before load_state_dict compares them.
+        for key, value in state_dict.items():
+            for name in SplitLoRALayer.resizable_buffer_names:
+                suffix = f".{name}.{adapter_name}"
+                if not key.endswith(suffix):
+                    continue
+                layer = model.get_submodule(key[: -len(suffix)])
+                if not isinstance(layer, SplitLoRALayer):
+                    raise ValueError(f"checkpoint key {key!r} does not belong to a SplitLoRA layer")
+                container = getattr(layer, name)
+                current = container[adapter_name]
+                if current.shape != value.shape:
+                    container[adapter_name] = torch.zeros(value.shape, dtype=current.dtype, device=current.device)
+        return state_dict
+
+    # --- the task lifecycle -----------------------------------------------------------------------------------------
+
+    def _layers(self, adapter_name: str | None = None) -> list[tuple[str, SplitLoRALayer]]:
+        return [
+            (layer._splitlora_seed_key, layer)
+            for layer in self.model.modules()
+            if isinstance(layer, SplitLoRALayer) and (adapter_name is None or adapter_name in layer.splitlora_B)
+        ]
+
+    def _resolve_adapter(self, adapter_name: str | None) -> str:
+        if adapter_name is None:
+            if len(self.active_adapters) != 1:
+                raise ValueError(
+                    f"{len(self.active_adapters)} adapters are active ({self.active_adapters}); pass `adapter_name`."
+                )
+            adapter_name = self.active_adapters[0]
+        if adapter_name not in self.peft_config:
+            raise ValueError(f"no adapter named {adapter_name!r}; adapters: {sorted(self.peft_config)}")
+        if not isinstance(self.peft_config[adapter_name], SplitLoRAConfig):
+            raise TypeError(f"adapter {adapter_name!r} is not a SplitLoRA adapter")
+        return adapter_name
+
+    def _lifecycle_layers(self, adapter_name: str) -> list[tuple[str, SplitLoRALayer]]:
+        layers = self._layers(adapter_name)
+        if not layers:
+            raise ValueError(f"adapter {adapter_name!r} adapts no module")
+        merged = [key for key, layer in layers if layer.merged]
+        if merged:
+            raise ValueError(
+                f"adapter {adapter_name!r} is merged into the base weights (e.g. {merged[0]!r}); call "
+                "unmerge_adapter() before changing the task."
+            )
+        return layers
+
+    def finished_tasks(self, adapter_name: str | None = None) -> int:
+        """Number of tasks finished with ``end_task`` (the 0-based index of the task in progress)."""
+        name = self._resolve_adapter(adapter_name)
+        counts = {int(layer.splitlora_tasks[name]) for _, layer in self._layers(name)}
+        if len(counts) != 1:
+            raise ValueError(f"adapter {name!r}: modules disagree on the number of finished tasks ({sorted(counts)})")
+        return counts.pop()
+
+    def begin_task(self, adapter_name: str | None = None) -> int:
+        """Check that the adapter can train the next task and make its ``B`` trainable (``A`` stays frozen).
+
+        Args:
+            adapter_name: The SplitLoRA adapter (default: the single active one).
+
+        Returns:
+            The 0-based index of the task about to be trained.
+        """
+        name = self._resolve_adapter(adapter_name)
+        layers = self._lifecycle_layers(name)
+        if self.peft_config[name].inference_mode:
+            raise ValueError(
+                f"adapter {name!r} was loaded for inference; load it with "
+                "PeftModel.from_pretrained(..., is_trainable=True) to continue its task sequence."
+            )
+        if name not in self.active_adapters:
+            raise ValueError(f"adapter {name!r} is not active ({self.active_adapters}); call set_adapter({name!r}).")
+        pending = [key for key, layer in layers if layer.has_pending_statistics(name)]
+        if pending:
+            raise ValueError(
+                f"statistics were collected for adapter {name!r} (e.g. on {pending[0]!r}) but end_task() was not "
+                "called; call end_task() to finish the previous task first."
+            )
+        for _, layer in layers:
+            layer.splitlora_B[name].requires_grad_(True)
+        return self.finished_tasks(name)
+
+    @contextmanager
+    def collect_statistics(
+        self, adapter_name: str | None = None, mask_key: str | None = "attention_mask"
+    ) -> Iterator[None]:
+        """Accumulate the inputs of every adapted module during forward passes inside this block.
+
+        The statistics of the task in progress stay apart until :meth:`end_task` folds them into the running,
+        never-reset token-weighted covariance. Call it inside ``torch.no_grad()`` after training the task, as the
+        paper does (the inputs then come from the trained model).
+
+        Args:
+            adapter_name: The SplitLoRA adapter (default: the single active one).
+            mask_key: Name of the forward keyword argument holding the token mask (``(batch, seq)``, nonzero = real
+                token); positions where it is 0 are skipped. ``None`` counts every position.
+        """
+        name = self._resolve_adapter(adapter_name)
+        layers = self._layers(name)
+        if not layers:
+            raise ValueError(f"adapter {name!r} adapts no module")
+        holder = _MaskHolder()
+        handles = []
+        try:
+            if mask_key is not None:
+                handles.append(
+                    self.model.register_forward_pre_hook(partial(_capture_mask, holder, mask_key), with_kwargs=True)
+                )
+            for _, layer in layers:
+                handles.append(
+                    layer.register_forward_pre_hook(partial(_statistics_hook, holder, name), with_kwargs=True)
+                )
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def end_task(self, adapter_name: str | None = None, process_group: Any = None) -> dict[str, TaskSplit]:
+        """Finish the task in progress in every adapted module.
+
+        Per module: add the task's statistics to the running covariance (all-reduced over ``torch.distributed``
+        when it is initialized), choose ``k*``, fold ``B A`` into the frozen ``dW_old``, draw the next task's frozen
+        ``A`` in the minor subspace and set ``B = 0``. The model's outputs do not change.
+
+        Args:
+            adapter_name: The SplitLoRA adapter (default: the single active one).
+            process_group: Group to all-reduce over (default: the default group, when initialized).
+
+        Returns:
+            ``{module name: TaskSplit}``.
+        """
+        name = self._resolve_adapter(adapter_name)
+        layers = self._lifecycle_layers(name)
+        task_index = self.finished_tasks(name)
+        for _, layer in layers:
+            layer.finish_statistics(name, process_group)
+        empty = [key for key, layer in layers if int(layer.splitlora_tokens[name]) == 0]
+        if empty:
+            raise ValueError(
+                f"no statistics for adapter {name!r} on {len(empty)} module(s) (e.g. {empty[0]!r}): run forward "
+                "passes over the task's data inside `collect_statistics()` before `end_task()`"
+            )
+        result = {}
+        for key, layer in layers:
+            info = layer.advance_task(name, process_group)
+            result[key] = TaskSplit(task=task_index, **{k: info[k] for k in ("k_star", "primary", "in_features")})
+        return result
+
+    def task_state(self, adapter_name: str | None = None) -> dict[str, dict[str, Any]]:
+        """Per module: finished tasks, primary directions, the old delta's storage, statistics kind and size.
+
+        Args:
+            adapter_name: The SplitLoRA adapter (default: the single active one).
+        """
+        name = self._resolve_adapter(adapter_name)
+        state = {}
+        for key, layer in self._layers(name):
+            state[key] = {
+                "tasks": int(layer.splitlora_tasks[name]),
+                "primary": int(layer.splitlora_primary[name]),
+                "old_rank": int(layer.splitlora_old_A[name].shape[0]),
+                "old_dense": bool(layer.splitlora_old_dense[name].numel()),
+                "statistics": layer.statistics_kind(name),
+                "tokens": int(layer.splitlora_tokens[name]),
+                "statistics_error": layer.statistics_error(name),
+            }
+        return state

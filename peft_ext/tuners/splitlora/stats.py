@@ -1,0 +1,275 @@
+"""Task statistics and the subspace split of SplitLoRA, as pure functions on tensors.
+
+Everything here follows ``METHODS.md`` section 2. A linear layer's weight gradient is ``G = sum_tokens g x^T``, so
+its row space lies in the span of the layer's inputs ``x``; SplitLoRA therefore estimates the "gradient space of old
+tasks" from the uncentered input covariance ``C = mean over all tokens of all tasks so far of x x^T``.
+
+Two ways to keep ``C``:
+
+- dense: the exact ``n x n`` running sum of ``x x^T`` (``accumulate_covariance``). Exact under any batching.
+- sketch: a frequent-directions sketch ``S`` (``l x n``, Liberty 2013; Ghashami et al. 2016) with
+  ``0 <= X^T X - S^T S <= delta * I`` where ``delta`` is the accumulated shrinkage that :func:`fd_compress` returns
+  (a certified bound, never more than ``(||X||_F^2 - ||S||_F^2) / l``). Memory ``l * n`` instead of ``n * n``: for a
+  4096-wide layer and ``l = 256`` that is 4 MB rather than 64 MB. The sketch is exact while the data have rank
+  ``<= l``, and it is mergeable (stack two sketches and compress), which is what the DDP all-reduce uses.
+
+The split (``choose_split``): with eigenvalues ``l_1 >= l_2 >= ...`` of ``C``, ``p_i = l_i / trace(C)``, ``d = n``
+and the 0-based index ``t`` of the task just finished,
+
+    f(j) = (t + 1) * (1 - sum_{i <= j} p_i) - a * (d - j) / d,   j = 0 .. d - 1,   k* = argmin_j f(j),
+
+and the primary subspace is the first ``max(k*, 1) + 1`` eigenvectors. Because ``f(j) - f(j - 1) = a / d -
+(t + 1) p_j`` and ``p`` is non-increasing, the argmin has a closed form (``closed_form_split``): ``k* + 1`` is the
+number of directions with ``p_i > a / ((t + 1) d)`` (at least one).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+
+__all__ = [
+    "accumulate_covariance",
+    "closed_form_split",
+    "covariance_spectrum",
+    "fd_compress",
+    "fd_update",
+    "kaiming_lora_A",
+    "minor_subspace_A",
+    "primary_dimension",
+    "seeded_generator",
+    "sketch_spectrum",
+    "split_objective",
+    "choose_split",
+]
+
+
+# --- accumulating statistics ---------------------------------------------------------------------------------------
+
+
+def accumulate_covariance(cov_sum: torch.Tensor, rows: torch.Tensor) -> None:
+    """Add ``rows^T rows`` to the running sum ``cov_sum`` in place.
+
+    Args:
+        cov_sum: ``(n, n)`` running sum of ``x x^T``.
+        rows: ``(N, n)`` inputs, one token per row; cast to ``cov_sum``'s dtype first.
+    """
+    if rows.ndim != 2 or rows.shape[1] != cov_sum.shape[0]:
+        raise ValueError(f"rows must have shape (N, {cov_sum.shape[0]}), got {tuple(rows.shape)}")
+    rows = rows.to(cov_sum.dtype)
+    cov_sum.addmm_(rows.T, rows)
+
+
+def fd_compress(stacked: torch.Tensor, ell: int) -> tuple[torch.Tensor, float]:
+    """Shrink a stack of rows to an ``ell``-row frequent-directions sketch.
+
+    With ``stacked = U diag(s) V^T`` and ``delta = s_ell^2`` (the ``(ell + 1)``-th largest squared singular value, 0
+    when there are at most ``ell``), the sketch is ``diag(sqrt(max(s_i^2 - delta, 0))) V^T`` for the top ``ell``
+    directions, so ``0 <= stacked^T stacked - sketch^T sketch <= delta * I``.
+
+    Args:
+        stacked: ``(m, n)`` rows (a previous sketch stacked with new data or with other sketches).
+        ell: Number of rows of the sketch.
+
+    Returns:
+        ``(sketch, delta)`` with ``sketch`` of shape ``(ell, n)`` (zero rows where the rank is lower).
+    """
+    if ell < 1:
+        raise ValueError(f"`ell` must be a positive integer, got {ell}")
+    n = stacked.shape[1]
+    out = stacked.new_zeros(ell, n)
+    if stacked.shape[0] == 0:
+        return out, 0.0
+    # gesvd-style thin SVD in float64: the shrinkage subtracts nearly equal squares, where float32 loses the bound.
+    _, s, vh = torch.linalg.svd(stacked.to(torch.float64), full_matrices=False)
+    sq = s.square()
+    delta = float(sq[ell]) if sq.numel() > ell else 0.0
+    keep = min(ell, sq.numel())
+    shrunk = (sq[:keep] - delta).clamp_min(0.0).sqrt()
+    out[:keep] = (shrunk[:, None] * vh[:keep]).to(out.dtype)
+    return out, delta
+
+
+def fd_update(sketch: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Stream ``rows`` into a frequent-directions sketch ``ell`` rows at a time.
+
+    Each chunk of at most ``ell`` rows is stacked under the sketch and compressed with :func:`fd_compress`, so every
+    SVD is of a ``(<= 2 ell) x n`` matrix: the cost per token is ``O(ell * n)``, like the dense update's ``O(n^2)``
+    with ``ell`` in place of ``n``.
+
+    Args:
+        sketch: ``(ell, n)`` current sketch.
+        rows: ``(N, n)`` new inputs.
+
+    Returns:
+        ``(new_sketch, delta)`` where ``delta`` is the total shrinkage applied; the sketch's error bound grows by it.
+    """
+    ell, n = sketch.shape
+    if rows.ndim != 2 or rows.shape[1] != n:
+        raise ValueError(f"rows must have shape (N, {n}), got {tuple(rows.shape)}")
+    rows = rows.to(sketch.dtype)
+    total = 0.0
+    for start in range(0, rows.shape[0], ell):
+        sketch, delta = fd_compress(torch.cat([sketch, rows[start : start + ell]]), ell)
+        total += delta
+    return sketch, total
+
+
+# --- spectra ---------------------------------------------------------------------------------------------------------
+
+
+def covariance_spectrum(cov_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Eigen-decomposition of a dense (sum or mean) covariance.
+
+    Args:
+        cov_sum: ``(n, n)`` symmetric positive semi-definite matrix.
+
+    Returns:
+        ``(eigenvalues, eigenvectors, trace)``: eigenvalues in descending order (float64, clamped at 0), the matching
+        eigenvectors as columns (float64) and the trace (the total energy ``p_i`` is normalized by).
+    """
+    sym = cov_sum.to(torch.float64)
+    sym = 0.5 * (sym + sym.T)
+    values, vectors = torch.linalg.eigh(sym)
+    values = values.flip(0).clamp_min(0.0)
+    return values, vectors.flip(1), float(torch.trace(sym))
+
+
+def sketch_spectrum(sketch: torch.Tensor, trace: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Top eigenpairs of ``sketch^T sketch``; the exact ``trace`` of the sketched data is passed through.
+
+    Only ``ell`` eigenvalues are known; frequent directions underestimate each by at most the accumulated shrinkage.
+    Normalizing by the exact trace (tracked separately as the sum of squared norms) keeps ``p_i`` on the same scale
+    as the dense path.
+
+    Args:
+        sketch: ``(ell, n)`` frequent-directions sketch.
+        trace: Exact sum of squared norms of all rows that went into the sketch.
+
+    Returns:
+        ``(eigenvalues, eigenvectors, trace)`` as in :func:`covariance_spectrum`, with ``ell`` pairs.
+    """
+    _, s, vh = torch.linalg.svd(sketch.to(torch.float64), full_matrices=False)
+    return s.square(), vh.T, float(trace)
+
+
+# --- the split -------------------------------------------------------------------------------------------------------
+
+
+def _shares(eigenvalues: torch.Tensor, total: float | None) -> torch.Tensor:
+    values = eigenvalues.to(torch.float64)
+    if values.ndim != 1 or values.numel() == 0:
+        raise ValueError(f"eigenvalues must be a non-empty 1-D tensor, got shape {tuple(values.shape)}")
+    if bool((values[1:] > values[:-1]).any()):
+        raise ValueError("eigenvalues must be sorted in descending order")
+    denom = float(values.sum()) if total is None else float(total)
+    if not math.isfinite(denom) or denom <= 0:
+        raise ValueError(f"the total energy (trace) must be a positive finite number, got {denom}")
+    return values / denom
+
+
+def split_objective(
+    eigenvalues: torch.Tensor, task_index: int, trade_off: float, dim: int | None = None, total: float | None = None
+) -> torch.Tensor:
+    """``f(j)`` of METHODS.md section 2 for ``j = 0 .. len(eigenvalues) - 1``.
+
+    Args:
+        eigenvalues: Eigenvalues of the covariance, descending.
+        task_index: 0-based index ``t`` of the task that was just finished.
+        trade_off: The coefficient ``a`` (default 20 in the paper).
+        dim: ``d``, the input dimension (defaults to ``len(eigenvalues)``; pass ``n`` when only the top of the
+            spectrum is known, as with a sketch).
+        total: The trace the shares are normalized by (defaults to ``eigenvalues.sum()``).
+
+    Returns:
+        ``f`` as a float64 tensor of the same length as ``eigenvalues``.
+    """
+    p = _shares(eigenvalues, total)
+    d = p.numel() if dim is None else int(dim)
+    if d < p.numel():
+        raise ValueError(f"`dim` ({d}) must be at least the number of eigenvalues ({p.numel()})")
+    if task_index < 0:
+        raise ValueError(f"`task_index` must be >= 0, got {task_index}")
+    j = torch.arange(p.numel(), dtype=torch.float64, device=p.device)
+    return (task_index + 1) * (1.0 - torch.cumsum(p, 0)) - trade_off * (d - j) / d
+
+
+def choose_split(
+    eigenvalues: torch.Tensor, task_index: int, trade_off: float, dim: int | None = None, total: float | None = None
+) -> int:
+    """``k* = argmin_j f(j)`` (the first minimizer), see :func:`split_objective` for the arguments."""
+    return int(torch.argmin(split_objective(eigenvalues, task_index, trade_off, dim, total)))
+
+
+def closed_form_split(
+    eigenvalues: torch.Tensor, task_index: int, trade_off: float, dim: int | None = None, total: float | None = None
+) -> int:
+    """``k*`` without evaluating ``f``: one less than the number of shares above ``a / ((t + 1) d)`` (at least 0)."""
+    p = _shares(eigenvalues, total)
+    d = p.numel() if dim is None else int(dim)
+    threshold = trade_off / ((task_index + 1) * d)
+    return max(int((p > threshold).sum()) - 1, 0)
+
+
+def primary_dimension(k_star: int, dim: int) -> int:
+    """Number of primary directions for a split ``k*``: ``max(k*, 1) + 1``, as in the paper and the public code
+    (``U[:, max(r, 1) + 1:]`` is the minor part), capped at ``dim``."""
+    return min(max(k_star, 1) + 1, dim)
+
+
+# --- initializing A --------------------------------------------------------------------------------------------------
+
+
+def seeded_generator(seed: int, key: str, task_index: int) -> torch.Generator:
+    """A CPU generator determined by (config seed, module name, task index) only.
+
+    Using the global RNG would make the next task's ``A`` depend on whatever else consumed random numbers before
+    ``end_task`` (data order, dropout, another process in DDP). With this generator, continuing a sequence after
+    ``from_pretrained`` and every DDP rank draw exactly the same ``A``.
+    """
+    mixed = (int(seed) * 1_000_003 + zlib.crc32(key.encode()) * 1_009 + int(task_index)) % (2**63 - 1)
+    return torch.Generator(device="cpu").manual_seed(mixed)
+
+
+def kaiming_lora_A(r: int, n: int, generator: torch.Generator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """PEFT LoRA's default ``lora_A`` init, ``kaiming_uniform_(a=sqrt(5))``: uniform on ``[-1/sqrt(n), 1/sqrt(n)]``."""
+    bound = 1.0 / math.sqrt(n)
+    return (torch.rand(r, n, generator=generator, dtype=torch.float64) * 2 - 1).mul_(bound).to(dtype)
+
+
+def minor_subspace_A(
+    primary: torch.Tensor, r: int, target_norm: float, generator: torch.Generator, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """A new frozen ``A`` (``r x n``) whose rows lie in the orthogonal complement of ``primary``.
+
+    METHODS.md writes ``A^T = U_minor N`` with ``N`` Gaussian ``(d - k) x r``. We draw ``A^T = (I - U_p U_p^T) G``
+    with ``G`` Gaussian ``n x r`` instead: since ``U_minor^T G`` is again a standard Gaussian ``(d - k) x r`` matrix,
+    this has exactly the same distribution, but it depends only on the primary *subspace*, not on the sign or basis
+    the eigensolver picked for each eigenvector, and it never needs the (large) minor basis.
+
+    Args:
+        primary: ``(n, k)`` orthonormal basis of the primary subspace.
+        r: Rank of the adapter.
+        target_norm: Frobenius norm of the returned ``A``.
+        generator: Source of the Gaussian draw (see :func:`seeded_generator`).
+        dtype: dtype of the result.
+
+    Returns:
+        ``A`` of shape ``(r, n)``; all zero if the minor subspace is empty.
+    """
+    n = primary.shape[0]
+    basis = primary.to(torch.float64)
+    # drawn on the CPU generator (same numbers on every device and rank), then moved to the basis' device
+    g = torch.randn(n, r, generator=generator, dtype=torch.float64).to(basis.device)
+    if basis.shape[1] >= n:
+        return torch.zeros(r, n, dtype=dtype, device=basis.device)
+    # Two projection passes: one pass leaves O(eps * ||g||) of the primary subspace in floating point, the second
+    # removes that residue, so "A is orthogonal to the primary subspace" holds to ~1e-15 relative, not ~1e-8.
+    for _ in range(2):
+        g = g - basis @ (basis.T @ g)
+    norm = float(torch.linalg.matrix_norm(g))
+    # contiguous: a transposed view would make matmuls pick other kernels than after a save/load round trip, and
+    # continuing a loaded sequence must reproduce the uninterrupted one bit for bit.
+    return (g.T * (target_norm / norm)).to(dtype).contiguous()

@@ -1,0 +1,140 @@
+"""The rank-pool gather references against the per-sample loop oracle: values, dtypes, repeats and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peft_ext.kernels import (
+    KERNEL_ENV_VAR,
+    RankPoolKernel,
+    choose_reference,
+    rank_pool_gather,
+    rank_pool_gather_indexed,
+    rank_pool_gather_loop,
+    rank_pool_gather_masked,
+    register_rank_pool_kernel,
+)
+
+VARIANTS = {"indexed": rank_pool_gather_indexed, "masked": rank_pool_gather_masked}
+
+
+def _inputs(batch, tokens, n_in, n_rank, n_out, k, dtype=torch.float32, seed=0, repeats=False):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (batch, n_in) if tokens is None else (batch, tokens, n_in)
+    x = torch.randn(shape, generator=gen).to(dtype)
+    A = torch.randn(n_in, n_rank, generator=gen).to(dtype)
+    B = torch.randn(n_rank, n_out, generator=gen).to(dtype)
+    if repeats:
+        idx = torch.randint(0, n_rank, (batch, k), generator=gen)
+    else:
+        idx = torch.stack([torch.randperm(n_rank, generator=gen)[:k] for _ in range(batch)])
+    return x, A, B, idx
+
+
+def _naive(x, A, B, idx, scale, gates=None):
+    """Independent of the module: a double loop over samples and selected ranks, rank-1 terms in float64."""
+    x3 = x.double() if x.dim() == 3 else x.double().unsqueeze(1)
+    out = torch.zeros(x3.shape[0], x3.shape[1], B.shape[1], dtype=torch.float64)
+    for b in range(x3.shape[0]):
+        for j, i in enumerate(idx[b].tolist()):
+            g = 1.0 if gates is None else float(gates[b, j])
+            out[b] += g * scale * torch.outer(x3[b] @ A[:, i].double(), B[i].double())
+    return out if x.dim() == 3 else out.squeeze(1)
+
+
+@pytest.mark.parametrize(
+    "batch,tokens,n_in,n_rank,n_out,k",
+    [(3, 5, 7, 11, 6, 4), (4, None, 9, 5, 3, 5), (2, 3, 5, 13, 17, 1), (5, 1, 1, 3, 1, 2)],
+    ids=["odd", "k_eq_n_2d", "k1", "width1"],
+)
+@pytest.mark.parametrize("variant", ["indexed", "masked", "loop", "auto"])
+def test_matches_naive(variant, batch, tokens, n_in, n_rank, n_out, k):
+    x, A, B, idx = _inputs(batch, tokens, n_in, n_rank, n_out, k)
+    y = rank_pool_gather(x, A, B, idx, 0.7, method=variant)
+    torch.testing.assert_close(y.double(), _naive(x, A, B, idx, 0.7), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["indexed", "masked"])
+def test_repeated_indices_and_gates(variant):
+    x, A, B, idx = _inputs(4, 3, 6, 5, 4, 6, repeats=True, seed=1)
+    idx[0] = torch.tensor([2, 2, 2, 0, 1, 1])  # a rank selected three times counts three times
+    gates = (torch.rand(4, 6, generator=torch.Generator().manual_seed(2)) > 0.4).float()
+    y = VARIANTS[variant](x, A, B, idx, 0.5, gates)
+    torch.testing.assert_close(y.double(), _naive(x, A, B, idx, 0.5, gates), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(y, rank_pool_gather_loop(x, A, B, idx, 0.5, gates), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["indexed", "masked"])
+def test_bf16_close_to_fp32(variant):
+    x, A, B, idx = _inputs(3, 4, 16, 12, 8, 5)
+    ref = rank_pool_gather_loop(x, A, B, idx, 0.25)
+    y = VARIANTS[variant](x.bfloat16(), A.bfloat16(), B.bfloat16(), idx, 0.25)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), ref, atol=0.15, rtol=0.05)
+
+
+@pytest.mark.parametrize("variant", ["indexed", "masked"])
+def test_gradients_accumulate_over_shared_ranks(variant):
+    x, A, B, idx = _inputs(4, 3, 6, 7, 5, 3, seed=3)
+    idx[:, 0] = 4  # every sample uses rank 4: its dA/dB column/row must sum over all of them
+    idx[1, 1] = 4
+    grads = []
+    for fn in (VARIANTS[variant], rank_pool_gather_loop):
+        leaves = [t.clone().requires_grad_(True) for t in (x, A, B)]
+        w = torch.randn(4, 3, 5, generator=torch.Generator().manual_seed(9))
+        (fn(*leaves, idx, 1.3) * w).sum().backward()
+        grads.append([t.grad for t in leaves])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # unselected ranks get exactly zero gradient
+    unused = sorted(set(range(7)) - set(idx.flatten().tolist()))
+    assert unused and grads[0][1][:, unused].abs().max() == 0 and grads[0][2][unused].abs().max() == 0
+    # analytic check of one column: dL/dA[:, 4] = scale * sum_b sum_occurrences x_b^T (g_b B[4]^T)
+    assert grads[0][1][:, 4].abs().sum() > 0
+
+
+def test_choose_reference_by_pool_size_and_k():
+    assert choose_reference(tokens=32, n_ranks=8, k=8, width_in=64, width_out=64) == "masked"
+    assert choose_reference(tokens=32, n_ranks=256, k=8, width_in=64, width_out=64) == "indexed"
+    # single-token rows: copying K ranks per sample outweighs a dense pass over a small pool
+    assert choose_reference(tokens=1, n_ranks=16, k=8, width_in=64, width_out=64) == "masked"
+
+
+def test_dispatch_env_var_and_registered_kernel(monkeypatch):
+    x, A, B, idx = _inputs(2, 3, 4, 6, 5, 2)
+    calls = []
+
+    def fake(*args):
+        calls.append(1)
+        return rank_pool_gather_indexed(*args)
+
+    register_rank_pool_kernel(RankPoolKernel("fake", fake, supports=lambda t: True))
+    try:
+        monkeypatch.setenv(KERNEL_ENV_VAR, "torch")
+        rank_pool_gather(x, A, B, idx, 1.0)
+        assert calls == []
+        monkeypatch.setenv(KERNEL_ENV_VAR, "triton")
+        rank_pool_gather(x, A, B, idx, 1.0)
+        assert calls == [1]
+        register_rank_pool_kernel(RankPoolKernel("cuda-only", fake, supports=lambda t: t.is_cuda))
+        y = rank_pool_gather(x, A, B, idx, 1.0)  # falls back to torch on CPU without an error
+        assert calls == [1]
+        torch.testing.assert_close(y, rank_pool_gather_loop(x, A, B, idx, 1.0))
+        monkeypatch.setenv(KERNEL_ENV_VAR, "cuda")
+        with pytest.raises(ValueError, match="PEFT_EXT_KERNELS"):
+            rank_pool_gather(x, A, B, idx, 1.0)
+    finally:
+        register_rank_pool_kernel(None)
+
+
+def test_errors_name_the_value():
+    x, A, B, idx = _inputs(2, 3, 4, 6, 5, 2)
+    with pytest.raises(ValueError, match=r"\[0, 6\)"):
+        rank_pool_gather(x, A, B, idx + 5, 1.0)
+    with pytest.raises(ValueError, match="width"):
+        rank_pool_gather(x[..., :3], A, B, idx, 1.0)
+    with pytest.raises(TypeError, match="int64"):
+        rank_pool_gather(x, A, B, idx.float(), 1.0)
+    with pytest.raises(ValueError, match="method"):
+        rank_pool_gather(x, A, B, idx, 1.0, method="fast")

@@ -1,0 +1,81 @@
+"""SplitLoRA under DistributedDataParallel: the statistics are all-reduced, so every rank picks the same subspace."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from peft_ext.tuners.splitlora.stats import choose_split, covariance_spectrum, primary_dimension
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("splitlora_ddp_worker.py")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    if torchrun is None:
+        pytest.fail("torchrun is not installed next to this Python; it ships with torch")
+    out = tmp_path_factory.mktemp("ddp")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # A session of its own, so a timeout can end torchrun *and* its workers (killing torchrun alone orphans them).
+    proc = subprocess.Popen(
+        [torchrun, "--standalone", "--nproc_per_node=2", str(WORKER), str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        _, stderr = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        pytest.fail(f"the 2-process run did not finish in 150 s:\n{stderr[-4000:]}")
+    assert proc.returncode == 0, stderr[-4000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.distributed
+def test_every_rank_picks_the_same_subspace_from_the_global_statistics(ranks):
+    from .splitlora_ddp_worker import CONFIG, TASKS
+
+    zero, one = ranks
+    for task in range(TASKS):
+        a, b = zero["tasks"][task], one["tasks"][task]
+        assert a["splits"] == b["splits"], task
+        assert a["tokens"] == b["tokens"] and a["kind"] == {"narrow": "dense", "wide": "sketch"}
+        for key in a["A"]:
+            assert torch.equal(a["A"][key], b["A"][key]), (task, key)
+            assert torch.equal(a["covariance"][key], b["covariance"][key]), (task, key)
+
+        for key in a["A"]:
+            # the inputs of both ranks in all tasks so far, as one process would have seen them
+            rows = torch.cat([r["tasks"][t]["inputs"][key] for t in range(task + 1) for r in ranks]).double()
+            assert a["tokens"][key] == rows.shape[0]
+            truth = rows.T @ rows / rows.shape[0]
+            local = [torch.cat([r["tasks"][t]["inputs"][key] for t in range(task + 1)]).double() for r in (zero, one)]
+            for mine in local:  # without the all-reduce a rank would see a clearly different covariance
+                assert (mine.T @ mine / mine.shape[0] - truth).norm() > 0.1 * truth.norm()
+            got = a["covariance"][key].double()
+            if a["kind"][key] == "dense":
+                torch.testing.assert_close(got, truth, rtol=1e-5, atol=1e-5)
+                values, vectors, total = covariance_spectrum(truth)
+                k = choose_split(values, task, CONFIG["trade_off"], dim=truth.shape[0], total=total)
+                assert a["splits"][key] == (k, primary_dimension(k, truth.shape[0]))
+            else:
+                # the merged sketch never overestimates and its certificate bounds the error on the global data
+                gap = torch.linalg.eigvalsh(truth - got)
+                assert float(gap.min()) > -1e-5 and float(gap.max()) <= a["error"][key] + 1e-5
+                _, vectors, _ = covariance_spectrum(got)
+            primary = vectors[:, : a["splits"][key][1]]
+            assert float((a["A"][key].double() @ primary).norm()) < 1e-5 * float(a["A"][key].norm()), (task, key)
