@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from peft_ext.continual import TrainConfig, get_continual_method, run_sequence
 from peft_ext.continual.tasks import Task, TaskSequence
@@ -79,13 +80,13 @@ class Instrumented:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.method, name)
 
-    def before_task(self, model, task_id, task, ctx):
+    def before_task(self, model: nn.Module, task_id: int, task: Task, ctx: Any) -> nn.Module:
         start = time.perf_counter()
         model = self.method.before_task(model, task_id, task, ctx)
         self.init_seconds += time.perf_counter() - start
         return model
 
-    def make_optimizer(self, model, params):
+    def make_optimizer(self, model: nn.Module, params: list[nn.Parameter]) -> torch.optim.Optimizer:
         optimizer = self.method.make_optimizer(model, params)
         last = [None]
 
@@ -115,7 +116,15 @@ def _validation_sequence(sequence: TaskSequence) -> TaskSequence:
     return TaskSequence(sequence.name + "-val", sequence.class_names, [Task("val", task.classes, train, held_out)])
 
 
-def _run(sequence, label, plugin, options, base, collate, train):
+def _run(
+    sequence: TaskSequence,
+    label: str,
+    plugin: str,
+    options: dict[str, Any],
+    base: nn.Module,
+    collate: TextCollator,
+    train: TrainConfig,
+) -> dict[str, Any]:
     method = Instrumented(get_continual_method(plugin)(**_options(plugin, options, label)))
     result = run_sequence(sequence, method, base, collate, train)
     training = result.train_seconds - method.init_seconds

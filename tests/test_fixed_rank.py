@@ -28,6 +28,9 @@ from peft_ext.manifolds import (
 )
 
 from .allocations import assert_no_allocation_of, record_allocations
+from .single_thread import single_thread  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 M, N, R = 9, 7, 3
 F64 = torch.float64

@@ -15,7 +15,10 @@ from peft_ext.optim import create_riemannion_optimizer
 from peft_ext.tuners.riemannion import backprop_rsvd, find_adapters, initialize_loi
 
 from .allocations import assert_no_allocation_of, record_allocations
+from .single_thread import single_thread  # noqa: F401  (fixture)
 from .tuner_contract import quantize_linears
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 F64 = torch.float64
 

@@ -15,6 +15,9 @@ from peft_ext.optim import Riemannion, RiemannLoRA
 from peft_ext.tuners.riemannion import find_adapters
 
 from .helpers import stack_collate, tiny_classifier, token_sequence
+from .single_thread import single_thread  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = TrainConfig(epochs=4, batch_size=8, progress=False, device="cpu")

@@ -20,6 +20,9 @@ from peft_ext.optim.riemannion import adamw_update, riemannion_update
 from peft_ext.tuners.riemannion import find_adapters
 
 from .allocations import assert_no_allocation_of, record_allocations
+from .single_thread import single_thread  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 F64 = torch.float64
 

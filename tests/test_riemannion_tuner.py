@@ -18,7 +18,10 @@ from peft_ext.optim import create_riemannion_optimizer
 from peft_ext.tuners.riemannion import RIEMANNION, Linear, RiemannionModel, find_adapters
 
 from .allocations import assert_no_allocation_of, record_allocations
+from .single_thread import single_thread  # noqa: F401  (fixture)
 from .tuner_contract import CONTRACT_CHECKS, TunerCase
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 class MLP(nn.Module):

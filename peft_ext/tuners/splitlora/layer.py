@@ -120,7 +120,12 @@ class SplitLoRALayer(BaseTunerLayer):
         return weight.device if weight is not None else torch.device("cpu")
 
     def update_layer(self, adapter_name: str, config: SplitLoRAConfig) -> None:
-        """Create (or re-create) the state of ``adapter_name``: task 0, ``A`` random (PEFT's LoRA init), ``B = 0``."""
+        """Create (or re-create) the state of ``adapter_name``: task 0, ``A`` random (PEFT's LoRA init), ``B = 0``.
+
+        Args:
+            adapter_name: Name of the adapter.
+            config: Its configuration.
+        """
         r = config.r
         n, m = self.in_features, self.out_features
         if r > n:
@@ -177,11 +182,19 @@ class SplitLoRALayer(BaseTunerLayer):
     # --- statistics ----------------------------------------------------------------------------------------------
 
     def statistics_kind(self, adapter_name: str) -> str:
-        """``"dense"`` or ``"sketch"``."""
+        """``"dense"`` or ``"sketch"``: how ``adapter_name`` keeps its running statistics here.
+
+        Args:
+            adapter_name: Name of the adapter.
+        """
         return "dense" if adapter_name in self.splitlora_cov else "sketch"
 
     def has_pending_statistics(self, adapter_name: str) -> bool:
-        """Whether statistics of the task in progress were collected and not yet folded in by ``end_task``."""
+        """Whether statistics of the task in progress were collected and not yet folded in by ``end_task``.
+
+        Args:
+            adapter_name: Name of the adapter.
+        """
         return adapter_name in self._splitlora_pending
 
     def _new_pending(self, adapter_name: str) -> dict[str, torch.Tensor]:
@@ -199,7 +212,12 @@ class SplitLoRALayer(BaseTunerLayer):
 
     @torch.no_grad()
     def accumulate_statistics(self, adapter_name: str, rows: torch.Tensor) -> None:
-        """Add input rows (one token per row, ``(N, in_features)``) to the task in progress."""
+        """Add inputs to the statistics of the task in progress (kept apart until :meth:`finish_statistics`).
+
+        Args:
+            adapter_name: Name of the adapter.
+            rows: Inputs, one token per row, reshaped to ``(N, in_features)``.
+        """
         if adapter_name not in self.splitlora_B:
             raise ValueError(f"no SplitLoRA adapter named {adapter_name!r} on {self._splitlora_seed_key!r}")
         pending = self._splitlora_pending.get(adapter_name)
@@ -224,6 +242,10 @@ class SplitLoRALayer(BaseTunerLayer):
         """Fold the task in progress into the running statistics; under ``torch.distributed``, all ranks' first.
 
         Every rank must call this for every layer in the same order (it runs collectives).
+
+        Args:
+            adapter_name: Name of the adapter.
+            group: ``torch.distributed`` process group (default: the default group, when initialized).
         """
         pending = self._splitlora_pending.pop(adapter_name, None)
         if pending is None:
@@ -254,6 +276,9 @@ class SplitLoRALayer(BaseTunerLayer):
 
         For a sketch this is ``S^T S / tokens``, which underestimates ``C`` by at most
         :meth:`statistics_error` in spectral norm.
+
+        Args:
+            adapter_name: Name of the adapter.
         """
         tokens = int(self.splitlora_tokens[adapter_name])
         if tokens == 0:
@@ -264,14 +289,22 @@ class SplitLoRALayer(BaseTunerLayer):
         return sketch.T @ sketch / tokens
 
     def statistics_error(self, adapter_name: str) -> float:
-        """Certified spectral-norm bound on ``C_true - covariance()`` (0 for dense statistics)."""
+        """Certified spectral-norm bound on ``C_true - covariance()`` (0 for dense statistics).
+
+        Args:
+            adapter_name: Name of the adapter.
+        """
         if self.statistics_kind(adapter_name) == "dense":
             return 0.0
         tokens = max(int(self.splitlora_tokens[adapter_name]), 1)
         return float(self.splitlora_sketch_error[adapter_name]) / tokens
 
     def spectrum(self, adapter_name: str) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """Eigenvalues (descending), eigenvectors and trace of the running statistics (sum scale)."""
+        """Eigenvalues (descending), eigenvectors and trace of the running statistics (sum scale).
+
+        Args:
+            adapter_name: Name of the adapter.
+        """
         if self.statistics_kind(adapter_name) == "dense":
             return covariance_spectrum(self.splitlora_cov[adapter_name])
         return sketch_spectrum(self.splitlora_sketch[adapter_name], float(self.splitlora_energy[adapter_name]))
@@ -280,7 +313,14 @@ class SplitLoRALayer(BaseTunerLayer):
 
     @torch.no_grad()
     def fold_task(self, adapter_name: str) -> None:
-        """``dW_old += B A`` (exactly, by stacking the factors; densified only when that is smaller); ``B = 0``."""
+        """``dW_old += B A`` (exactly, by stacking the factors; densified only when that is smaller); ``B = 0``.
+
+        Args:
+            adapter_name: Name of the adapter.
+
+        Raises:
+            ValueError: If ``B`` has non-finite values; nothing is changed then.
+        """
         b = self.splitlora_B[adapter_name]
         a = self.splitlora_A[adapter_name]
         if not bool(torch.isfinite(b).all()):
@@ -308,7 +348,14 @@ class SplitLoRALayer(BaseTunerLayer):
     def advance_task(self, adapter_name: str, group: Any = None) -> dict[str, Any]:
         """Split the running statistics, fold the finished task and prepare the next task's ``A`` (METHODS.md 2).
 
-        Call :meth:`finish_statistics` first. Returns what was chosen (for logs and tests).
+        Call :meth:`finish_statistics` first.
+
+        Args:
+            adapter_name: Name of the adapter.
+            group: ``torch.distributed`` process group the new ``A`` is broadcast over (default: the default group).
+
+        Returns:
+            ``{"task", "k_star", "primary", "in_features"}``: what was chosen, for logs and tests.
         """
         config = self.splitlora_config[adapter_name]
         key = self._splitlora_seed_key
@@ -362,7 +409,11 @@ class SplitLoRALayer(BaseTunerLayer):
     # --- merging ----------------------------------------------------------------------------------------------------
 
     def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
-        """``dW_old + B A`` as an ``out x in`` matrix in the adapter dtype."""
+        """``dW_old + B A`` as an ``out x in`` matrix in the adapter dtype.
+
+        Args:
+            adapter_name: Name of the adapter.
+        """
         b = self.splitlora_B[adapter_name]
         delta = b @ self.splitlora_A[adapter_name]
         if self.splitlora_old_A[adapter_name].shape[0]:

@@ -254,7 +254,11 @@ class SplitLoRAModel(BaseTuner):
         return layers
 
     def finished_tasks(self, adapter_name: str | None = None) -> int:
-        """Number of tasks finished with ``end_task`` (the 0-based index of the task in progress)."""
+        """Number of tasks finished with ``end_task`` (the 0-based index of the task in progress).
+
+        Args:
+            adapter_name: The SplitLoRA adapter (default: the single active one).
+        """
         name = self._resolve_adapter(adapter_name)
         counts = {int(layer.splitlora_tasks[name]) for _, layer in self._layers(name)}
         if len(counts) != 1:
