@@ -24,6 +24,10 @@ from peft_ext.optim.dct import (
     resolve_dct_method,
 )
 
+from .single_thread import single_thread  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.usefixtures("single_thread")  # small transforms; see tests/single_thread.py
+
 
 def formula_matrix(n: int) -> torch.Tensor:
     """METHODS.md section 5, entry by entry in float64 (independent of the vectorized, range-reduced builder)."""

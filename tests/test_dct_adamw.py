@@ -23,20 +23,16 @@ from peft_ext.optim.dct_adamw import (
     rotate_selected,
 )
 
+from .single_thread import single_thread  # noqa: F401  (fixture)
 from .test_dct import formula_matrix, planted
 
 B1, B2 = 0.9, 0.999
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """One torch thread for these small tensors. With two, torch's OpenMP threads spin-wait after every op while
-    bitsandbytes' CPU kernels (linked against the system libgomp, a second OpenMP runtime) want the same cores: the
-    8-bit tests then run up to 200x slower on a busy 2-core machine (see docs/dct_adamw.md)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+# One torch thread: with two, torch's OpenMP threads spin-wait after every op while bitsandbytes' CPU kernels (linked
+# against the system libgomp, a second OpenMP runtime) want the same cores; the 8-bit tests then ran up to 200x slower
+# on the busy 2-core machine (docs/dct_adamw.md). Tiny tensors gain nothing from a second thread anyway.
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_registered_and_exported():

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from . import ddp_dct_worker as worker
+from .single_thread import single_thread  # noqa: F401  (fixture)
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("single_thread")]
 
 ROOT = Path(__file__).resolve().parents[1]
 
