@@ -22,3 +22,15 @@ def test_readme_quickstart_runs(capsys):
     assert shrunk != code, "the README quickstart changed: update this test's shrinking"
     exec(compile(shrunk, str(README), "exec"), {})
     assert "| seq_lora |" in capsys.readouterr().out
+
+
+def test_readme_adapter_snippet_runs():
+    text = README.read_text()
+    section = text[text.index("### SplitLoRA, PCLR, MoRA") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    scope: dict = {}
+    exec(compile(code, str(README), "exec"), scope)
+    for name, prefix in (("splitlora", "splitlora_"), ("pclr", "pclr_"), ("mora", "mora_")):
+        model = scope[name]
+        assert type(model).__name__ == "PeftModel"
+        assert any(prefix in n for n, _ in model.named_parameters()), name
