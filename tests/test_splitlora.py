@@ -654,7 +654,8 @@ def test_on_real_minilm_splitlora_forgets_far_less_than_sequential_lora():
     train = TrainConfig(epochs=2, batch_size=32, seed=0, progress=False, device="cpu")
     results = {}
     for name, options in (
-        ("seq_lora", {"lr": 1e-3, "r": 10, "alpha": 20.0}),
+        # 3e-3: at 1e-3 plain LoRA barely learns the later tasks in 2 epochs, so it has little to forget
+        ("seq_lora", {"lr": 3e-3, "r": 10, "alpha": 20.0}),
         ("splitlora", {"lr": 5e-3, "r": 10}),
     ):
         method = get_continual_method(name)(target_modules=["query", "value"], **options)
