@@ -76,6 +76,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--set", action="append", default=[], metavar="METHOD.KEY=VALUE", help="override a method option"
     )
     parser.add_argument("--out", default="runs/benchmark_continual_wordnet", help="folder for results.json")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="reuse the runs in OUT/checkpoint.json (written after every method run) made with the same settings",
+    )
     args = parser.parse_args(argv)
     args.options = {name: dict(METHODS[name]) for name in args.methods}
     for item in args.set:
@@ -100,8 +105,45 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_one(n_tasks: int, seed: int, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """Every selected method on one sequence; ``{method: {"metrics", "matrix", "trainable", "seconds"}}``."""
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Everything a run's numbers depend on besides (tasks, seed, method): runs are reused only when this matches."""
+    keys = ("train_per_class", "test_per_class", "epochs", "batch_size", "max_length")
+    return {**{key: getattr(args, key) for key in keys}, "options": args.options}
+
+
+def load_checkpoint(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The runs saved in ``path`` whose settings match ``args`` (an empty record when there is no checkpoint)."""
+    if not (args.resume and path.is_file()):
+        return {"settings": settings(args), "runs": {}}
+    saved = json.loads(path.read_text())
+    mine, theirs = settings(args), saved["settings"]
+    same = all(mine[k] == theirs[k] for k in mine if k != "options") and all(
+        theirs["options"].get(name, options) == options for name, options in mine["options"].items()
+    )
+    if not same:
+        raise SystemExit(f"{path} was made with other settings ({theirs}); drop --resume or use another --out")
+    saved["settings"] = {**theirs, "options": {**theirs["options"], **mine["options"]}}
+    return saved
+
+
+def save_checkpoint(path: Path, record: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, path)  # atomic: a run killed mid-write leaves the previous checkpoint intact
+
+
+def run_one(
+    n_tasks: int, seed: int, args: argparse.Namespace, record: dict[str, Any], checkpoint: Path
+) -> dict[str, dict[str, Any]]:
+    """Every selected method on one sequence, skipping those already in ``record``; saves after each method.
+
+    Returns:
+        ``{method: {"metrics", "matrix", "trainable", "seconds", "cpu_seconds"}}``.
+    """
+    done = record["runs"].setdefault(str(n_tasks), {}).setdefault(str(seed), {})
+    if all(name in done for name in args.methods):
+        return {name: done[name] for name in args.methods}
     sequence = wordnet_task_sequence(
         n_tasks=n_tasks,
         classes_per_task=TOTAL_CLASSES // n_tasks,
@@ -113,14 +155,16 @@ def run_one(n_tasks: int, seed: int, args: argparse.Namespace) -> dict[str, dict
     base, tokenizer = load_text_classifier("minilm", sequence.num_classes)
     collate = TextCollator(tokenizer, args.max_length)
     train = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, seed=seed, progress=False, device="cpu")
-    results = {}
     for name in args.methods:
+        if name in done:
+            print(f"  {n_tasks} tasks, seed {seed}, {name:<10} (from {checkpoint})", flush=True)
+            continue
         cls = get_continual_method(name)
         method = cls(build_section(cls.options_cls, args.options[name], prefix=f"{name}."))
         start, cpu_start = time.perf_counter(), cpu_seconds()
         result = run_sequence(sequence, method, base, collate, train)
         seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
-        results[name] = {
+        done[name] = {
             "metrics": result.metrics,
             "matrix": result.accuracy_matrix,
             "trainable": result.trainable_params,
@@ -129,7 +173,8 @@ def run_one(n_tasks: int, seed: int, args: argparse.Namespace) -> dict[str, dict
         }
         shown = {k: None if v is None else round(100 * v, 1) for k, v in result.metrics.items()}
         print(f"  {n_tasks} tasks, seed {seed}, {name:<10} {shown}  {seconds:.0f} s ({cpu:.0f} s CPU)", flush=True)
-    return results
+        save_checkpoint(checkpoint, record)
+    return {name: done[name] for name in args.methods}
 
 
 def _mean_std(values: list[float]) -> str:
@@ -186,11 +231,17 @@ def main(argv: list[str] | None = None) -> int:
         f"[benchmark] {args.train_per_class} train / {args.test_per_class} test per class, {args.epochs} epochs, "
         f"batch {args.batch_size}, {torch.get_num_threads()} threads"
     )
-    start, cpu_start = time.perf_counter(), cpu_seconds()
+    out = Path(args.out)
+    checkpoint = out / "checkpoint.json"
+    record = load_checkpoint(checkpoint, args)
+    start = time.perf_counter()
     all_runs: dict[int, dict[int, dict[str, dict[str, Any]]]] = {}
     for n_tasks in args.tasks:
-        all_runs[n_tasks] = {seed: run_one(n_tasks, seed, args) for seed in args.seeds}
-    wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
+        all_runs[n_tasks] = {seed: run_one(n_tasks, seed, args, record, checkpoint) for seed in args.seeds}
+    this_wall = time.perf_counter() - start
+    # Totals over the runs in the table (some may come from a checkpoint of an earlier, interrupted invocation).
+    every = [r for runs in all_runs.values() for per_seed in runs.values() for r in per_seed.values()]
+    wall, cpu = sum(r["seconds"] for r in every), sum(r["cpu_seconds"] for r in every)
     report = []
     for n_tasks, runs in all_runs.items():
         report.append(
@@ -201,13 +252,13 @@ def main(argv: list[str] | None = None) -> int:
         report.extend(["", *targets(runs)])
     threads = torch.get_num_threads()
     report.append(
-        f"\nTotal wall time {wall:.0f} s ({wall / 60:.1f} min); CPU time {cpu:.0f} s, i.e. about "
-        f"{cpu / threads / 60:.1f} min of wall time on {threads} otherwise idle cores; torch {torch.__version__}, "
-        f"{platform.machine()}, load average at the end {os.getloadavg()[0]:.1f}"
+        f"\nTotal over the {len(every)} runs: wall time {wall:.0f} s ({wall / 60:.1f} min); CPU time {cpu:.0f} s, "
+        f"i.e. about {cpu / threads / 60:.1f} min of wall time on {threads} otherwise idle cores (this invocation: "
+        f"{this_wall:.0f} s); torch {torch.__version__}, {platform.machine()}, load average at the end "
+        f"{os.getloadavg()[0]:.1f}"
     )
     text = "\n".join(report)
     print(text)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     payload = {
         "argv": sys.argv[1:] if argv is None else argv,
