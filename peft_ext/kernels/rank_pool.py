@@ -30,8 +30,11 @@ Dispatch and the Triton plug-in point
 - ``torch``: always a torch reference.
 - ``auto`` / ``triton``: the fast kernel registered with :func:`register_rank_pool_kernel` if there is one and it
   accepts the inputs (its ``supports(x)`` is true, e.g. CUDA tensors); otherwise the torch reference, silently, so
-  CPU runs never fail because of the setting. No fast kernel is registered yet: the fused Triton kernel (issue 8)
-  registers itself here with the same signature and PCLR does not need to know which path ran.
+  CPU runs never fail because of the setting.
+
+The fused Triton kernel (:mod:`.triton_ops`, issue 8) registers itself here lazily: the first CUDA call in ``auto``
+/ ``triton`` mode with no kernel registered imports it (:func:`load_rank_pool_kernel`). Importing ``peft_ext`` never
+imports Triton, and a machine without Triton keeps the torch reference. PCLR does not need to know which path ran.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ __all__ = [
     "RankPoolKernel",
     "choose_reference",
     "kernel_mode",
+    "load_rank_pool_kernel",
     "rank_pool_gather",
     "rank_pool_gather_indexed",
     "rank_pool_gather_loop",
@@ -81,6 +85,7 @@ class RankPoolKernel:
 
 
 _FAST_KERNEL: Optional[RankPoolKernel] = None
+_AUTOLOAD_TRIED = False
 
 
 def register_rank_pool_kernel(kernel: Optional[RankPoolKernel]) -> None:
@@ -89,7 +94,8 @@ def register_rank_pool_kernel(kernel: Optional[RankPoolKernel]) -> None:
     Args:
         kernel: The kernel; its ``fn`` must match :func:`rank_pool_gather_indexed` to tolerance (tests compare them).
     """
-    global _FAST_KERNEL
+    global _FAST_KERNEL, _AUTOLOAD_TRIED
+    _AUTOLOAD_TRIED = True  # an explicit choice (None included) is never overridden by the lazy loader
     if kernel is not None and not isinstance(kernel, RankPoolKernel):
         raise TypeError(f"kernel must be a RankPoolKernel or None, got {type(kernel).__name__}")
     _FAST_KERNEL = kernel
@@ -97,6 +103,22 @@ def register_rank_pool_kernel(kernel: Optional[RankPoolKernel]) -> None:
 
 def registered_rank_pool_kernel() -> Optional[RankPoolKernel]:
     """The fast kernel installed with :func:`register_rank_pool_kernel`, or ``None``."""
+    return _FAST_KERNEL
+
+
+def load_rank_pool_kernel() -> Optional[RankPoolKernel]:
+    """Register the Triton kernel if Triton imports; return the registered kernel (``None`` without Triton).
+
+    Called by :func:`rank_pool_gather` on its first CUDA call; call it yourself to register eagerly.
+    """
+    global _AUTOLOAD_TRIED
+    _AUTOLOAD_TRIED = True
+    if _FAST_KERNEL is None:
+        try:
+            from .triton_ops import rank_pool_kernel
+        except ImportError:  # Triton is only a dependency on Linux x86-64
+            return None
+        register_rank_pool_kernel(rank_pool_kernel())
     return _FAST_KERNEL
 
 
@@ -269,6 +291,8 @@ def rank_pool_gather(
         raise ValueError(f"`method` must be one of {_METHODS}, got {method!r}")
     if method == "auto":
         mode = kernel_mode()
+        if mode != "torch" and _FAST_KERNEL is None and not _AUTOLOAD_TRIED and x.is_cuda:
+            load_rank_pool_kernel()
         fast = _FAST_KERNEL
         if mode != "torch" and fast is not None and fast.supports(x):
             _check(x, A_pool, B_pool, indices, gates)

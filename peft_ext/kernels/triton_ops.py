@@ -1,0 +1,459 @@
+"""Triton kernels: the fused rank-pool gather (forward and backward) and the Gram / apply steps of CholeskyQR2.
+
+Importing this module imports Triton, so nothing in ``peft_ext`` imports it at import time: :mod:`.rank_pool` loads
+it on the first CUDA call (``load_rank_pool_kernel``) and :mod:`.retraction` when the Triton method is chosen.
+Every kernel has a torch reference beside it (:func:`.rank_pool.rank_pool_gather_indexed`,
+``torch.bmm``) and the tests run both under ``TRITON_INTERPRET=1`` on CPU and compile them for sm_80 / sm_90.
+
+Rank-pool gather, in the shrink/expand form of S-LoRA's BGMV kernels, with per-sample rank indices:
+
+- ``_shrink_kernel``: ``h[b, t, k] = scale * g[b, k] * sum_d x[b, t, d] * w[d, idx[b, k]]`` (fp32 ``h``; ``K`` is
+  small, so ``h`` is a tiny intermediate and the big reads are ``x`` and the gathered columns of ``w``);
+- ``_expand_kernel``: ``y[b, t, o] = scale * sum_k h[b, t, k] * w[idx[b, k], o]``;
+- ``_wgrad_kernel``: ``out[idx[b, k], c] += sum_t p[b, t, k] * q[b, t, c]`` with fp32 atomic adds, so ranks that
+  several samples (or one sample several times) select accumulate correctly.
+
+Forward is shrink(x, A) then expand(h, B); backward reuses them with the weights transposed (strides only, no
+copies): ``dh = shrink(dy, B^T)``, ``dx = expand(dh, A^T)``, ``dA^T[idx] += dh^T x``, ``dB[idx] += h^T dy``.
+Gathered ranks are read in place through their indices; a rank-major pool (PCLR's ``A`` is N x in, passed as its
+transpose) makes every gathered rank one contiguous row.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .rank_pool import RankPoolKernel, rank_pool_gather_indexed
+
+__all__ = ["gram", "matmul_small", "rank_pool_kernel", "triton_rank_pool_gather"]
+
+# tl.dot needs every tile dimension >= 16; smaller problems are masked inside a 16-wide tile.
+_MIN_BLOCK = 16
+
+
+def _block(n: int, hi: int) -> int:
+    return max(_MIN_BLOCK, min(hi, triton.next_power_of_2(max(n, 1))))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: follow torch's own matmul setting, so the kernel is as exact as the reference it replaces (torch
+    # defaults to full fp32, Triton to tf32). 16-bit inputs ignore the setting.
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def _dot_f32(dtype: torch.dtype) -> bool:
+    # Triton's CPU interpreter multiplies bf16 tiles as their raw uint16 bits (np.matmul on the storage), so under
+    # TRITON_INTERPRET=1 bf16 tiles are widened to fp32 before tl.dot. On a GPU the dot runs on bf16 tensor cores.
+    return dtype == torch.bfloat16 and triton.knobs.runtime.interpret
+
+
+# --- rank-pool gather ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr,
+    w_ptr,
+    idx_ptr,
+    gate_ptr,
+    h_ptr,
+    T,
+    D,
+    K,
+    stride_xb,
+    stride_xt,
+    stride_xd,
+    stride_wd,
+    stride_wn,
+    stride_ib,
+    stride_ik,
+    stride_gb,
+    stride_gk,
+    scale,
+    HAS_GATES: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    pid_b = tl.program_id(0).to(tl.int64)
+    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_k = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_t = offs_t < T
+    mask_k = offs_k < K
+    ranks = tl.load(idx_ptr + pid_b * stride_ib + offs_k * stride_ik, mask=mask_k, other=0).to(tl.int64)
+    x_rows = x_ptr + pid_b * stride_xb + offs_t[:, None].to(tl.int64) * stride_xt
+    w_cols = w_ptr + ranks[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        x = tl.load(x_rows + offs_d[None, :] * stride_xd, mask=mask_t[:, None] & mask_d[None, :], other=0.0)
+        w = tl.load(w_cols + offs_d[:, None] * stride_wd, mask=mask_d[:, None] & mask_k[None, :], other=0.0)
+        if DOT_F32:
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(x.to(w.dtype), w, acc, input_precision=PRECISION)
+    if HAS_GATES:
+        g = tl.load(gate_ptr + pid_b * stride_gb + offs_k * stride_gk, mask=mask_k, other=0.0)
+        acc = acc * g.to(tl.float32)[None, :]
+    acc = acc * scale
+    h_ptrs = h_ptr + pid_b * T * K + offs_t[:, None] * K + offs_k[None, :]
+    tl.store(h_ptrs, acc, mask=mask_t[:, None] & mask_k[None, :])
+
+
+@triton.jit
+def _expand_kernel(
+    h_ptr,
+    w_ptr,
+    idx_ptr,
+    y_ptr,
+    T,
+    K,
+    N_OUT,
+    stride_wn,
+    stride_wo,
+    stride_ib,
+    stride_ik,
+    stride_yb,
+    stride_yt,
+    stride_yo,
+    scale,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_O: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    pid_b = tl.program_id(0).to(tl.int64)
+    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_o = tl.program_id(2) * BLOCK_O + tl.arange(0, BLOCK_O)
+    mask_t = offs_t < T
+    mask_o = offs_o < N_OUT
+    h_rows = h_ptr + pid_b * T * K + offs_t[:, None] * K
+    acc = tl.zeros((BLOCK_T, BLOCK_O), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        ranks = tl.load(idx_ptr + pid_b * stride_ib + offs_k * stride_ik, mask=mask_k, other=0).to(tl.int64)
+        h = tl.load(h_rows + offs_k[None, :], mask=mask_t[:, None] & mask_k[None, :], other=0.0)
+        w_ptrs = w_ptr + ranks[:, None] * stride_wn + offs_o[None, :] * stride_wo
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_o[None, :], other=0.0)
+        if DOT_F32:
+            acc = tl.dot(h.to(tl.float32), w.to(tl.float32), acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(h.to(w.dtype), w, acc, input_precision=PRECISION)
+    acc = acc * scale
+    y_ptrs = y_ptr + pid_b * stride_yb + offs_t[:, None].to(tl.int64) * stride_yt + offs_o[None, :] * stride_yo
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_o[None, :])
+
+
+@triton.jit
+def _wgrad_kernel(
+    p_ptr,
+    q_ptr,
+    idx_ptr,
+    out_ptr,
+    T,
+    K,
+    C,
+    stride_qb,
+    stride_qt,
+    stride_qc,
+    stride_ib,
+    stride_ik,
+    stride_on,
+    stride_oc,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    pid_b = tl.program_id(0).to(tl.int64)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_k = offs_k < K
+    mask_c = offs_c < C
+    ranks = tl.load(idx_ptr + pid_b * stride_ib + offs_k * stride_ik, mask=mask_k, other=0).to(tl.int64)
+    acc = tl.zeros((BLOCK_K, BLOCK_C), dtype=tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < T
+        p_ptrs = p_ptr + pid_b * T * K + offs_t[None, :] * K + offs_k[:, None]
+        p = tl.load(p_ptrs, mask=mask_k[:, None] & mask_t[None, :], other=0.0)
+        q_ptrs = q_ptr + pid_b * stride_qb + offs_t[:, None].to(tl.int64) * stride_qt + offs_c[None, :] * stride_qc
+        q = tl.load(q_ptrs, mask=mask_t[:, None] & mask_c[None, :], other=0.0)
+        if DOT_F32:
+            acc = tl.dot(p.to(tl.float32), q.to(tl.float32), acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(p.to(q.dtype), q, acc, input_precision=PRECISION)
+    out_ptrs = out_ptr + ranks[:, None] * stride_on + offs_c[None, :] * stride_oc
+    tl.atomic_add(out_ptrs, acc, mask=mask_k[:, None] & mask_c[None, :])
+
+
+def _shrink(
+    x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, gates: Optional[torch.Tensor], scale: float
+) -> torch.Tensor:
+    """``scale * g[b, k] * (x[b] @ w[:, idx[b]])`` as fp32 (batch, tokens, K); ``w`` is (D, N) with any strides."""
+    batch, tokens, width = x.shape
+    k = idx.shape[1]
+    h = torch.empty(batch, tokens, k, dtype=torch.float32, device=x.device)
+    bt, bk, bd = _block(tokens, 64), _block(k, 64), _block(width, 64)
+    g = gates if gates is not None else h
+    g_strides = gates.stride() if gates is not None else (0, 0)
+    grid = (batch, triton.cdiv(tokens, bt), triton.cdiv(k, bk))
+    _shrink_kernel[grid](
+        x,
+        w,
+        idx,
+        g,
+        h,
+        tokens,
+        width,
+        k,
+        *x.stride(),
+        *w.stride(),
+        *idx.stride(),
+        *g_strides,
+        float(scale),
+        HAS_GATES=gates is not None,
+        BLOCK_T=bt,
+        BLOCK_K=bk,
+        BLOCK_D=bd,
+        PRECISION=_precision(w.dtype),
+        DOT_F32=_dot_f32(w.dtype),
+    )
+    return h
+
+
+def _expand(h: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``scale * h[b] @ w[idx[b], :]`` in ``dtype``; ``h`` is fp32 contiguous (batch, tokens, K), ``w`` (N, O)."""
+    batch, tokens, k = h.shape
+    width = w.shape[1]
+    y = torch.empty(batch, tokens, width, dtype=dtype, device=h.device)
+    bt, bk, bo = _block(tokens, 64), _block(k, 64), _block(width, 128)
+    grid = (batch, triton.cdiv(tokens, bt), triton.cdiv(width, bo))
+    _expand_kernel[grid](
+        h,
+        w,
+        idx,
+        y,
+        tokens,
+        k,
+        width,
+        *w.stride(),
+        *idx.stride(),
+        *y.stride(),
+        float(scale),
+        BLOCK_T=bt,
+        BLOCK_K=bk,
+        BLOCK_O=bo,
+        PRECISION=_precision(w.dtype),
+        DOT_F32=_dot_f32(w.dtype),
+    )
+    return y
+
+
+def _wgrad(p: torch.Tensor, q: torch.Tensor, idx: torch.Tensor, n_ranks: int) -> torch.Tensor:
+    """fp32 (N, C) with row ``idx[b, k]`` accumulating ``p[b, :, k] @ q[b]`` over every (b, k)."""
+    batch, tokens, k = p.shape
+    width = q.shape[2]
+    out = torch.zeros(n_ranks, width, dtype=torch.float32, device=p.device)
+    bt, bk, bc = _block(tokens, 64), _block(k, 64), _block(width, 128)
+    grid = (batch, triton.cdiv(k, bk), triton.cdiv(width, bc))
+    _wgrad_kernel[grid](
+        p,
+        q,
+        idx,
+        out,
+        tokens,
+        k,
+        width,
+        *q.stride(),
+        *idx.stride(),
+        *out.stride(),
+        BLOCK_T=bt,
+        BLOCK_K=bk,
+        BLOCK_C=bc,
+        PRECISION=_precision(q.dtype),
+        DOT_F32=_dot_f32(q.dtype),
+    )
+    return out
+
+
+class _RankPoolGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, A_pool, B_pool, indices, scale, gates):  # noqa: D102
+        squeeze = x.dim() == 2
+        x3 = x.unsqueeze(1) if squeeze else x
+        idx = indices.contiguous()
+        h = _shrink(x3, A_pool, idx, gates, 1.0)  # gated, unscaled: dB needs exactly this
+        y = _expand(h, B_pool, idx, scale, x.dtype)
+        ctx.save_for_backward(x3, A_pool, B_pool, idx, gates, h)
+        ctx.scale, ctx.squeeze = scale, squeeze
+        return y.squeeze(1) if squeeze else y
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: D102
+        x3, A_pool, B_pool, idx, gates, h = ctx.saved_tensors
+        dy3 = dy.unsqueeze(1) if ctx.squeeze else dy
+        n_ranks = A_pool.shape[1]
+        dx = dA = dB = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            dh = _shrink(dy3, B_pool.mT, idx, gates, ctx.scale)  # scale * g * (dy @ B_S^T)
+            if ctx.needs_input_grad[0]:
+                dx = _expand(dh, A_pool.mT, idx, 1.0, x3.dtype)
+                dx = dx.squeeze(1) if ctx.squeeze else dx
+            if ctx.needs_input_grad[1]:
+                dA = _wgrad(dh, x3, idx, n_ranks).mT.to(A_pool.dtype)
+        if ctx.needs_input_grad[2]:
+            dB = _wgrad(h, dy3, idx, n_ranks).mul_(ctx.scale).to(B_pool.dtype)
+        return dx, dA, dB, None, None, None
+
+
+def triton_rank_pool_gather(
+    x: torch.Tensor,
+    A_pool: torch.Tensor,
+    B_pool: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+    gates: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The fused rank-pool gather; same signature and result as :func:`.rank_pool.rank_pool_gather_indexed`.
+
+    Differentiable in ``x``, ``A_pool`` and ``B_pool``. Gates are treated as constants (PCLR's are hard 0/1 and its
+    keys learn through the query loss); with ``gates.requires_grad`` the call goes to the torch reference, as do
+    empty inputs.
+    """
+    if x.numel() == 0 or indices.shape[1] == 0 or (gates is not None and gates.requires_grad):
+        return rank_pool_gather_indexed(x, A_pool, B_pool, indices, scale, gates)
+    if x.dtype != A_pool.dtype or x.dtype != B_pool.dtype:
+        raise TypeError(f"x, A_pool and B_pool must share a dtype, got {x.dtype}, {A_pool.dtype}, {B_pool.dtype}")
+    return _RankPoolGather.apply(x, A_pool, B_pool, indices, float(scale), gates)
+
+
+def _supports(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+
+
+def rank_pool_kernel() -> RankPoolKernel:
+    """The fused kernel as a :class:`.rank_pool.RankPoolKernel` (CUDA tensors in fp32 / fp16 / bf16)."""
+    return RankPoolKernel("triton", triton_rank_pool_gather, _supports)
+
+
+# --- CholeskyQR2 building blocks (batched Gram and small right-multiply) ---------------------------------------------
+
+
+@triton.jit
+def _gram_kernel(
+    x_ptr,
+    y_ptr,
+    g_ptr,
+    M,
+    C,
+    rows_per_prog,
+    stride_xb,
+    stride_xm,
+    stride_xc,
+    stride_yb,
+    stride_ym,
+    stride_yc,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_b = tl.program_id(0).to(tl.int64)
+    start = tl.program_id(1) * rows_per_prog
+    end = tl.minimum(start + rows_per_prog, M)
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_c = offs_c < C
+    acc = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
+    for m0 in range(start, end, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        mask = (offs_m < end)[:, None] & mask_c[None, :]
+        x_ptrs = x_ptr + pid_b * stride_xb + offs_m[:, None].to(tl.int64) * stride_xm + offs_c[None, :] * stride_xc
+        y_ptrs = y_ptr + pid_b * stride_yb + offs_m[:, None].to(tl.int64) * stride_ym + offs_c[None, :] * stride_yc
+        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+        acc = tl.dot(tl.trans(x), y, acc, input_precision=PRECISION)
+    g_ptrs = g_ptr + pid_b * C * C + offs_c[:, None] * C + offs_c[None, :]
+    tl.atomic_add(g_ptrs, acc, mask=mask_c[:, None] & mask_c[None, :])
+
+
+@triton.jit
+def _matmul_small_kernel(
+    x_ptr,
+    m_ptr,
+    o_ptr,
+    M,
+    C,
+    stride_xb,
+    stride_xm,
+    stride_xc,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_b = tl.program_id(0).to(tl.int64)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_m = offs_m < M
+    mask_c = offs_c < C
+    x_ptrs = x_ptr + pid_b * stride_xb + offs_m[:, None].to(tl.int64) * stride_xm + offs_c[None, :] * stride_xc
+    x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+    m_ptrs = m_ptr + pid_b * C * C + offs_c[:, None] * C + offs_c[None, :]
+    m = tl.load(m_ptrs, mask=mask_c[:, None] & mask_c[None, :], other=0.0)
+    out = tl.dot(x, m, input_precision=PRECISION)
+    o_ptrs = o_ptr + pid_b * M * C + offs_m[:, None].to(tl.int64) * C + offs_c[None, :]
+    tl.store(o_ptrs, out, mask=mask_m[:, None] & mask_c[None, :])
+
+
+# More columns than this (rank > 64) would not fit one tile; callers use torch.bmm then.
+MAX_GRAM_COLUMNS = 128
+# Enough programs to fill an H100/H200 (132 SMs) a few times over when the batch is small.
+_TARGET_PROGRAMS = 512
+
+
+def gram(x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Batched ``x^T y`` (default ``x^T x``) in fp32 with full-precision dots: (batch, M, C) -> (batch, C, C).
+
+    The row dimension is split over several programs that add their partial Grams atomically, so a batch of a few
+    tall matrices still fills the GPU. The reference is ``x.mT @ y``.
+    """
+    y = x if y is None else y
+    batch, rows, cols = x.shape
+    if cols > MAX_GRAM_COLUMNS:
+        raise ValueError(f"gram supports at most {MAX_GRAM_COLUMNS} columns, got {cols}")
+    out = torch.zeros(batch, cols, cols, dtype=torch.float32, device=x.device)
+    bm, bc = 64, _block(cols, MAX_GRAM_COLUMNS)
+    splits = max(1, min(triton.cdiv(rows, bm), triton.cdiv(_TARGET_PROGRAMS, max(batch, 1))))
+    rows_per_prog = triton.cdiv(triton.cdiv(rows, splits), bm) * bm
+    grid = (batch, triton.cdiv(rows, rows_per_prog))
+    _gram_kernel[grid](
+        x, y, out, rows, cols, rows_per_prog, *x.stride(), *y.stride(), BLOCK_M=bm, BLOCK_C=bc, PRECISION="ieee"
+    )
+    return out
+
+
+def matmul_small(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Batched ``x @ m`` for tall ``x`` (batch, M, C) and small square ``m`` (batch, C, C), fp32 out.
+
+    The CholeskyQR step ``Q = X R^{-1}`` (with ``m = R^{-1}``). The reference is ``x @ m``.
+    """
+    batch, rows, cols = x.shape
+    if cols > MAX_GRAM_COLUMNS:
+        raise ValueError(f"matmul_small supports at most {MAX_GRAM_COLUMNS} columns, got {cols}")
+    m = m.to(torch.float32).contiguous()
+    out = torch.empty(batch, rows, cols, dtype=torch.float32, device=x.device)
+    bm, bc = 64, _block(cols, MAX_GRAM_COLUMNS)
+    grid = (batch, triton.cdiv(rows, bm))
+    _matmul_small_kernel[grid](x, m, out, rows, cols, *x.stride(), BLOCK_M=bm, BLOCK_C=bc, PRECISION="ieee")
+    return out
