@@ -44,6 +44,9 @@ class PCLROptions(MethodOptions):
         prototype_routing: Restrict ranks by the nearest stored task prototype at inference.
         init_from_static: Initialize new ranks from the best-matching static ranks.
         integrate_epochs: Distillation passes over the task's data after compression (0: no integration).
+        integrate_routing: ``"tasks"`` (public code: each distillation batch routed as one stored task, drawn with
+            probability proportional to ``sqrt`` of its last distillation loss; the logits of every class seen so
+            far take part) or ``"input"`` (each sample routed by its own query; the current task's logits).
         integrate_lr: Distillation learning rate.
         temperature: Distillation temperature.
         key_pull_threshold: Cosine above which a key counts as close to a task prototype.
@@ -64,6 +67,7 @@ class PCLROptions(MethodOptions):
     prototype_routing: bool = True
     init_from_static: bool = True
     integrate_epochs: int = 1
+    integrate_routing: str = "tasks"
     integrate_lr: float = 1e-3
     temperature: float = 2.0
     key_pull_threshold: float = 0.8
@@ -77,6 +81,10 @@ class PCLROptions(MethodOptions):
             raise ValueError(f"`integrate_epochs` must be >= 0, got {self.integrate_epochs}")
         if not self.integrate_lr > 0:
             raise ValueError(f"`integrate_lr` must be > 0, got {self.integrate_lr}")
+        from ..tuners.pclr import INTEGRATE_ROUTING
+
+        if self.integrate_routing not in INTEGRATE_ROUTING:
+            raise ValueError(f"`integrate_routing` must be one of {INTEGRATE_ROUTING}, got {self.integrate_routing!r}")
         self.adapter_config(None)  # validates the adapter fields with PCLRConfig's messages
 
     def adapter_config(self, head: Optional[str]) -> Any:
@@ -112,7 +120,9 @@ class PCLRMethod(ContinualMethod):
 
         model = get_peft_model(base_model, self.options.adapter_config(head_module_name(base_model)))
         ctx.state["pclr_pool"] = []
+        ctx.state["pclr_adapter_params"] = []
         ctx.state["pclr_integrate"] = []
+        ctx.state["pclr_generator"] = torch.Generator().manual_seed(ctx.train.seed)
         return model
 
     def _task_batches(self, task: Task, ctx: RunContext) -> list[dict[str, Any]]:
@@ -145,11 +155,16 @@ class PCLRMethod(ContinualMethod):
         return query_loss(model)
 
     def after_task(self, model: nn.Module, task_id: int, task: Task, ctx: RunContext) -> nn.Module:
-        from ..tuners.pclr import end_task, pool_in_use
+        from ..tuners.pclr import end_task, pool_in_use, stored_adapter_parameters
 
-        mask = torch.zeros(ctx.sequence.num_classes, dtype=torch.bool, device=ctx.device)
-        mask[list(task.classes)] = True
         opts = self.options
+        mask = torch.zeros(ctx.sequence.num_classes, dtype=torch.bool, device=ctx.device)
+        if opts.integrate_routing == "tasks":
+            # routed as an old task, the teacher's outputs on the old classes are what must be kept
+            for seen in ctx.sequence.tasks[: task_id + 1]:
+                mask[list(seen.classes)] = True
+        else:
+            mask[list(task.classes)] = True
         result = end_task(
             model,
             task_id,
@@ -161,7 +176,10 @@ class PCLRMethod(ContinualMethod):
             mask=mask,
             key_pull_threshold=opts.key_pull_threshold,
             key_pull_strength=opts.key_pull_strength,
+            integrate_routing=opts.integrate_routing,
+            generator=ctx.state["pclr_generator"],
         )
         ctx.state["pclr_pool"].append(pool_in_use(model))
+        ctx.state["pclr_adapter_params"].append(stored_adapter_parameters(model))
         ctx.state["pclr_integrate"].append(None if result is None else (result.kl_before, result.kl_after))
         return model

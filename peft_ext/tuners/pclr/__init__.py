@@ -23,18 +23,25 @@ from __future__ import annotations
 from ...registry import register_peft_type
 from .config import PCLRConfig
 from .cycle import (
+    INTEGRATE_ROUTING,
     IntegrateResult,
+    PoolSnapshot,
     begin_task,
     compress,
+    contribution_scores,
     distill_loss,
     end_task,
     group_layers,
     importance_scores,
     integrate,
+    integrate_over_tasks,
     pool_in_use,
     pull_keys_to_prototypes,
     query_loss,
     query_prototype,
+    routed_as,
+    stored_adapter_parameters,
+    stored_prototypes,
     teacher_outputs,
 )
 from .layer import Linear, PCLRLayer
@@ -49,16 +56,19 @@ from .router import (
 )
 
 __all__ = [
+    "INTEGRATE_ROUTING",
     "PCLR",
     "IntegrateResult",
     "Linear",
     "PCLRConfig",
     "PCLRLayer",
     "PCLRModel",
+    "PoolSnapshot",
     "RoutingState",
     "allowed_by_prototype",
     "begin_task",
     "compress",
+    "contribution_scores",
     "default_query",
     "distill_loss",
     "end_task",
@@ -66,12 +76,16 @@ __all__ = [
     "group_layers",
     "importance_scores",
     "integrate",
+    "integrate_over_tasks",
     "pool_in_use",
     "pull_keys_to_prototypes",
     "query_key_loss",
     "query_loss",
     "query_prototype",
+    "routed_as",
     "select_top_k",
+    "stored_adapter_parameters",
+    "stored_prototypes",
     "teacher_outputs",
 ]
 

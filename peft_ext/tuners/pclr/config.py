@@ -9,7 +9,7 @@ from typing import Optional, Union
 from peft.config import PeftConfig
 from peft.utils import PeftType
 
-COMPRESS_RULES = ("index", "importance")
+COMPRESS_RULES = ("index", "importance", "contribution")
 
 
 @dataclass
@@ -29,8 +29,10 @@ class PCLRConfig(PeftConfig):
         ranks_schedule: New ranks per task ``t`` (entry ``t``; the last entry repeats). Paper: 64, later 32.
         compress_schedule: Fraction of the pool dropped after task ``t`` (entry ``t``; the last entry repeats).
             Paper (8 tasks): nothing for the first tasks, then 25 %, then 12.5 %.
-        compress_rule: ``"index"`` (public code: drop every s-th rank) or ``"importance"`` (drop the ranks with the
-            smallest ``||a_i|| ||b_i||`` summed over the group's linears; the paper's intent).
+        compress_rule: ``"index"`` (public code: drop every s-th rank), ``"importance"`` (drop the ranks with the
+            smallest ``||a_i|| ||b_i||`` summed over the group's linears) or ``"contribution"`` (drop the ranks with
+            the smallest measured contribution ``E[gate_i |a_i . x|] ||b_i||`` on the task's data routed as each
+            stored task, every task weighted equally); see docs/pclr.md for which keeps more accuracy.
         top_k: Ranks selected per sample (public code: 64).
         alpha: Output scale numerator; the pool's output is scaled by ``alpha / top_k``.
         shared_r: Rank of the always-on shared dense LoRA (0 disables it; public code: 32).
@@ -58,7 +60,7 @@ class PCLRConfig(PeftConfig):
         default_factory=lambda: [0.0, 0.0, 0.0, 0.25, 0.125],
         metadata={"help": "Fraction of the pool dropped after each task; last repeats."},
     )
-    compress_rule: str = field(default="importance", metadata={"help": "'index' or 'importance'."})
+    compress_rule: str = field(default="importance", metadata={"help": "'index', 'importance' or 'contribution'."})
     top_k: int = field(default=64, metadata={"help": "Ranks selected per sample."})
     alpha: float = field(default=64.0, metadata={"help": "Pool output scale numerator (scale alpha / top_k)."})
     shared_r: int = field(default=0, metadata={"help": "Rank of the always-on shared LoRA (0: none)."})

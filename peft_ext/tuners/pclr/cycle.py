@@ -13,13 +13,21 @@ METHODS.md section 3. For task ``t``:
 
 Compression rules: ``"index"`` is the public code's rule (drop every s-th rank); ``"importance"`` drops the ranks with
 the smallest ``||a_i|| ||b_i||`` summed over the linears of the layer group (they share one key and one selection,
-so a rank is dropped from the whole group). ``benchmarks/pclr.py`` compares the two.
+so a rank is dropped from the whole group); ``"contribution"`` drops the ranks that contribute least to the outputs,
+measured on the task's data routed as each stored task (:func:`contribution_scores`).
+
+Integration routing: ``"input"`` routes each distillation sample by its own query; ``"tasks"`` is the public code's
+scheme: each batch is routed as one stored task (its prototype as every sample's query), the task drawn with
+probability proportional to ``sqrt(last distillation loss on it)``, so the student learns to reproduce every task's
+routing of the pool, and tasks it reproduces worst are revisited most (:func:`integrate_over_tasks`).
+``benchmarks/continual_wordnet.py`` compares them.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -33,22 +41,32 @@ from .layer import N_NEW, N_PROTOS, N_STATIC, TASK, PCLRLayer
 from .model import PCLRModel
 
 __all__ = [
+    "INTEGRATE_ROUTING",
     "IntegrateResult",
+    "PoolSnapshot",
     "begin_task",
     "compress",
+    "contribution_scores",
     "distill_loss",
     "end_task",
     "group_layers",
     "importance_scores",
     "integrate",
+    "integrate_over_tasks",
     "pool_in_use",
     "pull_keys_to_prototypes",
     "query_loss",
     "query_prototype",
+    "routed_as",
+    "stored_adapter_parameters",
+    "stored_prototypes",
     "teacher_outputs",
 ]
 
 Batch = dict[str, Any]
+
+#: How :func:`end_task` routes the distillation data (see the module docstring).
+INTEGRATE_ROUTING = ("input", "tasks")
 
 
 def _tuner(model: nn.Module) -> PCLRModel:
@@ -84,6 +102,24 @@ def group_layers(model: nn.Module, adapter: str = "default") -> dict[str, list[P
 def pool_in_use(model: nn.Module, adapter: str = "default") -> int:
     """The largest number of active ranks (static + new) of any layer: never more than ``pool_size``."""
     return max(sum(layer.counts(adapter)[:2]) for layers in group_layers(model, adapter).values() for layer in layers)
+
+
+def stored_adapter_parameters(model: nn.Module, adapter: str = "default") -> int:
+    """Adapter values in use: active ranks ``(in + out)`` per linear, the shared LoRA, active keys and prototypes.
+
+    Bounded by the pool cap however many tasks come (per-task LoRA grows by ``r (in + out)`` per linear and task).
+    The buffers are allocated at capacity; this counts what the pool holds, not the allocation.
+    """
+    total = 0
+    for layers in group_layers(model, adapter).values():
+        for i, layer in enumerate(layers):
+            n_s, n_n, n_protos, _ = layer.counts(adapter)
+            total += (n_s + n_n) * (layer.in_features + layer.out_features)
+            if adapter in layer.pclr_shared_A:
+                total += layer.pclr_shared_A[adapter].numel() + layer.pclr_shared_B[adapter].numel()
+            if i == 0:
+                total += (n_s + n_n + n_protos) * layer.pclr_keys[adapter].shape[1]
+    return total
 
 
 def query_loss(model: nn.Module) -> Optional[torch.Tensor]:
@@ -204,12 +240,159 @@ def importance_scores(layers: Sequence[PCLRLayer], adapter: str) -> torch.Tensor
     return total
 
 
+@contextmanager
+def routed_as(model: nn.Module, prototype: torch.Tensor) -> Iterator[None]:
+    """Route every sample as the task of ``prototype``: its (normalized) prototype replaces each sample's query.
+
+    The default query still runs (for the batch size and the device), then every row is replaced, so selection and
+    prototype routing behave as for an input whose query is exactly that prototype. Useful when the task id is known
+    at inference, and the routing :func:`integrate_over_tasks` and :func:`contribution_scores` use.
+
+    Args:
+        model: The PCLR model.
+        prototype: (query_dim,) a task prototype (e.g. a row of the stored prototypes).
+    """
+    state = _tuner(model).routing_state
+    original = state.query_fn
+    proto = F.normalize(prototype.detach().float().flatten(), dim=0)
+
+    def query_fn(m: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Optional[torch.Tensor]:
+        query = original(m, args, kwargs)
+        if query is None:
+            return None
+        if query.shape[-1] != proto.numel():
+            raise ValueError(f"`prototype` has {proto.numel()} entries but the query has width {query.shape[-1]}")
+        return proto.to(query).expand_as(query)
+
+    state.query_fn = query_fn
+    try:
+        yield
+    finally:
+        state.query_fn = original
+
+
+def stored_prototypes(model: nn.Module, adapter: str = "default") -> torch.Tensor:
+    """The stored task prototypes (T x query_dim) of ``adapter`` (row ``t``: task ``t``)."""
+    return next(iter(group_layers(model, adapter).values()))[0].prototypes(adapter).detach().clone()
+
+
+class PoolSnapshot:
+    """A copy of every PCLR tensor of one adapter (ranks, keys, task tags, counts, prototypes, shared LoRA).
+
+    :meth:`active` swaps the copy in for the duration of a ``with`` block and restores the current tensors after it:
+    the uncompressed pool can serve as the distillation teacher without a second copy of the model (the pool is a
+    few MB, the model may be GBs). The snapshot's tensors have the same shapes as the live ones (capacities are
+    fixed), so the swap is an in-place copy.
+
+    Args:
+        model: The PCLR model.
+        adapter: The adapter.
+    """
+
+    _names = PCLRLayer.adapter_layer_names + (
+        "pclr_A_static",
+        "pclr_B_static",
+        "pclr_keys_static",
+        "pclr_rank_task",
+        "pclr_counts",
+        "pclr_prototypes",
+    )
+
+    def __init__(self, model: nn.Module, adapter: str = "default") -> None:
+        self.tensors = [
+            getattr(layer, name)[adapter]
+            for layers in group_layers(model, adapter).values()
+            for layer in layers
+            for name in self._names
+            if adapter in getattr(layer, name)
+        ]
+        self.saved = [t.detach().clone() for t in self.tensors]
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Run the ``with`` block on the snapshot's pool (no gradients should flow through it)."""
+        with torch.no_grad():
+            current = [t.detach().clone() for t in self.tensors]
+            for t, saved in zip(self.tensors, self.saved):
+                t.copy_(saved)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for t, value in zip(self.tensors, current):
+                    t.copy_(value)
+
+
+@torch.no_grad()
+def contribution_scores(
+    model: nn.Module,
+    batches: Sequence[Batch],
+    adapter: str = "default",
+    forward: Optional[Callable[[nn.Module, Batch], Any]] = None,
+) -> dict[str, torch.Tensor]:
+    """Measured contribution of every active rank, per layer group: the ``"contribution"`` compression rule.
+
+    For each stored task ``t`` the batches are routed as ``t`` (:func:`routed_as`), and rank ``i`` scores
+    ``sum over samples of gate_i * mean over tokens |a_i . x| * ||b_i||`` summed over the group's linears: the size
+    of what it adds to the outputs when it is used. Each task's scores are normalized to sum to one before they are
+    added, so every task has the same say whatever its magnitudes (``||a_i|| ||b_i||`` alone is not comparable across
+    tasks trained at different times) and a rank that no task's routing selects scores zero. Padding tokens count in
+    the token mean (the layers do not see the attention mask).
+
+    Args:
+        model: The PCLR model (its prototypes stored).
+        batches: Input batches (the current task's data).
+        adapter: The adapter.
+        forward: ``forward(model, batch) -> output``; default ``model(**batch without labels)``.
+
+    Returns:
+        ``{group: (active ranks,) scores}``, static ranks first.
+    """
+    if not batches:
+        raise ValueError("`batches` is empty; the contribution rule measures the ranks on data")
+    forward = forward or _default_forward
+    groups = group_layers(model, adapter)
+    totals = {group: torch.zeros(sum(layers[0].counts(adapter)[:2])) for group, layers in groups.items()}
+    current: dict[str, torch.Tensor] = {}
+
+    def record(layer: PCLRLayer, name: str, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, indices, gates) -> None:
+        if name != adapter:
+            return
+        x3 = x if x.dim() == 3 else x.unsqueeze(1)
+        proj = torch.einsum("btn,bkn->btk", x3.float(), A.detach().float()[indices])
+        size = proj.abs().mean(1) * B.detach().float().norm(dim=1)[indices] * gates.float()
+        current[layer.pclr_group].index_add_(0, indices.flatten().cpu(), size.flatten().cpu())
+
+    state = _tuner(model).routing_state
+    protos = stored_prototypes(model, adapter)
+    if protos.shape[0] == 0:
+        raise ValueError("no task prototype is stored yet; store the task's prototype before measuring contributions")
+    was_training = model.training
+    model.eval()
+    state.recorder = record
+    try:
+        for proto in protos:
+            for group in totals:
+                current[group] = torch.zeros_like(totals[group])
+            with routed_as(model, proto):
+                for batch in batches:
+                    forward(model, batch)
+            for group, value in current.items():
+                totals[group] += value / value.sum().clamp_min(1e-30)
+    finally:
+        state.recorder = None
+        model.train(was_training)
+    return totals
+
+
 def _drop_indices(rule: str, n_active: int, n_drop: int, scores: Optional[torch.Tensor]) -> list[int]:
     if rule == "index":
         # Public code: drop every s-th rank (s = 4 drops 25 %); s is chosen so that at least n_drop are candidates.
         s = max(1, n_active // n_drop)
         return list(range(s - 1, n_active, s))[:n_drop]
-    return sorted(scores.topk(n_drop, largest=False).indices.tolist())
+    # stable: among equal scores (e.g. ranks no routing selects) the older rank goes first
+    order = torch.sort(scores.float(), stable=True).indices
+    return sorted(order[:n_drop].tolist())
 
 
 @torch.no_grad()
@@ -219,15 +402,18 @@ def compress(
     rule: Optional[str] = None,
     adapter: str = "default",
     only_static: bool = False,
+    scores: Optional[dict[str, torch.Tensor]] = None,
 ) -> dict[str, list[int]]:
     """Drop ``n_drop`` ranks from every layer group (static and new ranks together), compacting the survivors.
 
     Args:
         model: The PCLR model.
         n_drop: Ranks to drop per group.
-        rule: ``"index"`` or ``"importance"`` (default: the config's ``compress_rule``).
+        rule: ``"index"``, ``"importance"`` or ``"contribution"`` (default: the config's ``compress_rule``).
         adapter: The adapter.
         only_static: Drop among the static ranks only (making room for a new task).
+        scores: Per-group rank scores for the ``"contribution"`` rule (:func:`contribution_scores`); without them
+            that rule falls back to ``"importance"`` (e.g. when making room before a task, with no data at hand).
 
     Returns:
         The dropped pool indices (static first, then new) per group.
@@ -245,8 +431,14 @@ def compress(
         if k == 0:
             dropped[group] = []
             continue
-        scores = importance_scores(layers, adapter)[:n_active] if rule == "importance" else None
-        drop = _drop_indices(rule, n_active, k, scores)
+        group_scores = None
+        if rule == "contribution" and scores is not None:
+            if group not in scores or scores[group].numel() < n_active:
+                raise ValueError(f"`scores` has no score for each of the {n_active} active ranks of group {group!r}")
+            group_scores = scores[group][:n_active]
+        elif rule != "index":
+            group_scores = importance_scores(layers, adapter)[:n_active]
+        drop = _drop_indices(rule, n_active, k, group_scores)
         dropped[group] = drop
         keep = torch.ones(n_s + n_n, dtype=torch.bool)
         keep[drop] = False
@@ -335,11 +527,15 @@ class IntegrateResult:
         kl_before: Mean teacher-student distillation loss right after compression.
         kl_after: The same after distillation.
         steps: Optimizer steps taken.
+        task_draws: With task routing, how many steps each stored task was drawn for (task order).
+        task_weights: With task routing, the final sampling weights ``sqrt(last loss + 1e-4)`` per task.
     """
 
     kl_before: float
     kl_after: float
     steps: int
+    task_draws: Optional[list[int]] = None
+    task_weights: Optional[list[float]] = None
 
 
 def _student_parameters(model: nn.Module, adapter: str) -> list[nn.Parameter]:
@@ -350,6 +546,46 @@ def _student_parameters(model: nn.Module, adapter: str) -> list[nn.Parameter]:
                 if adapter in store:
                     params.append(store[adapter])
     return params
+
+
+@contextmanager
+def _student(model: nn.Module, adapter: str, lr: float) -> Iterator[Optional[torch.optim.Optimizer]]:
+    """Make the student (surviving new ranks, shared LoRA, keys) trainable for the block; ``None`` if it is empty."""
+    params = _student_parameters(model, adapter)
+    keys = [layers[0].pclr_keys[adapter] for layers in group_layers(model, adapter).values()]
+    trainable = params + keys
+    flags = [p.requires_grad for p in trainable]
+    was_training = model.training
+    if not params:
+        yield None
+        return
+    for p in trainable:
+        p.requires_grad_(True)
+    model.train()
+    try:
+        yield torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
+    finally:
+        model.train(was_training)
+        for p, flag in zip(trainable, flags):
+            p.requires_grad_(flag)
+
+
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor) -> None:
+    extra = query_loss(model)
+    if extra is not None:
+        loss = loss + extra
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+
+
+def _masked_distill(
+    student: Any, target: torch.Tensor, mask: Optional[torch.Tensor], temperature: float, top_logits: Optional[int]
+) -> torch.Tensor:
+    student = _output(student)
+    if mask is not None:
+        student, target = student[..., mask], target[..., mask]
+    return distill_loss(student, target, temperature, top_logits)
 
 
 @torch.no_grad()
@@ -390,9 +626,10 @@ def integrate(
 ) -> IntegrateResult:
     """Distill the uncompressed pool (``teacher`` outputs) into the compressed pool plus the shared LoRA.
 
-    The student's trainable parameters are the task's surviving new ranks and the shared LoRA: older static ranks
-    stay frozen because the distillation data is the current task's only (public code does the same; tuning old
-    ranks on new data would move old tasks' outputs). Keys keep learning through the query loss.
+    Each sample is routed by its own query. The student's trainable parameters are the task's surviving new ranks
+    and the shared LoRA: older static ranks stay frozen because the distillation data is the current task's only
+    (public code does the same; tuning old ranks on new data would move old tasks' outputs). Keys keep learning
+    through the query loss. :func:`integrate_over_tasks` is the public code's task-routed variant.
 
     Args:
         model: The compressed model.
@@ -412,49 +649,120 @@ def integrate(
     if len(batches) != len(teacher):
         raise ValueError(f"got {len(batches)} batches but {len(teacher)} teacher outputs")
     forward = forward or _default_forward
-    params = _student_parameters(model, adapter)
-    keys = [layers[0].pclr_keys[adapter] for layers in group_layers(model, adapter).values()]
-    trainable = params + keys
-    flags = [p.requires_grad for p in trainable]
-
-    def loss_on(batch: Batch, target: torch.Tensor) -> torch.Tensor:
-        student = _output(forward(model, batch))
-        if mask is not None:
-            student, target = student[..., mask], target[..., mask]
-        return distill_loss(student, target, temperature, top_logits)
 
     def mean_loss() -> float:
         was_training = model.training
         model.eval()
         with torch.no_grad():
-            value = sum(float(loss_on(b, t)) for b, t in zip(batches, teacher)) / max(len(batches), 1)
+            total = sum(
+                float(_masked_distill(forward(model, b), t, mask, temperature, top_logits))
+                for b, t in zip(batches, teacher)
+            )
         model.train(was_training)
-        return value
+        return total / max(len(batches), 1)
 
     before = mean_loss()
     steps = 0
-    if epochs > 0 and params:
-        for p in trainable:
-            p.requires_grad_(True)
-        optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
+    if epochs > 0:
+        with _student(model, adapter, lr) as optimizer:
+            if optimizer is not None:
+                for _ in range(epochs):
+                    for batch, target in zip(batches, teacher):
+                        loss = _masked_distill(forward(model, batch), target, mask, temperature, top_logits)
+                        _step(model, optimizer, loss)
+                        steps += 1
+    return IntegrateResult(before, mean_loss(), steps)
+
+
+def integrate_over_tasks(
+    model: nn.Module,
+    batches: Sequence[Batch],
+    teacher: PoolSnapshot,
+    adapter: str = "default",
+    epochs: int = 1,
+    lr: float = 1e-3,
+    temperature: float = 2.0,
+    top_logits: Optional[int] = None,
+    forward: Optional[Callable[[nn.Module, Batch], Any]] = None,
+    mask: Optional[torch.Tensor] = None,
+    generator: Optional[torch.Generator] = None,
+) -> IntegrateResult:
+    """Distill the uncompressed pool into the compressed one with every batch routed as one stored task.
+
+    The public code's integration: for each step a stored task ``t`` is drawn with probability proportional to
+    ``w_t``, teacher (the snapshot of the uncompressed pool) and student both route the whole batch as ``t``
+    (:func:`routed_as`), and after the step ``w_t = sqrt(max(loss, 0) + 1e-4)`` (all ``w`` start at 1). So the
+    student learns to reproduce every task's routing of the pool from the current task's inputs alone, and the
+    tasks it reproduces worst are drawn most. Routed as an old task, the student can only change the shared LoRA
+    (old static ranks stay frozen; the new ranks are excluded by prototype routing): it learns to make up for what
+    compression removed from the old tasks.
+
+    Args:
+        model: The compressed model, the current task's prototype already stored.
+        batches: The current task's input batches.
+        teacher: A :class:`PoolSnapshot` taken before compression.
+        adapter: The adapter.
+        epochs: Passes over ``batches`` (one task draw per batch).
+        lr: AdamW learning rate.
+        temperature: Distillation temperature.
+        top_logits: Distill only the teacher's top logits; ``None``: all.
+        forward: ``forward(model, batch) -> output``; default ``model(**batch without labels)``.
+        mask: Optional (C,) bool mask of logits that take part (e.g. the classes seen so far).
+        generator: Random generator for the task draws (reproducible runs).
+
+    Returns:
+        Distillation loss before and after over the batches (batch ``i`` routed as task ``i mod T``), the steps, how
+        often each task was drawn and the final sampling weights.
+    """
+    forward = forward or _default_forward
+    protos = stored_prototypes(model, adapter)
+    n_tasks = protos.shape[0]
+    if n_tasks == 0:
+        raise ValueError("no task prototype is stored; end_task stores the current one before integrating")
+
+    @torch.no_grad()
+    def teacher_on(batch: Batch, task: int) -> torch.Tensor:
         was_training = model.training
-        model.train()
+        model.eval()
         try:
-            for _ in range(epochs):
-                for batch, target in zip(batches, teacher):
-                    loss = loss_on(batch, target)
-                    extra = query_loss(model)
-                    if extra is not None:
-                        loss = loss + extra
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    optimizer.step()
-                    steps += 1
+            with teacher.active(), routed_as(model, protos[task]):
+                return _output(forward(model, batch)).detach()
         finally:
             model.train(was_training)
-            for p, flag in zip(trainable, flags):
-                p.requires_grad_(flag)
-    return IntegrateResult(before, mean_loss(), steps)
+
+    # fixed (batch, task) pairs for the before/after figures: every batch once, tasks in turn
+    pairs = [(batch, i % n_tasks) for i, batch in enumerate(batches)]
+    targets = [teacher_on(batch, task) for batch, task in pairs]
+
+    def mean_loss() -> float:
+        was_training = model.training
+        model.eval()
+        total = 0.0
+        with torch.no_grad():
+            for (batch, task), target in zip(pairs, targets):
+                with routed_as(model, protos[task]):
+                    total += float(_masked_distill(forward(model, batch), target, mask, temperature, top_logits))
+        model.train(was_training)
+        return total / max(len(pairs), 1)
+
+    before = mean_loss()
+    weights = torch.ones(n_tasks, dtype=torch.float64)
+    draws = [0] * n_tasks
+    steps = 0
+    if epochs > 0:
+        with _student(model, adapter, lr) as optimizer:
+            if optimizer is not None:
+                for _ in range(epochs):
+                    for batch in batches:
+                        task = int(torch.multinomial(weights / weights.sum(), 1, generator=generator))
+                        target = teacher_on(batch, task)
+                        with routed_as(model, protos[task]):
+                            loss = _masked_distill(forward(model, batch), target, mask, temperature, top_logits)
+                            _step(model, optimizer, loss)
+                        weights[task] = math.sqrt(max(float(loss.detach()), 0.0) + 1e-4)
+                        draws[task] += 1
+                        steps += 1
+    return IntegrateResult(before, mean_loss(), steps, draws, weights.tolist())
 
 
 @torch.no_grad()
@@ -512,6 +820,8 @@ def end_task(
     mask: Optional[torch.Tensor] = None,
     key_pull_threshold: float = 0.8,
     key_pull_strength: float = 0.5,
+    integrate_routing: str = "input",
+    generator: Optional[torch.Generator] = None,
 ) -> Optional[IntegrateResult]:
     """Finish task ``task_id``: store its prototype, compress + integrate if scheduled, fold the new ranks, pull keys.
 
@@ -532,11 +842,18 @@ def end_task(
         mask: Optional bool mask of the logits that take part in distillation.
         key_pull_threshold: Cosine for "close to a prototype" in :func:`pull_keys_to_prototypes`.
         key_pull_strength: How far keys move toward the prototypes.
+        integrate_routing: ``"input"`` (:func:`integrate`: each sample routed by its own query) or ``"tasks"``
+            (:func:`integrate_over_tasks`: each batch routed as a stored task drawn by ``sqrt`` of its last loss).
+        generator: Random generator for the task draws of ``"tasks"`` routing.
 
     Returns:
         The integration result, or ``None`` when nothing was compressed or integrated.
     """
+    if integrate_routing not in INTEGRATE_ROUTING:
+        raise ValueError(f"`integrate_routing` must be one of {INTEGRATE_ROUTING}, got {integrate_routing!r}")
     config = _config(model, adapter)
+    if config.compress_rule == "contribution" and not batches:
+        raise ValueError("compress_rule='contribution' measures the ranks on the task's data: pass `batches`")
     groups = group_layers(model, adapter)
     first = next(iter(groups.values()))[0]
     current = first.counts(adapter)[TASK]
@@ -557,10 +874,21 @@ def end_task(
     result = None
     if n_drop > 0:
         integrating = bool(batches) and integrate_epochs > 0
-        teacher = teacher_outputs(model, batches, forward) if integrating else []
-        compress(model, n_drop, adapter=adapter)
+        teacher: Any = None
         if integrating:
-            result = integrate(
+            teacher = (
+                PoolSnapshot(model, adapter)
+                if integrate_routing == "tasks"
+                else teacher_outputs(model, batches, forward)
+            )
+        scores = (
+            contribution_scores(model, batches, adapter, forward) if config.compress_rule == "contribution" else None
+        )
+        compress(model, n_drop, adapter=adapter, scores=scores)
+        if integrating:
+            distill = integrate_over_tasks if integrate_routing == "tasks" else integrate
+            extra = {"generator": generator} if integrate_routing == "tasks" else {}
+            result = distill(
                 model,
                 batches,
                 teacher,
@@ -571,6 +899,7 @@ def end_task(
                 top_logits,
                 forward,
                 mask,
+                **extra,
             )
     _fold(model, adapter)
     pull_keys_to_prototypes(model, adapter, key_pull_threshold, key_pull_strength)

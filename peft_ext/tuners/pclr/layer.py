@@ -215,6 +215,8 @@ class PCLRLayer(BaseTunerLayer):
         indices, gates = self.selection(adapter_name, None if rows is not None else x.shape[0])
         if rows is not None:
             indices, gates = indices[rows], gates[rows]
+        elif self._pclr_state.recorder is not None:
+            self._pclr_state.recorder(self, adapter_name, x, A, B, indices, gates)
         out = rank_pool_gather(x, A.mT, B, indices, self.pclr_scale[adapter_name], gates.to(x.dtype))
         if adapter_name in self.pclr_shared_A:
             shared_A, shared_B = self.pclr_shared_A[adapter_name], self.pclr_shared_B[adapter_name]

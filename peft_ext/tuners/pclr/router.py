@@ -169,6 +169,8 @@ class RoutingState:
         self.selections: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self.losses: list[torch.Tensor] = []
         self.owners: dict[tuple[str, str], nn.Module] = {}
+        # Called by every PCLR layer with (layer, adapter, x, A, B, indices, gates) when set (contribution scores).
+        self.recorder: Optional[Callable[..., None]] = None
 
     def begin(self, model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         """Start a forward pass: compute the query, forget the previous pass's selections and losses."""

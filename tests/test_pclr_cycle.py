@@ -1,0 +1,300 @@
+"""PCLR's cycle beyond the basics: routing as a stored task, the teacher pool snapshot, task-sampled integration
+(draws proportional to sqrt of the last distillation loss), the measured-contribution compression rule and the
+adapter-size bound."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import get_peft_model
+
+from peft_ext import PCLRConfig
+from peft_ext.continual import TrainConfig, get_continual_method, run_sequence
+from peft_ext.models import tiny_llama
+from peft_ext.tuners.pclr import (
+    PoolSnapshot,
+    begin_task,
+    compress,
+    contribution_scores,
+    end_task,
+    group_layers,
+    integrate_over_tasks,
+    query_loss,
+    query_prototype,
+    routed_as,
+    stored_adapter_parameters,
+    stored_prototypes,
+)
+from peft_ext.tuners.pclr.cycle import _set_count
+from peft_ext.tuners.pclr.layer import N_PROTOS
+
+from .helpers import stack_collate, tiny_classifier, token_sequence
+
+VOCAB = 128
+
+
+def _model(**kwargs):
+    defaults = dict(target_modules=["q_proj", "v_proj"], pool_size=16, ranks_schedule=[6], top_k=4, alpha=4.0)
+    return get_peft_model(tiny_llama(vocab_size=VOCAB, hidden_size=64), PCLRConfig(**{**defaults, **kwargs}))
+
+
+def _batches(seed: int, low: int, high: int, n: int = 2) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(low, high, (6, 6), generator=g)} for _ in range(n)]
+
+
+def _logits(model, batch):
+    return model(input_ids=batch["input_ids"]).logits
+
+
+def _train(model, batches, steps: int = 8, lr: float = 5e-2) -> None:
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr)
+    model.train()
+    for step in range(steps):
+        ids = batches[step % len(batches)]["input_ids"]
+        logits = model(input_ids=ids).logits
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1)) + query_loss(model)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+
+
+def _store_prototype(model, task_id: int, proto: torch.Tensor) -> None:
+    """What end_task does first, without compressing or folding (to set up integration by hand)."""
+    with torch.no_grad():
+        for layers in group_layers(model).values():
+            layers[0].pclr_prototypes["default"][task_id] = F.normalize(proto, dim=0)
+            for layer in layers:
+                _set_count(layer, "default", N_PROTOS, task_id + 1)
+
+
+def _two_tasks(model):
+    """Task 0 learnt and frozen; task 1 learnt, its prototype stored, its ranks still new (not folded)."""
+    tasks = [_batches(0, 0, 50), _batches(1, 70, 128)]
+    proto = query_prototype(model, tasks[0])
+    begin_task(model, 0, proto)
+    _train(model, tasks[0])
+    end_task(model, 0, proto, tasks[0], integrate_epochs=0)
+    proto = query_prototype(model, tasks[1])
+    begin_task(model, 1, proto)
+    _train(model, tasks[1])
+    _store_prototype(model, 1, proto)
+    return tasks
+
+
+def test_routed_as_gives_every_sample_the_prototype_as_query():
+    model = _model()
+    tasks = _two_tasks(model)
+    protos = stored_prototypes(model)
+    assert protos.shape[0] == 2
+    state = model.base_model.routing_state
+    mixed = {"input_ids": torch.cat([tasks[0][0]["input_ids"][:3], tasks[1][0]["input_ids"][:3]])}
+    with torch.no_grad():
+        _logits(model, mixed)
+        own = state.selections[("model.layers.0", "default")][0].clone()
+        with routed_as(model, protos[0] * 3.0):  # any scale: the prototype is normalized
+            routed = _logits(model, mixed)
+            indices, _ = state.selections[("model.layers.0", "default")]
+            torch.testing.assert_close(state.query, protos[0].expand(6, -1))
+        assert (indices == indices[0]).all(), "every sample routes identically"
+        assert not (own == own[0]).all(), "by their own queries the two tasks' samples route differently"
+        # routed as task 0, no sample may use task 1's ranks (prototype routing with the forced query)
+        tags = group_layers(model)["model.layers.0"][0].active_rank_task("default")
+        assert (tags[indices] == 0).all()
+        # the routing is restored after the block
+        again = _logits(model, mixed)
+    assert not torch.allclose(routed, again)
+    torch.testing.assert_close(state.selections[("model.layers.0", "default")][0], own)
+    with pytest.raises(ValueError, match="`prototype` has 3 entries but the query has width 64"):
+        with routed_as(model, torch.ones(3)), torch.no_grad():
+            _logits(model, mixed)
+
+
+def test_pool_snapshot_runs_the_uncompressed_pool_and_restores_the_compressed_one():
+    model = _model(shared_r=2)
+    tasks = _two_tasks(model)
+    probe = tasks[1][0]
+    with torch.no_grad():
+        before = _logits(model, probe)
+    snapshot = PoolSnapshot(model)
+    compress(model, 5, rule="index")
+    params = {n: p.detach().clone() for n, p in model.named_parameters() if "pclr_" in n}
+    with torch.no_grad():
+        after = _logits(model, probe)
+        assert not torch.allclose(before, after), "compression changes the outputs"
+        with snapshot.active():
+            torch.testing.assert_close(_logits(model, probe), before, atol=0, rtol=0)
+        torch.testing.assert_close(_logits(model, probe), after, atol=0, rtol=0)
+    for name, p in model.named_parameters():
+        if name in params:
+            assert torch.equal(p, params[name]), name
+
+
+def test_task_sampled_integration_lowers_kl_and_draws_tasks_by_sqrt_of_their_loss():
+    model = _model(shared_r=0)
+    tasks = _two_tasks(model)
+    teacher = PoolSnapshot(model)
+    # "compress" only task 1's ranks. Routed as task 0 the student equals the teacher and stays equal (without a
+    # shared LoRA nothing it trains reaches task 0's routing): loss 0, weight sqrt(1e-4). Routed as task 1 it does
+    # not, so task 1 must be drawn far more often.
+    with torch.no_grad():
+        for layers in group_layers(model).values():
+            for layer in layers:
+                layer.pclr_B["default"][:3] = 0
+    result = integrate_over_tasks(
+        model, tasks[1], teacher, epochs=15, lr=1e-2, generator=torch.Generator().manual_seed(0)
+    )
+    assert result.steps == 30 and sum(result.task_draws) == 30
+    assert result.task_draws[1] >= 3 * result.task_draws[0] > 0, result.task_draws
+    assert result.kl_before > 1e-4
+    assert result.kl_after < 0.5 * result.kl_before, result
+    assert result.task_weights[0] == pytest.approx(1e-2)  # sqrt(0 + 1e-4)
+    assert result.task_weights[1] > result.task_weights[0]  # task 1 still has a loss left
+
+
+def test_task_draws_are_reproducible_with_a_generator():
+    draws = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = _model(shared_r=2)
+        tasks = _two_tasks(model)
+        teacher = PoolSnapshot(model)
+        compress(model, 4, rule="index")
+        result = integrate_over_tasks(model, tasks[1], teacher, epochs=3, generator=torch.Generator().manual_seed(3))
+        draws.append((result.task_draws, result.kl_after))
+    assert draws[0] == draws[1]
+
+
+def _manual_contributions(model, batches, proto) -> dict[str, torch.Tensor]:
+    """Per-group sum over linears, samples of gate * mean_t |a_i . x| * ||b_i||, with the inputs captured by hooks."""
+    inputs = {}
+
+    def capture(module, args):
+        inputs[id(module)] = args[0]
+
+    hooks = [layer.register_forward_pre_hook(capture) for layers in group_layers(model).values() for layer in layers]
+    state = model.base_model.routing_state
+    totals = {}
+    try:
+        with torch.no_grad(), routed_as(model, proto):
+            for batch in batches:
+                _logits(model, batch)
+                for group, layers in group_layers(model).items():
+                    indices, gates = state.selections[(group, "default")]
+                    for layer in layers:
+                        A, B = layer.pool("default")
+                        x = inputs[id(layer)]
+                        score = torch.zeros(A.shape[0])
+                        for b in range(x.shape[0]):
+                            for j, i in enumerate(indices[b].tolist()):
+                                size = (x[b] @ A[i]).abs().mean() * B[i].norm() * gates[b, j]
+                                score[i] += size
+                        totals[group] = totals.get(group, 0) + score
+    finally:
+        for h in hooks:
+            h.remove()
+    return {g: v / v.sum() for g, v in totals.items()}
+
+
+def test_contribution_scores_match_a_manual_computation_and_weigh_tasks_equally():
+    model = _model()
+    tasks = _two_tasks(model)
+    protos = stored_prototypes(model)
+    scores = contribution_scores(model, tasks[1])
+    manual = [_manual_contributions(model, tasks[1], p) for p in protos]
+    for group, value in scores.items():
+        torch.testing.assert_close(value, manual[0][group] + manual[1][group], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(value.sum(), torch.tensor(2.0))  # each task's share sums to one
+
+
+def test_contribution_compression_drops_ranks_that_add_nothing():
+    model = _model(top_k=12)
+    tasks = _two_tasks(model)
+    dead = [1, 4, 8]  # static 1 and 4 (task 0), new 2 (task 1, pool index 8)
+    with torch.no_grad():
+        for layers in group_layers(model).values():
+            for layer in layers:
+                layer.pclr_B_static["default"][[1, 4]] = 0
+                layer.pclr_B["default"][2] = 0
+    scores = contribution_scores(model, tasks[1])
+    for value in scores.values():
+        assert (value[dead] == 0).all() and (value[[i for i in range(12) if i not in dead]] > 0).all()
+    dropped = compress(model, 3, rule="contribution", scores=scores)
+    assert all(d == dead for d in dropped.values())
+    with pytest.raises(ValueError, match="no score for each of the 9 active ranks"):
+        compress(model, 1, rule="contribution", scores={g: v[:3] for g, v in scores.items()})
+
+
+def test_end_task_with_contribution_and_task_routing_keeps_the_cap():
+    model = _model(pool_size=12, ranks_schedule=[6], compress_schedule=[0.0, 0.5], compress_rule="contribution")
+    sizes = []
+    for t in range(4):
+        batches = _batches(t, 30 * t, 30 * t + 40)
+        proto = query_prototype(model, batches)
+        begin_task(model, t, proto)
+        _train(model, batches, steps=2)
+        result = end_task(
+            model, t, proto, batches, integrate_routing="tasks", generator=torch.Generator().manual_seed(t)
+        )
+        sizes.append(stored_adapter_parameters(model))
+        if t > 0:
+            assert result is not None and len(result.task_draws) == t + 1
+    # at the cap, the adapter grows by one stored prototype (query width 64) per task and layer group, nothing else
+    growth = [b - a for a, b in zip(sizes[1:], sizes[2:])]
+    assert growth == [64 * len(group_layers(model))] * 2, (sizes, growth)
+    with pytest.raises(ValueError, match="`integrate_routing` must be one of"):
+        end_task(model, 4, proto, batches, integrate_routing="sample")
+    with pytest.raises(ValueError, match="compress_rule='contribution' measures the ranks"):
+        end_task(model, 4, proto, [])
+
+
+def test_stored_adapter_parameters_counts_ranks_keys_prototypes_and_shared():
+    model = _model(shared_r=2)
+    # tiny llama: q_proj 64 -> 64, v_proj 64 -> 32 (grouped-query kv heads) per layer; keys live on q_proj
+    layers = group_layers(model)["model.layers.0"]
+    widths = sum(layer.in_features + layer.out_features for layer in layers)
+    per_group = 6 * widths + 2 * widths + 6 * 64  # ranks, shared LoRA, keys (no prototype yet)
+    assert stored_adapter_parameters(model) == len(group_layers(model)) * per_group
+
+
+@pytest.mark.slow
+def test_continual_plugin_with_task_routing_records_a_bounded_adapter():
+    seq = token_sequence(n_tasks=3)
+    method = get_continual_method("pclr")(
+        pool_size=8,
+        ranks_schedule=[4],
+        compress_schedule=[0.0, 0.5],
+        top_k=4,
+        lr=5e-3,
+        shared_r=2,
+        compress_rule="contribution",
+        integrate_routing="tasks",
+    )
+    captured = {}
+    original = method.after_task
+
+    def after_task(model, task_id, task, ctx):
+        out = original(model, task_id, task, ctx)
+        captured.update(ctx.state)
+        return out
+
+    method.after_task = after_task
+    result = run_sequence(
+        seq,
+        method,
+        tiny_classifier(seq.num_classes),
+        stack_collate,
+        TrainConfig(epochs=2, batch_size=8, progress=False),
+    )
+    assert captured["pclr_pool"] == [4, 4, 4]
+    sizes = captured["pclr_adapter_params"]
+    # the ranks stay at the cap; only one prototype per task and group is added
+    assert len(sizes) == 3 and sizes[2] - sizes[1] == sizes[1] - sizes[0] < 0.05 * sizes[0], sizes
+    kl = captured["pclr_integrate"]
+    assert kl[0] is None and all(after <= before for before, after in kl[1:])
+    assert result.accuracy_matrix[0][0] > 0.9
+    with pytest.raises(ValueError, match="`integrate_routing` must be one of"):
+        get_continual_method("pclr")(integrate_routing="batch")
