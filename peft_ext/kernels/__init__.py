@@ -15,10 +15,14 @@ from .rank_pool import (
     register_rank_pool_kernel,
     registered_rank_pool_kernel,
 )
+from .retraction import batched_retraction, cholesky_qr2, choose_retraction, retract
 
 __all__ = [
     "KERNEL_ENV_VAR",
     "RankPoolKernel",
+    "batched_retraction",
+    "cholesky_qr2",
+    "choose_retraction",
     "choose_reference",
     "kernel_mode",
     "load_rank_pool_kernel",
@@ -28,4 +32,5 @@ __all__ = [
     "rank_pool_gather_masked",
     "register_rank_pool_kernel",
     "registered_rank_pool_kernel",
+    "retract",
 ]

@@ -45,7 +45,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ..manifolds.fixed_rank import FixedRankPoint, TangentVector, egrad2rgrad, orthogonalize, retr, transp
+from ..kernels.retraction import retract
+from ..manifolds.fixed_rank import FixedRankPoint, TangentVector, egrad2rgrad, orthogonalize, transp
 from ..tuners.riemannion.layer import AdapterRef, find_adapters
 
 __all__ = ["RiemannLoRA", "Riemannion", "adamw_update", "create_riemannion_optimizer", "riemannion_update"]
@@ -90,7 +91,9 @@ def riemannion_update(
     direction = grad + buf * beta if nesterov else buf
     if orthogonalize_step:
         direction = orthogonalize(point, direction, rtol)
-    new_point = retr(point, direction * (-lr), x_scale=1.0 - lr * weight_decay)
+    # a stack of same-shaped adapters is retracted in one call: Householder QR on CPU (the reference), batched
+    # CholeskyQR2 with Triton Gram kernels on CUDA (peft_ext.kernels.retraction)
+    new_point = retract(point, direction * (-lr), x_scale=1.0 - lr * weight_decay)
     return new_point, transp(point, new_point, buf)
 
 
