@@ -1,4 +1,7 @@
-"""Command line: ``peft-ext run CONFIG.yaml [--set key=value ...]``, ``peft-ext check CONFIG``, ``peft-ext list``."""
+"""Command line: ``peft-ext run CONFIG.yaml [--set key=value ...]``, ``peft-ext check CONFIG``, ``peft-ext list``.
+
+A config's top-level ``job`` key picks the job: ``continual`` (the default) or ``missing_modality``
+(:mod:`peft_ext.multimodal.job`, e.g. ``configs/mora_emoji.yaml``)."""
 
 from __future__ import annotations
 
@@ -29,22 +32,55 @@ def _cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(args: argparse.Namespace):
-    from peft_ext.continual.config import load_config
+JOBS = ("continual", "missing_modality")
 
-    return load_config(args.config, args.set)
+
+def _load(args: argparse.Namespace):
+    """The validated config; its top-level ``job`` key (default ``continual``) picks the job type."""
+    from pathlib import Path
+
+    import yaml
+
+    from peft_ext.continual.config import ConfigError, _unknown_key, apply_overrides, config_from_dict
+
+    path = Path(args.config)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {err}") from None
+    data = apply_overrides(data if data is not None else {}, args.set)
+    job = data.pop("job", "continual") if isinstance(data, dict) else "continual"
+    if job not in JOBS:
+        raise _unknown_key(str(job), "job: ", list(JOBS))
+    if job == "missing_modality":
+        from peft_ext.multimodal.job import missing_modality_config_from_dict
+
+        return missing_modality_config_from_dict(data)
+    return config_from_dict(data)
+
+
+def _method_names(config) -> list[str]:
+    return [m if isinstance(m, str) else m.name for m in config.methods]
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
     config = _load(args)
-    print(f"{args.config}: valid ({len(config.methods)} methods: {', '.join(m.name for m in config.methods)})")
+    names = _method_names(config)
+    print(f"{args.config}: valid ({len(names)} methods: {', '.join(names)})")
     return 0
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    config = _load(args)
+    from peft_ext.multimodal.job import MissingModalityConfig, run_missing_modality_job
+
+    if isinstance(config, MissingModalityConfig):
+        run_missing_modality_job(config)
+        return 0
     from peft_ext.continual.job import run_job
 
-    config = _load(args)
     if args.no_progress:
         config.train.progress = False
     run_job(config)
@@ -54,7 +90,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="peft-ext", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (("run", "run a continual-learning job"), ("check", "validate a config and exit")):
+    for name, help_text in (
+        ("run", "run a job (continual learning, or `job: missing_modality`)"),
+        ("check", "validate a config and exit"),
+    ):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("config", help="YAML run config, e.g. configs/quickstart.yaml")
         p.add_argument(

@@ -1,0 +1,448 @@
+"""Missing-modality fine-tuning on the emoji pairs: MoRA against LoRA on both towers, a frozen backbone with a linear
+head, and missing-aware prompts (MMP), all on the same contrastively pretrained :class:`DualEncoder`.
+
+Shared by ``benchmarks/mora_missing_modality.py`` and the ``job: missing_modality`` configs of ``peft-ext run``.
+
+Every method keeps the backbone frozen below the top ``top_layers`` layers of each tower (the layers MoRA and LoRA
+adapt and the prompts enter), so the outputs of the lower layers are computed once per example, for the complete
+inputs and for the two placeholders (empty text, blank image), and reused by every setting and method. The backbone
+runs in eval mode (no dropout) throughout; the classification head sees the concatenated joint-space embeddings of
+both towers.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from peft import LoraConfig, get_peft_model
+from torch import nn
+
+from ..tuners.mora import MoRAConfig, plan_targets
+from .dual_encoder import (
+    DualEncoder,
+    build_dual_encoder,
+    cosine_with_warmup,
+    mora_patterns,
+    pixels,
+    pretrain_contrastive,
+)
+from .emoji import load_emoji_pairs
+from .metrics import accuracy, auroc, f1_macro
+from .missing import MissingSpec, blank_image, missing_masks
+from .prompts import MissingAwarePrompts, missing_pattern
+
+__all__ = [
+    "METHODS",
+    "ExperimentSettings",
+    "Prepared",
+    "grid_specs",
+    "markdown_table",
+    "prepare",
+    "run_method",
+    "run_grid",
+]
+
+METHODS = ("linear_probe", "lora", "mora", "prompts")
+LABELS = {
+    "linear_probe": "frozen + linear head",
+    "lora": "LoRA (both towers)",
+    "mora": "MoRA",
+    "prompts": "missing-aware prompts (MMP)",
+}
+
+
+@dataclass
+class ExperimentSettings:
+    """Everything that changes a result (the pretraining cache key is built from the backbone part).
+
+    Args:
+        text: Text tower: ``"minilm"`` (packaged offline MiniLM-L6) or a local BERT directory.
+        vision_width: Hidden size of the ViT.
+        vision_layers: Depth of the ViT.
+        vision_heads: Attention heads of the ViT.
+        patch_size: ViT patch size on the 32 x 32 emoji images.
+        embed_dim: Joint-space width.
+        max_length: Token limit of the names (all emoji names fit in 12 MiniLM tokens).
+        pretrain_epochs: LiT contrastive epochs on the complete training pairs.
+        pretrain_lr: Their AdamW learning rate.
+        cache_dir: Where the pretrained backbone is cached (``None``: no cache).
+        top_layers: Layers per tower that are adapted / prompted (the rest stays frozen and cached).
+        r: Rank of LoRA and MoRA.
+        alpha: Their scale numerator (scaling ``alpha / r``).
+        prompt_length: Prompt tokens per prompted layer and missing pattern.
+        epochs: Fine-tuning epochs per method.
+        batch_size: Fine-tuning batch size.
+        lr: AdamW learning rate of every method (METHODS.md §4: 1e-2, cosine, 10% warmup).
+        train_limit: Use only the first ``train_limit`` training pairs (tests); ``None``: all.
+        timing_batches: Timed repetitions of the inference forward (the minimum is reported).
+    """
+
+    text: str = "minilm"
+    vision_width: int = 192
+    vision_layers: int = 4
+    vision_heads: int = 4
+    patch_size: int = 8
+    embed_dim: int = 128
+    max_length: int = 16
+    pretrain_epochs: int = 30
+    pretrain_lr: float = 1e-3
+    cache_dir: str | None = ".cache/peft_ext"
+    top_layers: int = 2
+    r: int = 4
+    alpha: float = 4.0
+    prompt_length: int = 4
+    epochs: int = 5
+    batch_size: int = 64
+    lr: float = 1e-2
+    train_limit: int | None = None
+    timing_batches: int = 10
+
+    def backbone_key(self) -> dict[str, Any]:
+        keys = ("text", "vision_width", "vision_layers", "vision_heads", "patch_size", "embed_dim", "max_length")
+        keys += ("pretrain_epochs", "pretrain_lr", "train_limit")
+        return {k: getattr(self, k) for k in keys}
+
+
+@dataclass
+class _Split:
+    ids: torch.Tensor  # (n, T) complete names
+    mask: torch.Tensor
+    px: torch.Tensor  # (n, 3, H, W) complete images
+    y: torch.Tensor
+    text_low: torch.Tensor  # (n, T, d_text) input of the first adapted text layer, complete names
+    vision_low: torch.Tensor  # (n, P, d_vision) input of the first adapted vision layer, complete images
+
+
+@dataclass
+class Prepared:
+    """The pretrained backbone, tokenized splits and cached lower-layer outputs; reused by every setting."""
+
+    settings: ExperimentSettings
+    model: DualEncoder
+    train: _Split
+    test: _Split
+    num_classes: int
+    empty: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # ids, mask, text_low of the empty string (1, T...)
+    blank: tuple[torch.Tensor, torch.Tensor]  # px, vision_low of the blank image
+    pretrain_log: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def text_start(self) -> int:
+        return len(self.model.text_layers) - self.settings.top_layers
+
+    @property
+    def vision_start(self) -> int:
+        return len(self.model.vision_layers) - self.settings.top_layers
+
+
+def _lower(model: DualEncoder, ids: torch.Tensor, mask: torch.Tensor, px: torch.Tensor, top: int):
+    # outputs of the frozen lower layers = inputs of the first adapted layer of each tower
+    t_start, v_start = len(model.text_layers) - top, len(model.vision_layers) - top
+    text, vision = [], []
+    with torch.no_grad():
+        for i in range(0, len(ids), 256):
+            emb = model.text_embeddings(ids[i : i + 256])
+            text.append(model.text_hidden(emb, mask[i : i + 256], end=t_start))
+        for i in range(0, len(px), 256):
+            vision.append(model.vision_hidden(model.vision_embeddings(px[i : i + 256]), end=v_start))
+    return torch.cat(text), torch.cat(vision)
+
+
+def prepare(settings: ExperimentSettings, echo: Callable[[str], Any] = print) -> Prepared:
+    """Build and pretrain (or load from the cache) the dual encoder, tokenize both splits, cache the lower layers."""
+    model, tokenizer = build_dual_encoder(
+        settings.text,
+        vision_width=settings.vision_width,
+        vision_layers=settings.vision_layers,
+        vision_heads=settings.vision_heads,
+        patch_size=settings.patch_size,
+        embed_dim=settings.embed_dim,
+        seed=0,
+    )
+    for tower, layers in (("text", model.text_layers), ("vision", model.vision_layers)):
+        if not 1 <= settings.top_layers <= len(layers):
+            raise ValueError(f"`top_layers` must be in [1, {len(layers)}] (the {tower} tower's depth)")
+
+    def tokenize(texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        enc = tokenizer(
+            list(texts), padding="max_length", max_length=settings.max_length, truncation=True, return_tensors="pt"
+        )
+        return enc["input_ids"], enc["attention_mask"]
+
+    splits = {}
+    train_pairs = load_emoji_pairs("train")
+    if settings.train_limit is not None:
+        train_pairs = train_pairs.subset(np.arange(min(settings.train_limit, len(train_pairs))))
+    for name, pairs in (("train", train_pairs), ("test", load_emoji_pairs("test"))):
+        ids, mask = tokenize(pairs.names)
+        splits[name] = (ids, mask, pixels(pairs.images), torch.from_numpy(pairs.group).long())
+    ids, mask, px, _ = splits["train"]
+    log = pretrain_contrastive(
+        model,
+        ids,
+        mask,
+        px,
+        settings.pretrain_epochs,
+        lr=settings.pretrain_lr,
+        cache_dir=settings.cache_dir,
+        cache_key=settings.backbone_key(),
+        echo=echo,
+    )
+    model.requires_grad_(False)
+    built = {}
+    for name, (ids, mask, px, y) in splits.items():
+        text_low, vision_low = _lower(model, ids, mask, px, settings.top_layers)
+        built[name] = _Split(ids, mask, px, y, text_low, vision_low)
+    empty_ids, empty_mask = tokenize([""])
+    blank_px = pixels(blank_image((1, *train_pairs.images.shape[1:])))
+    empty_low, blank_low = _lower(model, empty_ids, empty_mask, blank_px, settings.top_layers)
+    return Prepared(
+        settings=settings,
+        model=model,
+        train=built["train"],
+        test=built["test"],
+        num_classes=len(train_pairs.group_names),
+        empty=(empty_ids, empty_mask, empty_low),
+        blank=(blank_px, blank_low),
+        pretrain_log=log,
+    )
+
+
+@dataclass
+class _Inputs:
+    """One split under one missing draw: full inputs (for timing) and cached lower-layer outputs (for training)."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    px: torch.Tensor
+    text_low: torch.Tensor
+    vision_low: torch.Tensor
+    pattern: torch.Tensor
+    y: torch.Tensor
+
+
+def _apply(prep: Prepared, split: _Split, spec: MissingSpec, seed: int) -> _Inputs:
+    masks = missing_masks(len(split.y), spec, seed=seed)
+    text, image = torch.from_numpy(masks.text), torch.from_numpy(masks.image)
+    empty_ids, empty_mask, empty_low = prep.empty
+    blank_px, blank_low = prep.blank
+    ids, mask, text_low = split.ids.clone(), split.mask.clone(), split.text_low.clone()
+    ids[text], mask[text], text_low[text] = empty_ids, empty_mask, empty_low
+    px, vision_low = split.px.clone(), split.vision_low.clone()
+    px[image], vision_low[image] = blank_px, blank_low
+    return _Inputs(ids, mask, px, text_low, vision_low, missing_pattern(masks.text, masks.image), split.y)
+
+
+class _Method(nn.Module):
+    """A backbone (possibly wrapped by PEFT), optional prompts, and the head; the top layers run on cached inputs."""
+
+    def __init__(self, prep: Prepared, method: str, seed: int) -> None:
+        super().__init__()
+        s = prep.settings
+        torch.manual_seed(seed)
+        backbone = copy.deepcopy(prep.model)
+        self.text_prompts = self.vision_prompts = None
+        if method in ("linear_probe", "prompts"):
+            self.backbone = backbone
+            if method == "prompts":
+                self.text_prompts = MissingAwarePrompts(
+                    s.top_layers, s.prompt_length, backbone.text.config.hidden_size, seed=seed
+                )
+                self.vision_prompts = MissingAwarePrompts(
+                    s.top_layers, s.prompt_length, backbone.vision.config.hidden_size, seed=seed + 1
+                )
+        elif method == "mora":
+            config = MoRAConfig(r=s.r, alpha=s.alpha, top_layers=s.top_layers, **mora_patterns())
+            self.backbone = get_peft_model(backbone, config)
+        elif method == "lora":
+            # exactly the modules MoRA adapts (same plan), as one regex
+            plan = plan_targets(backbone, MoRAConfig(r=s.r, top_layers=s.top_layers, **mora_patterns()))
+            target = "|".join(re.escape(name) for name in plan)
+            self.backbone = get_peft_model(backbone, LoraConfig(r=s.r, lora_alpha=s.alpha, target_modules=target))
+        else:
+            raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+        self.head = nn.Linear(2 * backbone.embed_dim, prep.num_classes)
+        self.method = method
+
+    @property
+    def dual(self) -> DualEncoder:
+        return self.backbone.base_model.model if hasattr(self.backbone, "base_model") else self.backbone
+
+    def top(self, text_low, mask, vision_low, pattern, t_start: int, v_start: int) -> torch.Tensor:
+        dual = self.dual
+        text = dual.text_hidden(text_low, mask, t_start, self.text_prompts, pattern)
+        image = dual.vision_hidden(vision_low, v_start, self.vision_prompts, pattern)
+        return self.head(torch.cat([dual.pool_text(text, mask), dual.pool_vision(image)], dim=1))
+
+    def full(self, ids, mask, px, pattern) -> torch.Tensor:
+        text, image = self.dual(ids, mask, px, self.text_prompts, self.vision_prompts, pattern)
+        return self.head(torch.cat([text, image], dim=1))
+
+
+def _trim(mask: torch.Tensor) -> int:
+    return int(mask.sum(1).max())
+
+
+def run_method(prep: Prepared, method: str, spec: MissingSpec, seed: int = 0) -> dict[str, float]:
+    """Fine-tune one method under one missing spec (train draw seed 0, test draw seed 1, as in the protocol) and
+    evaluate on the test split under the same spec.
+
+    Returns:
+        ``acc``, ``f1``, ``auroc``, ``params`` (trainable), ``infer_ms`` (full forward of 64 test examples from the raw
+        inputs, LoRA / MoRA merged; minimum over ``timing_batches``), ``train_s``.
+    """
+    s = prep.settings
+    train, test = _apply(prep, prep.train, spec, seed=0), _apply(prep, prep.test, spec, seed=1)
+    model = _Method(prep, method, seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    n_params = sum(p.numel() for p in params)
+    t0, v0 = prep.text_start, prep.vision_start
+    start = time.perf_counter()
+    if method == "linear_probe":
+        # the backbone is frozen end to end: its features are computed once
+        with torch.no_grad():
+            feats = torch.cat(
+                [torch.cat(_features(model, train, b, t0, v0), dim=1) for b in torch.arange(len(train.y)).split(256)]
+            )
+    steps = s.epochs * math.ceil(len(train.y) / s.batch_size)
+    optimizer = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(steps))
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(s.epochs):
+        for b in torch.randperm(len(train.y), generator=gen).split(s.batch_size):
+            if method == "linear_probe":
+                logits = model.head(feats[b])
+            else:
+                t = _trim(train.mask[b])
+                logits = model.top(
+                    train.text_low[b, :t], train.mask[b, :t], train.vision_low[b], train.pattern[b], t0, v0
+                )
+            loss = nn.functional.cross_entropy(logits, train.y[b])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+    train_s = time.perf_counter() - start
+    model.eval()
+    if method in ("lora", "mora"):
+        model.backbone = model.backbone.merge_and_unload()  # no inference overhead: a plain DualEncoder again
+    with torch.no_grad():
+        logits = []
+        for b in torch.arange(len(test.y)).split(256):
+            t = _trim(test.mask[b])
+            logits.append(
+                model.top(test.text_low[b, :t], test.mask[b, :t], test.vision_low[b], test.pattern[b], t0, v0)
+            )
+        logits = torch.cat(logits)
+        infer_ms = _time_forward(model, test, s.timing_batches)
+    y, pred, prob = test.y.numpy(), logits.argmax(1).numpy(), logits.softmax(1).numpy()
+    return {
+        "acc": accuracy(y, pred),
+        "f1": f1_macro(y, pred, num_classes=prep.num_classes),
+        "auroc": auroc(y, prob),
+        "params": n_params,
+        "infer_ms": infer_ms,
+        "train_s": train_s,
+    }
+
+
+def _features(model: _Method, split: _Inputs, b: torch.Tensor, t0: int, v0: int) -> tuple[torch.Tensor, torch.Tensor]:
+    dual = model.dual
+    t = _trim(split.mask[b])
+    text = dual.text_hidden(split.text_low[b, :t], split.mask[b, :t], t0)
+    image = dual.vision_hidden(split.vision_low[b], v0)
+    return dual.pool_text(text, split.mask[b, :t]), dual.pool_vision(image)
+
+
+def _time_forward(model: _Method, split: _Inputs, repeats: int) -> float:
+    # full forward from token ids and pixels (both towers, all layers) on the first 64 test examples; the fastest
+    # of `repeats`, the least disturbed by other processes on a shared CPU
+    b = torch.arange(min(64, len(split.y)))
+    t = _trim(split.mask[b])
+    args = (split.ids[b, :t], split.mask[b, :t], split.px[b], split.pattern[b])
+    model.full(*args)
+    times = []
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        model.full(*args)
+        times.append(time.perf_counter() - start)
+    return min(times) * 1000
+
+
+def grid_specs(rates: Sequence[float], kinds: Sequence[str]) -> list[MissingSpec]:
+    """The settings of a grid; rate 0 is the same for every type, so it appears once (as ``both``)."""
+    specs, seen = [], set()
+    for rate in rates:
+        for kind in kinds:
+            spec = MissingSpec(rate, "both" if rate == 0 else kind)
+            if (spec.rate, spec.kind) not in seen:
+                seen.add((spec.rate, spec.kind))
+                specs.append(spec)
+    return specs
+
+
+def run_grid(
+    prep: Prepared,
+    specs: Sequence[MissingSpec],
+    methods: Sequence[str] = METHODS,
+    seeds: Sequence[int] = (0,),
+    echo: Callable[[str], Any] = print,
+) -> list[dict[str, Any]]:
+    """Run every method on every spec and seed; one row per (spec, method, seed)."""
+    rows = []
+    for spec in specs:
+        for method in methods:
+            for seed in seeds:
+                result = run_method(prep, method, spec, seed)
+                rows.append({"rate": spec.rate, "kind": spec.kind, "method": method, "seed": seed, **result})
+                echo(
+                    f"  rate {spec.rate} {spec.kind:<5} {method:<12} seed {seed}: acc {result['acc']:.3f} "
+                    f"f1 {result['f1']:.3f} auroc {result['auroc']:.3f} ({result['train_s']:.0f} s)"
+                )
+    return rows
+
+
+def _cell(values: list[float], scale: float = 100.0) -> str:
+    mean = statistics.mean(values) * scale
+    if len(values) == 1:
+        return f"{mean:.1f}"
+    return f"{mean:.1f} ± {statistics.stdev(values) * scale:.1f}"
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """One line per (rate, type, method): mean (± sd over seeds) accuracy, F1-macro, AUROC in percent, trainable
+    parameters and inference ms per 64; the best accuracy of each setting in bold."""
+    settings = list(dict.fromkeys((r["rate"], r["kind"]) for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    lines = [
+        "| missing rate | type | method | accuracy | F1-macro | AUROC | trainable params | inference ms / 64 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for rate, kind in settings:
+        group = {m: [r for r in rows if (r["rate"], r["kind"], r["method"]) == (rate, kind, m)] for m in methods}
+        best = max(methods, key=lambda m: statistics.mean(r["acc"] for r in group[m]) if group[m] else -1)
+        for m in methods:
+            if not group[m]:
+                continue
+            acc = _cell([r["acc"] for r in group[m]])
+            acc = f"**{acc}**" if m == best else acc
+            infer = statistics.mean(r["infer_ms"] for r in group[m])
+            lines.append(
+                f"| {rate:g} | {'-' if rate == 0 else kind} | {LABELS.get(m, m)} | {acc} | "
+                f"{_cell([r['f1'] for r in group[m]])} | {_cell([r['auroc'] for r in group[m]])} | "
+                f"{group[m][0]['params']:,} | {infer:.1f} |"
+            )
+    return "\n".join(lines)
+
+
+def settings_dict(settings: ExperimentSettings) -> dict[str, Any]:
+    return asdict(settings)
