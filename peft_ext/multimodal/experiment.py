@@ -18,7 +18,7 @@ import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -49,6 +49,7 @@ __all__ = [
     "prepare",
     "run_method",
     "run_grid",
+    "time_inference",
 ]
 
 METHODS = ("linear_probe", "lora", "mora", "prompts")
@@ -83,7 +84,7 @@ class ExperimentSettings:
         batch_size: Fine-tuning batch size.
         lr: AdamW learning rate of every method (METHODS.md §4: 1e-2, cosine, 10% warmup).
         train_limit: Use only the first ``train_limit`` training pairs (tests); ``None``: all.
-        timing_batches: Timed repetitions of the inference forward (the minimum is reported).
+        timing_batches: Timed rounds of the inference forward (the minimum is reported).
     """
 
     text: str = "minilm"
@@ -104,7 +105,7 @@ class ExperimentSettings:
     batch_size: int = 64
     lr: float = 1e-2
     train_limit: int | None = None
-    timing_batches: int = 10
+    timing_batches: int = 20
 
     def backbone_key(self) -> dict[str, Any]:
         keys = ("text", "vision_width", "vision_layers", "vision_heads", "patch_size", "embed_dim", "max_length")
@@ -297,8 +298,7 @@ def run_method(prep: Prepared, method: str, spec: MissingSpec, seed: int = 0) ->
     evaluate on the test split under the same spec.
 
     Returns:
-        ``acc``, ``f1``, ``auroc``, ``params`` (trainable), ``infer_ms`` (full forward of 64 test examples from the raw
-        inputs, LoRA / MoRA merged; minimum over ``timing_batches``), ``train_s``.
+        ``acc``, ``f1``, ``auroc``, ``params`` (trainable), ``train_s``. Inference time: :func:`time_inference`.
     """
     s = prep.settings
     train, test = _apply(prep, prep.train, spec, seed=0), _apply(prep, prep.test, spec, seed=1)
@@ -343,14 +343,12 @@ def run_method(prep: Prepared, method: str, spec: MissingSpec, seed: int = 0) ->
                 model.top(test.text_low[b, :t], test.mask[b, :t], test.vision_low[b], test.pattern[b], t0, v0)
             )
         logits = torch.cat(logits)
-        infer_ms = _time_forward(model, test, s.timing_batches)
     y, pred, prob = test.y.numpy(), logits.argmax(1).numpy(), logits.softmax(1).numpy()
     return {
         "acc": accuracy(y, pred),
         "f1": f1_macro(y, pred, num_classes=prep.num_classes),
         "auroc": auroc(y, prob),
         "params": n_params,
-        "infer_ms": infer_ms,
         "train_s": train_s,
     }
 
@@ -363,19 +361,36 @@ def _features(model: _Method, split: _Inputs, b: torch.Tensor, t0: int, v0: int)
     return dual.pool_text(text, split.mask[b, :t]), dual.pool_vision(image)
 
 
-def _time_forward(model: _Method, split: _Inputs, repeats: int) -> float:
-    # full forward from token ids and pixels (both towers, all layers) on the first 64 test examples; the fastest
-    # of `repeats`, the least disturbed by other processes on a shared CPU
-    b = torch.arange(min(64, len(split.y)))
-    t = _trim(split.mask[b])
-    args = (split.ids[b, :t], split.mask[b, :t], split.px[b], split.pattern[b])
-    model.full(*args)
-    times = []
-    for _ in range(max(1, repeats)):
-        start = time.perf_counter()
-        model.full(*args)
-        times.append(time.perf_counter() - start)
-    return min(times) * 1000
+def time_inference(
+    prep: Prepared, methods: Sequence[str], spec: MissingSpec, repeats: int | None = None
+) -> dict[str, float]:
+    """Milliseconds of a full forward (token ids and pixels through both towers, all layers, and the head) of the
+    first 64 test examples under ``spec``, per method, LoRA / MoRA merged into the backbone.
+
+    The cost does not depend on the trained values, so freshly initialized methods are timed. The methods are timed
+    round-robin and each reports its fastest round: on a shared CPU, the minimum is the least disturbed by other
+    processes, and interleaving exposes every method to the same load.
+    """
+    test = _apply(prep, prep.test, spec, seed=1)
+    b = torch.arange(min(64, len(test.y)))
+    t = _trim(test.mask[b])
+    args = (test.ids[b, :t], test.mask[b, :t], test.px[b], test.pattern[b])
+    models = {}
+    for method in methods:
+        model = _Method(prep, method, seed=0).eval()
+        if method in ("lora", "mora"):
+            model.backbone = model.backbone.merge_and_unload()
+        models[method] = model
+    best = dict.fromkeys(methods, float("inf"))
+    with torch.no_grad():
+        for model in models.values():
+            model.full(*args)  # warm-up
+        for _ in range(repeats or prep.settings.timing_batches):
+            for method, model in models.items():
+                start = time.perf_counter()
+                model.full(*args)
+                best[method] = min(best[method], time.perf_counter() - start)
+    return {method: 1000 * seconds for method, seconds in best.items()}
 
 
 def grid_specs(rates: Sequence[float], kinds: Sequence[str]) -> list[MissingSpec]:
@@ -418,9 +433,10 @@ def _cell(values: list[float], scale: float = 100.0) -> str:
     return f"{mean:.1f} ± {statistics.stdev(values) * scale:.1f}"
 
 
-def markdown_table(rows: list[dict[str, Any]]) -> str:
+def markdown_table(rows: list[dict[str, Any]], infer_ms: dict[str, float] | None = None) -> str:
     """One line per (rate, type, method): mean (± sd over seeds) accuracy, F1-macro, AUROC in percent, trainable
-    parameters and inference ms per 64; the best accuracy of each setting in bold."""
+    parameters and (from :func:`time_inference`) inference ms per 64; the best accuracy of each setting in bold."""
+    infer_ms = infer_ms or {}
     settings = list(dict.fromkeys((r["rate"], r["kind"]) for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     lines = [
@@ -435,14 +451,10 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
                 continue
             acc = _cell([r["acc"] for r in group[m]])
             acc = f"**{acc}**" if m == best else acc
-            infer = statistics.mean(r["infer_ms"] for r in group[m])
+            infer = f"{infer_ms[m]:.1f}" if m in infer_ms else "-"
             lines.append(
                 f"| {rate:g} | {'-' if rate == 0 else kind} | {LABELS.get(m, m)} | {acc} | "
                 f"{_cell([r['f1'] for r in group[m]])} | {_cell([r['auroc'] for r in group[m]])} | "
-                f"{group[m][0]['params']:,} | {infer:.1f} |"
+                f"{group[m][0]['params']:,} | {infer} |"
             )
     return "\n".join(lines)
-
-
-def settings_dict(settings: ExperimentSettings) -> dict[str, Any]:
-    return asdict(settings)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..continual.config import ConfigError, _unknown_key, build_section
-from .experiment import METHODS, ExperimentSettings, grid_specs, markdown_table, prepare, run_grid
+from .experiment import METHODS, ExperimentSettings, grid_specs, markdown_table, prepare, run_grid, time_inference
 from .missing import MISSING_TYPES
 
 __all__ = ["JOB_NAME", "MissingModalityConfig", "missing_modality_config_from_dict", "run_missing_modality_job"]
@@ -132,13 +132,15 @@ def run_missing_modality_job(config: MissingModalityConfig, echo: Callable[[str]
     prep = prepare(settings, echo=echo)
     specs = grid_specs(config.grid.rates, config.grid.kinds)
     rows = run_grid(prep, specs, config.methods, config.grid.seeds, echo=echo)
+    infer_ms = time_inference(prep, config.methods, specs[-1])
     wall = time.perf_counter() - start
-    table = markdown_table(rows)
+    table = markdown_table(rows, infer_ms)
     meta = {
         "name": config.name,
         "settings": asdict(config.model),
         "grid": asdict(config.grid),
         "pretrain": prep.pretrain_log,
+        "inference_ms_per_64": infer_ms,
         "train_examples": len(prep.train.y),
         "test_examples": len(prep.test.y),
         "wall_seconds": round(wall, 1),
