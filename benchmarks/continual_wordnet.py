@@ -5,14 +5,18 @@ budget; the table reports the mean (and standard deviation) over seeds of final 
 incremental accuracy, forgetting, BWT, trainable parameters and wall time, for 5-task and 10-task sequences of the
 same 20 supersenses (5 x 4 and 10 x 2 classes; a seed picks the classes and their order).
 
-Usage (the default is the full run recorded in docs/splitlora.md, about 20 minutes on 2 CPU cores)::
+Usage (the default runs every method: docs/splitlora.md and docs/pclr.md record it, about 40 minutes on 2 idle
+CPU cores; ``--resume`` continues an interrupted run)::
 
     python benchmarks/continual_wordnet.py
     python benchmarks/continual_wordnet.py --tasks 5 --seeds 0 --methods seq_lora splitlora inflora
     python benchmarks/continual_wordnet.py --set splitlora.lr=5e-3 --set splitlora.trade_off=10
 
 Targets (issue 5): SplitLoRA's final average accuracy at least 1 point above the InfLoRA-style baseline, and its
-forgetting at most half of sequential LoRA's. The script prints whether each was met, per sequence length.
+forgetting at most half of sequential LoRA's. Issue 6: PCLR's forgetting at most half of sequential LoRA's with a pool
+that stays within its cap; the PCLR rows compare the compression rules (index / importance / measured contribution)
+and the integration (task-routed, input-routed, none), and a second table shows the adapter's size after each task
+against one LoRA per task. The script prints whether each target was met, per sequence length.
 """
 
 from __future__ import annotations
@@ -54,6 +58,29 @@ METHODS: dict[str, dict[str, Any]] = {
     "splitlora": {"lr": 5e-3, "r": 10, "target_modules": TARGET_MODULES},
     "joint": {"lr": 1e-3, "r": 10, "alpha": 20.0, "target_modules": TARGET_MODULES},
 }
+# PCLR (issue 6): a pool capped at 32 ranks per linear, 16 new ranks per task, top-16 routing, half the pool dropped
+# after every task but the first (so the pool is at its cap while each task trains), a rank-4 shared LoRA, the
+# learning rate of benchmarks/pclr.py. Variants differ in the compression rule and the integration only.
+PCLR = {
+    "lr": 2e-3,
+    "pool_size": 32,
+    "ranks_schedule": [16],
+    "compress_schedule": [0.0, 0.5],
+    "top_k": 16,
+    "alpha": 16.0,
+    "shared_r": 4,
+    "target_modules": TARGET_MODULES,
+}
+PCLR_VARIANTS: dict[str, dict[str, Any]] = {
+    "pclr_index": {**PCLR, "compress_rule": "index"},
+    "pclr_importance": {**PCLR, "compress_rule": "importance"},
+    "pclr_contribution": {**PCLR, "compress_rule": "contribution"},
+    "pclr_contribution_input": {**PCLR, "compress_rule": "contribution", "integrate_routing": "input"},
+    "pclr_contribution_no_integrate": {**PCLR, "compress_rule": "contribution", "integrate_epochs": 0},
+}
+METHODS.update(PCLR_VARIANTS)
+#: the registered method each entry runs (the PCLR variants are option sets of ``pclr``)
+METHOD_OF = {name: ("pclr" if name in PCLR_VARIANTS else name) for name in METHODS}
 COLUMNS = (
     ("final_acc", "final acc"),
     ("avg_incremental_acc", "avg incr acc"),
@@ -92,7 +119,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, options in args.options.items():
         # the run configs' own validation: unknown keys, types (YAML reads `1e-3` as a string) and values
         try:
-            build_section(get_continual_method(name).options_cls, options, prefix=f"{name}.")
+            build_section(get_continual_method(METHOD_OF[name]).options_cls, options, prefix=f"{name}.")
         except ConfigError as err:
             parser.error(str(err))
     return args
@@ -159,7 +186,7 @@ def run_one(
         if name in done:
             print(f"  {n_tasks} tasks, seed {seed}, {name:<10} (from {checkpoint})", flush=True)
             continue
-        cls = get_continual_method(name)
+        cls = get_continual_method(METHOD_OF[name])
         method = cls(build_section(cls.options_cls, args.options[name], prefix=f"{name}."))
         start, cpu_start = time.perf_counter(), cpu_seconds()
         result = run_sequence(sequence, method, base, collate, train)
@@ -170,6 +197,7 @@ def run_one(
             "trainable": result.trainable_params,
             "seconds": seconds,
             "cpu_seconds": cpu,
+            "extras": result.extras,
         }
         shown = {k: None if v is None else round(100 * v, 1) for k, v in result.metrics.items()}
         print(f"  {n_tasks} tasks, seed {seed}, {name:<10} {shown}  {seconds:.0f} s ({cpu:.0f} s CPU)", flush=True)
@@ -220,7 +248,49 @@ def targets(runs: dict[int, dict[str, dict[str, Any]]]) -> list[str]:
             f"SplitLoRA forgetting / seq_lora forgetting = {ratio:.2f} (target <= 0.50): "
             f"{'met' if ratio <= 0.5 else 'NOT met'}"
         )
+    for name in sorted(methods & set(PCLR_VARIANTS)):
+        if "seq_lora" not in methods:
+            break
+        ratio = mean(name, "forgetting") / max(mean("seq_lora", "forgetting"), 1e-12)
+        cap = METHODS[name]["pool_size"]
+        pools = [r for seed in runs for r in runs[seed][name]["extras"].get("pool_ranks", [])]
+        within = bool(pools) and max(pools) <= cap
+        lines.append(
+            f"{name} forgetting / seq_lora forgetting = {ratio:.2f} (target <= 0.50), pool within its cap of {cap}: "
+            f"{'yes' if within else 'NO'}: {'met' if ratio <= 0.5 and within else 'NOT met'}"
+        )
     return lines
+
+
+# One rank-10 LoRA on MiniLM-L6's query and value (384 -> 384, 6 layers): what a method that keeps one adapter per
+# task (O-LoRA; per-task LoRA experts) adds to its storage with every task.
+LORA_VALUES_PER_TASK = 10 * (384 + 384) * 2 * 6
+
+
+def growth(runs: dict[int, dict[str, dict[str, Any]]]) -> str:
+    """Adapter values PCLR holds after each task (first seed) against per-task LoRA growth."""
+    seed = next(iter(runs))
+    names = [n for n in runs[seed] if n in PCLR_VARIANTS and runs[seed][n].get("extras", {}).get("adapter_params")]
+    if not names:
+        return ""
+    n_tasks = len(runs[seed][names[0]]["extras"]["adapter_params"])
+    head = ["after task", *(str(t + 1) for t in range(n_tasks))]
+    lines = [
+        f"\nAdapter values stored after each task (seed {seed}; PCLR counts the active ranks' a_i and b_i, the shared "
+        "LoRA, keys and prototypes):\n",
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join(["---"] + ["---:"] * n_tasks) + "|",
+    ]
+    for name in names:
+        extras = runs[seed][name]["extras"]
+        lines.append(f"| {name} | " + " | ".join(f"{v:,}" for v in extras["adapter_params"]) + " |")
+        lines.append(f"| {name} pool ranks | " + " | ".join(str(v) for v in extras["pool_ranks"]) + " |")
+    lines.append(
+        "| one r=10 LoRA per task | "
+        + " | ".join(f"{LORA_VALUES_PER_TASK * (t + 1):,}" for t in range(n_tasks))
+        + " |"
+    )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         report.append(table(runs, args.methods))
         report.extend(["", *targets(runs)])
+        extra = growth(runs)
+        if extra:
+            report.append(extra)
     threads = torch.get_num_threads()
     report.append(
         f"\nTotal over the {len(every)} runs: wall time {wall:.0f} s ({wall / 60:.1f} min); CPU time {cpu:.0f} s, "

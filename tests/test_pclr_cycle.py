@@ -293,6 +293,7 @@ def test_continual_plugin_with_task_routing_records_a_bounded_adapter():
     sizes = captured["pclr_adapter_params"]
     # the ranks stay at the cap; only one prototype per task and group is added
     assert len(sizes) == 3 and sizes[2] - sizes[1] == sizes[1] - sizes[0] < 0.05 * sizes[0], sizes
+    assert result.extras["adapter_params"] == sizes and result.extras["pool_ranks"] == [4, 4, 4]
     kl = captured["pclr_integrate"]
     assert kl[0] is None and all(after <= before for before, after in kl[1:])
     assert result.accuracy_matrix[0][0] > 0.9

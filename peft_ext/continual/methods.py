@@ -119,6 +119,10 @@ class ContinualMethod:
         """An optional regularizer added to the task loss (e.g. O-LoRA's orthogonality loss)."""
         return None
 
+    def report(self, ctx: RunContext) -> dict[str, Any]:
+        """Method-specific, JSON-serializable figures of the run for its result (``MethodResult.extras``)."""
+        return {}
+
 
 CONTINUAL_METHODS: dict[str, type[ContinualMethod]] = {}
 

@@ -183,3 +183,11 @@ class PCLRMethod(ContinualMethod):
         ctx.state["pclr_adapter_params"].append(stored_adapter_parameters(model))
         ctx.state["pclr_integrate"].append(None if result is None else (result.kl_before, result.kl_after))
         return model
+
+    def report(self, ctx: RunContext) -> dict[str, Any]:
+        """Pool ranks and adapter values in use after each task, and the distillation loss before/after each one."""
+        return {
+            "pool_ranks": list(ctx.state.get("pclr_pool", [])),
+            "adapter_params": list(ctx.state.get("pclr_adapter_params", [])),
+            "integrate_kl": [None if kl is None else list(kl) for kl in ctx.state.get("pclr_integrate", [])],
+        }

@@ -117,6 +117,7 @@ class MethodResult:
     train_seconds: float
     eval_seconds: float
     task_losses: list[float]
+    extras: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -335,4 +336,5 @@ def run_sequence(
         train_seconds=train_s,
         eval_seconds=eval_s,
         task_losses=losses,
+        extras=method.report(ctx),
     )
