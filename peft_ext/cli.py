@@ -35,30 +35,24 @@ def _cmd_list(args: argparse.Namespace) -> int:
 JOBS = ("continual", "missing_modality")
 
 
-def _load(args: argparse.Namespace):
-    """The validated config; its top-level ``job`` key (default ``continual``) picks the job type."""
-    from pathlib import Path
+def load_job_config(path: str, overrides: list[str] | None = None):
+    """Read, override and validate a config of any job; its top-level ``job`` key (default ``continual``) picks
+    the type: a ``continual.config.RunConfig`` or a ``multimodal.job.MissingModalityConfig``."""
+    from peft_ext.continual.config import config_from_dict, read_config, unknown_value
 
-    import yaml
-
-    from peft_ext.continual.config import ConfigError, _unknown_key, apply_overrides, config_from_dict
-
-    path = Path(args.config)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path} is not valid YAML: {err}") from None
-    data = apply_overrides(data if data is not None else {}, args.set)
+    data = read_config(path, overrides)
     job = data.pop("job", "continual") if isinstance(data, dict) else "continual"
     if job not in JOBS:
-        raise _unknown_key(str(job), "job: ", list(JOBS))
+        raise unknown_value("job", job, list(JOBS))
     if job == "missing_modality":
         from peft_ext.multimodal.job import missing_modality_config_from_dict
 
         return missing_modality_config_from_dict(data)
     return config_from_dict(data)
+
+
+def _load(args: argparse.Namespace):
+    return load_job_config(args.config, args.set)
 
 
 def _method_names(config) -> list[str]:

@@ -191,6 +191,13 @@ def _unknown_key(key: str, prefix: str, valid: list[str]) -> ConfigError:
     return ConfigError(f"unknown key `{prefix}{key}`{hint}; valid keys: {', '.join(valid)}")
 
 
+def unknown_value(key: str, value: Any, valid: list[str]) -> ConfigError:
+    """The error for a value outside a fixed set of names, with a did-you-mean."""
+    close = difflib.get_close_matches(str(value), valid, n=1)
+    hint = f" (did you mean `{close[0]}`?)" if close else ""
+    return ConfigError(f"`{key}` must be one of {', '.join(valid)}; got {value!r}{hint}")
+
+
 def build_section(cls: type, data: Any, prefix: str = "", skip: tuple[str, ...] = ()) -> Any:
     """Build the dataclass ``cls`` from a mapping, checking keys and types; then run its ``validate()``."""
     if data is None:
@@ -305,8 +312,8 @@ def _list_index(items: list, part: str, where: str) -> int:
     return names.index(part)
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
-    """Read, override and validate a YAML run config."""
+def read_config(path: str | Path, overrides: list[str] | None = None) -> Any:
+    """Read a YAML config file and apply ``key=value`` overrides; no validation yet."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
@@ -314,4 +321,9 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
         raise ConfigError(f"{path} is not valid YAML: {err}") from None
-    return config_from_dict(apply_overrides(data if data is not None else {}, overrides or []))
+    return apply_overrides(data if data is not None else {}, overrides or [])
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Read, override and validate a YAML run config."""
+    return config_from_dict(read_config(path, overrides))

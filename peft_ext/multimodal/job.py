@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..continual.config import ConfigError, _unknown_key, build_section
+from ..continual.config import ConfigError, _unknown_key, build_section, unknown_value
 from .experiment import METHODS, ExperimentSettings, grid_specs, markdown_table, prepare, run_grid, time_inference
 from .missing import MISSING_TYPES
 
@@ -118,7 +118,7 @@ def missing_modality_config_from_dict(data: Any) -> MissingModalityConfig:
         raise ConfigError(f"`methods` must be a non-empty list of {list(METHODS)}, got {methods!r}")
     for i, method in enumerate(methods):
         if method not in METHODS:
-            raise _unknown_key(str(method), f"methods[{i}]: method ", list(METHODS))
+            raise unknown_value(f"methods[{i}]", method, list(METHODS))
     if len(set(methods)) != len(methods):
         raise ConfigError(f"`methods` lists a method twice: {methods}")
     return MissingModalityConfig(name=name, methods=list(methods), **built)
