@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from ..distributed import check_parameters_unchanged, registered_parameters, reject_sharded
 from .dct import DCT_METHODS, dct_matrix, dct_select, project, project_back, projection_side
 
 __all__ = [
@@ -216,14 +217,6 @@ def _caller_stacklevel() -> int:
     return level
 
 
-def _is_dtensor(p: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed support
-        return False
-    return isinstance(p, DTensor) or isinstance(getattr(p, "data", None), DTensor)
-
-
 def _check_group(group: dict[str, Any]) -> None:
     for key in ("lr", "eps", "weight_decay", "scale"):
         value = group[key]
@@ -267,11 +260,9 @@ def _check_group(group: dict[str, Any]) -> None:
     for p in group["params"]:
         if not p.is_floating_point():
             raise TypeError(f"DCTAdamW optimizes floating-point tensors, got a {p.dtype} parameter")
-        if _is_dtensor(p):
-            raise TypeError(
-                "DCTAdamW does not support sharded DTensor parameters (FSDP2 / tensor parallel): a shard is not the "
-                "matrix whose DCT spectrum is ranked. Use DistributedDataParallel, whose parameters are whole."
-            )
+    names = group.get("param_names") or [f"parameter {i}" for i in range(len(group["params"]))]
+    # a shard is not the matrix whose DCT spectrum is ranked (FSDP2 / tensor parallel DTensors, DeepSpeed ZeRO-3)
+    reject_sharded(zip(names, group["params"]), "DCTAdamW", "the DCT column selection")
 
 
 class DCTAdamW(Optimizer):
@@ -287,7 +278,8 @@ class DCTAdamW(Optimizer):
     When to use it: full fine-tuning or pre-training where Adam's moments dominate memory and GaLore's SVD refresh is
     too slow or its state cannot be checkpointed. When not to: tiny models (the projection saves nothing worth its
     approximation), LoRA-style adapters whose matrices already have a dimension of ``r`` (nothing to compress), or
-    FSDP/tensor-parallel training (sharded parameters are rejected; DDP is supported).
+    FSDP/tensor-parallel or DeepSpeed ZeRO training (sharded or flattened parameters are rejected with a
+    ``ValueError``; DDP is supported, see docs/distributed.md).
 
     Decisions the paper leaves open, and what this implementation does:
 
@@ -416,6 +408,7 @@ class DCTAdamW(Optimizer):
         except (TypeError, ValueError):
             self.param_groups.pop()  # a rejected group must not stay behind in a live optimizer
             raise
+        self._registered = registered_parameters(self.param_groups)
 
     # ------------------------------------------------------------------------------------------------------------
     # which parameters are projected
@@ -525,6 +518,8 @@ class DCTAdamW(Optimizer):
         Args:
             closure: Optional callable that re-evaluates the model and returns the loss.
         """
+        # DeepSpeed ZeRO swaps the matrices for flat partitions, which would silently get plain AdamW
+        check_parameters_unchanged(self.param_groups, self._registered, "DCTAdamW")
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -45,6 +45,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from ..distributed import check_parameters_unchanged, registered_parameters, reject_sharded
 from ..kernels.retraction import retract
 from ..manifolds.fixed_rank import FixedRankPoint, TangentVector, egrad2rgrad, orthogonalize, transp
 from ..tuners.riemannion.layer import AdapterRef, find_adapters
@@ -165,7 +166,9 @@ class Riemannion(Optimizer):
     Raises:
         TypeError: If the model is not given.
         ValueError: On invalid hyperparameters, on non-adapter parameters in a ``"manifold": True`` group, on split
-            adapters, and on adapters that are off the manifold (``A`` not orthonormal or ``Z`` nonzero).
+            adapters, on adapters that are off the manifold (``A`` not orthonormal or ``Z`` nonzero), and on sharded
+            parameters (FSDP2 DTensors, DeepSpeed ZeRO-3; ``step`` also refuses parameters that DeepSpeed ZeRO
+            replaced with flat partitions): use DistributedDataParallel (docs/distributed.md).
     """
 
     def __init__(
@@ -215,10 +218,17 @@ class Riemannion(Optimizer):
             "skipped_steps": 0,
         }
         groups = self._split_groups(params, aux_lr, aux_weight_decay)
+        # the retraction (QR + SVD) and the orthonormality of A need whole factors on every process
+        reject_sharded(
+            ((self._names.get(id(p), "an unnamed parameter"), p) for g in groups for p in g["params"]),
+            type(self).__name__,
+            "the retraction (QR and SVD of the adapter factors)",
+        )
         super().__init__(groups, defaults)
         for index, group in enumerate(self.param_groups):
             _check_group(group, index)
         self._check_points()
+        self._registered = registered_parameters(self.param_groups)
 
     # -- construction ------------------------------------------------------------------------------------------------
 
@@ -327,6 +337,7 @@ class Riemannion(Optimizer):
         Args:
             closure: Re-evaluates the model and returns the loss (optional).
         """
+        check_parameters_unchanged(self.param_groups, self._registered, type(self).__name__)
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from peft import PeftModel
 from torch import nn
 
+from ...distributed import all_reduce_, average_gradients, broadcast_
 from .config import COMPRESS_RULES, PCLRConfig
 from .layer import N_NEW, N_PROTOS, N_STATIC, TASK, PCLRLayer
 from .model import PCLRModel
@@ -134,6 +135,9 @@ def query_loss(model: nn.Module) -> Optional[torch.Tensor]:
 def query_prototype(model: nn.Module, batches: Sequence[Batch]) -> torch.Tensor:
     """The task's prototype: the normalized mean of the per-sample queries over ``batches`` (no forward pass needed).
 
+    Under ``torch.distributed`` the query sums are all-reduced, so every process gets the prototype of all the
+    processes' batches (each process passes its own shard).
+
     Args:
         model: The PCLR model.
         batches: Input batches (as passed to ``model(**batch)``; a ``labels`` entry is ignored).
@@ -149,6 +153,7 @@ def query_prototype(model: nn.Module, batches: Sequence[Batch]) -> torch.Tensor:
         total = q.sum(0) if total is None else total + q.sum(0)
     if total is None:
         raise ValueError("`batches` is empty; a task prototype needs at least one batch")
+    all_reduce_([total])
     return F.normalize(total, dim=0)
 
 
@@ -174,6 +179,9 @@ def begin_task(
 
     Returns:
         The number of new ranks.
+
+    Under ``torch.distributed`` the new ranks and keys (drawn from each process's random generator) are broadcast
+    from rank 0, so the processes start the task identical even when their generators differ.
     """
     config = _config(model, adapter)
     groups = group_layers(model, adapter)
@@ -222,7 +230,14 @@ def begin_task(
             tags[cap:] = -1
             tags[cap : cap + count] = task_id
             _set_count(layer, adapter, N_NEW, count)
+    broadcast_([t for layers in groups.values() for t in _new_rank_tensors(layers, adapter)])
     return count
+
+
+def _new_rank_tensors(layers: Sequence[PCLRLayer], adapter: str) -> list[torch.Tensor]:
+    return [layers[0].pclr_keys[adapter]] + [
+        t for layer in layers for t in (layer.pclr_A[adapter], layer.pclr_B[adapter])
+    ]
 
 
 def importance_scores(layers: Sequence[PCLRLayer], adapter: str) -> torch.Tensor:
@@ -377,6 +392,7 @@ def contribution_scores(
             with routed_as(model, proto):
                 for batch in batches:
                     forward(model, batch)
+            all_reduce_(list(current.values()))  # under torch.distributed: the contributions on every process's data
             for group, value in current.items():
                 totals[group] += value / value.sum().clamp_min(1e-30)
     finally:
@@ -576,6 +592,8 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor
         loss = loss + extra
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
+    # the distillation does not run through the DDP wrapper: average the gradients over the processes as DDP would
+    average_gradients(p for group in optimizer.param_groups for p in group["params"])
     optimizer.step()
 
 
@@ -754,12 +772,16 @@ def integrate_over_tasks(
             if optimizer is not None:
                 for _ in range(epochs):
                     for batch in batches:
-                        task = int(torch.multinomial(weights / weights.sum(), 1, generator=generator))
+                        draw = torch.multinomial(weights / weights.sum(), 1, generator=generator)
+                        broadcast_([draw])  # one draw for all processes (their generators may differ)
+                        task = int(draw)
                         target = teacher_on(batch, task)
                         with routed_as(model, protos[task]):
                             loss = _masked_distill(forward(model, batch), target, mask, temperature, top_logits)
                             _step(model, optimizer, loss)
-                        weights[task] = math.sqrt(max(float(loss.detach()), 0.0) + 1e-4)
+                        last = loss.detach().double().reshape(1)
+                        all_reduce_([last], mean=True)
+                        weights[task] = math.sqrt(max(float(last), 0.0) + 1e-4)
                         draws[task] += 1
                         steps += 1
     return IntegrateResult(before, mean_loss(), steps, draws, weights.tolist())

@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from ...distributed import all_reduce_
 from .layer import AdapterRef, find_adapters
 
 __all__ = ["LoiResult", "backprop_rsvd", "initialize_loi"]
@@ -148,6 +149,11 @@ def initialize_loi(
     reason. All parameters are frozen while it runs (their ``requires_grad`` is restored afterwards), so no weight
     gradient is computed; only the zero probes receive gradients.
 
+    Under ``torch.distributed`` (DDP) every process passes its own calibration batches and the probes' gradients are
+    averaged over the processes, so all of them reach the same point (that of G over all batches, with each process's
+    batches weighted equally). Every process must call it, with the same number of layers and ``seed``. The base
+    weights and the adapter factors must be whole on every process (not FSDP/ZeRO-3 shards).
+
     Args:
         model: A model with Riemannion adapters (e.g. the ``PeftModel`` from ``get_peft_model``).
         batches: Calibration batches: dicts of tensors the model accepts (``model(**batch)``), or anything
@@ -202,9 +208,13 @@ def initialize_loi(
             for layer in layers.values():
                 layer._riemannion_probe = None
         # a layer the loss does not reach has G = 0 (its probe gets no gradient at all)
-        return {
+        result = {
             name: probe.grad if probe.grad is not None else torch.zeros_like(probe) for name, probe in probes.items()
         }
+        # Under data parallelism each process sees its own batches: average G's products over the processes (as DDP
+        # averages gradients), so every process finds the same point, the one G of all the batches gives.
+        all_reduce_(list(result.values()), mean=True)
+        return result
 
     rank = 2 * refs[0].layer.r[refs[0].adapter_name]
     if any(2 * ref.layer.r[ref.adapter_name] != rank for ref in refs):

@@ -1,0 +1,141 @@
+"""What peft_ext's methods need from ``torch.distributed``: data-parallel reductions and a guard against sharding.
+
+Statistics that a method computes from data outside the DDP-wrapped forward/backward (LOI's gradient products,
+PCLR's query prototypes, contribution scores and distillation gradients) would otherwise be computed from each
+rank's local data only, so the ranks would diverge or silently use a fraction of the data. Every helper here is a
+no-op when ``torch.distributed`` is not initialized or has one process. docs/distributed.md says which method uses
+which.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "all_reduce_",
+    "average_gradients",
+    "broadcast_",
+    "check_parameters_unchanged",
+    "registered_parameters",
+    "reject_sharded",
+    "sharding_of",
+    "world_size",
+]
+
+
+def world_size() -> int:
+    """The number of data-parallel processes: 1 when ``torch.distributed`` is not initialized."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size()
+
+
+def all_reduce_(tensors: Sequence[torch.Tensor], mean: bool = False) -> None:
+    """Sum (or average) ``tensors`` over the processes in place, as one flat all-reduce.
+
+    Args:
+        tensors: Tensors of one device; each is replaced by its sum (mean) over the processes.
+        mean: Divide by the number of processes (DDP's gradient convention).
+    """
+    world = world_size()
+    if world == 1 or not tensors:
+        return
+    flat = torch.cat([t.detach().reshape(-1).to(torch.float64 if t.is_floating_point() else t.dtype) for t in tensors])
+    dist.all_reduce(flat)
+    if mean:
+        flat /= world
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def broadcast_(tensors: Iterable[torch.Tensor], src: int = 0) -> None:
+    """Overwrite ``tensors`` with rank ``src``'s values (state initialized from each rank's own random numbers)."""
+    if world_size() == 1:
+        return
+    for t in tensors:
+        dist.broadcast(t.data, src=src)
+
+
+def average_gradients(params: Iterable[torch.Tensor]) -> None:
+    """Average the gradients of ``params`` over the processes, as DDP's reducer would.
+
+    For training steps that do not go through the DDP wrapper (PCLR's distillation). A parameter without a gradient on
+    every process keeps ``grad=None``; one with a gradient on some processes only gets zeros for the others.
+    """
+    params = list(params)
+    if world_size() == 1 or not params:
+        return
+    present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+    dist.all_reduce(present, op=dist.ReduceOp.MAX)
+    used = [p for p, flag in zip(params, present.tolist()) if flag]
+    for p in used:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    all_reduce_([p.grad for p in used], mean=True)
+
+
+def sharding_of(p: torch.Tensor) -> str | None:
+    """``"FSDP2/DTensor"`` or ``"DeepSpeed ZeRO-3"`` when ``p`` holds only a shard of its tensor, else ``None``.
+
+    A DTensor (FSDP2's ``fully_shard``, tensor parallelism) is recognized by type, a ZeRO-3 parameter by the
+    ``ds_id``/``ds_numel`` attributes DeepSpeed puts on it (the local tensor is then a flat partition or empty).
+    """
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed support
+        DTensor = ()
+    if isinstance(p, DTensor) or isinstance(getattr(p, "data", None), DTensor):
+        return "FSDP2/DTensor"
+    if hasattr(p, "ds_id") or hasattr(p, "ds_numel"):
+        return "DeepSpeed ZeRO-3"
+    return None
+
+
+def reject_sharded(named_params: Iterable[tuple[str, torch.Tensor]], optimizer: str, needs: str) -> None:
+    """Raise ``ValueError`` naming the first parameter that is a shard: ``optimizer`` needs whole matrices.
+
+    Args:
+        named_params: ``(name, parameter)`` pairs.
+        optimizer: The optimizer's name, for the message.
+        needs: What the optimizer computes from the whole matrix, for the message.
+    """
+    for name, p in named_params:
+        kind = sharding_of(p)
+        if kind is not None:
+            raise ValueError(
+                f"{optimizer} got `{name}` (shape {tuple(p.shape)}) as a {kind} shard, but {needs} needs the whole "
+                "matrix on every process. Train with DistributedDataParallel (torchrun, or accelerate with "
+                "distributed_type MULTI_GPU), which keeps parameters whole; see "
+                "docs/distributed.md"
+            )
+
+
+def registered_parameters(param_groups: Sequence[dict]) -> list[list[tuple[int, ...]]]:
+    """The shape of every parameter per group, to detect later replacement (:func:`check_parameters_unchanged`)."""
+    return [[tuple(p.shape) for p in group["params"]] for group in param_groups]
+
+
+def check_parameters_unchanged(
+    param_groups: Sequence[dict], registered: list[list[tuple[int, ...]]], optimizer: str
+) -> None:
+    """Raise ``ValueError`` if a wrapper swapped the optimizer's parameters for tensors of other shapes.
+
+    DeepSpeed's ZeRO optimizers (stages 1-3) replace each group's parameters with one flat fp32 partition per
+    process after the optimizer is built; an optimizer that reads shapes (matrices, adapter factors) would then
+    silently take the wrong path.
+    """
+    for index, (group, shapes) in enumerate(zip(param_groups, registered)):
+        now = [tuple(p.shape) for p in group["params"]]
+        if now != shapes:
+            raise ValueError(
+                f"{optimizer}: the parameters of param group {index} were replaced after the optimizer was built "
+                f"(now {len(now)} tensor(s) of shapes {now[:3]}{'...' if len(now) > 3 else ''}, built with "
+                f"{len(shapes)}); DeepSpeed ZeRO does this (it flattens parameters into per-process partitions), but "
+                "this optimizer needs the whole matrices. Use DistributedDataParallel (accelerate: distributed_type "
+                "MULTI_GPU) instead; see docs/distributed.md"
+            )
