@@ -1,0 +1,205 @@
+"""Riemannion (+ LOI), DCT-AdamW, SplitLoRA and PCLR under DDP: ``torchrun --nproc_per_node=2`` (gloo, CPU).
+
+After training, every parameter and buffer is bit-identical across the ranks and equal (to rounding) to one process
+on the whole batches. Also: the optimizers that need whole matrices refuse FSDP2 DTensors and DeepSpeed ZeRO
+parameters with a ``ValueError`` instead of training on shards.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from peft import get_peft_model
+from torch import nn
+
+from peft_ext import RiemannionConfig
+from peft_ext.models import tiny_llama
+from peft_ext.optim import DCTAdamW, Riemannion, create_riemannion_optimizer
+
+from . import distributed_worker as worker
+from .single_thread import single_thread  # noqa: F401  (fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+METHODS = ("riemannion", "dct_adamw", "splitlora", "pclr")
+
+
+def _run(cmd: list[str], timeout: float = 150) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # a session of its own, so a timeout can end the launcher *and* its workers
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, start_new_session=True
+    )
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        pytest.fail(f"the 2-process run did not finish in {timeout} s:\n{stderr[-4000:]}")
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{stderr[-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not installed (it ships with torch); the DDP tests need it to start 2 processes")
+    out = tmp_path_factory.mktemp("ddp")
+    _run([torchrun, "--standalone", "--nproc_per_node=2", str(ROOT / "tests" / "distributed_worker.py"), str(out)])
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def single():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {name: getattr(worker, name)(slice(None), lambda model: model) for name in METHODS}
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("method", METHODS)
+def test_ranks_end_bit_identical(ranks, method):
+    zero, one = ranks[0][method], ranks[1][method]
+    assert ranks[0]["world"] == 2
+    assert zero["state"].keys() == one["state"].keys() and zero["state"]
+    for name, value in zero["state"].items():
+        assert torch.equal(value, one["state"][name]), name
+    assert torch.equal(zero["logits"], one["logits"])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("method", METHODS)
+def test_two_ranks_equal_one_process_on_the_global_batch(ranks, single, method):
+    ddp, one = ranks[0][method], single[method]
+    for name, value in one["state"].items():
+        if name.endswith(("riemannion_A.default", "riemannion_B.default", "X0_A.default", "X0_B.default")):
+            continue  # factors of X are defined up to sign by the SVDs; X itself is compared below
+        torch.testing.assert_close(ddp["state"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+    torch.testing.assert_close(ddp["logits"], one["logits"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.distributed
+def test_loi_and_riemannion_points_match_one_process(ranks, single):
+    for key in ("loi", "points"):
+        for layer, X in single["riemannion"][key].items():
+            for rank in ranks:
+                torch.testing.assert_close(rank["riemannion"][key][layer], X, rtol=1e-4, atol=1e-6, msg=layer)
+
+
+@pytest.mark.distributed
+def test_selections_splits_prototypes_and_draws_are_global(ranks, single):
+    for rank in ranks:
+        assert rank["dct_adamw"]["history"] == single["dct_adamw"]["history"]
+        assert rank["splitlora"]["splits"] == single["splitlora"]["splits"]
+        assert rank["pclr"]["draws1"] == single["pclr"]["draws1"]
+        for got, want in zip(rank["pclr"]["prototypes"], single["pclr"]["prototypes"]):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.distributed
+def test_accelerate_launch_runs_the_same_worker(tmp_path):
+    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or shutil.which("accelerate")
+    if accelerate is None:
+        pytest.skip("accelerate is not installed; `accelerate launch` is optional")
+    pytest.importorskip("accelerate")
+    if os.environ.get("PEFT_EXT_ACCELERATE_TEST") != "1":
+        pytest.skip("runs the whole worker again (~20 s); set PEFT_EXT_ACCELERATE_TEST=1 (docs/distributed.md)")
+    config = ROOT / "tests" / "accelerate_cpu.yaml"
+    _run(
+        [
+            accelerate,
+            "launch",
+            "--config_file",
+            str(config),
+            str(ROOT / "tests" / "distributed_worker.py"),
+            str(tmp_path),
+        ]
+    )
+    zero, one = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    assert zero["world"] == 2
+    for method in METHODS:
+        for name, value in zero[method]["state"].items():
+            assert torch.equal(value, one[method]["state"][name]), (method, name)
+
+
+# -- sharded parameters: fail loudly instead of optimizing shards -------------------------------------------------
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    if not dist.is_available():
+        pytest.skip("torch is built without torch.distributed")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _riemannion_model() -> nn.Module:
+    return get_peft_model(tiny_llama(hidden_size=32, num_layers=1), RiemannionConfig(r=2, target_modules=["q_proj"]))
+
+
+@pytest.mark.distributed
+def test_dtensor_parameters_are_refused(one_process_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    shard = nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(0)]))
+    with pytest.raises(ValueError, match=r"DCTAdamW got `w` \(shape \(8, 6\)\) as a FSDP2/DTensor shard.*Distributed"):
+        DCTAdamW([("w", shard)], rank=2)
+
+    model = _riemannion_model()
+    ref = next(m for n, m in model.named_modules() if n.endswith("q_proj"))
+    ref.riemannion_B["default"] = nn.Parameter(
+        distribute_tensor(ref.riemannion_B["default"].detach(), mesh, [Shard(0)])
+    )
+    with pytest.raises(
+        ValueError, match=r"Riemannion got `.*riemannion_B.default` .* FSDP2/DTensor shard.*retraction"
+    ):
+        Riemannion(model)
+
+
+@pytest.mark.parametrize("make", ["dct", "riemannion"])
+def test_zero3_parameters_are_refused(make):
+    if make == "dct":
+        p = nn.Parameter(torch.randn(8, 6))
+        p.ds_id, p.ds_numel = 3, 48  # what DeepSpeed ZeRO-3 puts on a partitioned parameter
+        with pytest.raises(ValueError, match=r"`w` \(shape \(8, 6\)\) as a DeepSpeed ZeRO-3 shard"):
+            DCTAdamW([("w", p)], rank=2)
+    else:
+        model = _riemannion_model()
+        B = next(p for n, p in model.named_parameters() if "riemannion_B" in n)
+        B.ds_id = 7
+        with pytest.raises(ValueError, match=r"riemannion_B.default` .* DeepSpeed ZeRO-3 shard"):
+            create_riemannion_optimizer(model)
+
+
+def test_parameters_flattened_after_construction_are_refused():
+    # DeepSpeed ZeRO (stages 1-3) swaps each group's parameters for one flat partition after the optimizer is built
+    model = _riemannion_model()
+    optimizer = create_riemannion_optimizer(model)
+    optimizer.param_groups[0]["params"] = [
+        torch.cat([p.detach().flatten() for p in optimizer.param_groups[0]["params"]])
+    ]
+    with pytest.raises(ValueError, match="Riemannion: the parameters of param group 0 were replaced.*DeepSpeed ZeRO"):
+        optimizer.step()
+
+    w = nn.Parameter(torch.randn(8, 6))
+    dct = DCTAdamW([w], rank=2)
+    dct.param_groups[0]["params"] = [nn.Parameter(torch.randn(48))]
+    with pytest.raises(ValueError, match="DCTAdamW: the parameters of param group 0 were replaced"):
+        dct.step()
