@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+from .continual_trainer import ContinualTrainer, run_continual_with_trainer
 from .trainer import optimizer_for_trainer, optimizer_from_args, parse_optim_args
 
-__all__ = ["optimizer_for_trainer", "optimizer_from_args", "parse_optim_args"]
+__all__ = [
+    "ContinualTrainer",
+    "optimizer_for_trainer",
+    "optimizer_from_args",
+    "parse_optim_args",
+    "run_continual_with_trainer",
+]

@@ -1,0 +1,358 @@
+"""A continual-learning driver on ``transformers.Trainer``: a task sequence, a method plugin, resumable anywhere.
+
+:func:`run_continual_with_trainer` is :func:`peft_ext.continual.run_sequence` with each task trained by a Trainer:
+the same :class:`~peft_ext.continual.ContinualMethod` plugins (``build``, ``before_task``, ``trainable_parameters``,
+``make_optimizer``, ``extra_loss``, ``after_task``, ``report``), the same class-incremental logit masks and the same
+accuracy matrix, logged through ``trainer.log`` (``continual/acc_{i}_{j}`` after task ``i``, and the four metrics at
+the end). Batch size, epochs, gradient clipping, schedule, checkpointing and logging come from ``TrainingArguments``.
+
+Layout of ``args.output_dir``::
+
+    continual_state.json      tasks finished, accuracy matrix and losses so far (written atomically)
+    task-{i}/checkpoint-{k}/  Trainer checkpoints of task i (the whole model state, optimizer, scheduler, RNG)
+    task-{i}/end-of-task.pt   model state and method state after task i was trained, folded and evaluated
+
+Resume (``resume=True``, the default, with the same arguments): the model is rebuilt with ``method.build``, the
+state after the last finished task is loaded, the unfinished task restarts with ``before_task`` and its Trainer
+resumes from the task's last checkpoint (or from step 0 without one). Every step before that point is deterministic
+given the saved state, so the accuracy matrix equals an uninterrupted run's.
+
+Why checkpoints hold the whole ``model.state_dict()`` rather than Trainer's usual adapter save: the method's task
+state lives in buffers (SplitLoRA's statistics and folded factors, PCLR's pool) and in the head, and methods such as
+SplitLoRA refuse ``save_pretrained`` in some phases; one ``torch.save`` of the state dict, read back with
+``weights_only=True``, covers every method whose model structure is fixed after ``build``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Optional
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainerCallback, set_seed
+from transformers.trainer_utils import get_last_checkpoint
+
+from ..continual.methods import ContinualMethod
+from ..continual.metrics import summarize
+from ..continual.runner import (
+    Collate,
+    MethodResult,
+    RunContext,
+    TrainConfig,
+    _allowed_for_eval,
+    _allowed_for_training,
+    _class_mask,
+    _count_params,
+    _logits,
+    evaluate,
+)
+from ..continual.tasks import Task, TaskSequence
+
+if TYPE_CHECKING:
+    from transformers import TrainingArguments
+
+__all__ = ["ContinualTrainer", "load_model_state", "run_continual_with_trainer"]
+
+STATE_FILE = "continual_state.json"
+MODEL_FILE = "continual_model.pt"
+END_OF_TASK_FILE = "end-of-task.pt"
+_GENERATOR_KEY = "__torch_generator_state__"
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _atomic_write_json(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """``model.load_state_dict(state)``, first resizing buffers whose shape grew during the sequence.
+
+    SplitLoRA's folded factors gain rows with every task; a freshly built model has the first task's shapes.
+
+    Raises:
+        ValueError: If a parameter's shape differs, or keys are missing or unexpected (the method changed the
+            model's structure after ``build``, e.g. by re-wrapping it per task).
+    """
+    current = model.state_dict()
+    for key, value in state.items():
+        if key not in current or current[key].shape == value.shape:
+            continue
+        prefix, _, leaf = key.rpartition(".")
+        module = model.get_submodule(prefix)
+        if leaf not in module._buffers:
+            raise ValueError(
+                f"cannot restore {key!r}: the parameter has shape {tuple(current[key].shape)} in the rebuilt model "
+                f"but {tuple(value.shape)} in the checkpoint"
+            )
+        module._buffers[leaf] = torch.zeros(value.shape, dtype=current[key].dtype, device=current[key].device)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as err:
+        raise ValueError(
+            "the saved model state does not fit the model that method.build() makes (a method that re-wraps the "
+            f"model per task cannot be resumed by this driver): {err}"
+        ) from None
+
+
+def _encode(obj: Any) -> Any:
+    """Make a method's ``ctx.state`` loadable with ``weights_only=True`` (generators become their state tensor)."""
+    if isinstance(obj, torch.Generator):
+        return {_GENERATOR_KEY: obj.get_state()}
+    if isinstance(obj, dict):
+        return {k: _encode(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_encode(v) for v in obj)
+    return obj
+
+
+def _decode(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        if set(obj) == {_GENERATOR_KEY}:
+            generator = torch.Generator()
+            generator.set_state(obj[_GENERATOR_KEY])
+            return generator
+        return {k: _decode(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_decode(v) for v in obj)
+    return obj
+
+
+class ContinualTrainer(Trainer):
+    """The Trainer of one task: the method's masked loss plus its regularizer; checkpoints hold the whole model.
+
+    Args:
+        method: The method plugin (its :meth:`~ContinualMethod.extra_loss` is added to the loss).
+        task_id: Index of the task being trained.
+        allowed_classes: Classes whose logits the loss sees (``None``: all).
+        num_classes: Size of the label space.
+        *args, **kwargs: As for ``transformers.Trainer``.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        method: ContinualMethod,
+        task_id: int,
+        allowed_classes: Optional[Sequence[int]],
+        num_classes: int,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.method = method
+        self.task_id = task_id
+        self.allowed_classes = None if allowed_classes is None else list(allowed_classes)
+        self.num_classes = num_classes
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        logits = _logits(model, inputs)
+        if self.allowed_classes is not None:
+            mask = _class_mask(self.num_classes, self.allowed_classes, logits.device)
+            logits = logits.masked_fill(~mask, float("-inf"))
+        loss = nn.functional.cross_entropy(logits, inputs["labels"])
+        extra = self.method.extra_loss(model, inputs, self.task_id)
+        if extra is not None:
+            loss = loss + extra
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite training loss {loss.item()} at task {self.task_id}")
+        return (loss, logits) if return_outputs else loss
+
+    def _save(self, output_dir: Optional[str] = None, state_dict: Optional[dict] = None) -> None:
+        if not self.args.should_save:
+            return
+        path = Path(output_dir if output_dir is not None else self.args.output_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        state = self.model.state_dict() if state_dict is None else state_dict
+        _atomic_save({k: v.detach().cpu() for k, v in state.items()}, path / MODEL_FILE)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Optional[nn.Module] = None) -> None:
+        path = Path(resume_from_checkpoint) / MODEL_FILE
+        if not path.is_file():
+            raise ValueError(f"{resume_from_checkpoint} is not a checkpoint of this driver (no {MODEL_FILE})")
+        load_model_state(model if model is not None else self.model, torch.load(path, weights_only=True))
+
+
+def _train_config(args: TrainingArguments, train_logit_mask: str) -> TrainConfig:
+    """What the method plugins read of the run (``ctx.train``), from the Trainer's arguments."""
+    config = TrainConfig(
+        epochs=max(1, math.ceil(args.num_train_epochs)),
+        batch_size=args.per_device_train_batch_size,
+        eval_batch_size=args.per_device_eval_batch_size,
+        max_grad_norm=args.max_grad_norm,
+        train_logit_mask=train_logit_mask,  # type: ignore[arg-type]
+        seed=args.seed,
+        device="cpu" if args.device.type == "cpu" else str(args.device),
+        progress=not args.disable_tqdm,
+    )
+    config.validate()
+    return config
+
+
+def run_continual_with_trainer(
+    sequence: TaskSequence,
+    method: ContinualMethod,
+    base_model: nn.Module,
+    collate: Collate,
+    args: TrainingArguments,
+    *,
+    train_logit_mask: Literal["task", "seen", "all"] = "task",
+    callbacks: Optional[list[TrainerCallback]] = None,
+    resume: bool = True,
+) -> tuple[MethodResult, nn.Module]:
+    """Train ``method`` through ``sequence`` with one ``Trainer`` per task; resumable from ``args.output_dir``.
+
+    Each task's Trainer gets a copy of ``args`` with ``output_dir = args.output_dir/task-{i}`` and ``seed =
+    args.seed + i``; its optimizer is ``method.make_optimizer`` (its learning rate and weight decay are the
+    method's; the Trainer adds its scheduler from ``lr_scheduler_type`` and warmup), its loss the cross-entropy on
+    ``train_logit_mask``'s logits plus ``method.extra_loss``.
+
+    Args:
+        sequence: The tasks, in order.
+        method: The method plugin (its ``build`` must fix the model's structure for resuming; see the module doc).
+        base_model: The model, as for :func:`~peft_ext.continual.run_sequence`; it is copied, never modified.
+        collate: Turns a list of :class:`~peft_ext.continual.Example` into a batch dict with ``labels``.
+        args: The Trainer's arguments (``save_strategy``/``save_steps`` set how far an interruption sets it back).
+        train_logit_mask: As :attr:`TrainConfig.train_logit_mask`.
+        callbacks: Extra ``TrainerCallback`` objects, given to every task's Trainer.
+        resume: Continue the run found in ``args.output_dir`` (if any). With ``False`` an existing run there is an
+            error.
+
+    Returns:
+        ``(result, model)``: the accuracy matrix, metrics and cost (as ``run_sequence``), and the trained model.
+
+    Raises:
+        ValueError: If ``args.output_dir`` holds a run of another method or sequence, or one while ``resume`` is off.
+    """
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    train = _train_config(args, train_logit_mask)
+    ctx = RunContext(sequence=sequence, train=train, collate=collate, device=args.device)
+    T = len(sequence)
+    identity = {"method": method.name, "label": method.label, "sequence": sequence.name, "num_tasks": T}
+    state: dict[str, Any] = {
+        **identity,
+        "completed": 0,
+        "accuracy_matrix": [[None] * T for _ in range(T)],
+        "task_losses": [],
+        "train_seconds": 0.0,
+        "eval_seconds": 0.0,
+    }
+    state_path = out / STATE_FILE
+    if state_path.is_file():
+        if not resume:
+            raise ValueError(f"{out} already holds a continual run ({STATE_FILE}); pass resume=True or another dir")
+        saved = json.loads(state_path.read_text())
+        differs = {k: (saved.get(k), v) for k, v in identity.items() if saved.get(k) != v}
+        if differs:
+            raise ValueError(f"{state_path} belongs to another run; (saved, now) differ in {differs}")
+        state = saved
+
+    torch.manual_seed(args.seed)
+    model = method.build(copy.deepcopy(base_model), ctx).to(args.device)
+    if state["completed"]:
+        snapshot = torch.load(out / f"task-{state['completed'] - 1}" / END_OF_TASK_FILE, weights_only=True)
+        load_model_state(model, snapshot["model"])
+        ctx.state.clear()
+        ctx.state.update(_decode(snapshot["method_state"]))
+
+    R = state["accuracy_matrix"]
+    if method.joint:
+        union = Task("joint", sequence.classes_seen(T - 1), [ex for t in sequence.tasks for ex in t.train], [])
+        phases = [(0, union, None if train_logit_mask == "all" else union.classes, T - 1)]
+    else:
+        phases = [(i, task, _allowed_for_training(sequence, i, train), i) for i, task in enumerate(sequence.tasks)]
+
+    trainer: Optional[ContinualTrainer] = None
+    for i, task, allowed, row in phases[state["completed"] :]:
+        start = time.perf_counter()
+        set_seed(args.seed + i)  # before_task may draw random numbers; a resumed run must draw the same ones
+        model = method.before_task(model, i, task, ctx)
+        params = method.trainable_parameters(model)
+        if not params:
+            raise ValueError(f"method {method.name!r} left no trainable parameters")
+        task_args = copy.deepcopy(args)
+        task_args.output_dir = str(out / f"task-{i}")
+        task_args.seed = args.seed + i
+        trainer = ContinualTrainer(
+            model=model,
+            args=task_args,
+            train_dataset=task.train,
+            data_collator=collate,
+            optimizers=(method.make_optimizer(model, params), None),
+            callbacks=callbacks,
+            method=method,
+            task_id=i,
+            allowed_classes=allowed,
+            num_classes=sequence.num_classes,
+        )
+        checkpoint = get_last_checkpoint(task_args.output_dir) if Path(task_args.output_dir).is_dir() else None
+        output = trainer.train(resume_from_checkpoint=checkpoint)
+        # A resumed Trainer with nothing left to train does not restore the RNG; after_task may draw from it (PCLR's
+        # integration), so it starts from the task's seed either way, in train mode as after a Trainer's last step.
+        set_seed(args.seed + i)
+        model.train()
+        model = method.after_task(model, i, task, ctx)
+        state["train_seconds"] += time.perf_counter() - start
+
+        start = time.perf_counter()
+        for j in range(row + 1):
+            R[row][j] = evaluate(
+                model,
+                sequence.tasks[j].test,
+                _allowed_for_eval(sequence, row, j),
+                sequence.num_classes,
+                collate,
+                ctx.device,
+                batch_size=train.eval_batch_size,
+            )
+        state["eval_seconds"] += time.perf_counter() - start
+        trainer.log({"continual/task": float(i), **{f"continual/acc_{row}_{j}": R[row][j] for j in range(row + 1)}})
+
+        state["task_losses"].append(output.training_loss)
+        state["completed"] = i + 1
+        snapshot = {"model": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
+        snapshot["method_state"] = _encode(ctx.state)
+        _atomic_save(snapshot, Path(task_args.output_dir) / END_OF_TASK_FILE)
+        _atomic_write_json(state, state_path)  # after the snapshot: the file never points at a missing one
+
+    if method.joint:
+        # Only the last row exists: forgetting and transfer are undefined for a model trained once.
+        metrics: dict[str, Optional[float]] = {"final_acc": sum(R[T - 1]) / T}
+        metrics.update(avg_incremental_acc=None, bwt=None, forgetting=None)
+    else:
+        metrics = dict(summarize([[0.0 if x is None else x for x in row] for row in R]))
+    if trainer is not None:
+        trainer.log({f"continual/{k}": v for k, v in metrics.items() if v is not None})
+    trainable, total = _count_params(model)
+    result = MethodResult(
+        method=method.name,
+        label=method.label,
+        accuracy_matrix=R,
+        metrics=metrics,
+        trainable_params=trainable,
+        total_params=total,
+        train_seconds=state["train_seconds"],
+        eval_seconds=state["eval_seconds"],
+        task_losses=state["task_losses"],
+        extras=method.report(ctx),
+    )
+    return result, model
