@@ -12,7 +12,7 @@ from transformers import TrainerCallback, TrainingArguments
 
 from peft_ext.continual import get_continual_method
 from peft_ext.integrations import run_continual_with_trainer
-from peft_ext.integrations.continual_trainer import STATE_FILE, load_model_state
+from peft_ext.integrations.continual_trainer import STATE_FILE, last_complete_checkpoint, load_model_state
 
 from .helpers import stack_collate, tiny_classifier, token_sequence
 from .single_thread import single_thread  # noqa: F401  (fixture)
@@ -151,3 +151,24 @@ def test_joint_method_trains_once_and_fills_the_last_row(seq, tmp_path):
     assert result.accuracy_matrix[0] == [None, None, None] and None not in result.accuracy_matrix[2]
     assert result.metrics["bwt"] is None and len(result.task_losses) == 1
     assert (tmp_path / "task-0").is_dir() and not (tmp_path / "task-1").exists()
+
+
+def test_a_half_written_checkpoint_is_skipped(seq, tmp_path):
+    """A kill while Trainer saves leaves a checkpoint folder without trainer_state.json (written last)."""
+    straight, _ = run(seq, "splitlora", tmp_path / "straight")
+    out = tmp_path / "killed"
+    with pytest.raises(Interrupt):
+        run(seq, "splitlora", out, callbacks=[KillAt(1, 11)])
+    (out / "task-1" / "checkpoint-10" / "trainer_state.json").unlink()
+    assert last_complete_checkpoint(out / "task-1") == str(out / "task-1" / "checkpoint-5")
+    assert last_complete_checkpoint(out / "task-9") is None
+    resumed, _ = run(seq, "splitlora", out)
+    assert resumed.accuracy_matrix == straight.accuracy_matrix
+    with pytest.raises(ValueError, match="save_only_model"):
+        run_continual_with_trainer(
+            seq,
+            get_continual_method("seq_lora")(),
+            tiny_classifier(seq.num_classes),
+            stack_collate,
+            targs(tmp_path / "x", save_only_model=True),
+        )

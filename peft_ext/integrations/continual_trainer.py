@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, Any, Literal, Optional
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback, set_seed
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..continual.methods import ContinualMethod
 from ..continual.metrics import summarize
@@ -58,7 +59,7 @@ from ..continual.tasks import Task, TaskSequence
 if TYPE_CHECKING:
     from transformers import TrainingArguments
 
-__all__ = ["ContinualTrainer", "load_model_state", "run_continual_with_trainer"]
+__all__ = ["ContinualTrainer", "last_complete_checkpoint", "load_model_state", "run_continual_with_trainer"]
 
 STATE_FILE = "continual_state.json"
 MODEL_FILE = "continual_model.pt"
@@ -191,6 +192,22 @@ class ContinualTrainer(Trainer):
         load_model_state(model if model is not None else self.model, torch.load(path, weights_only=True))
 
 
+def last_complete_checkpoint(task_dir: Path) -> Optional[str]:
+    """The newest ``checkpoint-{k}`` of ``task_dir`` that was written to the end, or ``None``.
+
+    Trainer writes ``trainer_state.json`` last; a process killed while saving leaves a folder without it, which
+    ``get_last_checkpoint`` would still pick.
+    """
+    if not task_dir.is_dir():
+        return None
+    steps = []
+    for path in task_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
+        suffix = path.name[len(PREFIX_CHECKPOINT_DIR) + 1 :]
+        if suffix.isdigit() and (path / TRAINER_STATE_NAME).is_file() and (path / MODEL_FILE).is_file():
+            steps.append((int(suffix), path))
+    return str(max(steps)[1]) if steps else None
+
+
 def _train_config(args: TrainingArguments, train_logit_mask: str) -> TrainConfig:
     """What the method plugins read of the run (``ctx.train``), from the Trainer's arguments."""
     config = TrainConfig(
@@ -242,6 +259,8 @@ def run_continual_with_trainer(
     Raises:
         ValueError: If ``args.output_dir`` holds a run of another method or sequence, or one while ``resume`` is off.
     """
+    if args.save_only_model:
+        raise ValueError("`save_only_model=True` drops the optimizer and RNG state that an exact resume needs")
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     train = _train_config(args, train_logit_mask)
@@ -304,8 +323,7 @@ def run_continual_with_trainer(
             allowed_classes=allowed,
             num_classes=sequence.num_classes,
         )
-        checkpoint = get_last_checkpoint(task_args.output_dir) if Path(task_args.output_dir).is_dir() else None
-        output = trainer.train(resume_from_checkpoint=checkpoint)
+        output = trainer.train(resume_from_checkpoint=last_complete_checkpoint(Path(task_args.output_dir)))
         # A resumed Trainer with nothing left to train does not restore the RNG; after_task may draw from it (PCLR's
         # integration), so it starts from the task's seed either way, in train mode as after a Trainer's last step.
         set_seed(args.seed + i)
