@@ -172,3 +172,12 @@ def test_a_half_written_checkpoint_is_skipped(seq, tmp_path):
             stack_collate,
             targs(tmp_path / "x", save_only_model=True),
         )
+
+
+def test_a_rewrapping_method_runs_but_refuses_to_resume(seq, tmp_path):
+    method = get_continual_method("inflora")(lr=5e-3, r=2)
+    base = tiny_classifier(seq.num_classes)
+    with pytest.raises(Interrupt):
+        run_continual_with_trainer(seq, method, base, stack_collate, targs(tmp_path), callbacks=[KillAt(1, 3)])
+    with pytest.raises(ValueError, match="re-wraps the model per task"):
+        run_continual_with_trainer(seq, method, base, stack_collate, targs(tmp_path))

@@ -133,3 +133,19 @@ def test_errors_name_the_problem(tmp_path):
         parse_optim_args("name=dct_adamw,rank")
     with pytest.raises(ValueError, match="sets 'rank' twice"):
         parse_optim_args("rank=4,rank=8")
+
+
+def test_docs_examples_run(tmp_path, monkeypatch, capsys):
+    """docs/trainer.md's python blocks, in order, as written."""
+    import re
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "trainer.md"
+    blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)
+    assert len(blocks) == 3
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile("\n".join(blocks), str(doc), "exec"), scope)
+    result = scope["result"]
+    assert result.method == "splitlora" and None not in result.accuracy_matrix[2]
+    assert (tmp_path / "out" / "continual" / "continual_state.json").is_file()
+    assert "final_acc" in capsys.readouterr().out
