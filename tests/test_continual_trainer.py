@@ -22,6 +22,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 METHODS = {
     "seq_lora": {"lr": 1e-2, "r": 4},
     "splitlora": {"lr": 5e-3, "r": 2, "trade_off": 5.0},
+    "riemannion": {"lr": 0.05, "head_lr": 1e-2, "r": 4, "loi_batches": 2},
     "pclr": {"pool_size": 12, "ranks_schedule": [4], "compress_schedule": [0.0, 0.25], "top_k": 4, "lr": 5e-3},
 }
 
@@ -114,6 +115,7 @@ def test_learns_logs_and_matches_the_runner_protocol(seq, tmp_path):
     [
         ("seq_lora", 1, 8),  # mid-task, in the second epoch, three steps after checkpoint-5
         ("splitlora", 1, 8),
+        ("riemannion", 2, 7),  # LOI init on task 0; the Riemannion optimizer's momentum comes from checkpoint-5
         ("splitlora", 1, None),  # after training, before after_task collects the statistics
         ("pclr", 2, 3),  # before the task's first checkpoint: the task restarts from its beginning
         ("pclr", 1, None),
@@ -181,3 +183,22 @@ def test_a_rewrapping_method_runs_but_refuses_to_resume(seq, tmp_path):
         run_continual_with_trainer(seq, method, base, stack_collate, targs(tmp_path), callbacks=[KillAt(1, 3)])
     with pytest.raises(ValueError, match="re-wraps the model per task"):
         run_continual_with_trainer(seq, method, base, stack_collate, targs(tmp_path))
+
+
+def test_a_killed_process_resumes_to_the_same_accuracy_matrix(seq, tmp_path):
+    """A real SIGKILL in a subprocess, mid-task (task 1, step 9: after checkpoint-5, with no cleanup of any kind)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "tests.continual_kill_worker", str(out), "splitlora", "1", "9"]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert json.loads((out / STATE_FILE).read_text())["completed"] == 1
+    resumed, _ = run(seq, "splitlora", out)
+    straight, _ = run(seq, "splitlora", tmp_path / "straight")
+    assert resumed.accuracy_matrix == straight.accuracy_matrix
