@@ -142,7 +142,12 @@ class FullFineTune(ContinualMethod):
         groups = [{"params": rest}] if rest else []
         if projected:
             groups.append(
-                {"params": projected, "rank": opts.rank, "update_proj_gap": gap, "scale": opts.scale,
-                 "proj_type": "std"}
+                {
+                    "params": projected,
+                    "rank": opts.rank,
+                    "update_proj_gap": gap,
+                    "scale": opts.scale,
+                    "proj_type": "std",
+                }
             )
         return GaLoreAdamW(groups, no_deprecation_warning=True, **common)

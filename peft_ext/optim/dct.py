@@ -149,8 +149,9 @@ def _makhoul_plan(n: int, dtype: torch.dtype, device: torch.device) -> tuple[tor
         ar = torch.arange(n, device=device)
         order = torch.cat([ar[::2], ar[1::2].flip(0)])  # v = [x0, x2, x4, ..., x5, x3, x1]
         k = torch.arange(n // 2 + 1, device=device, dtype=torch.float64)
-        twiddle = torch.polar(torch.ones_like(k), -math.pi * k / (2 * n)).to(torch.complex128 if dtype == torch.float64
-                                                                             else torch.complex64)
+        twiddle = torch.polar(torch.ones_like(k), -math.pi * k / (2 * n)).to(
+            torch.complex128 if dtype == torch.float64 else torch.complex64
+        )
         upper = torch.arange((n - 1) // 2, 0, -1, device=device)  # X_{n-k}, k = (n-1)//2 .. 1, in output order
         weights = torch.full((n,), math.sqrt(2.0 / n), dtype=dtype, device=device)
         weights[0] = math.sqrt(1.0 / n)

@@ -453,7 +453,12 @@ class DCTAdamW(Optimizer):
 
     @staticmethod
     def _load(
-        state: dict[str, Any], key: str, shape: Sequence[int], kind: str, blocksize: int, work: torch.dtype,
+        state: dict[str, Any],
+        key: str,
+        shape: Sequence[int],
+        kind: str,
+        blocksize: int,
+        work: torch.dtype,
         device: torch.device,
     ) -> torch.Tensor:
         if key in state:
@@ -464,7 +469,12 @@ class DCTAdamW(Optimizer):
 
     @staticmethod
     def _store(
-        state: dict[str, Any], key: str, value: torch.Tensor, eight_bit: bool, kind: str, group: dict[str, Any],
+        state: dict[str, Any],
+        key: str,
+        value: torch.Tensor,
+        eight_bit: bool,
+        kind: str,
+        group: dict[str, Any],
         dtype: torch.dtype,
     ) -> None:
         if eight_bit and value.numel() >= group["min_8bit_size"]:
