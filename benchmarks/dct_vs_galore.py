@@ -619,12 +619,48 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     results["wall_seconds"] = time.perf_counter() - start
     print("\n" + "\n\n".join(tables))
+    print("\n" + "\n".join(targets(results)))
     print(f"\n[dct_vs_galore] wall time {results['wall_seconds']:.0f} s")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2, default=str))
         print(f"[dct_vs_galore] wrote {args.json}")
     return results
+
+
+def targets(results: dict[str, Any]) -> list[str]:
+    """Issue 4's targets as printable verdict lines, from the tables that ran."""
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    lines = []
+    square = [r for r in results.get("refresh", []) if r["shape"][0] == r["shape"][1]]
+    if square:
+        big = max(square, key=lambda r: r["shape"][0])
+        n = big["shape"][0]
+        ratio = big["galore_svd_s"] / min(big["dct_fft_s"], big["dct_matmul_s"])
+        where = "" if n == 4096 else f" (measured at {n} x {n}; the target is set at 4096)"
+        lines.append(f"target: refresh SVD / DCT at {n} x {n} = {ratio:.0f}x (>= 50x){where}: {verdict(ratio >= 50)}")
+    runs = {r["label"]: r for r in results.get("finetune", [])}
+    for label, dct in runs.items():
+        if not label.startswith("DCT-AdamW") or "(gap 1)" not in label:
+            continue
+        rank = label.split("r=")[1].split()[0]
+        galore = next((r for name, r in runs.items() if name.startswith(f"GaLore-AdamW r={rank} ")), None)
+        if galore is None:
+            continue
+        acc, g_acc = 100 * dct["accuracy"], 100 * galore["accuracy"]
+        mib, g_mib = dct["state_bytes"] / 2**20, galore["state_bytes"] / 2**20
+        step, g_step = dct["seconds_per_step"], galore["seconds_per_step"]
+        lines += [
+            f"target: rank {rank} accuracy DCT-AdamW {acc:.1f} vs GaLore {g_acc:.1f} (>=): {verdict(acc >= g_acc)}",
+            f"target: rank {rank} optimizer state DCT-AdamW {mib:.1f} MiB vs GaLore {g_mib:.1f} MiB (<=): "
+            f"{verdict(mib <= g_mib)}",
+            f"target: rank {rank} time per step DCT-AdamW {1e3 * step:.0f} ms vs GaLore {1e3 * g_step:.0f} ms (<=): "
+            f"{verdict(step <= g_step)}",
+        ]
+    return lines
 
 
 def _cpu_name() -> str:

@@ -136,6 +136,25 @@ def _run(
     }
 
 
+def _targets(records: list[dict[str, Any]], ref_acc: float | None, ref_step: float | None) -> list[str]:
+    """Issue 3's targets for Riemannion+LOI against LoRA+AdamW, as printable verdict lines."""
+    loi = next((r for r in records if r["method"] == "riemannion_loi"), None)
+    if loi is None or ref_acc is None or ref_step is None:
+        return []
+    gap = statistics.mean(loi["acc"]) - ref_acc
+    ratio = loi["step_ms"] / (1e3 * ref_step)
+    cost = loi["init_pct"]
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    return [
+        f"target: Riemannion+LOI acc - LoRA+AdamW acc = {gap:+.1f} points (>= +1.0): {verdict(gap >= 1)}",
+        f"target: Riemannion+LOI step time / LoRA+AdamW = {ratio:.2f}x (<= 1.15x): {verdict(ratio <= 1.15)}",
+        f"target: LOI cost = {cost:.1f}% of training time (< 2%): {verdict(cost < 2)}",
+    ]
+
+
 def _table(header: list[str], rows: list[list[str]]) -> str:
     align = "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"
     return "\n".join(["| " + " | ".join(header) + " |", align] + ["| " + " | ".join(r) + " |" for r in rows])
@@ -237,6 +256,9 @@ def main() -> None:
     score = "validation" if args.sweep else "test"
     header = ["method", "lr", f"{score} acc %", "vs LoRA+AdamW", "step ms", "vs LoRA+AdamW", "init cost"]
     print(f"\n{_table(header, rows)}\n\nwall time {wall / 60:.1f} min, {args.threads} thread(s)")
+    if not args.sweep:
+        for line in _targets(records, ref_acc, ref_step):
+            print(line)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = {

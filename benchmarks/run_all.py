@@ -1,0 +1,275 @@
+"""Run every benchmark at a size that fits a 2-core CPU machine and write the report ``docs/benchmarks.md``.
+
+Each entry below is one benchmark script with the arguments of its small run. The script's stdout is kept in
+``runs/benchmarks/<name>.log`` (written atomically when the run ends); the report quotes every markdown table and
+every "target ... met / NOT met" line the script printed, with the exact command, its wall time and the machine.
+Because the logs are kept, an interrupted report resumes where it stopped (``--reuse``), and one entry can be
+re-run alone (``--only``).
+
+Usage::
+
+    python benchmarks/run_all.py                 # everything (about 45 minutes on 2 idle cores)
+    python benchmarks/run_all.py --list          # the entries, their commands and expected minutes
+    python benchmarks/run_all.py --reuse         # keep the logs already there, run the missing entries
+    python benchmarks/run_all.py --only kernels pclr_overhead --reuse
+    python benchmarks/run_all.py --report-only   # rebuild docs/benchmarks.md from the logs
+
+``make benchmarks`` runs the first command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LOGS = ROOT / "runs" / "benchmarks"
+REPORT = ROOT / "docs" / "benchmarks.md"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One benchmark run of the report.
+
+    Args:
+        name: Short id (log file name, ``--only``).
+        title: Section heading.
+        args: Script path and arguments, relative to the repository root.
+        minutes: Expected wall minutes on 2 idle cores (for ``--list``).
+        about: What the run compares and at what size, for the report.
+    """
+
+    name: str
+    title: str
+    args: tuple[str, ...]
+    minutes: float
+    about: str
+
+
+ENTRIES: tuple[Entry, ...] = (
+    Entry(
+        "continual",
+        "Continual learning: SplitLoRA and PCLR against their peers (WordNet, MiniLM-L6)",
+        (
+            "benchmarks/continual_wordnet.py",
+            "--tasks",
+            "5",
+            "--seeds",
+            "0",
+            "--methods",
+            "seq_lora",
+            "inflora",
+            "olora",
+            "osf",
+            "splitlora",
+            "pclr_index",
+            "pclr_contribution",
+            "joint",
+            "--out",
+            "runs/benchmarks/continual",
+        ),
+        9,
+        "Class-incremental, 5 tasks x 4 supersenses, one seed (docs/splitlora.md and docs/pclr.md have 3 seeds).",
+    ),
+    Entry(
+        "riemannion",
+        "Riemannion against LoRA optimizers (WordNet, MiniLM-L6, one task)",
+        ("benchmarks/riemannion.py", "--seeds", "0", "--json", "runs/benchmarks/riemannion.json"),
+        3,
+        "All 44 supersenses in one task, rank 16, seed 0 (docs/riemannion.md has 3 seeds).",
+    ),
+    Entry(
+        "dct",
+        "DCT-AdamW against GaLore-AdamW and AdamW",
+        (
+            "benchmarks/dct_vs_galore.py",
+            "--sizes",
+            "1024",
+            "2048",
+            "--epochs",
+            "1",
+            "--json",
+            "runs/benchmarks/dct_vs_galore.json",
+        ),
+        12,
+        "Subspace refresh time, captured gradient energy, memory, accuracy at equal rank, step time; smaller sizes "
+        "and one epoch (docs/dct_adamw.md has the full run).",
+    ),
+    Entry(
+        "mora",
+        "MoRA with missing modalities (emoji image-text pairs)",
+        ("benchmarks/mora_missing_modality.py", "--json", "runs/benchmarks/mora.json"),
+        15,
+        "Missing-rate grid, MoRA vs LoRA, frozen backbone and a missing-aware prompt baseline (docs/mora.md).",
+    ),
+    Entry(
+        "pclr_overhead",
+        "PCLR routing overhead per forward",
+        ("benchmarks/pclr.py", "--overhead-only"),
+        1,
+        "MiniLM-L6 eval forward, batch 32 x 32 tokens: base, LoRA r=16, PCLR pool 32 / top-16 per-sample routing.",
+    ),
+    Entry(
+        "kernels",
+        "Kernels: rank-pool gather and batched retraction (torch reference paths on CPU)",
+        ("benchmarks/kernels.py",),
+        1,
+        "On CPU only the reference paths run; GPU figures need benchmarks/gpu_check.sh on a CUDA machine.",
+    ),
+)
+
+TARGET = re.compile(r"\b(met|NOT met|PASS|FAIL)\b")
+
+
+def command(entry: Entry) -> list[str]:
+    return [sys.executable, *entry.args]
+
+
+def shown(entry: Entry) -> str:
+    return "python " + " ".join(entry.args)
+
+
+def run(entry: Entry) -> tuple[int, float]:
+    """Run one entry, streaming its output to the terminal and keeping it in its log (atomically)."""
+    LOGS.mkdir(parents=True, exist_ok=True)
+    log, tmp = LOGS / f"{entry.name}.log", LOGS / f"{entry.name}.log.tmp"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TQDM_DISABLE": "1"}
+    print(f"[run_all] {entry.name}: {shown(entry)}", flush=True)
+    start = time.perf_counter()
+    with tmp.open("w") as out:
+        proc = subprocess.Popen(
+            command(entry), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.write(line)
+            if "\r" not in line:  # progress bars stay out of the terminal
+                sys.stdout.write(line)
+        code = proc.wait()
+        seconds = time.perf_counter() - start
+        out.write(f"\n[run_all] exit {code}, {seconds:.0f} s wall\n")
+    os.replace(tmp, log)
+    return code, seconds
+
+
+def extract(text: str) -> tuple[list[str], list[str], str]:
+    """The markdown tables (with the line before each, often its caption), target lines and the run footer."""
+    lines = [line.rstrip() for line in text.replace("\r", "\n").splitlines()]
+    blocks: list[str] = []
+    targets: list[str] = []
+    footer = ""
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("|"):
+            j = i
+            while j < len(lines) and lines[j].startswith("|"):
+                j += 1
+            caption = next((lines[k] for k in range(i - 1, max(i - 3, -1), -1) if lines[k].strip()), "")
+            caption = caption if caption and not caption.startswith(("[", "|")) else ""
+            blocks.append(((caption.strip() + "\n\n") if caption else "") + "\n".join(lines[i:j]))
+            i = j
+            continue
+        if TARGET.search(line) and ("target" in line.lower() or "PASS" in line or "FAIL" in line):
+            targets.append(line.strip())
+        if line.startswith("[run_all] exit"):
+            footer = line.removeprefix("[run_all] ").strip()
+        i += 1
+    return blocks, targets, footer
+
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        model = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if "model name" in line
+        )
+        cpu = model
+    except (OSError, StopIteration):
+        pass
+    cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (
+        f"{os.cpu_count()} CPU cores ({cpu}), {cuda}; Python {platform.python_version()}, torch {torch.__version__}, "
+        f"{platform.system()} {platform.machine()}"
+    )
+
+
+def report(entries: list[Entry]) -> str:
+    """The markdown report from the logs of ``entries`` (entries without a log are listed as not run)."""
+    out = [
+        "# Benchmarks",
+        "",
+        "Written by `python benchmarks/run_all.py` (`make benchmarks`) from the logs in `runs/benchmarks/`; every "
+        "table below is the benchmark script's own output, every target line its own verdict. Sizes are chosen so the "
+        "whole report fits a 2-core CPU machine; each method's docs page has the larger runs.",
+        "",
+        f"Machine: {machine()}. Report written {_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC.",
+        "",
+    ]
+    summary: list[str] = []
+    for entry in entries:
+        log = LOGS / f"{entry.name}.log"
+        out += [f"## {entry.title}", "", entry.about, "", "```bash", shown(entry), "```", ""]
+        if not log.is_file():
+            out += ["Not run yet.", ""]
+            continue
+        blocks, targets, footer = extract(log.read_text())
+        if footer:
+            out += [f"Run: {footer}.", ""]
+        for block in blocks:
+            out += [block, ""]
+        if targets:
+            out += ["Targets:", ""] + [f"- {t}" for t in targets] + [""]
+            summary += [f"| {entry.name} | {t} |" for t in targets]
+    if summary:
+        out[6:6] = ["## Targets at a glance", "", "| benchmark | verdict |", "|---|---|", *summary, ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    names = [e.name for e in ENTRIES]
+    parser.add_argument("--only", nargs="+", choices=names, help="run only these entries")
+    parser.add_argument("--reuse", action="store_true", help="skip entries that already have a log")
+    parser.add_argument("--report-only", action="store_true", help="rebuild the report from the logs")
+    parser.add_argument("--list", action="store_true", help="print the entries and exit")
+    parser.add_argument("--out", type=Path, default=REPORT, help="the report (default docs/benchmarks.md)")
+    args = parser.parse_args(argv)
+    selected = [e for e in ENTRIES if not args.only or e.name in args.only]
+    if args.list:
+        for e in ENTRIES:
+            print(f"{e.name:<14} ~{e.minutes:>4.0f} min  {shown(e)}")
+        print(f"{'total':<14} ~{sum(e.minutes for e in ENTRIES):>4.0f} min")
+        return 0
+    failed = []
+    if not args.report_only:
+        for entry in selected:
+            if args.reuse and (LOGS / f"{entry.name}.log").is_file():
+                print(f"[run_all] {entry.name}: reusing {LOGS / (entry.name + '.log')}")
+                continue
+            code, _ = run(entry)
+            if code != 0:
+                failed.append(entry.name)
+    text = report(list(ENTRIES))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, args.out)
+    print(f"[run_all] wrote {args.out}" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
