@@ -10,7 +10,7 @@ STAMP := $(VENV)/.peft-ext-installed
 CONFIG ?= configs/quickstart.yaml
 PYTEST_ARGS ?=
 
-.PHONY: run test lint install clean
+.PHONY: run test lint install benchmarks clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)
+
+# Every benchmark at a 2-core size, then docs/benchmarks.md (about 45 minutes; BENCH_ARGS="--reuse" continues).
+benchmarks: $(STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) benchmarks/run_all.py $(BENCH_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check peft_ext tests benchmarks
