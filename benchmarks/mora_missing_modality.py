@@ -14,6 +14,7 @@ Usage::
     python benchmarks/mora_missing_modality.py                  # the 7-setting grid, 4 methods, seed 0
     python benchmarks/mora_missing_modality.py --seeds 0 1 2    # the same with three seeds
     python benchmarks/mora_missing_modality.py --rates 0.7 --kinds both --methods lora mora
+    python benchmarks/mora_missing_modality.py --table-from runs/seed0.json runs/seeds12.json  # merge runs
 """
 
 from __future__ import annotations
@@ -57,7 +58,22 @@ def main() -> None:
         parser.add_argument(flag, type=kind, default=getattr(defaults, field.name), help="default: %(default)s")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows and settings to this file")
+    parser.add_argument(
+        "--table-from",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="print the table of earlier --json files (e.g. runs with different seeds) and exit",
+    )
     args = parser.parse_args()
+    if args.table_from:
+        saved = [json.loads(path.read_text()) for path in args.table_from]
+        if len({json.dumps(s["settings"], sort_keys=True) for s in saved}) > 1:
+            raise SystemExit("--table-from: the files were run with different settings")
+        rows = [row for s in saved for row in s["rows"]]
+        print(markdown_table(rows, saved[0]["infer_ms"]))
+        print(f"\nseeds {sorted({row['seed'] for row in rows})}; inference times from {args.table_from[0]}")
+        return
     torch.set_num_threads(args.threads)
     settings = ExperimentSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ExperimentSettings)})
 
