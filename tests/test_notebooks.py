@@ -7,10 +7,17 @@ import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+EXPECTED = ["01_quickstart", "02_continual_learning", "03_optimizers", "04_missing_modalities"]
 
 
-def test_there_are_notebooks():
-    assert NOTEBOOKS, "notebooks/ has no notebook"
+def test_the_four_notebooks_are_there():
+    assert [p.stem for p in NOTEBOOKS] == EXPECTED, "rebuild them: python notebooks/build_notebooks.py"
+
+
+def test_every_notebook_starts_with_the_small_flag():
+    for path in NOTEBOOKS:
+        first = next(c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code")
+        assert first.source.startswith("SMALL = True"), path.name
 
 
 @pytest.mark.slow
