@@ -184,8 +184,8 @@ def continual_learning() -> list:
             "- **SplitLoRA**: each task's low-rank update lives in the input subspace the earlier tasks used least;\n"
             "- **PCLR**: a capped pool of rank-1 components with keyed routing, compressed and distilled after each "
             "task.\n\n"
-            "`SMALL = True` runs 3 tasks x 3 classes and 2 epochs (about a minute on one thread); `False` gives the "
-            "`make run` sizes (5 tasks x 4 classes, 3 epochs)."
+            "`SMALL = True` runs 3 tasks x 3 classes and 2 epochs (under two minutes on one CPU thread); "
+            "`False` gives the `make run` sizes (5 tasks x 4 classes, 3 epochs)."
         ),
         code(
             PREAMBLE + "import peft_ext\n"
@@ -417,7 +417,7 @@ def missing_modalities() -> list:
             "the protocol of `benchmarks/mora_missing_modality.py`.\n\n"
             "The backbone is the benchmark's, smaller: the real pretrained MiniLM-L6 text tower and a ViT that is "
             "first pretrained contrastively on the complete training pairs (LiT-style, text tower locked). "
-            "`SMALL = True` uses a 2-layer, 64-wide ViT, 8 pretraining and 3 fine-tuning epochs (about a minute on "
+            "`SMALL = True` uses a 2-layer, 64-wide ViT, 8 pretraining and 3 fine-tuning epochs (under two minutes on "
             "one thread); `False` uses the benchmark's sizes."
         ),
         code(
