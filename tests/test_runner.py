@@ -143,3 +143,23 @@ def test_lr_schedules():
     assert lr_factor(0, 10, "linear", 0.2) == pytest.approx(1 / 3) and lr_factor(2, 10, "linear", 0.2) == 1.0
     with pytest.raises(ValueError, match="warmup_ratio"):
         TrainConfig(warmup_ratio=1.0).validate()
+
+
+def test_heatmap_is_a_png_and_leaves_the_callers_matplotlib_backend_alone(tmp_path):
+    import matplotlib
+
+    from peft_ext.continual.report import plot_accuracy_matrices
+    from peft_ext.continual.runner import MethodResult
+
+    previous = matplotlib.get_backend()
+    matplotlib.use("svg")  # e.g. a notebook's inline backend: plotting must not switch it
+    try:
+        R = [[0.9, None, None], [0.5, 0.8, None], [0.3, 0.4, 0.9]]
+        result = MethodResult("seq_lora", "seq_lora", R, {"final_acc": 0.53}, 1, 1, 0.0, 0.0, [])
+        path = plot_accuracy_matrices([result, result], tmp_path / "m.png", title="t")
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert matplotlib.get_backend() == "svg"
+    finally:
+        matplotlib.use(previous)
+    with pytest.raises(ValueError, match="no results to plot"):
+        plot_accuracy_matrices([], tmp_path / "none.png")

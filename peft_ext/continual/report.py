@@ -60,19 +60,21 @@ def _atomic_write(path: Path, write) -> None:
 
 
 def plot_accuracy_matrices(results: Sequence[MethodResult], path: str | Path, title: str = "") -> Path:
-    """One heatmap per method of R[i][j] (percent), side by side, saved as a PNG."""
-    import matplotlib
+    """One heatmap per method of R[i][j] (percent), side by side, saved as a PNG.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Uses matplotlib's object API (no pyplot), so it never changes the backend of the caller (e.g. a notebook's inline
+    plotting) and needs no display.
+    """
     import numpy as np
+    from matplotlib.figure import Figure
 
     n = len(results)
     if n == 0:
         raise ValueError("no results to plot")
     T = len(results[0].accuracy_matrix)
-    size = max(2.6, 0.55 * T + 1.2)
-    fig, axes = plt.subplots(1, n, figsize=(size * n, size + 0.4), squeeze=False)
+    size = max(3.2, 0.55 * T + 1.8)
+    fig = Figure(figsize=(size * n + 1.0, size + 0.4), layout="constrained")
+    axes = fig.subplots(1, n, squeeze=False)
     for ax, r in zip(axes[0], results):
         M = np.array([[np.nan if x is None else 100 * x for x in row] for row in r.accuracy_matrix], dtype=float)
         im = ax.imshow(M, vmin=0, vmax=100, cmap="viridis")
@@ -98,7 +100,6 @@ def plot_accuracy_matrices(results: Sequence[MethodResult], path: str | Path, ti
         fig.suptitle(title, fontsize=10)
     path = Path(path)
     _atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png", bbox_inches="tight"))
-    plt.close(fig)
     return path
 
 
