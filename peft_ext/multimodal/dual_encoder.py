@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -246,8 +247,6 @@ def pretrain_contrastive(
             model.load_state_dict(saved["state"], strict=False)
             echo(f"  loaded the pretrained dual encoder from {path}")
             return {**saved["log"], "cached": True}
-    import time
-
     start = time.perf_counter()
     text_feats = _pooled_text(model, ids, mask)
     model.text.requires_grad_(False)
