@@ -80,7 +80,7 @@ CASES = {
         make_optimizer=_optimizer,
         prefix="riemannion_",
         # only the adapted layers: bitsandbytes 0.50's CPU inference repacking breaks backprop through other 4-bit
-        # layers after an eval forward (upstream; see layer._disable_bnb_cpu_repacking)
+        # layers after an eval forward (upstream; see peft_ext.tuners._common.disable_bnb_cpu_repacking)
         quantize=("q_proj", "v_proj"),
         atol=1e-4,
     ),

@@ -24,7 +24,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check
 from peft.utils import quantization_extra_repr, resolve_quantization_backend
 from torch import nn
 
-from ..riemannion.layer import _disable_bnb_cpu_repacking
+from .._common import disable_bnb_cpu_repacking
 from .config import MoRAConfig
 
 __all__ = ["MODALITIES", "Linear", "MoRALayer", "SharedFactors", "row_norm"]
@@ -73,7 +73,7 @@ class MoRALayer(BaseTunerLayer):
             self.get_base_layer(), get_apply_tensor_subclass=kwargs.get("get_apply_tensor_subclass")
         )
         if self.quantization_backend is not None:
-            _disable_bnb_cpu_repacking(self.get_base_layer())
+            disable_bnb_cpu_repacking(self.get_base_layer())
         self.mora_modality = modality
         # object.__setattr__: keep the reference out of nn.Module's registry (one copy in the state dict, see above)
         object.__setattr__(self, "_mora_shared", shared)

@@ -6,15 +6,13 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Optional
 
 import torch
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
-from peft.utils import resolve_quantization_backend
-from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
 
+from .._common import forward_adapter_names, require_linear_target
 from .config import MoRAConfig
 from .layer import Linear, MoRALayer, SharedFactors
 
@@ -45,15 +43,8 @@ def _matches_target(target_modules: str | set[str], key: str) -> bool:
 
 
 def _width(module: nn.Module, key: str) -> int:
+    require_linear_target(module, key, "MoRA")
     base = module.get_base_layer() if isinstance(module, BaseTunerLayer) else module
-    supported = isinstance(base, nn.Linear) or (
-        (backend := resolve_quantization_backend(base)) is not None and backend.layer_type == "linear"
-    )
-    if not supported:
-        raise ValueError(
-            f"MoRA supports torch.nn.Linear and quantized linear layers (bitsandbytes Linear8bitLt / Linear4bit); "
-            f"the target {key!r} is a {type(base).__name__}. Adjust `target_modules`."
-        )
     if base.in_features != base.out_features:
         raise ValueError(
             f"MoRA adapts square projections only (its shared delta S (G) S^T is d x d); {key!r} is "
@@ -121,16 +112,14 @@ def plan_targets(model: nn.Module, config: MoRAConfig) -> dict[str, MoRATarget]:
             if len(set(widths.values())) != 1:
                 raise ValueError(f"the {modality} projections of layer {layer} share S but differ in width: {widths}")
             for name, width in widths.items():
+                if config.r > width:
+                    raise ValueError(
+                        f"`r`={config.r} is larger than the width {width} of {name!r}: the factors are {width} x r "
+                        f"and a rank above the width adds nothing. Use r <= {width}."
+                    )
                 plan[name] = MoRATarget(modality, layer, key, width)
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     return dict(sorted(plan.items(), key=lambda item: order[item[0]]))
-
-
-def _adapter_names_pre_forward_hook(
-    module: nn.Module, args: tuple, kwargs: dict[str, Any], adapter_names: list[str]
-) -> tuple[tuple, dict[str, Any]]:
-    kwargs["adapter_names"] = adapter_names
-    return args, kwargs
 
 
 class MoRAModel(BaseTuner):
@@ -276,23 +265,6 @@ class MoRAModel(BaseTuner):
     @contextmanager
     def _enable_peft_forward_hooks(self, *args: Any, **kwargs: Any) -> Iterator[None]:
         # Mixed-adapter batches: PeftModel.forward routes `adapter_names` here; every layer receives it as a kwarg.
-        adapter_names = kwargs.pop("adapter_names", None)
-        if adapter_names is None:
+        names = kwargs.pop("adapter_names", None)
+        with forward_adapter_names(self, names, lambda: self._shared().text.keys(), (MoRALayer,)):
             yield
-            return
-        if self.training:
-            raise ValueError("`adapter_names` is for inference only; call model.eval() first")
-        known = set(self._shared().text.keys())
-        unknown = {name for name in adapter_names if name != "__base__"} - known
-        if unknown:
-            raise ValueError(f"`adapter_names` names unknown adapters {sorted(unknown)}; known: {sorted(known)}")
-        handles = []
-        for module in self.modules():
-            if isinstance(module, (MoRALayer, AuxiliaryTrainingWrapper)):
-                hook = partial(_adapter_names_pre_forward_hook, adapter_names=list(adapter_names))
-                handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()

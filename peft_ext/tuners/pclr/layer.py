@@ -29,7 +29,7 @@ from peft.utils import quantization_extra_repr, resolve_quantization_backend
 from torch import nn
 
 from ...kernels import rank_pool_gather
-from ..riemannion.layer import _disable_bnb_cpu_repacking
+from .._common import disable_bnb_cpu_repacking
 from .config import PCLRConfig
 from .router import RoutingState, allowed_by_prototype, query_key_loss, select_top_k
 
@@ -62,7 +62,7 @@ class PCLRLayer(BaseTunerLayer):
             self.get_base_layer(), get_apply_tensor_subclass=kwargs.get("get_apply_tensor_subclass")
         )
         if self.quantization_backend is not None:
-            _disable_bnb_cpu_repacking(self.get_base_layer())
+            disable_bnb_cpu_repacking(self.get_base_layer())
         self.pclr_A = nn.ParameterDict({})
         self.pclr_B = nn.ParameterDict({})
         self.pclr_keys = nn.ParameterDict({})

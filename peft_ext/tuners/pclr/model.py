@@ -5,27 +5,19 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import partial
 from typing import Any, Optional
 
 import torch
-from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
-from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, resolve_quantization_backend
-from peft.utils.other import AuxiliaryTrainingWrapper
+from peft.tuners.tuners_utils import BaseTuner
+from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from torch import nn
 
+from .._common import forward_adapter_names, require_linear_target
 from .config import PCLRConfig
 from .layer import Linear, PCLRLayer
 from .router import QueryFn, RoutingState, find_input_embeddings
 
 __all__ = ["PCLRModel"]
-
-
-def _adapter_names_pre_forward_hook(
-    module: nn.Module, args: tuple, kwargs: dict[str, Any], adapter_names: list[str]
-) -> tuple[tuple, dict[str, Any]]:
-    kwargs["adapter_names"] = adapter_names
-    return args, kwargs
 
 
 class _QueryHook:
@@ -118,15 +110,7 @@ class PCLRModel(BaseTuner):
         if isinstance(target, PCLRLayer):
             target.update_layer(adapter_name, peft_config, query_dim, inference_mode=peft_config.inference_mode)
             return
-        base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
-        supported = isinstance(base, nn.Linear) or (
-            (backend := resolve_quantization_backend(base)) is not None and backend.layer_type == "linear"
-        )
-        if not supported:
-            raise ValueError(
-                f"PCLR supports torch.nn.Linear and quantized linear layers (bitsandbytes Linear8bitLt / Linear4bit); "
-                f"the target {current_key!r} is a {type(base).__name__}. Adjust `target_modules`."
-            )
+        require_linear_target(target, current_key, "PCLR")
         match = re.match(peft_config.group_pattern, current_key)
         group = match.group(1) if match else current_key
         new_module = Linear(target, adapter_name, peft_config, query_dim, group, self._routing_state())
@@ -137,29 +121,14 @@ class PCLRModel(BaseTuner):
     @contextmanager
     def _enable_peft_forward_hooks(self, *args: Any, **kwargs: Any) -> Iterator[None]:
         # Mixed-adapter batches: PeftModel.forward routes `adapter_names` here; every layer receives it as a kwarg.
-        adapter_names = kwargs.pop("adapter_names", None)
-        if adapter_names is None:
+        names = kwargs.pop("adapter_names", None)
+        with forward_adapter_names(
+            self,
+            names,
+            lambda: set().union(*(m.pclr_A.keys() for m in self.modules() if isinstance(m, PCLRLayer))),
+            (PCLRLayer,),
+        ):
             yield
-            return
-        if self.training:
-            raise ValueError("`adapter_names` is for inference only; call model.eval() first")
-        known = set()
-        for module in self.modules():
-            if isinstance(module, PCLRLayer):
-                known |= set(module.pclr_A.keys())
-        unknown = {name for name in adapter_names if name != "__base__"} - known
-        if unknown:
-            raise ValueError(f"`adapter_names` names unknown adapters {sorted(unknown)}; known: {sorted(known)}")
-        handles = []
-        for module in self.modules():
-            if isinstance(module, (PCLRLayer, AuxiliaryTrainingWrapper)):
-                hook = partial(_adapter_names_pre_forward_hook, adapter_names=list(adapter_names))
-                handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
 
     def query_loss(self) -> Optional[torch.Tensor]:
         """The weighted query-key loss of the last forward pass (``None`` if no trainable key was routed)."""

@@ -29,29 +29,10 @@ from peft.utils import quantization_extra_repr, resolve_quantization_backend
 from torch import nn
 
 from ...manifolds.fixed_rank import random_point, right_basis
+from .._common import disable_bnb_cpu_repacking
 from .config import RiemannionConfig
 
 __all__ = ["AdapterRef", "Linear", "RiemannionLayer", "find_adapters"]
-
-
-def _disable_bnb_cpu_repacking(base_layer: nn.Module) -> None:
-    """Keep a bitsandbytes ``Linear4bit`` base layer in its standard weight layout on CPU.
-
-    bitsandbytes 0.50 repacks a 4-bit weight for its AVX512-BF16 CPU kernel on the first no-grad eval forward. The
-    repacked weight silently dequantizes to wrong values (merging would corrupt the base weight), its kernel has no
-    autograd support (training after an evaluation fails or gets wrong input gradients), and packing is lossy when
-    repeated. So the wrapped layer opts out of it, and a weight packed before wrapping is unpacked the way
-    bitsandbytes itself does before saving (``Linear4bit._save_to_state_dict``). CPU inference through this layer
-    then uses bitsandbytes' generic 4-bit path.
-    """
-    if getattr(base_layer, "support_avx512bf16_for_cpu", False):
-        base_layer.support_avx512bf16_for_cpu = False
-    weight = getattr(base_layer, "weight", None)
-    state = getattr(weight, "quant_state", None)
-    if state is not None and getattr(state, "packing_format_for_cpu", False):
-        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
-
-        weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, state)
 
 
 class RiemannionLayer(BaseTunerLayer):
@@ -72,7 +53,7 @@ class RiemannionLayer(BaseTunerLayer):
             self.get_base_layer(), get_apply_tensor_subclass=kwargs.get("get_apply_tensor_subclass")
         )
         if self.quantization_backend is not None:
-            _disable_bnb_cpu_repacking(self.get_base_layer())
+            disable_bnb_cpu_repacking(self.get_base_layer())
         self.r: dict[str, int] = {}
         self.riemannion_A = nn.ParameterDict({})
         self.riemannion_B = nn.ParameterDict({})

@@ -4,25 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import partial
 from typing import Any, Optional
 
-from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
-from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, resolve_quantization_backend
-from peft.utils.other import AuxiliaryTrainingWrapper
+from peft.tuners.tuners_utils import BaseTuner
+from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from torch import nn
 
+from .._common import forward_adapter_names, require_linear_target
 from .config import RiemannionConfig
 from .layer import Linear, RiemannionLayer
 
 __all__ = ["RiemannionModel"]
-
-
-def _adapter_names_pre_forward_hook(
-    module: nn.Module, args: tuple, kwargs: dict[str, Any], adapter_names: list[str]
-) -> tuple[tuple, dict[str, Any]]:
-    kwargs["adapter_names"] = adapter_names
-    return args, kwargs
 
 
 class RiemannionModel(BaseTuner):
@@ -63,15 +55,7 @@ class RiemannionModel(BaseTuner):
         if isinstance(target, RiemannionLayer):
             target.update_layer(adapter_name, peft_config, inference_mode=peft_config.inference_mode)
             return
-        base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
-        supported = isinstance(base, nn.Linear) or (
-            (backend := resolve_quantization_backend(base)) is not None and backend.layer_type == "linear"
-        )
-        if not supported:
-            raise ValueError(
-                f"Riemannion supports torch.nn.Linear and quantized linear layers (bitsandbytes Linear8bitLt / "
-                f"Linear4bit); the target {current_key!r} is a {type(base).__name__}. Adjust `target_modules`."
-            )
+        require_linear_target(target, current_key, "Riemannion")
         new_module = Linear(target, adapter_name, peft_config)
         if adapter_name not in self.active_adapters:
             new_module.requires_grad_(False)
@@ -80,27 +64,11 @@ class RiemannionModel(BaseTuner):
     @contextmanager
     def _enable_peft_forward_hooks(self, *args: Any, **kwargs: Any) -> Iterator[None]:
         # Mixed-adapter batches: PeftModel.forward routes `adapter_names` here; every layer receives it as a kwarg.
-        adapter_names = kwargs.pop("adapter_names", None)
-        if adapter_names is None:
+        names = kwargs.pop("adapter_names", None)
+        with forward_adapter_names(
+            self,
+            names,
+            lambda: set().union(*(m.riemannion_A.keys() for m in self.modules() if isinstance(m, RiemannionLayer))),
+            (RiemannionLayer,),
+        ):
             yield
-            return
-        if self.training:
-            raise ValueError("`adapter_names` is for inference only; call model.eval() first")
-        known = set()
-        for module in self.modules():
-            if isinstance(module, RiemannionLayer):
-                known |= set(module.riemannion_A.keys())
-        unknown = {name for name in adapter_names if name != "__base__"} - known
-        if unknown:
-            raise ValueError(f"`adapter_names` names unknown adapters {sorted(unknown)}; known: {sorted(known)}")
-        handles = []
-        for module in self.modules():
-            # modules_to_save copies (AuxiliaryTrainingWrapper) pick their per-row adapter from the same kwarg
-            if isinstance(module, (RiemannionLayer, AuxiliaryTrainingWrapper)):
-                hook = partial(_adapter_names_pre_forward_hook, adapter_names=list(adapter_names))
-                handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()

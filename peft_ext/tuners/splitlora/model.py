@@ -19,6 +19,7 @@ from peft.utils import (
 )
 from torch import nn
 
+from .._common import forward_adapter_names
 from .config import SplitLoRAConfig
 from .layer import Linear, SplitLoRALayer
 
@@ -76,11 +77,6 @@ def _statistics_hook(holder: _MaskHolder, adapter_name: str, module: SplitLoRALa
             )
         rows = x.reshape(-1, x.shape[-1])
     module.accumulate_statistics(adapter_name, rows)
-
-
-def _adapter_names_pre_forward_hook(target: nn.Module, args: tuple, kwargs: dict, adapter_names: list[str]):
-    kwargs["adapter_names"] = adapter_names
-    return args, kwargs
 
 
 class SplitLoRAModel(BaseTuner):
@@ -147,32 +143,16 @@ class SplitLoRAModel(BaseTuner):
 
     @contextmanager
     def _enable_peft_forward_hooks(self, *args: Any, **kwargs: Any) -> Iterator[None]:
-        adapter_names = kwargs.pop("adapter_names", None)
-        if adapter_names is None:
+        # Mixed-adapter batches: PeftModel.forward routes `adapter_names` here; every layer receives it as a kwarg.
+        names = kwargs.pop("adapter_names", None)
+        with forward_adapter_names(
+            self,
+            names,
+            lambda: set().union(*(layer.splitlora_B.keys() for _, layer in self._layers())),
+            (SplitLoRALayer,),
+            merged=lambda: any(layer.merged for _, layer in self._layers()),
+        ):
             yield
-            return
-        if self.training:
-            raise ValueError("Cannot pass `adapter_names` when the model is in training mode.")
-        known = set().union(*(layer.splitlora_B.keys() for _, layer in self._layers()))
-        unknown = {name for name in adapter_names if name != "__base__"} - known
-        if unknown:
-            raise ValueError(
-                f"Trying to infer with non-existing adapter(s): {', '.join(sorted(unknown))}; "
-                f"available: {sorted(known)} and '__base__'"
-            )
-        if any(layer.merged for _, layer in self._layers()):
-            raise ValueError("Cannot pass `adapter_names` while adapters are merged; call unmerge_adapter() first.")
-        handles = [
-            layer.register_forward_pre_hook(
-                partial(_adapter_names_pre_forward_hook, adapter_names=list(adapter_names)), with_kwargs=True
-            )
-            for _, layer in self._layers()
-        ]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
 
     # --- saving and loading ------------------------------------------------------------------------------------------
 

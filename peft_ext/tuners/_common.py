@@ -1,0 +1,113 @@
+"""Pieces every peft-ext tuner shares: which base layers a linear adapter can wrap, bitsandbytes' CPU 4-bit layout,
+and routing PEFT's ``adapter_names`` (mixed-adapter batches) to the adapter layers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from functools import partial
+from typing import Any, Optional
+
+from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils import resolve_quantization_backend
+from peft.utils.other import AuxiliaryTrainingWrapper
+from torch import nn
+
+__all__ = ["disable_bnb_cpu_repacking", "forward_adapter_names", "require_linear_target"]
+
+
+def disable_bnb_cpu_repacking(base_layer: nn.Module) -> None:
+    """Keep a bitsandbytes ``Linear4bit`` base layer in its standard weight layout on CPU.
+
+    bitsandbytes 0.50 repacks a 4-bit weight for its AVX512-BF16 CPU kernel on the first no-grad eval forward. The
+    repacked weight silently dequantizes to wrong values (merging would corrupt the base weight), its kernel has no
+    autograd support (training after an evaluation fails or gets wrong input gradients), and packing is lossy when
+    repeated. So a wrapped layer opts out of it, and a weight packed before wrapping is unpacked the way
+    bitsandbytes itself does before saving (``Linear4bit._save_to_state_dict``). CPU inference through the adapter
+    layer then uses bitsandbytes' generic 4-bit path. Layers that are not bitsandbytes 4-bit are left alone.
+
+    Args:
+        base_layer: The (possibly quantized) layer an adapter wraps.
+    """
+    if getattr(base_layer, "support_avx512bf16_for_cpu", False):
+        base_layer.support_avx512bf16_for_cpu = False
+    weight = getattr(base_layer, "weight", None)
+    state = getattr(weight, "quant_state", None)
+    if state is not None and getattr(state, "packing_format_for_cpu", False):
+        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+        weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, state)
+
+
+def require_linear_target(target: nn.Module, current_key: str, method: str) -> None:
+    """Raise a ``ValueError`` naming the module unless ``target`` is an ``nn.Linear`` or a quantized linear layer.
+
+    Args:
+        target: The module ``target_modules`` matched (possibly already wrapped by an adapter layer).
+        current_key: Its name in the model.
+        method: The adapter type, for the message.
+    """
+    base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+    if isinstance(base, nn.Linear):
+        return
+    backend = resolve_quantization_backend(base)
+    if backend is not None and backend.layer_type == "linear":
+        return
+    raise ValueError(
+        f"{method} supports torch.nn.Linear and quantized linear layers (bitsandbytes Linear8bitLt / Linear4bit); "
+        f"the target {current_key!r} is a {type(base).__name__}. Adjust `target_modules`."
+    )
+
+
+def _adapter_names_pre_forward_hook(
+    module: nn.Module, args: tuple, kwargs: dict[str, Any], adapter_names: list[str]
+) -> tuple[tuple, dict[str, Any]]:
+    kwargs["adapter_names"] = adapter_names
+    return args, kwargs
+
+
+@contextmanager
+def forward_adapter_names(
+    tuner: nn.Module,
+    adapter_names: Optional[list[str]],
+    known: Callable[[], Iterable[str]],
+    layer_types: tuple[type, ...],
+    merged: Callable[[], bool] = lambda: False,
+) -> Iterator[None]:
+    """Hand PEFT's ``adapter_names`` (one adapter name per batch row) to every adapter layer for one forward pass.
+
+    The body of a tuner's ``_enable_peft_forward_hooks``: refuses training mode, unknown names and merged adapters
+    with a ``ValueError`` naming what is valid, then registers pre-forward hooks that pass the names as a keyword
+    argument to each layer of ``layer_types`` and to ``modules_to_save`` copies, and removes them afterwards.
+
+    Args:
+        tuner: The tuner (a ``BaseTuner``).
+        adapter_names: The names, or ``None`` (nothing to do).
+        known: Returns the adapter names that exist.
+        layer_types: The tuner's adapter layer classes.
+        merged: Returns whether an adapter is merged (per-row adapters are then impossible).
+    """
+    if adapter_names is None:
+        yield
+        return
+    if tuner.training:
+        raise ValueError("`adapter_names` is for inference only; call model.eval() first")
+    available = set(known())
+    unknown = {name for name in adapter_names if name != "__base__"} - available
+    if unknown:
+        raise ValueError(
+            f"`adapter_names` names unknown adapters {sorted(unknown)}; known: {sorted(available)} and '__base__'"
+        )
+    if merged():
+        raise ValueError("Cannot pass `adapter_names` while adapters are merged; call unmerge_adapter() first.")
+    hook = partial(_adapter_names_pre_forward_hook, adapter_names=list(adapter_names))
+    handles = [
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        for module in tuner.modules()
+        if isinstance(module, (*layer_types, AuxiliaryTrainingWrapper))
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
