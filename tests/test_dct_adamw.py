@@ -179,8 +179,9 @@ def test_adam_direction_matches_torch_adamw_arithmetic():
         ref.step()
         u = adam_direction(m, v, g, (B1, B2), 1e-3, k)
         assert torch.allclose(before - u, p.detach(), atol=1e-14)
-    per_column = adam_direction(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), (B1, B2), 0.0,
-                                torch.tensor([[1, 2, 3]]))
+    per_column = adam_direction(
+        torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), (B1, B2), 0.0, torch.tensor([[1, 2, 3]])
+    )
     # one update of a fresh moment with per-column ages t: (1-b1)/(1-b1^t) / sqrt((1-b2)/(1-b2^t))
     t = torch.tensor([1.0, 2.0, 3.0])
     expected = (1 - B1) / (1 - B1**t) / ((1 - B2) / (1 - B2**t)).sqrt()
@@ -549,8 +550,10 @@ def test_param_groups_can_override_rank():
 
 
 def test_rank_above_the_smaller_dimension_is_clamped_with_a_warning():
-    named = [("head.weight", nn.Parameter(torch.randn(5, 30, dtype=torch.float64))),
-             ("body.weight", nn.Parameter(torch.randn(30, 8, dtype=torch.float64)))]
+    named = [
+        ("head.weight", nn.Parameter(torch.randn(5, 30, dtype=torch.float64))),
+        ("body.weight", nn.Parameter(torch.randn(30, 8, dtype=torch.float64))),
+    ]
     opt = DCTAdamW(named, lr=1e-2, rank=8)
     for _, p in named:
         p.grad = torch.randn_like(p)
@@ -659,8 +662,12 @@ def test_nonfinite_gradient_skip_policy_skips_the_whole_step():
     assert opt.skipped_steps == 1
     assert torch.equal(p.detach(), ref_p.detach())
     after = opt.state_dict()["state"][0]
-    assert all(torch.equal(v, state_before["state"][0][k]) if isinstance(v, torch.Tensor) else v ==
-               state_before["state"][0][k] for k, v in after.items())
+    assert all(
+        torch.equal(v, state_before["state"][0][k])
+        if isinstance(v, torch.Tensor)
+        else v == state_before["state"][0][k]
+        for k, v in after.items()
+    )
     for g in grads[1:]:
         p.grad, ref_p.grad = g.clone(), g.clone()
         opt.step()

@@ -192,8 +192,13 @@ def test_peft_wrapped_model_with_trainer(tmp_path):
 def test_full_ft_learns_each_task_with_every_optimizer(optimizer):
     seq = token_sequence()
     method = get_continual_method("full_ft")(optimizer=optimizer, lr=3e-3, rank=4, scale=1.0)
-    result = run_sequence(seq, method, tiny_classifier(seq.num_classes), stack_collate,
-                          TrainConfig(epochs=4, batch_size=8, progress=False, device="cpu"))
+    result = run_sequence(
+        seq,
+        method,
+        tiny_classifier(seq.num_classes),
+        stack_collate,
+        TrainConfig(epochs=4, batch_size=8, progress=False, device="cpu"),
+    )
     assert result.trainable_params == result.total_params
     assert min(result.accuracy_matrix[i][i] for i in range(len(seq))) > 0.8
     assert all(math.isfinite(x) for x in result.task_losses)
@@ -218,8 +223,9 @@ def test_full_ft_builds_the_optimizer_it_names():
     dct_projected = {n for n, _, r in dct.projection_plan() if r is not None}
     names = {id(p): n for n, p in model.named_parameters()}
     assert {names[i] for i in galore_ids} == dct_projected
-    assert dct_projected and all(is_projected(n, dict(model.named_parameters())[n], ["query", "key", "value", "dense"])
-                                 for n in dct_projected)
+    assert dct_projected and all(
+        is_projected(n, dict(model.named_parameters())[n], ["query", "key", "value", "dense"]) for n in dct_projected
+    )
 
 
 @pytest.mark.parametrize(
@@ -257,11 +263,23 @@ def test_shipped_config_runs_end_to_end(tmp_path, capsys):
     """The real pretrained MiniLM-L6 through the CLI, shrunk to a handful of examples per class."""
     from peft_ext.cli import main
 
-    rc = main([
-        "run", str(ROOT / "configs" / "dct_adamw_wordnet.yaml"), "--no-progress",
-        "--set", "data.train_per_class=2", "--set", "data.test_per_class=2", "--set", "train.epochs=1",
-        "--set", "model.max_length=16", "--set", f"output.dir={tmp_path}",
-    ])
+    rc = main(
+        [
+            "run",
+            str(ROOT / "configs" / "dct_adamw_wordnet.yaml"),
+            "--no-progress",
+            "--set",
+            "data.train_per_class=2",
+            "--set",
+            "data.test_per_class=2",
+            "--set",
+            "train.epochs=1",
+            "--set",
+            "model.max_length=16",
+            "--set",
+            f"output.dir={tmp_path}",
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     for label in ("adamw", "galore_adamw_r8", "dct_adamw_r8"):
