@@ -33,7 +33,8 @@ class PCLROptions(MethodOptions):
         pool_size: Cap on ranks per linear.
         ranks_schedule: New ranks per task (last entry repeats).
         compress_schedule: Fraction of the pool dropped after each task (last entry repeats).
-        compress_rule: ``"index"`` (public code) or ``"importance"``.
+        compress_rule: ``"contribution"`` (measured contribution; default), ``"index"`` (public code) or
+            ``"importance"`` (``||a_i|| ||b_i||``); benchmarks/continual_wordnet.py compares them.
         top_k: Ranks selected per sample.
         alpha: Pool scale numerator (scale ``alpha / top_k``).
         shared_r: Rank of the shared LoRA (0: none).
@@ -56,7 +57,7 @@ class PCLROptions(MethodOptions):
     pool_size: int = 64
     ranks_schedule: list[int] = field(default_factory=lambda: [16])
     compress_schedule: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.25])
-    compress_rule: str = "importance"
+    compress_rule: str = "contribution"
     top_k: int = 16
     alpha: float = 16.0
     shared_r: int = 4
