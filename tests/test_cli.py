@@ -64,7 +64,8 @@ def test_config_errors_exit_2_with_one_clear_line(tmp_path, tiny_backbone, capsy
 
 def test_check_and_list(capsys):
     assert main(["check", str(ROOT / "configs" / "quickstart.yaml")]) == 0
-    assert "valid (4 methods: frozen_linear, seq_lora, splitlora, joint)" in capsys.readouterr().out
+    every = "frozen_linear, seq_lora, inflora, olora, osf, splitlora, pclr, joint"
+    assert f"valid (8 methods: {every})" in capsys.readouterr().out
     assert main(["list"]) == 0
     out = capsys.readouterr().out
     assert "adapter types" in out and "optimizers" in out

@@ -26,7 +26,8 @@ def test_every_shipped_config_is_valid():
 
 def test_quickstart_values(data):
     cfg = config_from_dict(data)
-    assert [m.name for m in cfg.methods] == ["frozen_linear", "seq_lora", "splitlora", "joint"]
+    every = ["frozen_linear", "seq_lora", "inflora", "olora", "osf", "splitlora", "pclr", "joint"]
+    assert [m.name for m in cfg.methods] == every
     assert cfg.methods[1].options.r == 8 and cfg.methods[1].options.lr == pytest.approx(1e-3)
     assert cfg.data.n_tasks == 5 and cfg.data.classes_per_task == 4
 
