@@ -8,7 +8,7 @@ re-run alone (``--only``).
 
 Usage::
 
-    python benchmarks/run_all.py                 # everything (about 45 minutes on 2 idle cores)
+    python benchmarks/run_all.py                 # everything (about 45 minutes on 2 idle cores from scratch)
     python benchmarks/run_all.py --list          # the entries, their commands and expected minutes
     python benchmarks/run_all.py --reuse         # keep the logs already there, run the missing entries
     python benchmarks/run_all.py --only kernels pclr_overhead --reuse
@@ -64,6 +64,8 @@ ENTRIES: tuple[Entry, ...] = (
             "5",
             "--seeds",
             "0",
+            "1",
+            "2",
             "--methods",
             "seq_lora",
             "inflora",
@@ -71,13 +73,19 @@ ENTRIES: tuple[Entry, ...] = (
             "osf",
             "splitlora",
             "pclr_index",
+            "pclr_importance",
             "pclr_contribution",
+            "pclr_contribution_no_integrate",
+            "pclr_contribution_input",
             "joint",
+            "--resume",
             "--out",
-            "runs/benchmarks/continual",
+            "runs/benchmark_continual_wordnet",
         ),
-        9,
-        "Class-incremental, 5 tasks x 4 supersenses, one seed (docs/splitlora.md and docs/pclr.md have 3 seeds).",
+        45,
+        "Class-incremental, 5 tasks x 4 supersenses, 3 seeds. `--resume` reuses the runs already recorded in "
+        "`runs/benchmark_continual_wordnet/checkpoint.json` (same settings only), so this entry costs only what is "
+        "missing; from scratch it is the longest entry (`--seeds 0` alone: about 15 minutes).",
     ),
     Entry(
         "riemannion",
@@ -106,9 +114,19 @@ ENTRIES: tuple[Entry, ...] = (
     Entry(
         "mora",
         "MoRA with missing modalities (emoji image-text pairs)",
-        ("benchmarks/mora_missing_modality.py", "--json", "runs/benchmarks/mora.json"),
-        15,
-        "Missing-rate grid, MoRA vs LoRA, frozen backbone and a missing-aware prompt baseline (docs/mora.md).",
+        (
+            "benchmarks/mora_missing_modality.py",
+            "--rates",
+            "0",
+            "0.7",
+            "--kinds",
+            "both",
+            "--json",
+            "runs/benchmarks/mora.json",
+        ),
+        7,
+        "Complete pairs and 70 % missing (text and image), seed 0: MoRA vs LoRA, frozen backbone and a missing-aware "
+        "prompt baseline. docs/mora.md has the full 7-setting grid over 3 seeds.",
     ),
     Entry(
         "pclr_overhead",
