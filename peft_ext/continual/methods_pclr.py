@@ -45,9 +45,11 @@ class PCLROptions(MethodOptions):
         prototype_routing: Restrict ranks by the nearest stored task prototype at inference.
         init_from_static: Initialize new ranks from the best-matching static ranks.
         integrate_epochs: Distillation passes over the task's data after compression (0: no integration).
-        integrate_routing: ``"tasks"`` (public code: each distillation batch routed as one stored task, drawn with
-            probability proportional to ``sqrt`` of its last distillation loss; the logits of every class seen so
-            far take part) or ``"input"`` (each sample routed by its own query; the current task's logits).
+        integrate_routing: ``"input"`` (default: each sample routed by its own query; the current task's logits)
+            or ``"tasks"`` (public code: each distillation batch routed as one stored task, drawn with probability
+            proportional to ``sqrt`` of its last distillation loss; the logits of every class seen so far). On
+            WordNet (benchmarks/continual_wordnet.py, 3 seeds) ``"input"`` kept more accuracy (39.9 vs 36.3 final)
+            at the same forgetting.
         integrate_lr: Distillation learning rate.
         temperature: Distillation temperature.
         key_pull_threshold: Cosine above which a key counts as close to a task prototype.
@@ -68,7 +70,7 @@ class PCLROptions(MethodOptions):
     prototype_routing: bool = True
     init_from_static: bool = True
     integrate_epochs: int = 1
-    integrate_routing: str = "tasks"
+    integrate_routing: str = "input"
     integrate_lr: float = 1e-3
     temperature: float = 2.0
     key_pull_threshold: float = 0.8
