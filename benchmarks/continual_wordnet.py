@@ -60,7 +60,9 @@ METHODS: dict[str, dict[str, Any]] = {
 }
 # PCLR (issue 6): a pool capped at 32 ranks per linear, 16 new ranks per task, top-16 routing, half the pool dropped
 # after every task but the first (so the pool is at its cap while each task trains), a rank-4 shared LoRA, the
-# learning rate of benchmarks/pclr.py. Variants differ in the compression rule and the integration only.
+# learning rate of benchmarks/pclr.py. Variants differ in the compression rule and the integration only (the base
+# entry uses the public code's task-routed integration; ``_input`` routes each sample by its own query, the ``pclr``
+# method's default since this comparison).
 PCLR = {
     "lr": 2e-3,
     "pool_size": 32,
@@ -70,6 +72,7 @@ PCLR = {
     "alpha": 16.0,
     "shared_r": 4,
     "target_modules": TARGET_MODULES,
+    "integrate_routing": "tasks",
 }
 PCLR_VARIANTS: dict[str, dict[str, Any]] = {
     "pclr_index": {**PCLR, "compress_rule": "index"},
