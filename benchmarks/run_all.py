@@ -99,15 +99,15 @@ ENTRIES: tuple[Entry, ...] = (
             "benchmarks/dct_vs_galore.py",
             "--sizes",
             "1024",
-            "2048",
+            "4096",
             "--epochs",
             "1",
             "--json",
             "runs/benchmarks/dct_vs_galore.json",
         ),
         12,
-        "Subspace refresh time, captured gradient energy, memory, accuracy at equal rank, step time; smaller sizes "
-        "and one epoch (docs/dct_adamw.md has the full run).",
+        "Subspace refresh time (1024 and the target's 4096), captured gradient energy, memory, accuracy at equal "
+        "rank, step time; one epoch of fine-tuning (docs/dct_adamw.md has the full run).",
     ),
     Entry(
         "mora",
