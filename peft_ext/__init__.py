@@ -20,6 +20,7 @@ class _DropOptionalKernelNotice(logging.Filter):
 # Installed before anything imports peft (and with it bitsandbytes).
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropOptionalKernelNotice())
 
+from .checkpoint import save_pretrained_atomic, verify_checkpoint  # noqa: E402
 from .optim import DCTAdamW, Riemannion  # noqa: E402
 from .registry import register_peft_type, registered_peft_types  # noqa: E402
 from .tuners.mora import MoRAConfig  # noqa: E402
@@ -39,4 +40,6 @@ __all__ = [
     "__version__",
     "register_peft_type",
     "registered_peft_types",
+    "save_pretrained_atomic",
+    "verify_checkpoint",
 ]
