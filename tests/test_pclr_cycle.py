@@ -299,3 +299,15 @@ def test_continual_plugin_with_task_routing_records_a_bounded_adapter():
     assert result.accuracy_matrix[0][0] > 0.9
     with pytest.raises(ValueError, match="`integrate_routing` must be one of"):
         get_continual_method("pclr")(integrate_routing="batch")
+
+
+def test_a_non_finite_distillation_loss_is_refused():
+    model = _model(shared_r=2)
+    tasks = _two_tasks(model)
+    teacher = PoolSnapshot(model)
+    with torch.no_grad():
+        for layers in group_layers(model).values():
+            for layer in layers:
+                layer.pclr_B["default"][0] = float("nan")
+    with pytest.raises(FloatingPointError, match="non-finite PCLR distillation loss"):
+        integrate_over_tasks(model, tasks[1], teacher, epochs=1)

@@ -590,6 +590,11 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor
     extra = query_loss(model)
     if extra is not None:
         loss = loss + extra
+    if not torch.isfinite(loss):
+        raise FloatingPointError(
+            f"non-finite PCLR distillation loss {float(loss)} during integration; the pool is left as compressed "
+            "(lower integrate_lr or check the teacher's outputs for inf/nan)"
+        )
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     # the distillation does not run through the DDP wrapper: average the gradients over the processes as DDP would
