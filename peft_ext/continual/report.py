@@ -73,9 +73,14 @@ def plot_accuracy_matrices(results: Sequence[MethodResult], path: str | Path, ti
         raise ValueError("no results to plot")
     T = len(results[0].accuracy_matrix)
     size = max(3.2, 0.55 * T + 1.8)
-    fig = Figure(figsize=(size * n + 1.0, size + 0.4), layout="constrained")
-    axes = fig.subplots(1, n, squeeze=False)
-    for ax, r in zip(axes[0], results):
+    cols = min(n, 4)  # at most four heatmaps per row
+    rows = -(-n // cols)
+    fig = Figure(figsize=(size * cols + 1.0, (size + 0.4) * rows), layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False)
+    flat = list(axes.flat)
+    for ax in flat[n:]:
+        ax.set_axis_off()
+    for ax, r in zip(flat, results):
         M = np.array([[np.nan if x is None else 100 * x for x in row] for row in r.accuracy_matrix], dtype=float)
         im = ax.imshow(M, vmin=0, vmax=100, cmap="viridis")
         for i in range(T):
@@ -95,7 +100,7 @@ def plot_accuracy_matrices(results: Sequence[MethodResult], path: str | Path, ti
         ax.set_ylabel("after training task i")
         ax.set_xticks(range(T))
         ax.set_yticks(range(T))
-    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy %")
+    fig.colorbar(im, ax=flat, shrink=0.8, label="accuracy %")
     if title:
         fig.suptitle(title, fontsize=10)
     path = Path(path)
