@@ -23,8 +23,10 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -73,6 +75,7 @@ def main() -> None:
         rows = [row for s in saved for row in s["rows"]]
         print(markdown_table(rows, saved[0]["infer_ms"]))
         print(f"\nseeds {sorted({row['seed'] for row in rows})}; inference times from {args.table_from[0]}")
+        print("\n".join(targets(rows, saved[0]["infer_ms"])))
         return
     torch.set_num_threads(args.threads)
     settings = ExperimentSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ExperimentSettings)})
@@ -96,10 +99,36 @@ def main() -> None:
         f"batch {settings.batch_size}, r {settings.r}, top {settings.top_layers} layers per tower, "
         f"{settings.prompt_length} prompt tokens per layer; {args.threads} thread(s), wall {wall:.0f} s"
     )
+    print("\n".join(targets(rows, infer_ms)))
     if args.json is not None:
         args.json.write_text(
             json.dumps({"settings": dataclasses.asdict(settings), "rows": rows, "infer_ms": infer_ms}, indent=2)
         )
+
+
+def targets(rows: list[dict[str, Any]], infer_ms: dict[str, float]) -> list[str]:
+    """Issue 7's target as verdict lines: MoRA best at missing rate 0.7 (each type), at an inference time no higher
+    than the prompt baseline's."""
+    lines = []
+    for kind in dict.fromkeys(r["kind"] for r in rows if r["rate"] == 0.7):
+        accs: dict[str, list[float]] = {}
+        for r in rows:
+            if r["rate"] == 0.7 and r["kind"] == kind:
+                accs.setdefault(r["method"], []).append(r["acc"])
+        if "mora" not in accs or len(accs) < 2:
+            continue
+        mean = {m: statistics.mean(v) for m, v in accs.items()}
+        rival = max((m for m in mean if m != "mora"), key=mean.get)
+        ok = mean["mora"] >= mean[rival]
+        lines.append(
+            f"target: rate 0.7 {kind}: MoRA accuracy {100 * mean['mora']:.1f} vs best other ({rival}) "
+            f"{100 * mean[rival]:.1f} (MoRA best): {'met' if ok else 'NOT met'}"
+        )
+    if "mora" in infer_ms and "prompts" in infer_ms:
+        ratio = infer_ms["mora"] / infer_ms["prompts"]
+        verdict = "met" if ratio <= 1 else "NOT met"
+        lines.append(f"target: MoRA inference time / prompt baseline = {ratio:.2f}x (<= 1.00x): {verdict}")
+    return lines
 
 
 def _echo(line: str) -> None:

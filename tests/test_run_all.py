@@ -66,3 +66,22 @@ def test_main_runs_the_selected_entries_keeps_logs_and_writes_the_report(run_all
     assert run_all.main(["--only", "good", "--reuse", "--out", str(report)]) == 0
     assert (run_all.LOGS / "good.log").stat().st_mtime_ns == before
     assert run_all.main(["--report-only", "--out", str(report)]) == 0
+
+
+def test_mora_benchmark_prints_its_targets_verdicts():
+    spec = importlib.util.spec_from_file_location("mora_bench", ROOT / "benchmarks" / "mora_missing_modality.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = [
+        {"rate": 0.7, "kind": "both", "method": "mora", "acc": 0.70},
+        {"rate": 0.7, "kind": "both", "method": "lora", "acc": 0.75},
+        {"rate": 0.7, "kind": "text", "method": "mora", "acc": 0.80},
+        {"rate": 0.7, "kind": "text", "method": "lora", "acc": 0.60},
+        {"rate": 0.0, "kind": "both", "method": "mora", "acc": 0.10},
+    ]
+    lines = module.targets(rows, {"mora": 9.0, "prompts": 10.0})
+    assert lines == [
+        "target: rate 0.7 both: MoRA accuracy 70.0 vs best other (lora) 75.0 (MoRA best): NOT met",
+        "target: rate 0.7 text: MoRA accuracy 80.0 vs best other (lora) 60.0 (MoRA best): met",
+        "target: MoRA inference time / prompt baseline = 0.90x (<= 1.00x): met",
+    ]
