@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from peft import PeftModel
+from peft.tuners._buffer_dict import BufferDict
 from torch import nn
 
 from ...distributed import all_reduce_, average_gradients, broadcast_
@@ -304,22 +305,15 @@ class PoolSnapshot:
         adapter: The adapter.
     """
 
-    _names = PCLRLayer.adapter_layer_names + (
-        "pclr_A_static",
-        "pclr_B_static",
-        "pclr_keys_static",
-        "pclr_rank_task",
-        "pclr_counts",
-        "pclr_prototypes",
-    )
-
     def __init__(self, model: nn.Module, adapter: str = "default") -> None:
+        # every per-adapter tensor store the layer declares (parameters and buffers; not its scalar settings)
+        names = PCLRLayer.adapter_layer_names + PCLRLayer.other_param_names
         self.tensors = [
-            getattr(layer, name)[adapter]
+            store[adapter]
             for layers in group_layers(model, adapter).values()
             for layer in layers
-            for name in self._names
-            if adapter in getattr(layer, name)
+            for store in (getattr(layer, name) for name in names)
+            if isinstance(store, (nn.ParameterDict, BufferDict)) and adapter in store
         ]
         self.saved = [t.detach().clone() for t in self.tensors]
 
@@ -382,22 +376,21 @@ def contribution_scores(
     protos = stored_prototypes(model, adapter)
     if protos.shape[0] == 0:
         raise ValueError("no task prototype is stored yet; store the task's prototype before measuring contributions")
-    was_training = model.training
-    model.eval()
     state.recorder = record
     try:
-        for proto in protos:
-            for group in totals:
-                current[group] = torch.zeros_like(totals[group])
-            with routed_as(model, proto):
-                for batch in batches:
-                    forward(model, batch)
-            all_reduce_(list(current.values()))  # under torch.distributed: the contributions on every process's data
-            for group, value in current.items():
-                totals[group] += value / value.sum().clamp_min(1e-30)
+        with _evaluating(model):
+            for proto in protos:
+                for group in totals:
+                    current[group] = torch.zeros_like(totals[group])
+                with routed_as(model, proto):
+                    for batch in batches:
+                        forward(model, batch)
+                # under torch.distributed: the contributions on every process's data
+                all_reduce_(list(current.values()))
+                for group, value in current.items():
+                    totals[group] += value / value.sum().clamp_min(1e-30)
     finally:
         state.recorder = None
-        model.train(was_training)
     return totals
 
 
@@ -611,6 +604,35 @@ def _masked_distill(
     return distill_loss(student, target, temperature, top_logits)
 
 
+@contextmanager
+def _evaluating(model: nn.Module) -> Iterator[None]:
+    """Eval mode for the block, the previous mode restored after it."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+@torch.no_grad()
+def _mean_distill_loss(
+    model: nn.Module,
+    forward: Callable[[nn.Module, Batch], Any],
+    items: Sequence[tuple[Batch, torch.Tensor, Optional[torch.Tensor]]],
+    mask: Optional[torch.Tensor],
+    temperature: float,
+    top_logits: Optional[int],
+) -> float:
+    """Mean distillation loss in eval mode over ``(batch, teacher output, prototype to route as or None)``."""
+    total = 0.0
+    with _evaluating(model):
+        for batch, target, proto in items:
+            with routed_as(model, proto) if proto is not None else nullcontext():
+                total += float(_masked_distill(forward(model, batch), target, mask, temperature, top_logits))
+    return total / max(len(items), 1)
+
+
 @torch.no_grad()
 def teacher_outputs(
     model: nn.Module, batches: Sequence[Batch], forward: Optional[Callable[[nn.Module, Batch], Any]] = None
@@ -623,12 +645,8 @@ def teacher_outputs(
         forward: ``forward(model, batch) -> output``; default ``model(**batch without labels)``.
     """
     forward = forward or _default_forward
-    was_training = model.training
-    model.eval()
-    try:
+    with _evaluating(model):
         return [_output(forward(model, batch)).detach() for batch in batches]
-    finally:
-        model.train(was_training)
 
 
 def _default_forward(model: nn.Module, batch: Batch) -> Any:
@@ -672,17 +690,10 @@ def integrate(
     if len(batches) != len(teacher):
         raise ValueError(f"got {len(batches)} batches but {len(teacher)} teacher outputs")
     forward = forward or _default_forward
+    items = [(batch, target, None) for batch, target in zip(batches, teacher)]
 
     def mean_loss() -> float:
-        was_training = model.training
-        model.eval()
-        with torch.no_grad():
-            total = sum(
-                float(_masked_distill(forward(model, b), t, mask, temperature, top_logits))
-                for b, t in zip(batches, teacher)
-            )
-        model.train(was_training)
-        return total / max(len(batches), 1)
+        return _mean_distill_loss(model, forward, items, mask, temperature, top_logits)
 
     before = mean_loss()
     steps = 0
@@ -745,28 +756,14 @@ def integrate_over_tasks(
 
     @torch.no_grad()
     def teacher_on(batch: Batch, task: int) -> torch.Tensor:
-        was_training = model.training
-        model.eval()
-        try:
-            with teacher.active(), routed_as(model, protos[task]):
-                return _output(forward(model, batch)).detach()
-        finally:
-            model.train(was_training)
+        with _evaluating(model), teacher.active(), routed_as(model, protos[task]):
+            return _output(forward(model, batch)).detach()
 
     # fixed (batch, task) pairs for the before/after figures: every batch once, tasks in turn
-    pairs = [(batch, i % n_tasks) for i, batch in enumerate(batches)]
-    targets = [teacher_on(batch, task) for batch, task in pairs]
+    items = [(batch, teacher_on(batch, i % n_tasks), protos[i % n_tasks]) for i, batch in enumerate(batches)]
 
     def mean_loss() -> float:
-        was_training = model.training
-        model.eval()
-        total = 0.0
-        with torch.no_grad():
-            for (batch, task), target in zip(pairs, targets):
-                with routed_as(model, protos[task]):
-                    total += float(_masked_distill(forward(model, batch), target, mask, temperature, top_logits))
-        model.train(was_training)
-        return total / max(len(pairs), 1)
+        return _mean_distill_loss(model, forward, items, mask, temperature, top_logits)
 
     before = mean_loss()
     weights = torch.ones(n_tasks, dtype=torch.float64)
