@@ -3,17 +3,26 @@ and routing PEFT's ``adapter_names`` (mixed-adapter batches) to the adapter laye
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import warnings
+from collections.abc import Callable, Container, Iterable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, Optional
 
-from peft.tuners.tuners_utils import BaseTunerLayer
+import torch
+from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from peft.utils import resolve_quantization_backend
 from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
 
-__all__ = ["disable_bnb_cpu_repacking", "forward_adapter_names", "require_linear_target"]
+__all__ = [
+    "check_adapter_names_args",
+    "disable_bnb_cpu_repacking",
+    "forward_adapter_names",
+    "merge_deltas",
+    "require_linear_target",
+    "unmerge_deltas",
+]
 
 
 def disable_bnb_cpu_repacking(base_layer: nn.Module) -> None:
@@ -111,3 +120,68 @@ def forward_adapter_names(
     finally:
         for handle in handles:
             handle.remove()
+
+
+def check_adapter_names_args(layer: BaseTunerLayer, x: torch.Tensor, adapter_names: Optional[list[str]]) -> None:
+    """A layer's check of a mixed-adapter batch: one adapter name per input row, and nothing merged."""
+    if adapter_names is None:
+        return
+    if len(x) != len(adapter_names):
+        raise ValueError(
+            f"`adapter_names` must have one entry per input, got {len(adapter_names)} names for {len(x)} inputs"
+        )
+    if layer.merged:
+        raise ValueError("Cannot pass `adapter_names` while adapters are merged; call `unmerge_adapter()` first")
+
+
+def merge_deltas(
+    layer: BaseTunerLayer,
+    adapters: Container[str],
+    safe_merge: bool,
+    adapter_names: Optional[list[str]],
+    method: str,
+) -> None:
+    """Add each adapter's ``layer.get_delta_weight(name)`` to the base weight (adapters whose delta is additive).
+
+    Args:
+        layer: The adapter layer.
+        adapters: The adapter names the layer carries (others are skipped).
+        safe_merge: Compute the merged weight in a copy and raise ``ValueError`` if it has non-finite values,
+            leaving the base weight untouched.
+        adapter_names: Adapters to merge (default: the active ones).
+        method: The adapter type, for the messages.
+    """
+    adapter_names = check_adapters_to_merge(layer, adapter_names)
+    if not adapter_names:
+        return
+    backend = layer.quantization_backend
+    if backend is not None and not backend.supports_merge:
+        raise TypeError(f"Cannot merge into a {backend.backend_name} base layer: it cannot be dequantized")
+    for name in adapter_names:
+        if name not in adapters:
+            continue
+        weight = layer.get_base_weight()
+        delta = layer.get_delta_weight(name).to(weight.dtype)
+        if safe_merge:
+            merged = weight.clone() + delta
+            if not torch.isfinite(merged).all():
+                raise ValueError(
+                    f"Merging {method} adapter {name!r} gives non-finite weights; the adapter is broken "
+                    "(the base weight was left unchanged)"
+                )
+            layer.set_base_weight(merged)
+        else:
+            layer.set_base_weight(weight + delta)
+        layer.merged_adapters.append(name)
+
+
+def unmerge_deltas(layer: BaseTunerLayer, adapters: Container[str]) -> None:
+    """Subtract the merged adapters' deltas from the base weight again (the inverse of :func:`merge_deltas`)."""
+    if not layer.merged:
+        warnings.warn("Already unmerged. Nothing to do.", UserWarning, stacklevel=3)
+        return
+    while layer.merged_adapters:
+        name = layer.merged_adapters.pop()
+        if name in adapters:
+            weight = layer.get_base_weight()
+            layer.set_base_weight(weight - layer.get_delta_weight(name).to(weight.dtype))

@@ -24,7 +24,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check
 from peft.utils import quantization_extra_repr, resolve_quantization_backend
 from torch import nn
 
-from .._common import disable_bnb_cpu_repacking
+from .._common import check_adapter_names_args, disable_bnb_cpu_repacking
 from .config import MoRAConfig
 
 __all__ = ["MODALITIES", "Linear", "MoRALayer", "SharedFactors", "row_norm"]
@@ -178,15 +178,7 @@ class MoRALayer(BaseTunerLayer):
         return self._cast_input_dtype(x, delta.dtype) @ delta.mT
 
     def _check_forward_args(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        adapter_names = kwargs.get("adapter_names")
-        if adapter_names is None:
-            return
-        if len(x) != len(adapter_names):
-            raise ValueError(
-                f"`adapter_names` must have one entry per input, got {len(adapter_names)} names for {len(x)} inputs"
-            )
-        if self.merged:
-            raise ValueError("Cannot pass `adapter_names` while adapters are merged; call `unmerge_adapter()` first")
+        check_adapter_names_args(self, x, kwargs.get("adapter_names"))
 
 
 class Linear(nn.Module, MoRALayer):

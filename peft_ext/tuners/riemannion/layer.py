@@ -18,18 +18,17 @@ PEFT's quantization backends, so one ``Linear`` class serves them all.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from peft.tuners._buffer_dict import BufferDict
-from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check_adapters_to_merge
+from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features
 from peft.utils import quantization_extra_repr, resolve_quantization_backend
 from torch import nn
 
 from ...manifolds.fixed_rank import random_point, right_basis
-from .._common import disable_bnb_cpu_repacking
+from .._common import check_adapter_names_args, disable_bnb_cpu_repacking, merge_deltas, unmerge_deltas
 from .config import RiemannionConfig
 
 __all__ = ["AdapterRef", "Linear", "RiemannionLayer", "find_adapters"]
@@ -157,15 +156,7 @@ class RiemannionLayer(BaseTunerLayer):
         return left @ right.mT
 
     def _check_forward_args(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        adapter_names = kwargs.get("adapter_names")
-        if adapter_names is None:
-            return
-        if len(x) != len(adapter_names):
-            raise ValueError(
-                f"`adapter_names` must have one entry per input, got {len(adapter_names)} names for {len(x)} inputs"
-            )
-        if self.merged:
-            raise ValueError("Cannot pass `adapter_names` while adapters are merged; call `unmerge_adapter()` first")
+        check_adapter_names_args(self, x, kwargs.get("adapter_names"))
 
     def _mixed_batch_forward(
         self, x: torch.Tensor, *args: Any, adapter_names: list[str], **kwargs: Any
@@ -214,40 +205,11 @@ class Linear(nn.Module, RiemannionLayer):
                 leaving the base weight untouched.
             adapter_names: Adapters to merge (default: the active ones).
         """
-        adapter_names = check_adapters_to_merge(self, adapter_names)
-        if not adapter_names:
-            return
-        if self.quantization_backend is not None and not self.quantization_backend.supports_merge:
-            raise TypeError(
-                f"Cannot merge into a {self.quantization_backend.backend_name} base layer: it cannot be dequantized"
-            )
-        for name in adapter_names:
-            if name not in self.riemannion_A:
-                continue
-            weight = self.get_base_weight()
-            delta = self.get_delta_weight(name).to(weight.dtype)
-            if safe_merge:
-                merged = weight.clone() + delta
-                if not torch.isfinite(merged).all():
-                    raise ValueError(
-                        f"Merging Riemannion adapter {name!r} gives non-finite weights; the adapter is broken "
-                        "(the base weight was left unchanged)"
-                    )
-                self.set_base_weight(merged)
-            else:
-                self.set_base_weight(weight + delta)
-            self.merged_adapters.append(name)
+        merge_deltas(self, self.riemannion_A, safe_merge, adapter_names, "Riemannion")
 
     def unmerge(self) -> None:
         """Subtract the merged adapters' deltas from the base weight again."""
-        if not self.merged:
-            warnings.warn("Already unmerged. Nothing to do.", UserWarning, stacklevel=2)
-            return
-        while self.merged_adapters:
-            name = self.merged_adapters.pop()
-            if name in self.riemannion_A:
-                weight = self.get_base_weight()
-                self.set_base_weight(weight - self.get_delta_weight(name).to(weight.dtype))
+        unmerge_deltas(self, self.riemannion_A)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         self._check_forward_args(x, *args, **kwargs)
