@@ -21,13 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from peft_ext.kernels import rank_pool as rank_pool_module
-from peft_ext.kernels import rank_pool_gather_loop
+from peft_ext.kernels import dispatch as dispatch_module
+from peft_ext.kernels import rank_pool_gather, rank_pool_gather_loop
 from peft_ext.kernels.retraction import batched_retraction, cholesky_qr2, choose_retraction, retract
 from peft_ext.manifolds.fixed_rank import FixedRankPoint, proju, random_point, retr
 
 triton = pytest.importorskip("triton", reason="triton is only installed on Linux x86-64")
-triton_ops = pytest.importorskip("peft_ext.kernels.triton_ops")
+triton_rank_pool = pytest.importorskip("peft_ext.kernels.triton_rank_pool")
+triton_retraction = pytest.importorskip("peft_ext.kernels.triton_retraction")
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interp = pytest.mark.skipif(
@@ -94,8 +95,8 @@ def _check_gather(fn, x, A, B, idx, gates, scale, dtype):
 @pytest.mark.parametrize("case", CASES)
 def test_interp_rank_pool_matches_reference(case, dtype):
     x, A, B, idx, gates = _inputs(*CASES[case], dtype=dtype)
-    _check_gather(triton_ops.triton_rank_pool_gather, x, A, B, idx, gates, 0.7, dtype)
-    _check_gather(triton_ops.triton_rank_pool_gather, x, A, B, idx, None, 1.3, dtype)
+    _check_gather(triton_rank_pool.triton_rank_pool_gather, x, A, B, idx, gates, 0.7, dtype)
+    _check_gather(triton_rank_pool.triton_rank_pool_gather, x, A, B, idx, None, 1.3, dtype)
 
 
 @interp
@@ -104,17 +105,30 @@ def test_interp_repeated_indices_accumulate(dtype):
     x, A, B, idx, gates = _inputs(4, 3, 6, 5, 4, 6, dtype=dtype, repeats=True, seed=1)
     idx[0] = torch.tensor([2, 2, 2, 0, 1, 1])  # one sample selects rank 2 three times
     idx[:, -1] = 4  # every sample selects rank 4: its dA/dB sum over all of them
-    _check_gather(triton_ops.triton_rank_pool_gather, x, A, B, idx, gates, 0.5, dtype)
+    _check_gather(triton_rank_pool.triton_rank_pool_gather, x, A, B, idx, gates, 0.5, dtype)
 
 
 @interp
-def test_interp_gates_with_grad_use_reference():
+def test_interp_dispatch_sends_gates_with_grad_and_empty_inputs_to_reference(monkeypatch):
+    calls = []
+    fused = triton_rank_pool.triton_rank_pool_gather
+    spy = dispatch_module.RankPoolKernel("spy", lambda *a: calls.append(1) or fused(*a), lambda x: True)
+    monkeypatch.setattr(dispatch_module, "_FAST_KERNEL", spy)
     x, A, B, idx, gates = _inputs(*CASES["odd"], dtype=torch.float32)
+    torch.testing.assert_close(
+        rank_pool_gather(x, A.mT, B, idx, 0.7, gates), rank_pool_gather_loop(x, A.mT, B, idx, 0.7, gates)
+    )
+    assert calls == [1]
     gates.requires_grad_(True)
-    y = triton_ops.triton_rank_pool_gather(x, A.mT, B, idx, 0.7, gates)
+    y = rank_pool_gather(x, A.mT, B, idx, 0.7, gates)
     y.sum().backward()
-    assert gates.grad is not None
+    assert gates.grad is not None and calls == [1]
     torch.testing.assert_close(y, rank_pool_gather_loop(x, A.mT, B, idx, 0.7, gates.detach()))
+    assert rank_pool_gather(x[:0], A.mT, B, idx[:0], 0.7).shape == (0, *y.shape[1:]) and calls == [1]
+    with pytest.raises(ValueError, match="gates that require a gradient"):
+        fused(x, A.mT, B, idx, 0.7, gates)
+    with pytest.raises(ValueError, match="non-empty"):
+        fused(x[:0], A.mT, B, idx[:0], 0.7)
 
 
 @interp
@@ -124,9 +138,9 @@ def test_interp_gram_and_matmul_small(batch, rows, cols):
     x = torch.randn(batch, rows, cols, generator=gen)
     y = torch.randn(batch, rows, cols, generator=gen)
     m = torch.randn(batch, cols, cols, generator=gen)
-    torch.testing.assert_close(triton_ops.gram(x), x.mT @ x, atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(triton_ops.gram(x, y), x.mT @ y, atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(triton_ops.matmul_small(x, m), x @ m, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(triton_retraction.gram(x), x.mT @ x, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(triton_retraction.gram(x, y), x.mT @ y, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(triton_retraction.matmul_small(x, m), x @ m, atol=1e-4, rtol=1e-5)
 
 
 @interp
@@ -160,17 +174,17 @@ def _compile_specs(dtype):
     rank_pool = {"BLOCK_T": 64, "BLOCK_K": 64, "PRECISION": precision, "DOT_F32": False}
     specs = [
         (
-            triton_ops._shrink_kernel,
+            triton_rank_pool._shrink_kernel,
             {"x_ptr": t, "w_ptr": t, "idx_ptr": "i64", "gate_ptr": t, "h_ptr": "fp32"},
             {**rank_pool, "BLOCK_D": 64, "HAS_GATES": True},
         ),
         (
-            triton_ops._expand_kernel,
+            triton_rank_pool._expand_kernel,
             {"h_ptr": "fp32", "w_ptr": t, "idx_ptr": "i64", "y_ptr": t},
             {**rank_pool, "BLOCK_O": 128},
         ),
         (
-            triton_ops._wgrad_kernel,
+            triton_rank_pool._wgrad_kernel,
             {"p_ptr": "fp32", "q_ptr": t, "idx_ptr": "i64", "out_ptr": "fp32"},
             {**rank_pool, "BLOCK_C": 128},
         ),
@@ -178,8 +192,8 @@ def _compile_specs(dtype):
     if dtype == torch.float32:
         square = {"BLOCK_M": 64, "BLOCK_C": 32, "PRECISION": "ieee"}
         specs += [
-            (triton_ops._gram_kernel, {"x_ptr": "fp32", "y_ptr": "fp32", "g_ptr": "fp32"}, square),
-            (triton_ops._matmul_small_kernel, {"x_ptr": "fp32", "m_ptr": "fp32", "o_ptr": "fp32"}, square),
+            (triton_retraction._gram_kernel, {"x_ptr": "fp32", "y_ptr": "fp32", "g_ptr": "fp32"}, square),
+            (triton_retraction._matmul_small_kernel, {"x_ptr": "fp32", "m_ptr": "fp32", "o_ptr": "fp32"}, square),
         ]
     return specs
 
@@ -265,13 +279,13 @@ def test_auto_on_cpu_is_the_reference(monkeypatch):
 
 
 def test_rank_pool_kernel_registers_lazily_and_leaves_cpu_on_torch(monkeypatch):
-    monkeypatch.setattr(rank_pool_module, "_FAST_KERNEL", None)
-    monkeypatch.setattr(rank_pool_module, "_AUTOLOAD_TRIED", False)
+    monkeypatch.setattr(dispatch_module, "_FAST_KERNEL", None)
+    monkeypatch.setattr(dispatch_module, "_AUTOLOAD_TRIED", False)
     x, A, B, idx, gates = _inputs(*CASES["odd"], dtype=torch.float32)
-    y = rank_pool_module.rank_pool_gather(x, A.mT, B, idx, 0.7, gates)  # CPU: no import attempt, torch path
-    assert rank_pool_module._FAST_KERNEL is None and not rank_pool_module._AUTOLOAD_TRIED
+    y = rank_pool_gather(x, A.mT, B, idx, 0.7, gates)  # CPU: no import attempt, torch path
+    assert dispatch_module._FAST_KERNEL is None and not dispatch_module._AUTOLOAD_TRIED
     torch.testing.assert_close(y, rank_pool_gather_loop(x, A.mT, B, idx, 0.7, gates))
-    kernel = rank_pool_module.load_rank_pool_kernel()
+    kernel = dispatch_module.load_rank_pool_kernel()
     assert kernel is not None and kernel.name == "triton" and not kernel.supports(x)
 
 
@@ -285,26 +299,26 @@ def test_rank_pool_kernel_registers_lazily_and_leaves_cpu_on_torch(monkeypatch):
 def test_gpu_rank_pool_matches_reference(case, dtype):
     shape = (4, 128, 512, 256, 384, 64) if case == "pclr_like" else CASES[case]
     x, A, B, idx, gates = _inputs(*shape, dtype=dtype, device="cuda")
-    _check_gather(triton_ops.triton_rank_pool_gather, x, A, B, idx, gates, 0.25, dtype)
+    _check_gather(triton_rank_pool.triton_rank_pool_gather, x, A, B, idx, gates, 0.25, dtype)
     idx[:, 0] = 3  # a rank shared by every sample
-    _check_gather(triton_ops.triton_rank_pool_gather, x, A, B, idx, None, 0.25, dtype)
+    _check_gather(triton_rank_pool.triton_rank_pool_gather, x, A, B, idx, None, 0.25, dtype)
 
 
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_dispatch_uses_triton_then_torch_when_forced(monkeypatch):
-    monkeypatch.setattr(rank_pool_module, "_FAST_KERNEL", None)
-    monkeypatch.setattr(rank_pool_module, "_AUTOLOAD_TRIED", False)
+    monkeypatch.setattr(dispatch_module, "_FAST_KERNEL", None)
+    monkeypatch.setattr(dispatch_module, "_AUTOLOAD_TRIED", False)
     x, A, B, idx, gates = _inputs(*CASES["odd"], dtype=torch.float32, device="cuda")
-    rank_pool_module.rank_pool_gather(x, A.mT, B, idx, 0.7, gates)
-    assert rank_pool_module._FAST_KERNEL is not None and rank_pool_module._FAST_KERNEL.name == "triton"
+    rank_pool_gather(x, A.mT, B, idx, 0.7, gates)
+    assert dispatch_module._FAST_KERNEL is not None and dispatch_module._FAST_KERNEL.name == "triton"
     calls = []
-    real = rank_pool_module._FAST_KERNEL
-    spy = rank_pool_module.RankPoolKernel("spy", lambda *a: calls.append(1) or real.fn(*a), real.supports)
-    monkeypatch.setattr(rank_pool_module, "_FAST_KERNEL", spy)
-    rank_pool_module.rank_pool_gather(x, A.mT, B, idx, 0.7, gates)
-    monkeypatch.setenv(rank_pool_module.KERNEL_ENV_VAR, "torch")
-    rank_pool_module.rank_pool_gather(x, A.mT, B, idx, 0.7, gates)
+    real = dispatch_module._FAST_KERNEL
+    spy = dispatch_module.RankPoolKernel("spy", lambda *a: calls.append(1) or real.fn(*a), real.supports)
+    monkeypatch.setattr(dispatch_module, "_FAST_KERNEL", spy)
+    rank_pool_gather(x, A.mT, B, idx, 0.7, gates)
+    monkeypatch.setenv(dispatch_module.KERNEL_ENV_VAR, "torch")
+    rank_pool_gather(x, A.mT, B, idx, 0.7, gates)
     assert calls == [1]
 
 

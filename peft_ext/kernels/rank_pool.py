@@ -23,111 +23,35 @@ accumulate over samples that share a rank):
 :func:`rank_pool_gather` is the dispatch point. It picks the fast kernel when one is registered and usable, else the
 cheaper torch reference by a cost model (:func:`choose_reference`).
 
-Dispatch and the Triton plug-in point
--------------------------------------
-``PEFT_EXT_KERNELS`` (environment variable) = ``auto`` (default), ``torch`` or ``triton``:
-
-- ``torch``: always a torch reference.
-- ``auto`` / ``triton``: the fast kernel registered with :func:`register_rank_pool_kernel` if there is one and it
-  accepts the inputs (its ``supports(x)`` is true, e.g. CUDA tensors); otherwise the torch reference, silently, so
-  CPU runs never fail because of the setting.
-
-The fused Triton kernel (:mod:`.triton_ops`, issue 8) registers itself here lazily: the first CUDA call in ``auto``
-/ ``triton`` mode with no kernel registered imports it (:func:`load_rank_pool_kernel`). Importing ``peft_ext`` never
-imports Triton, and a machine without Triton keeps the torch reference. PCLR does not need to know which path ran.
+Dispatch
+--------
+``PEFT_EXT_KERNELS`` and the registry of fast kernels live in :mod:`.dispatch`: in ``auto`` / ``triton`` mode a
+registered kernel that accepts the inputs runs (the fused Triton kernel of :mod:`.triton_rank_pool`, issue 8, is
+registered lazily on the first CUDA call), else the cheaper torch reference. PCLR does not need to know which path
+ran.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
 
+from .dispatch import fast_rank_pool_kernel
+
 __all__ = [
-    "KERNEL_ENV_VAR",
-    "RankPoolKernel",
     "choose_reference",
-    "kernel_mode",
-    "load_rank_pool_kernel",
     "rank_pool_gather",
     "rank_pool_gather_indexed",
     "rank_pool_gather_loop",
     "rank_pool_gather_masked",
-    "register_rank_pool_kernel",
-    "registered_rank_pool_kernel",
 ]
 
-KERNEL_ENV_VAR = "PEFT_EXT_KERNELS"
-_MODES = ("auto", "torch", "triton")
 _METHODS = ("auto", "indexed", "masked", "loop")
 
 # Relative cost of copying one gathered weight element vs. one multiply-add in the cost model below. Gathers are
 # memory-bound scatters of whole rows, so one copied element costs several FLOPs; 4 is a conservative CPU/GPU figure.
 _COPY_COST = 4.0
-
-
-@dataclass(frozen=True)
-class RankPoolKernel:
-    """A fast rank-pool gather implementation.
-
-    Args:
-        name: Label, e.g. ``"triton"``.
-        fn: Same signature and semantics as :func:`rank_pool_gather_indexed`.
-        supports: Whether ``fn`` can run on these inputs (e.g. ``x.is_cuda``).
-    """
-
-    name: str
-    fn: Callable[..., torch.Tensor]
-    supports: Callable[[torch.Tensor], bool]
-
-
-_FAST_KERNEL: Optional[RankPoolKernel] = None
-_AUTOLOAD_TRIED = False
-
-
-def register_rank_pool_kernel(kernel: Optional[RankPoolKernel]) -> None:
-    """Install (or with ``None`` remove) the fast kernel that :func:`rank_pool_gather` prefers.
-
-    Args:
-        kernel: The kernel; its ``fn`` must match :func:`rank_pool_gather_indexed` to tolerance (tests compare them).
-    """
-    global _FAST_KERNEL, _AUTOLOAD_TRIED
-    _AUTOLOAD_TRIED = True  # an explicit choice (None included) is never overridden by the lazy loader
-    if kernel is not None and not isinstance(kernel, RankPoolKernel):
-        raise TypeError(f"kernel must be a RankPoolKernel or None, got {type(kernel).__name__}")
-    _FAST_KERNEL = kernel
-
-
-def registered_rank_pool_kernel() -> Optional[RankPoolKernel]:
-    """The fast kernel installed with :func:`register_rank_pool_kernel`, or ``None``."""
-    return _FAST_KERNEL
-
-
-def load_rank_pool_kernel() -> Optional[RankPoolKernel]:
-    """Register the Triton kernel if Triton imports; return the registered kernel (``None`` without Triton).
-
-    Called by :func:`rank_pool_gather` on its first CUDA call; call it yourself to register eagerly.
-    """
-    global _AUTOLOAD_TRIED
-    _AUTOLOAD_TRIED = True
-    if _FAST_KERNEL is None:
-        try:
-            from .triton_ops import rank_pool_kernel
-        except ImportError:  # Triton is only a dependency on Linux x86-64
-            return None
-        register_rank_pool_kernel(rank_pool_kernel())
-    return _FAST_KERNEL
-
-
-def kernel_mode() -> str:
-    """The value of ``PEFT_EXT_KERNELS`` (``auto`` when unset); raises ``ValueError`` for anything else."""
-    mode = os.environ.get(KERNEL_ENV_VAR, "auto").strip().lower() or "auto"
-    if mode not in _MODES:
-        raise ValueError(f"{KERNEL_ENV_VAR}={mode!r} is not valid; use one of {_MODES}")
-    return mode
 
 
 def _check(
@@ -290,11 +214,8 @@ def rank_pool_gather(
     if method not in _METHODS:
         raise ValueError(f"`method` must be one of {_METHODS}, got {method!r}")
     if method == "auto":
-        mode = kernel_mode()
-        if mode != "torch" and _FAST_KERNEL is None and not _AUTOLOAD_TRIED and x.is_cuda:
-            load_rank_pool_kernel()
-        fast = _FAST_KERNEL
-        if mode != "torch" and fast is not None and fast.supports(x):
+        fast = fast_rank_pool_kernel(x, indices, gates)
+        if fast is not None:
             _check(x, A_pool, B_pool, indices, gates)
             return fast.fn(x, A_pool, B_pool, indices, scale, gates)
         tokens = 1 if x.dim() == 2 else x.shape[1]

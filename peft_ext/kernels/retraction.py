@@ -3,7 +3,8 @@
 The retraction (METHODS.md section 1, :func:`peft_ext.manifolds.fixed_rank.retr`) takes the best rank-r
 approximation of ``x_scale * X + u = [A_dot, A] [B_R, x_scale * B + B_dot]^T``: QR both tall m x 2r and n x 2r
 factors, SVD the 2r x 2r core, keep the top r. The Riemannion optimizer stacks adapters of equal shape and retracts
-the stack in one call (:func:`retract`); :func:`batched_retraction` does the grouping for any list of adapters.
+the stack in one call (:func:`retract`); :func:`stack_by_shape` forms the stacks (the optimizer and
+:func:`batched_retraction`, which retracts any list of adapters in place, both use it).
 
 Methods (``method=``):
 
@@ -11,7 +12,7 @@ Methods (``method=``):
   reference, and what CPU runs use, so Riemannion's CPU numbers are unchanged.
 - ``"cholqr2"``: the fast algorithm with torch matmuls (a CPU-testable twin of ``"triton"``).
 - ``"triton"``: the fast algorithm with the batched Gram ``X^T Y`` and ``X M`` products as Triton kernels
-  (:mod:`.triton_ops`); the Cholesky factorizations, triangular inverses and the 2r x 2r SVD stay batched torch
+  (:mod:`.triton_retraction`); the Cholesky factorizations, triangular inverses and the 2r x 2r SVD stay batched torch
   calls (tiny).
 - ``"auto"``: ``"triton"`` for fp32 CUDA tensors when Triton imports and ``PEFT_EXT_KERNELS`` is not ``torch``,
   else ``"qr"``.
@@ -28,16 +29,16 @@ Factors are defined up to rotations/signs, so fast and reference results agree i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Literal, Optional
 
 import torch
 from torch import Tensor
 
 from ..manifolds.fixed_rank import FixedRankPoint, TangentVector, retr
-from .rank_pool import kernel_mode
+from .dispatch import RetractionKernels, kernel_mode, load_retraction_kernels
 
-__all__ = ["batched_retraction", "cholesky_qr2", "choose_retraction", "retract"]
+__all__ = ["batched_retraction", "cholesky_qr2", "choose_retraction", "retract", "stack_by_shape"]
 
 _METHODS = ("auto", "qr", "cholqr2", "triton")
 Method = Literal["auto", "qr", "cholqr2", "triton"]
@@ -49,20 +50,19 @@ def _torch_gram(x: Tensor, y: Optional[Tensor] = None) -> Tensor:
     return x.mT @ (x if y is None else y)
 
 
-def _triton_ops() -> Optional[tuple[GramFn, MatmulFn, int]]:
-    try:
-        from .triton_ops import MAX_GRAM_COLUMNS, gram, matmul_small
-    except ImportError:  # Triton is only a dependency on Linux x86-64
-        return None
-    return gram, matmul_small, MAX_GRAM_COLUMNS
+def _triton_kernels() -> RetractionKernels:
+    kernels = load_retraction_kernels()
+    if kernels is None:
+        raise ImportError("method='triton' needs the `triton` package (Linux x86-64); use 'cholqr2' or 'qr'")
+    return kernels
 
 
 def choose_retraction(A: Tensor) -> str:
     """The method ``"auto"`` resolves to for factors like ``A``: ``"triton"`` or ``"qr"`` (see the module doc)."""
     if kernel_mode() == "torch" or not A.is_cuda or A.dtype != torch.float32:
         return "qr"
-    ops = _triton_ops()
-    return "triton" if ops is not None and A.shape[-1] <= ops[2] else "qr"
+    kernels = load_retraction_kernels()
+    return "triton" if kernels is not None and A.shape[-1] <= kernels.max_columns else "qr"
 
 
 def cholesky_qr2(
@@ -75,8 +75,8 @@ def cholesky_qr2(
 
     Args:
         X: (..., m, c) with m >= c.
-        gram: Batched ``x^T y`` (``y`` defaults to ``x``); :func:`.triton_ops.gram` on the GPU.
-        matmul: Batched ``x @ m`` for a c x c ``m``; :func:`.triton_ops.matmul_small` on the GPU.
+        gram: Batched ``x^T y`` (``y`` defaults to ``x``); :func:`.triton_retraction.gram` on the GPU.
+        matmul: Batched ``x @ m`` for a c x c ``m``; :func:`.triton_retraction.matmul_small` on the GPU.
 
     Returns:
         ``(Q, R, ok)``: ``ok`` (bool, one per matrix) is false where the factorization is not trustworthy (Cholesky
@@ -145,10 +145,8 @@ def retract(point: FixedRankPoint, u: TangentVector, x_scale: float = 1.0, metho
     if method == "qr":
         return retr(point, u, x_scale)
     if method == "triton":
-        ops = _triton_ops()
-        if ops is None:
-            raise ImportError("method='triton' needs the `triton` package (Linux x86-64); use 'cholqr2' or 'qr'")
-        gram, matmul, _ = ops
+        kernels = _triton_kernels()
+        gram, matmul = kernels.gram, kernels.matmul
     else:
         gram, matmul = _torch_gram, torch.matmul
     A_new, B_new, ok = _retract_fast(point, u, x_scale, gram, matmul)
@@ -163,6 +161,36 @@ def retract(point: FixedRankPoint, u: TangentVector, x_scale: float = 1.0, metho
     return FixedRankPoint.from_factors(A_new, B_new)
 
 
+def stack_by_shape(
+    rows: Sequence[Sequence[Tensor]], keys: Optional[Sequence[Hashable]] = None
+) -> list[tuple[list[int], list[Tensor]]]:
+    """Group adapters whose factors agree in shape, dtype and device, and stack each group in working precision.
+
+    Same-shaped adapters are retracted (and, in the optimizer, orthogonalized) in one batched call: a transformer
+    has many of them, and per-adapter QR/SVD calls would dominate the step.
+
+    Args:
+        rows: Per adapter: its factors ``A`` (m x r) and ``B`` (n x r), then any tensors of the same adapter to stack
+            alongside (a tangent step, gradients, momentum). Rows of one group must have the same length.
+        keys: An extra grouping key per row (e.g. whether the adapter already has momentum).
+
+    Returns:
+        Per group, in order of first appearance: the indices of its rows (in order) and each column of the rows
+        stacked, cast to ``promote_types(A.dtype, float32)`` (half-precision factors are updated in fp32).
+    """
+    groups: dict[tuple, list[int]] = {}
+    for i, row in enumerate(rows):
+        A, B = row[0], row[1]
+        key = (tuple(A.shape), tuple(B.shape), A.dtype, A.device, None if keys is None else keys[i])
+        groups.setdefault(key, []).append(i)
+    stacked = []
+    for (_, _, dtype, _, _), indices in groups.items():
+        work = torch.promote_types(dtype, torch.float32)
+        columns = zip(*(rows[i] for i in indices))
+        stacked.append((indices, [torch.stack([t.to(work) for t in column]) for column in columns]))
+    return stacked
+
+
 def batched_retraction(
     adapters: Sequence[tuple[Tensor, Tensor, Tensor, Tensor]], x_scale: float = 1.0, method: Method = "auto"
 ) -> None:
@@ -174,17 +202,7 @@ def batched_retraction(
         x_scale: Factor on every ``X`` (decoupled weight decay).
         method: See :func:`retract`.
     """
-    groups: dict[tuple, list[tuple[Tensor, Tensor, Tensor, Tensor]]] = {}
-    for item in adapters:
-        A, B = item[0], item[1]
-        groups.setdefault((tuple(A.shape), tuple(B.shape), A.dtype, A.device), []).append(item)
-    for (_, _, dtype, _), items in groups.items():
-        work = torch.promote_types(dtype, torch.float32)
-        point = FixedRankPoint.from_factors(
-            torch.stack([t[0].to(work) for t in items]), torch.stack([t[1].to(work) for t in items])
-        )
-        u = TangentVector(torch.stack([t[2].to(work) for t in items]), torch.stack([t[3].to(work) for t in items]))
-        new = retract(point, u, x_scale, method)
-        torch._foreach_copy_(
-            [t[0] for t in items] + [t[1] for t in items], list(new.A.unbind(0)) + list(new.B.unbind(0))
-        )
+    for indices, (A, B, A_dot, B_dot) in stack_by_shape(adapters):
+        new = retract(FixedRankPoint.from_factors(A, B), TangentVector(A_dot, B_dot), x_scale, method)
+        targets = [adapters[i][0] for i in indices] + [adapters[i][1] for i in indices]
+        torch._foreach_copy_(targets, list(new.A.unbind(0)) + list(new.B.unbind(0)))

@@ -1,9 +1,9 @@
-"""Triton kernels: the fused rank-pool gather (forward and backward) and the Gram / apply steps of CholeskyQR2.
+"""Triton kernels of the fused rank-pool gather (forward and backward).
 
-Importing this module imports Triton, so nothing in ``peft_ext`` imports it at import time: :mod:`.rank_pool` loads
-it on the first CUDA call (``load_rank_pool_kernel``) and :mod:`.retraction` when the Triton method is chosen.
-Every kernel has a torch reference beside it (:func:`.rank_pool.rank_pool_gather_indexed`,
-``torch.bmm``) and the tests run both under ``TRITON_INTERPRET=1`` on CPU and compile them for sm_80 / sm_90.
+Importing this module imports Triton, so nothing in ``peft_ext`` imports it at import time:
+:func:`.dispatch.load_rank_pool_kernel` registers it on the first CUDA call. The torch reference is
+:func:`.rank_pool.rank_pool_gather_indexed`; the tests run both under ``TRITON_INTERPRET=1`` on CPU and compile the
+kernels for sm_80 / sm_90.
 
 Rank-pool gather, in the shrink/expand form of S-LoRA's BGMV kernels, with per-sample rank indices:
 
@@ -27,9 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .rank_pool import RankPoolKernel, rank_pool_gather_indexed
+from .dispatch import RankPoolKernel
 
-__all__ = ["gram", "matmul_small", "rank_pool_kernel", "triton_rank_pool_gather"]
+__all__ = ["rank_pool_kernel", "triton_rank_pool_gather"]
 
 # tl.dot needs every tile dimension >= 16; smaller problems are masked inside a 16-wide tile.
 _MIN_BLOCK = 16
@@ -47,13 +47,23 @@ def _precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-def _dot_f32(dtype: torch.dtype) -> bool:
+def _dot_options(dtype: torch.dtype) -> dict[str, object]:
+    """The ``PRECISION`` and ``DOT_F32`` constexprs of every kernel here, for weights of ``dtype``."""
     # Triton's CPU interpreter multiplies bf16 tiles as their raw uint16 bits (np.matmul on the storage), so under
     # TRITON_INTERPRET=1 bf16 tiles are widened to fp32 before tl.dot. On a GPU the dot runs on bf16 tensor cores.
-    return dtype == torch.bfloat16 and triton.knobs.runtime.interpret
+    dot_f32 = dtype == torch.bfloat16 and triton.knobs.runtime.interpret
+    return {"PRECISION": _precision(dtype), "DOT_F32": dot_f32}
 
 
-# --- rank-pool gather ------------------------------------------------------------------------------------------------
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+    """``acc + a @ b`` with ``a`` cast to ``b``'s dtype (fp32 accumulation), or both widened (see _dot_options)."""
+    if DOT_F32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    else:
+        a = a.to(b.dtype)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -97,10 +107,7 @@ def _shrink_kernel(
         mask_d = offs_d < D
         x = tl.load(x_rows + offs_d[None, :] * stride_xd, mask=mask_t[:, None] & mask_d[None, :], other=0.0)
         w = tl.load(w_cols + offs_d[:, None] * stride_wd, mask=mask_d[:, None] & mask_k[None, :], other=0.0)
-        if DOT_F32:
-            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision=PRECISION)
-        else:
-            acc = tl.dot(x.to(w.dtype), w, acc, input_precision=PRECISION)
+        acc = _dot(x, w, acc, PRECISION, DOT_F32)
     if HAS_GATES:
         g = tl.load(gate_ptr + pid_b * stride_gb + offs_k * stride_gk, mask=mask_k, other=0.0)
         acc = acc * g.to(tl.float32)[None, :]
@@ -146,10 +153,7 @@ def _expand_kernel(
         h = tl.load(h_rows + offs_k[None, :], mask=mask_t[:, None] & mask_k[None, :], other=0.0)
         w_ptrs = w_ptr + ranks[:, None] * stride_wn + offs_o[None, :] * stride_wo
         w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_o[None, :], other=0.0)
-        if DOT_F32:
-            acc = tl.dot(h.to(tl.float32), w.to(tl.float32), acc, input_precision=PRECISION)
-        else:
-            acc = tl.dot(h.to(w.dtype), w, acc, input_precision=PRECISION)
+        acc = _dot(h, w, acc, PRECISION, DOT_F32)
     acc = acc * scale
     y_ptrs = y_ptr + pid_b * stride_yb + offs_t[:, None].to(tl.int64) * stride_yt + offs_o[None, :] * stride_yo
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_o[None, :])
@@ -191,10 +195,7 @@ def _wgrad_kernel(
         p = tl.load(p_ptrs, mask=mask_k[:, None] & mask_t[None, :], other=0.0)
         q_ptrs = q_ptr + pid_b * stride_qb + offs_t[:, None].to(tl.int64) * stride_qt + offs_c[None, :] * stride_qc
         q = tl.load(q_ptrs, mask=mask_t[:, None] & mask_c[None, :], other=0.0)
-        if DOT_F32:
-            acc = tl.dot(p.to(tl.float32), q.to(tl.float32), acc, input_precision=PRECISION)
-        else:
-            acc = tl.dot(p.to(q.dtype), q, acc, input_precision=PRECISION)
+        acc = _dot(p, q, acc, PRECISION, DOT_F32)
     out_ptrs = out_ptr + ranks[:, None] * stride_on + offs_c[None, :] * stride_oc
     tl.atomic_add(out_ptrs, acc, mask=mask_k[:, None] & mask_c[None, :])
 
@@ -228,8 +229,7 @@ def _shrink(
         BLOCK_T=bt,
         BLOCK_K=bk,
         BLOCK_D=bd,
-        PRECISION=_precision(w.dtype),
-        DOT_F32=_dot_f32(w.dtype),
+        **_dot_options(w.dtype),
     )
     return h
 
@@ -256,8 +256,7 @@ def _expand(h: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, scale: float, d
         BLOCK_T=bt,
         BLOCK_K=bk,
         BLOCK_O=bo,
-        PRECISION=_precision(w.dtype),
-        DOT_F32=_dot_f32(w.dtype),
+        **_dot_options(w.dtype),
     )
     return y
 
@@ -283,8 +282,7 @@ def _wgrad(p: torch.Tensor, q: torch.Tensor, idx: torch.Tensor, n_ranks: int) ->
         BLOCK_T=bt,
         BLOCK_K=bk,
         BLOCK_C=bc,
-        PRECISION=_precision(q.dtype),
-        DOT_F32=_dot_f32(q.dtype),
+        **_dot_options(q.dtype),
     )
     return out
 
@@ -330,11 +328,19 @@ def triton_rank_pool_gather(
     """The fused rank-pool gather; same signature and result as :func:`.rank_pool.rank_pool_gather_indexed`.
 
     Differentiable in ``x``, ``A_pool`` and ``B_pool``. Gates are treated as constants (PCLR's are hard 0/1 and its
-    keys learn through the query loss); with ``gates.requires_grad`` the call goes to the torch reference, as do
-    empty inputs.
+    keys learn through the query loss), so gates that require a gradient are refused, as are empty inputs:
+    :func:`.rank_pool.rank_pool_gather` sends both to the torch reference.
     """
-    if x.numel() == 0 or indices.shape[1] == 0 or (gates is not None and gates.requires_grad):
-        return rank_pool_gather_indexed(x, A_pool, B_pool, indices, scale, gates)
+    if x.numel() == 0 or indices.shape[1] == 0:
+        raise ValueError(
+            f"the fused gather needs a non-empty batch and K >= 1, got x {tuple(x.shape)} and indices "
+            f"{tuple(indices.shape)}; rank_pool_gather runs such inputs on the torch reference"
+        )
+    if gates is not None and gates.requires_grad:
+        raise ValueError(
+            "the fused gather treats gates as constants, got gates that require a gradient; use rank_pool_gather, "
+            "which runs them on the torch reference"
+        )
     if x.dtype != A_pool.dtype or x.dtype != B_pool.dtype:
         raise TypeError(f"x, A_pool and B_pool must share a dtype, got {x.dtype}, {A_pool.dtype}, {B_pool.dtype}")
     return _RankPoolGather.apply(x, A_pool, B_pool, indices, float(scale), gates)
@@ -345,115 +351,5 @@ def _supports(x: torch.Tensor) -> bool:
 
 
 def rank_pool_kernel() -> RankPoolKernel:
-    """The fused kernel as a :class:`.rank_pool.RankPoolKernel` (CUDA tensors in fp32 / fp16 / bf16)."""
+    """The fused kernel as a :class:`.dispatch.RankPoolKernel` (CUDA tensors in fp32 / fp16 / bf16)."""
     return RankPoolKernel("triton", triton_rank_pool_gather, _supports)
-
-
-# --- CholeskyQR2 building blocks (batched Gram and small right-multiply) ---------------------------------------------
-
-
-@triton.jit
-def _gram_kernel(
-    x_ptr,
-    y_ptr,
-    g_ptr,
-    M,
-    C,
-    rows_per_prog,
-    stride_xb,
-    stride_xm,
-    stride_xc,
-    stride_yb,
-    stride_ym,
-    stride_yc,
-    BLOCK_M: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    pid_b = tl.program_id(0).to(tl.int64)
-    start = tl.program_id(1) * rows_per_prog
-    end = tl.minimum(start + rows_per_prog, M)
-    offs_c = tl.arange(0, BLOCK_C)
-    mask_c = offs_c < C
-    acc = tl.zeros((BLOCK_C, BLOCK_C), dtype=tl.float32)
-    for m0 in range(start, end, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        mask = (offs_m < end)[:, None] & mask_c[None, :]
-        x_ptrs = x_ptr + pid_b * stride_xb + offs_m[:, None].to(tl.int64) * stride_xm + offs_c[None, :] * stride_xc
-        y_ptrs = y_ptr + pid_b * stride_yb + offs_m[:, None].to(tl.int64) * stride_ym + offs_c[None, :] * stride_yc
-        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-        y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-        acc = tl.dot(tl.trans(x), y, acc, input_precision=PRECISION)
-    g_ptrs = g_ptr + pid_b * C * C + offs_c[:, None] * C + offs_c[None, :]
-    tl.atomic_add(g_ptrs, acc, mask=mask_c[:, None] & mask_c[None, :])
-
-
-@triton.jit
-def _matmul_small_kernel(
-    x_ptr,
-    m_ptr,
-    o_ptr,
-    M,
-    C,
-    stride_xb,
-    stride_xm,
-    stride_xc,
-    BLOCK_M: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    pid_b = tl.program_id(0).to(tl.int64)
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_c = tl.arange(0, BLOCK_C)
-    mask_m = offs_m < M
-    mask_c = offs_c < C
-    x_ptrs = x_ptr + pid_b * stride_xb + offs_m[:, None].to(tl.int64) * stride_xm + offs_c[None, :] * stride_xc
-    x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
-    m_ptrs = m_ptr + pid_b * C * C + offs_c[:, None] * C + offs_c[None, :]
-    m = tl.load(m_ptrs, mask=mask_c[:, None] & mask_c[None, :], other=0.0)
-    out = tl.dot(x, m, input_precision=PRECISION)
-    o_ptrs = o_ptr + pid_b * M * C + offs_m[:, None].to(tl.int64) * C + offs_c[None, :]
-    tl.store(o_ptrs, out, mask=mask_m[:, None] & mask_c[None, :])
-
-
-# More columns than this (rank > 64) would not fit one tile; callers use torch.bmm then.
-MAX_GRAM_COLUMNS = 128
-# Enough programs to fill an H100/H200 (132 SMs) a few times over when the batch is small.
-_TARGET_PROGRAMS = 512
-
-
-def gram(x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Batched ``x^T y`` (default ``x^T x``) in fp32 with full-precision dots: (batch, M, C) -> (batch, C, C).
-
-    The row dimension is split over several programs that add their partial Grams atomically, so a batch of a few
-    tall matrices still fills the GPU. The reference is ``x.mT @ y``.
-    """
-    y = x if y is None else y
-    batch, rows, cols = x.shape
-    if cols > MAX_GRAM_COLUMNS:
-        raise ValueError(f"gram supports at most {MAX_GRAM_COLUMNS} columns, got {cols}")
-    out = torch.zeros(batch, cols, cols, dtype=torch.float32, device=x.device)
-    bm, bc = 64, _block(cols, MAX_GRAM_COLUMNS)
-    splits = max(1, min(triton.cdiv(rows, bm), triton.cdiv(_TARGET_PROGRAMS, max(batch, 1))))
-    rows_per_prog = triton.cdiv(triton.cdiv(rows, splits), bm) * bm
-    grid = (batch, triton.cdiv(rows, rows_per_prog))
-    _gram_kernel[grid](
-        x, y, out, rows, cols, rows_per_prog, *x.stride(), *y.stride(), BLOCK_M=bm, BLOCK_C=bc, PRECISION="ieee"
-    )
-    return out
-
-
-def matmul_small(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """Batched ``x @ m`` for tall ``x`` (batch, M, C) and small square ``m`` (batch, C, C), fp32 out.
-
-    The CholeskyQR step ``Q = X R^{-1}`` (with ``m = R^{-1}``). The reference is ``x @ m``.
-    """
-    batch, rows, cols = x.shape
-    if cols > MAX_GRAM_COLUMNS:
-        raise ValueError(f"matmul_small supports at most {MAX_GRAM_COLUMNS} columns, got {cols}")
-    m = m.to(torch.float32).contiguous()
-    out = torch.empty(batch, rows, cols, dtype=torch.float32, device=x.device)
-    bm, bc = 64, _block(cols, MAX_GRAM_COLUMNS)
-    grid = (batch, triton.cdiv(rows, bm))
-    _matmul_small_kernel[grid](x, m, out, rows, cols, *x.stride(), BLOCK_M=bm, BLOCK_C=bc, PRECISION="ieee")
-    return out
