@@ -13,15 +13,10 @@ import torch
 from torch import nn
 
 from peft_ext.optim import OPTIMIZERS, DCTAdamW
+from peft_ext.optim.adam_math import adam_direction
 from peft_ext.optim.dct import dct_matrix, dct_select
-from peft_ext.optim.dct_adamw import (
-    adam_direction,
-    dequantize_8bit,
-    match_indices,
-    matches_target,
-    quantize_8bit,
-    rotate_selected,
-)
+from peft_ext.optim.dct_adamw import matches_target
+from peft_ext.optim.dct_state import dequantize_8bit, match_indices, quantize_8bit, rotate_selected
 
 from .single_thread import single_thread  # noqa: F401  (fixture)
 from .test_dct import formula_matrix, planted

@@ -21,6 +21,7 @@ from peft_ext.manifolds import (
     retr,
     retr_dense,
     right_basis,
+    stack_bases,
     tangent_factors,
     tangent_to_dense,
     to_dense,
@@ -60,6 +61,19 @@ def test_right_basis_is_an_orthonormal_basis_of_span_b():
     torch.testing.assert_close(x.B_R.T @ x.B_R, torch.eye(R, dtype=F64))
     torch.testing.assert_close(x.B_R @ (x.B_R.T @ x.B), x.B)  # span(B_R) contains B
     assert torch.equal(right_basis(x.B), x.B_R)  # deterministic: forward pass and optimizer agree
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=str)
+def test_right_basis_of_a_stack_equals_each_matrix_own_bit_for_bit(dtype):
+    # the optimizer computes B_R for a stack of adapters and hands each layer its slice; odd sizes are where a
+    # batched QR would round differently from the single-matrix one
+    gen = torch.Generator().manual_seed(0)
+    B = torch.randn(4, 17, 3, generator=gen, dtype=dtype)
+    stacked = right_basis(B)
+    for i in range(4):
+        assert torch.equal(stacked[i], right_basis(B[i].clone())), i
+    assert stacked.stride() == torch.linalg.qr(B).Q.stride()  # laid out like a batched QR's Q (matmuls round alike)
+    assert torch.equal(stack_bases(list(stacked.unbind(0))), stacked)
 
 
 def test_projection_of_a_low_rank_matrix_equals_the_dense_projection():

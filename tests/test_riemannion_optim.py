@@ -16,7 +16,8 @@ from peft_ext import RiemannionConfig
 from peft_ext.manifolds import FixedRankPoint, ortho_dense, proju_dense, retr_dense, to_dense
 from peft_ext.models import tiny_bert
 from peft_ext.optim import OPTIMIZERS, Riemannion, RiemannLoRA, create_riemannion_optimizer
-from peft_ext.optim.riemannion import adamw_update, riemannion_update
+from peft_ext.optim.adam_math import adamw_update
+from peft_ext.optim.riemannion_math import riemannion_update
 from peft_ext.tuners.riemannion import find_adapters
 
 from .allocations import assert_no_allocation_of, record_allocations
@@ -520,7 +521,7 @@ def test_trainer_without_the_model_kwarg_says_what_to_add(tmp_path):
 
 
 def test_same_shaped_adapters_are_stepped_in_one_batch_with_the_per_adapter_result(monkeypatch):
-    import peft_ext.optim.riemannion as module
+    import peft_ext.optim.riemannion as module  # the name the optimizer calls
 
     calls = []
     original = module.riemannion_update
@@ -555,3 +556,41 @@ def test_the_optimizer_step_never_allocates_an_out_by_in_matrix():
         model(torch.randn(16, n)).pow(2).sum().backward()
         recorder = record_allocations(optimizer.step, existing=[p for p in model.parameters()])
         assert_no_allocation_of(recorder, m * n, "a Riemannion optimizer step")
+
+
+# -- the right basis B_R: computed once per step, by the retraction ---------------------------------------------------
+
+
+def test_the_step_hands_the_new_basis_to_the_layer_and_the_forward_computes_no_qr(monkeypatch):
+    import peft_ext.tuners.riemannion.layer as layer_module
+
+    # two 17 x 17 adapters (one stack; a batched QR of it would round differently from the layer's own QR) and one
+    # 12 x 7 adapter: per step one QR of each new B, by the retraction
+    base = nn.Sequential(nn.Linear(17, 17), nn.Tanh(), nn.Linear(17, 17), nn.Tanh(), nn.Linear(7, 12))
+    torch.manual_seed(0)
+    model = get_peft_model(base, RiemannionConfig(r=3, target_modules=["0", "2", "4"], init_scale=0.5))
+    optimizer = create_riemannion_optimizer(model, lr=0.05, nesterov=True, weight_decay=0.01)
+    layer_qr, optimizer_qr = [], []
+    real = fixed_rank.right_basis
+    monkeypatch.setattr(layer_module, "right_basis", lambda B: layer_qr.append(B.shape) or real(B))
+    monkeypatch.setattr(fixed_rank, "right_basis", lambda B: optimizer_qr.append(B.shape) or real(B))
+
+    def loss():
+        x = torch.randn(5, 17, generator=gen)
+        return model[4](torch.tanh(model[2](torch.tanh(model[0](x))))[:, :7]).pow(2).sum()
+
+    gen = torch.Generator().manual_seed(1)
+    model = model.base_model.model
+    loss().backward()
+    assert len(layer_qr) == 3  # the first forward fills the layers' caches
+    for step in range(3):
+        layer_qr.clear(), optimizer_qr.clear()
+        optimizer.step()
+        # the step starts from the cached bases and retracts: one QR per adapter, none for the old point
+        assert sorted(optimizer_qr) == [(1, 7, 3), (2, 17, 3)], step
+        for ref in find_adapters(model):
+            cached = ref.layer.get_right_basis(ref.adapter_name)
+            assert torch.equal(cached, real(ref.B.detach())), (step, ref)  # bit for bit the layer's own QR
+        optimizer.zero_grad()
+        loss().backward()
+        assert layer_qr == [], step  # the forward after a step reuses the handed-over basis

@@ -1,45 +1,11 @@
-"""Manifolds in factored form, with geoopt's vocabulary (``proju``, ``egrad2rgrad``, ``retr``, ``transp``)."""
+"""Manifolds in factored form, with geoopt's vocabulary (``proju``, ``egrad2rgrad``, ``retr``, ``transp``).
+
+Everything public of :mod:`.fixed_rank` is exported here; its ``__all__`` is the one list of those names.
+"""
 
 from __future__ import annotations
 
-from .fixed_rank import (
-    FixedRankManifold,
-    FixedRankPoint,
-    TangentVector,
-    egrad2rgrad,
-    inner,
-    ortho_dense,
-    ortho_lowrank,
-    orthogonalize,
-    proju,
-    proju_dense,
-    random_point,
-    retr,
-    retr_dense,
-    right_basis,
-    tangent_factors,
-    tangent_to_dense,
-    to_dense,
-    transp,
-)
+from . import fixed_rank
+from .fixed_rank import *  # noqa: F403  (the names of fixed_rank.__all__)
 
-__all__ = [
-    "FixedRankManifold",
-    "FixedRankPoint",
-    "TangentVector",
-    "egrad2rgrad",
-    "inner",
-    "ortho_dense",
-    "ortho_lowrank",
-    "orthogonalize",
-    "proju",
-    "proju_dense",
-    "random_point",
-    "retr",
-    "retr_dense",
-    "right_basis",
-    "tangent_factors",
-    "tangent_to_dense",
-    "to_dense",
-    "transp",
-]
+__all__ = list(fixed_rank.__all__)

@@ -19,6 +19,7 @@ The :class:`FixedRankManifold` object speaks geoopt's vocabulary (``proju``, ``e
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,7 @@ __all__ = [
     "retr",
     "retr_dense",
     "right_basis",
+    "stack_bases",
     "tangent_factors",
     "tangent_to_dense",
     "to_dense",
@@ -58,12 +60,29 @@ def right_basis(B: Tensor) -> Tensor:
     """``B_R``: an orthonormal basis (n x r) of the column space of ``B`` (n x r), the Q factor of its reduced QR.
 
     Deterministic for a given ``B`` (signs fixed), so the layer's forward pass and the optimizer obtain the same basis
-    independently.
+    independently. A stack (..., n, r) is factored one matrix at a time: a batched QR rounds the last bits
+    differently from the single-matrix one (it depends on where each matrix sits in memory), and the optimizer's
+    stacked bases must equal, bit for bit, what each layer computes for its own ``B``.
 
     Args:
-        B: The right factor of a point, shape (n, r).
+        B: The right factor of a point, shape (n, r) or (..., n, r).
     """
-    return _qr(B)[0]
+    if B.ndim == 2 or B.numel() == 0:
+        return _qr(B)[0]
+    flat = B.reshape(-1, *B.shape[-2:])
+    return stack_bases([_qr(b)[0] for b in flat.unbind(0)]).reshape(B.shape)
+
+
+def stack_bases(bases: Sequence[Tensor]) -> Tensor:
+    """Stack right bases (n x r each) into (k, n, r) laid out as a batched QR lays out its Q (column-major matrices).
+
+    Products with the stack then round exactly as products with a batched QR's output do: matmul picks its kernel by
+    memory layout, and the last bits depend on it.
+
+    Args:
+        bases: :func:`right_basis` of each matrix, all of one shape.
+    """
+    return torch.stack([q.mT for q in bases]).mT
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 Reference: Modoranu, Safaryan, Alistarh et al., "SVD-Free Low-Rank Adaptive Gradient Optimization" / "FFT-based
 Dynamic Subspace Selection" (arXiv 2505.17967); formulas in ``shared/METHODS.md`` section 5. The DCT math is in
-:mod:`peft_ext.optim.dct`; the pure update functions are here (:func:`adam_direction`, :func:`match_indices`,
-:func:`rotate_selected`, :func:`quantize_8bit`); :class:`DCTAdamW` only manages state.
+:mod:`peft_ext.optim.dct`, Adam's arithmetic in :mod:`peft_ext.optim.adam_math` (:func:`adam_direction`), the moment
+rotation and 8-bit buffers in :mod:`peft_ext.optim.dct_state`; :class:`DCTAdamW` only manages state.
 
 Against GaLore (the usual alternative), what changes for a user:
 
@@ -32,145 +32,18 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from ..distributed import check_parameters_unchanged, registered_parameters, reject_sharded
+from .adam_math import adam_direction
 from .dct import DCT_METHODS, dct_matrix, dct_select, project, project_back, projection_side
+from .dct_state import (
+    QUANT_BLOCKSIZES,
+    load_buffer,
+    rotate_selected,
+    store_buffer,
+)
 
-__all__ = [
-    "NONFINITE_POLICIES",
-    "QUANT_BLOCKSIZES",
-    "QUANT_MAPS",
-    "DCTAdamW",
-    "adam_direction",
-    "dequantize_8bit",
-    "match_indices",
-    "matches_target",
-    "quantize_8bit",
-    "rotate_selected",
-]
+__all__ = ["NONFINITE_POLICIES", "DCTAdamW", "matches_target"]
 
 NONFINITE_POLICIES = ("raise", "skip")
-#: Block sizes bitsandbytes' blockwise quantization accepts on every backend (CUDA kernels are compiled for these).
-QUANT_BLOCKSIZES = (64, 128, 256, 512, 1024, 2048, 4096)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# pure functions
-
-
-def adam_direction(
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    grad: torch.Tensor,
-    betas: tuple[float, float],
-    eps: float,
-    step: int | torch.Tensor,
-) -> torch.Tensor:
-    """Update Adam's moments in place with ``grad`` and return the bias-corrected direction ``m^ / (sqrt(v^) + eps)``.
-
-    The arithmetic is torch.optim.AdamW's (``m/(1-b1^t) / (sqrt(v)/sqrt(1-b2^t) + eps)``), so with the identity
-    basis this is AdamW up to floating-point rounding.
-
-    Args:
-        exp_avg: First moment, updated in place.
-        exp_avg_sq: Second moment, updated in place.
-        grad: The (projected) gradient, same shape as the moments.
-        betas: ``(beta1, beta2)``.
-        eps: Added to ``sqrt(v^)``.
-        step: Number of updates these moments have seen, including this one: an int, or an integer tensor
-            broadcastable to the moments when every column (row) has its own age (see ``column_bias_correction``
-            in :class:`DCTAdamW`).
-    """
-    beta1, beta2 = betas
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    if isinstance(step, torch.Tensor):
-        t = step.to(exp_avg.dtype)
-        bias1 = 1 - torch.pow(beta1, t)
-        bias2_sqrt = (1 - torch.pow(beta2, t)).sqrt()
-    else:
-        bias1 = 1 - beta1**step
-        bias2_sqrt = math.sqrt(1 - beta2**step)
-    # Two temporaries, the rest in place: for an embedding-sized plain-AdamW tensor every extra copy is a full pass.
-    denom = exp_avg_sq.sqrt().div_(bias2_sqrt).add_(eps)
-    return torch.div(exp_avg, denom, out=denom).div_(bias1)
-
-
-def match_indices(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Match two ascending index selections: ``(kept, source)`` with ``kept[k]`` true when ``new[k]`` is in ``old``,
-    at position ``source[k]`` (meaningless where ``kept`` is false)."""
-    if old.numel() == 0:
-        return torch.zeros_like(new, dtype=torch.bool), torch.zeros_like(new)
-    source = torch.searchsorted(old, new).clamp_max_(old.numel() - 1)
-    return old[source] == new, source
-
-
-def rotate_selected(tensor: torch.Tensor, old: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
-    """Carry ``tensor`` (indexed by the ``old`` selection along ``dim``) over to the ``new`` selection.
-
-    Because the DCT basis is orthonormal, the paper's rotation ``Q[I_old] Q[I_new]^T`` is a 0/1 partial permutation:
-    a basis vector kept by both selections keeps its slice, a new one starts at zero. This applies that permutation
-    by index matching instead of an ``r x r`` product (same result, no float error, O(r log r)).
-    """
-    kept, source = match_indices(old, new)
-    shape = list(tensor.shape)
-    shape[dim] = new.numel()
-    out = tensor.new_zeros(shape)
-    where = kept.nonzero().squeeze(1)
-    out.index_copy_(dim, where, tensor.index_select(dim, source[where]))
-    return out
-
-
-#: The 8-bit code books: bitsandbytes' signed dynamic (exponent) map for the first moment, its unsigned variant for
-#: the non-negative second moment (all 256 codes on [0, 1], as in bitsandbytes' 8-bit Adam), and a uniform signed map
-#: for the error-feedback residual. The residual is dense and roughly Gaussian within a block, where the uniform grid
-#: has about a third less RMS error than the dynamic one (0.70% vs 1.09% of the norm, blocks of 256); the public code
-#: also quantizes its error buffer uniformly.
-QUANT_MAPS = ("dynamic", "udynamic", "linear")
-_QMAPS: dict[tuple[str, torch.device], torch.Tensor] = {}
-
-
-def _qmap(kind: str, device: torch.device) -> torch.Tensor:
-    key = (kind, device)
-    if key not in _QMAPS:
-        from bitsandbytes.functional import create_dynamic_map, create_linear_map
-
-        if kind == "linear":
-            code = create_linear_map(signed=True)
-        elif kind in ("dynamic", "udynamic"):
-            code = create_dynamic_map(signed=kind == "dynamic")
-        else:
-            raise ValueError(f"`kind` must be one of {QUANT_MAPS}, got {kind!r}")
-        _QMAPS[key] = code.to(device)
-    return _QMAPS[key]
-
-
-def quantize_8bit(x: torch.Tensor, kind: str = "dynamic", blocksize: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blockwise 8-bit quantization through bitsandbytes: ``(codes uint8, absmax float32)``.
-
-    Each block of ``blocksize`` consecutive values is scaled by its absolute maximum and rounded to the nearest of
-    the 256 values of the code book ``kind`` (see :data:`QUANT_MAPS`; Dettmers et al., "8-bit Optimizers via
-    Block-wise Quantization"). On CPU bitsandbytes 0.50 runs this in its native C kernel for fp32, bf16 and fp16.
-    """
-    from bitsandbytes.functional import quantize_blockwise
-
-    if blocksize not in QUANT_BLOCKSIZES:
-        raise ValueError(f"`blocksize` must be one of {QUANT_BLOCKSIZES}, got {blocksize!r}")
-    source = x.detach().float().contiguous()
-    codes, qstate = quantize_blockwise(source, code=_qmap(kind, x.device), blocksize=blocksize)
-    return codes, qstate.absmax
-
-
-def dequantize_8bit(
-    codes: torch.Tensor,
-    absmax: torch.Tensor,
-    kind: str = "dynamic",
-    blocksize: int = 256,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """Inverse of :func:`quantize_8bit` (same ``kind`` and ``blocksize``); returns a tensor of ``codes``' shape."""
-    from bitsandbytes.functional import dequantize_blockwise
-
-    out = dequantize_blockwise(codes, absmax=absmax, code=_qmap(kind, codes.device), blocksize=blocksize)
-    return out.to(dtype)
 
 
 def matches_target(module_name: str, target_modules: str | Sequence[str] | None) -> bool:
@@ -449,43 +322,6 @@ class DCTAdamW(Optimizer):
         return plan
 
     # ------------------------------------------------------------------------------------------------------------
-    # state storage: each buffer lives either as a float tensor `key` or as 8-bit `key_q` + `key_absmax`
-
-    @staticmethod
-    def _load(
-        state: dict[str, Any],
-        key: str,
-        shape: Sequence[int],
-        kind: str,
-        blocksize: int,
-        work: torch.dtype,
-        device: torch.device,
-    ) -> torch.Tensor:
-        if key in state:
-            return state[key].to(work)
-        if f"{key}_q" in state:
-            return dequantize_8bit(state[f"{key}_q"], state[f"{key}_absmax"], kind, blocksize, work)
-        return torch.zeros(shape, dtype=work, device=device)
-
-    @staticmethod
-    def _store(
-        state: dict[str, Any],
-        key: str,
-        value: torch.Tensor,
-        eight_bit: bool,
-        kind: str,
-        group: dict[str, Any],
-        dtype: torch.dtype,
-    ) -> None:
-        if eight_bit and value.numel() >= group["min_8bit_size"]:
-            state[f"{key}_q"], state[f"{key}_absmax"] = quantize_8bit(value, kind, group["quant_blocksize"])
-            state.pop(key, None)
-        else:
-            state[key] = value if value.dtype == dtype else value.to(dtype)
-            state.pop(f"{key}_q", None)
-            state.pop(f"{key}_absmax", None)
-
-    # ------------------------------------------------------------------------------------------------------------
     # the step
 
     def _sync_active(self) -> bool:
@@ -576,12 +412,12 @@ class DCTAdamW(Optimizer):
     def _adamw_step(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]) -> None:
         work = self._work_dtype(p)
         eight, bs = group["moments_8bit"], group["quant_blocksize"]
-        m = self._load(state, "exp_avg", p.shape, "dynamic", bs, work, p.device)
-        v = self._load(state, "exp_avg_sq", p.shape, "udynamic", bs, work, p.device)
+        m = load_buffer(state, "exp_avg", p.shape, "dynamic", bs, work, p.device)
+        v = load_buffer(state, "exp_avg_sq", p.shape, "udynamic", bs, work, p.device)
         state["step"] += 1
         direction = adam_direction(m, v, p.grad.to(work), group["betas"], group["eps"], state["step"])
-        self._store(state, "exp_avg", m, eight, "dynamic", group, p.dtype)
-        self._store(state, "exp_avg_sq", v, eight, "udynamic", group, p.dtype)
+        store_buffer(state, "exp_avg", m, eight, "dynamic", group, p.dtype)
+        store_buffer(state, "exp_avg_sq", v, eight, "udynamic", group, p.dtype)
         if group["weight_decay"] != 0:
             p.mul_(1 - group["lr"] * group["weight_decay"])
         p.add_(direction.to(p.dtype), alpha=-group["lr"])
@@ -599,9 +435,9 @@ class DCTAdamW(Optimizer):
 
         grad = p.grad.to(work)
         if group["error_feedback"]:
-            grad = grad + self._load(state, "error", p.shape, "linear", bs, work, p.device)
-        m = self._load(state, "exp_avg", low_shape, "dynamic", bs, work, p.device)
-        v = self._load(state, "exp_avg_sq", low_shape, "udynamic", bs, work, p.device)
+            grad = grad + load_buffer(state, "error", p.shape, "linear", bs, work, p.device)
+        m = load_buffer(state, "exp_avg", low_shape, "dynamic", bs, work, p.device)
+        v = load_buffer(state, "exp_avg_sq", low_shape, "udynamic", bs, work, p.device)
 
         ages = state.get("column_step")
         if ages_on and ages is None:
@@ -628,7 +464,7 @@ class DCTAdamW(Optimizer):
 
         if group["error_feedback"]:
             residual = grad - project_back(low, basis, side)
-            self._store(state, "error", residual, group["error_feedback_8bit"], "linear", group, p.dtype)
+            store_buffer(state, "error", residual, group["error_feedback_8bit"], "linear", group, p.dtype)
 
         state["step"] += 1
         if ages_on:
@@ -638,8 +474,8 @@ class DCTAdamW(Optimizer):
             state.pop("column_step", None)
             step = state["step"]
         direction = adam_direction(m, v, low, group["betas"], group["eps"], step)
-        self._store(state, "exp_avg", m, group["moments_8bit"], "dynamic", group, p.dtype)
-        self._store(state, "exp_avg_sq", v, group["moments_8bit"], "udynamic", group, p.dtype)
+        store_buffer(state, "exp_avg", m, group["moments_8bit"], "dynamic", group, p.dtype)
+        store_buffer(state, "exp_avg_sq", v, group["moments_8bit"], "udynamic", group, p.dtype)
 
         if group["weight_decay"] != 0:
             p.mul_(1 - group["lr"] * group["weight_decay"])

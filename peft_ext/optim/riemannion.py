@@ -46,91 +46,17 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ..distributed import check_parameters_unchanged, registered_parameters, reject_sharded
-from ..kernels.retraction import retract
-from ..manifolds.fixed_rank import FixedRankPoint, TangentVector, egrad2rgrad, orthogonalize, transp
+from ..kernels.retraction import stack_by_shape
+from ..manifolds.fixed_rank import FixedRankPoint, TangentVector, right_basis, stack_bases
 from ..tuners.riemannion.layer import AdapterRef, find_adapters
+from .adam_math import adamw_update
+from .riemannion_math import riemannion_update
 
-__all__ = ["RiemannLoRA", "Riemannion", "adamw_update", "create_riemannion_optimizer", "riemannion_update"]
+__all__ = ["RiemannLoRA", "Riemannion", "create_riemannion_optimizer"]
 
 ParamsT = Union[Iterable[Tensor], Iterable[dict[str, Any]], nn.Module]
 _GROUP_KEYS = {"lr", "aux_lr", "momentum", "nesterov", "weight_decay", "aux_weight_decay", "orthogonalize", "betas"}
 _GROUP_KEYS |= {"eps", "manifold", "params", "rtol"}
-
-
-def riemannion_update(
-    point: FixedRankPoint,
-    grad_right: Tensor,
-    grad_left: Tensor,
-    momentum: Optional[TangentVector],
-    *,
-    lr: float,
-    beta: float,
-    nesterov: bool = False,
-    weight_decay: float = 0.0,
-    orthogonalize_step: bool = True,
-    rtol: Optional[float] = None,
-) -> tuple[FixedRankPoint, TangentVector]:
-    """One Riemannion (or, with ``orthogonalize_step=False``, RiemannLoRA) step for one adapter; pure.
-
-    Args:
-        point: The current point ``X = A B^T``.
-        grad_right: ``G B_R`` (m x r), the gradient of the layer's zero probe ``Z``.
-        grad_left: ``G^T A`` (n x r), the gradient of ``B``.
-        momentum: The momentum tangent vector at ``point`` (``None`` on the first step).
-        lr: Step size (spectral-norm units when orthogonalizing, Frobenius units otherwise).
-        beta: Momentum coefficient.
-        nesterov: Step along ``grad + beta * M`` instead of ``M``.
-        weight_decay: Decoupled weight decay: the step retracts ``(1 - lr * weight_decay) X - lr * D``.
-        orthogonalize_step: Orthogonalize the direction (Riemannion) or not (RiemannLoRA).
-        rtol: Rank threshold of the orthogonalization; see :func:`peft_ext.manifolds.ortho_lowrank`.
-
-    Returns:
-        ``(new_point, momentum transported to new_point)``; the stored momentum is the pre-orthogonalization one.
-    """
-    grad = egrad2rgrad(point, grad_right, grad_left)
-    buf = grad if momentum is None else momentum * beta + grad
-    direction = grad + buf * beta if nesterov else buf
-    if orthogonalize_step:
-        direction = orthogonalize(point, direction, rtol)
-    # a stack of same-shaped adapters is retracted in one call: Householder QR on CPU (the reference), batched
-    # CholeskyQR2 with Triton Gram kernels on CUDA (peft_ext.kernels.retraction)
-    new_point = retract(point, direction * (-lr), x_scale=1.0 - lr * weight_decay)
-    return new_point, transp(point, new_point, buf)
-
-
-def adamw_update(
-    param: Tensor,
-    grad: Tensor,
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor,
-    step: int,
-    *,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-) -> None:
-    """One AdamW step in place, the same arithmetic as ``torch.optim.AdamW`` (decoupled decay, bias correction).
-
-    Args:
-        param: The parameter (updated in place).
-        grad: Its gradient.
-        exp_avg: First moment (updated in place).
-        exp_avg_sq: Second moment (updated in place).
-        step: The step number, counting from 1.
-        lr: Learning rate.
-        betas: Moment coefficients.
-        eps: Denominator term.
-        weight_decay: Decoupled weight decay.
-    """
-    beta1, beta2 = betas
-    param.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = math.sqrt(1 - beta2**step)
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
 
 
 class Riemannion(Optimizer):
@@ -204,6 +130,7 @@ class Riemannion(Optimizer):
             raise ValueError(f"`nonfinite` must be 'raise' or 'skip', got {nonfinite!r}")
         self.nonfinite = nonfinite
         self._adapters = find_adapters(model)
+        self._ref_by_A = {id(ref.A): ref for ref in self._adapters}
         self._names = {id(p): name for name, p in model.named_parameters()}
         defaults = {
             "lr": lr,
@@ -371,28 +298,30 @@ class Riemannion(Optimizer):
 
     def _step_manifold(self, group: dict[str, Any]) -> None:
         # Adapters of the same shape are stacked and updated in one batched call (the geometry takes leading batch
-        # dimensions): a transformer has many same-shaped adapters, and per-adapter QR/SVD calls would dominate.
-        buckets: dict[tuple, list[tuple[Tensor, Tensor, Tensor]]] = {}
+        # dimensions; kernels.retraction.stack_by_shape forms the stacks).
+        rows, has_momentum, refs = [], [], []
         for A, B, Z in _triples(group):
             if B.grad is None and Z.grad is None:
                 continue  # the adapter took no part in the loss (e.g. inactive): nothing to do, like torch optimizers
-            key = (tuple(A.shape), tuple(B.shape), A.dtype, A.device, "momentum_A" in self.state[A])
-            buckets.setdefault(key, []).append((A, B, Z))
-        for (_, _, dtype, _, has_momentum), items in buckets.items():
-            work = torch.promote_types(dtype, torch.float32)
-            point = FixedRankPoint.from_factors(
-                torch.stack([A.to(work) for A, _, _ in items]), torch.stack([B.to(work) for _, B, _ in items])
-            )
-            grad_right = torch.stack([_grad_or_zeros(Z, work) for _, _, Z in items])
-            grad_left = torch.stack([_grad_or_zeros(B, work) for _, B, _ in items])
+            rows.append((A, B, _grad_or_zeros(Z), _grad_or_zeros(B)))
+            has_momentum.append("momentum_A" in self.state[A])
+            refs.append(self._ref_by_A[id(A)])
+        for indices, (A, B, grad_right, grad_left) in stack_by_shape(rows, has_momentum):
             buf = None
-            if has_momentum:
-                states = [self.state[A] for A, _, _ in items]
+            if has_momentum[indices[0]]:
+                # stacked as stored (float32 or wider, or the parameter's dtype after load_state_dict's cast)
+                states = [self.state[rows[i][0]] for i in indices]
                 buf = TangentVector(
                     torch.stack([s["momentum_A"] for s in states]), torch.stack([s["momentum_B"] for s in states])
                 )
+            # B_R of the current point: the layer's cached basis (computed by its forward pass, or handed over by
+            # the previous step) when it is in the working precision; half-precision B gets its own fp32 basis
+            if B.dtype == rows[indices[0]][1].dtype:
+                B_R = stack_bases([refs[i].layer.get_right_basis(refs[i].adapter_name) for i in indices])
+            else:
+                B_R = right_basis(B)
             new_point, new_buf = riemannion_update(
-                point,
+                FixedRankPoint(A, B, B_R),
                 grad_right,
                 grad_left,
                 buf,
@@ -403,14 +332,18 @@ class Riemannion(Optimizer):
                 orthogonalize_step=group["orthogonalize"],
                 rtol=group["rtol"],
             )
-            for i, (A, B, _) in enumerate(items):
-                A.copy_(new_point.A[i])
-                B.copy_(new_point.B[i])
-                state = self.state[A]
+            for n, i in enumerate(indices):
+                A_param, B_param = rows[i][0], rows[i][1]
+                A_param.copy_(new_point.A[n])
+                B_param.copy_(new_point.B[n])
+                if B_param.dtype == new_point.B.dtype:
+                    # the retraction computed right_basis(B) of the new point already: the next forward uses it
+                    refs[i].layer.set_right_basis(refs[i].adapter_name, new_point.B_R[n])
+                state = self.state[A_param]
                 state["step"] = state.get("step", 0) + 1
                 if group["momentum"] > 0:
                     # clones: a view would make torch.save write the whole stacked buffer for every adapter
-                    state["momentum_A"], state["momentum_B"] = new_buf.A_dot[i].clone(), new_buf.B_dot[i].clone()
+                    state["momentum_A"], state["momentum_B"] = new_buf.A_dot[n].clone(), new_buf.B_dot[n].clone()
 
     def _step_aux(self, group: dict[str, Any]) -> None:
         for p in group["params"]:
@@ -446,8 +379,8 @@ class RiemannLoRA(Riemannion):
         super().__init__(params, orthogonalize=orthogonalize, **kwargs)
 
 
-def _grad_or_zeros(p: Tensor, dtype: torch.dtype) -> Tensor:
-    return p.grad.to(dtype) if p.grad is not None else torch.zeros(p.shape, dtype=dtype, device=p.device)
+def _grad_or_zeros(p: Tensor) -> Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)
 
 
 def _triples(group: dict[str, Any]) -> Iterable[tuple[Tensor, Tensor, Tensor]]:

@@ -181,6 +181,36 @@ class RiemannionLayer(BaseTunerLayer):
             extra = (x @ probe) @ basis.mT
         return result + extra.to(result.dtype)
 
+    def get_right_basis(self, adapter_name: str) -> torch.Tensor:
+        """``B_R = qr(B).Q`` of the adapter's current ``B``, from the cache (computed there if ``B`` changed).
+
+        The Riemannion optimizer reads its step's starting point from here, so the layer and the optimizer use one
+        basis.
+
+        Args:
+            adapter_name: The adapter.
+        """
+        return self._right_basis(adapter_name)
+
+    def set_right_basis(self, adapter_name: str, B_R: torch.Tensor) -> None:
+        """Cache ``B_R`` as the right basis of the adapter's current ``B``, so the next forward does not compute it.
+
+        The Riemannion optimizer calls this after writing a new ``B``: its retraction has already computed
+        ``right_basis`` of that ``B`` (bit for bit what the layer would compute). Any later in-place change of ``B``
+        invalidates the entry as usual.
+
+        Args:
+            adapter_name: The adapter.
+            B_R: ``right_basis(B)`` for the current ``B``: same shape and dtype as ``B``, on its device.
+        """
+        B = self.riemannion_B[adapter_name]
+        if B_R.shape != B.shape or B_R.dtype != B.dtype or B_R.device != B.device:
+            raise ValueError(
+                f"B_R for adapter {adapter_name!r} must match riemannion_B ({tuple(B.shape)}, {B.dtype}, "
+                f"{B.device}), got {tuple(B_R.shape)}, {B_R.dtype}, {B_R.device}"
+            )
+        self._riemannion_B_R[adapter_name] = ((id(B), B.data_ptr(), B._version), B_R)
+
 
 class Linear(nn.Module, RiemannionLayer):
     """A ``torch.nn.Linear`` (or a bitsandbytes ``Linear8bitLt`` / ``Linear4bit``) with Riemannion adapters.

@@ -1,0 +1,103 @@
+"""Adam's arithmetic, once: the moment update and the bias-corrected denominator, as pure in-place tensor functions.
+
+Every optimizer here that runs Adam on something calls these: :class:`~peft_ext.optim.DCTAdamW` on the projected
+gradient and on plain parameters (:func:`adam_direction`), :class:`~peft_ext.optim.Riemannion` on the parameters
+outside the manifold (:func:`adamw_update`). The operations and their order are ``torch.optim.AdamW``'s
+(single-tensor path), so :func:`adamw_update` reproduces it bit for bit on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["adam_direction", "adam_moments", "adamw_update"]
+
+
+def adam_moments(
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    grad: Tensor,
+    betas: tuple[float, float],
+    eps: float,
+    step: int | Tensor,
+) -> tuple[Tensor, float | Tensor]:
+    """Update Adam's moments in place; return the denominator ``sqrt(v) / sqrt(1 - b2^t) + eps`` and ``1 - b1^t``.
+
+    Args:
+        exp_avg: First moment ``m``, updated in place.
+        exp_avg_sq: Second moment ``v``, updated in place.
+        grad: The gradient, same shape as the moments.
+        betas: ``(beta1, beta2)``.
+        eps: Added to ``sqrt(v^)``.
+        step: Number of updates these moments have seen, including this one: an int, or an integer tensor
+            broadcastable to the moments when every entry has its own age (DCT-AdamW's per-column correction).
+
+    Returns:
+        ``(denom, bias_correction1)``: a new tensor and the first moment's bias correction (a tensor when ``step``
+        is one).
+    """
+    beta1, beta2 = betas
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    if isinstance(step, Tensor):
+        t = step.to(exp_avg.dtype)
+        bias1 = 1 - torch.pow(beta1, t)
+        bias2_sqrt = (1 - torch.pow(beta2, t)).sqrt()
+    else:
+        bias1 = 1 - beta1**step
+        bias2_sqrt = math.sqrt(1 - beta2**step)
+    # one temporary, the rest in place: for an embedding-sized tensor every extra copy is a full pass
+    return exp_avg_sq.sqrt().div_(bias2_sqrt).add_(eps), bias1
+
+
+def adam_direction(
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    grad: Tensor,
+    betas: tuple[float, float],
+    eps: float,
+    step: int | Tensor,
+) -> Tensor:
+    """Update Adam's moments in place with ``grad`` and return the bias-corrected direction ``m^ / (sqrt(v^) + eps)``.
+
+    The arithmetic is torch.optim.AdamW's (``m/(1-b1^t) / (sqrt(v)/sqrt(1-b2^t) + eps)``), so with the identity
+    basis DCT-AdamW is AdamW up to floating-point rounding (the division by ``1 - b1^t`` comes last here, where
+    AdamW folds it into the step size).
+
+    Args: as :func:`adam_moments`.
+    """
+    denom, bias1 = adam_moments(exp_avg, exp_avg_sq, grad, betas, eps, step)
+    return torch.div(exp_avg, denom, out=denom).div_(bias1)
+
+
+def adamw_update(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    step: int,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """One AdamW step in place, the same arithmetic as ``torch.optim.AdamW`` (decoupled decay, bias correction).
+
+    Args:
+        param: The parameter (updated in place).
+        grad: Its gradient.
+        exp_avg: First moment (updated in place).
+        exp_avg_sq: Second moment (updated in place).
+        step: The step number, counting from 1.
+        lr: Learning rate.
+        betas: Moment coefficients.
+        eps: Denominator term.
+        weight_decay: Decoupled weight decay.
+    """
+    param.mul_(1 - lr * weight_decay)
+    denom, bias1 = adam_moments(exp_avg, exp_avg_sq, grad, betas, eps, step)
+    param.addcdiv_(exp_avg, denom, value=-lr / bias1)
