@@ -89,7 +89,7 @@ def gather_table(args: argparse.Namespace, device: torch.device) -> dict[str, fl
     methods: dict[str, Callable] = {"loop": rank_pool_gather_loop}
     methods |= {"indexed": rank_pool_gather_indexed, "masked": rank_pool_gather_masked}
     if device.type == "cuda":
-        from peft_ext.kernels.triton_ops import triton_rank_pool_gather
+        from peft_ext.kernels.triton_rank_pool import triton_rank_pool_gather
 
         methods["triton"] = triton_rank_pool_gather
     reference = choose_reference(args.tokens, args.pool, args.k, args.width, args.width)

@@ -67,6 +67,12 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _load_ranks(idx_ptr, pid_b, offs_k, mask_k, stride_ib, stride_ik):
+    """Sample ``pid_b``'s rank indices ``idx[pid_b, offs_k]`` as int64 (masked lanes read rank 0)."""
+    return tl.load(idx_ptr + pid_b * stride_ib + offs_k * stride_ik, mask=mask_k, other=0).to(tl.int64)
+
+
+@triton.jit
 def _shrink_kernel(
     x_ptr,
     w_ptr,
@@ -98,7 +104,7 @@ def _shrink_kernel(
     offs_k = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_t = offs_t < T
     mask_k = offs_k < K
-    ranks = tl.load(idx_ptr + pid_b * stride_ib + offs_k * stride_ik, mask=mask_k, other=0).to(tl.int64)
+    ranks = _load_ranks(idx_ptr, pid_b, offs_k, mask_k, stride_ib, stride_ik)
     x_rows = x_ptr + pid_b * stride_xb + offs_t[:, None].to(tl.int64) * stride_xt
     w_cols = w_ptr + ranks[None, :] * stride_wn
     acc = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
@@ -149,7 +155,7 @@ def _expand_kernel(
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
-        ranks = tl.load(idx_ptr + pid_b * stride_ib + offs_k * stride_ik, mask=mask_k, other=0).to(tl.int64)
+        ranks = _load_ranks(idx_ptr, pid_b, offs_k, mask_k, stride_ib, stride_ik)
         h = tl.load(h_rows + offs_k[None, :], mask=mask_t[:, None] & mask_k[None, :], other=0.0)
         w_ptrs = w_ptr + ranks[:, None] * stride_wn + offs_o[None, :] * stride_wo
         w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_o[None, :], other=0.0)
@@ -186,7 +192,7 @@ def _wgrad_kernel(
     offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_k = offs_k < K
     mask_c = offs_c < C
-    ranks = tl.load(idx_ptr + pid_b * stride_ib + offs_k * stride_ik, mask=mask_k, other=0).to(tl.int64)
+    ranks = _load_ranks(idx_ptr, pid_b, offs_k, mask_k, stride_ib, stride_ik)
     acc = tl.zeros((BLOCK_K, BLOCK_C), dtype=tl.float32)
     for t0 in range(0, T, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
