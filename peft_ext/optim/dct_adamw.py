@@ -62,10 +62,6 @@ def matches_target(module_name: str, target_modules: str | Sequence[str] | None)
     return any(f".{t}." in padded for t in target_modules)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# the optimizer
-
-
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"`{name}` must be an int, got {type(value).__name__} {value!r}")

@@ -17,6 +17,11 @@ defaults (Llama-3-8B, r=16): lr 1e-4, weight decay 3.16e-3, momentum 0.9, linear
 units). Other trainable parameters (classification heads, ``modules_to_save``) are updated by an AdamW inside the
 same optimizer (as Muon's ``MuonWithAuxAdam`` does).
 
+The step for a stack of same-shaped adapters is the pure :func:`~peft_ext.optim.riemannion_math.riemannion_update`;
+the AdamW step is :func:`~peft_ext.optim.adam_math.adamw_update`. This class gathers the stacks, calls them and writes
+the results back, handing each layer the new point's ``B_R`` (computed by the retraction) so the next forward pass
+and the next step reuse it.
+
 When not to use it: on adapters other than Riemannion's (the optimizer refuses them), or with ordinary optimizers on
 Riemannion adapters (they would break ``A``'s orthonormality; the constructor checks it).
 
