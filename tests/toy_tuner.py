@@ -17,8 +17,7 @@ from peft.utils import PeftType
 from torch import nn
 
 from peft_ext import register_peft_type
-from peft_ext.tuners.adapter_layer import AdapterLayer, AdapterLinear
-from peft_ext.tuners.adapter_tuner import AdapterTuner
+from peft_ext.tuners import AdapterLayer, AdapterLinear, AdapterTuner
 
 
 @dataclass
