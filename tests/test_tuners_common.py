@@ -153,6 +153,6 @@ def test_adapter_linear_dispatch_merge_and_mixed_batch():
         with pytest.raises(ValueError, match="Merging Scale adapter 'b' gives non-finite weights"):
             layer.merge(safe_merge=True, adapter_names=["b"])
         assert torch.equal(layer.base_layer.weight, weight)
-    assert layer.calls == 4  # after_forward ran in every branch that produced an output: plain, mixed, merged, disabled
+    assert layer.calls == 4  # after_forward ran in every branch: plain, mixed, merged, disabled
     assert repr(layer).startswith("scale._ScaleLinear(")
     assert layer.carried_adapters() == ["a", "b"] and layer.carries_adapter("a") and not layer.carries_adapter("c")

@@ -10,7 +10,7 @@ What the base owns:
   ``adapter_names`` given -> the mixed batch; merged -> the base layer; otherwise the base output plus the sum of
   the active adapters' outputs, in ``active_adapters`` order. :meth:`AdapterLayer.after_forward` runs last, in
   every branch.
-- **Mixed-adapter batches**: ``forward(x, adapter_names=[...])`` (one adapter name per row of ``x``, ``"__base__``
+- **Mixed-adapter batches**: ``forward(x, adapter_names=[...])`` (one adapter name per row of ``x``, ``"__base__"``
   for no adapter) adds each adapter's output to its own rows only; the tuner side is
   :class:`~peft_ext.tuners.adapter_tuner.AdapterTuner`.
 - **Merging**: :meth:`AdapterLinear.merge` / :meth:`AdapterLinear.unmerge` with ``safe_merge`` (non-finite weights

@@ -396,7 +396,7 @@ class SplitLoRALayer(AdapterLayer):
         self.splitlora_primary[adapter_name].fill_(primary)
         return {"task": task_index, "k_star": k_star, "primary": primary, "in_features": n}
 
-    # --- merging ----------------------------------------------------------------------------------------------------
+    # --- the delta (the forward skeleton and merging are AdapterLinear's) ------------------------------------------
 
     def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
         """``dW_old + B A`` as an ``out x in`` matrix in the adapter dtype.
