@@ -425,7 +425,7 @@ def test_rank_above_the_input_width_and_unsupported_modules_are_refused():
         def forward(self, x):
             return self.conv(x)
 
-    with pytest.raises(ValueError, match="SplitLoRA adapts torch.nn.Linear .* got Conv1d at 'conv'"):
+    with pytest.raises(ValueError, match=r"SplitLoRA supports torch.nn.Linear .* the target 'conv' is a Conv1d"):
         get_peft_model(WithConv(), SplitLoRAConfig(r=1, target_modules=["conv"]))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from peft import get_peft_model
@@ -9,7 +11,15 @@ from torch import nn
 
 from peft_ext import MoRAConfig, PCLRConfig, RiemannionConfig, SplitLoRAConfig
 from peft_ext.models import tiny_bert, tiny_clip
-from peft_ext.tuners._common import disable_bnb_cpu_repacking, require_linear_target
+from peft_ext.tuners import (
+    AdapterLayer,
+    AdapterLinear,
+    delta_matmul,
+    require_linear_target,
+    require_positive_int,
+    validate_target_selection,
+)
+from peft_ext.tuners._common import disable_bnb_cpu_repacking
 
 CONFIGS = {
     "riemannion": lambda: RiemannionConfig(r=4, target_modules=["query", "value"]),
@@ -58,3 +68,91 @@ def test_adapter_names_errors_name_what_exists(name):
         with model.disable_adapter():
             base = model(input_ids=ids)[0]
     torch.testing.assert_close(mixed[0], base[0])
+
+
+# --- the adapter skeleton (peft_ext.tuners: AdapterLayer / AdapterLinear / AdapterTuner) ----------------------------
+
+
+def test_config_checks_shared_by_every_adapter_config():
+    config = SimpleNamespace(target_modules=["a", "b"], exclude_modules=("c",), layers_to_transform=None)
+    validate_target_selection(config)
+    assert config.target_modules == {"a", "b"} and config.exclude_modules == {"c"}
+    with pytest.raises(ValueError, match="`layers_to_transform` cannot be used when `target_modules` is a regex"):
+        validate_target_selection(SimpleNamespace(target_modules=".*q", layers_to_transform=[0]))
+    with pytest.raises(ValueError, match="`layers_pattern` cannot be used when `target_modules` is a regex"):
+        validate_target_selection(SimpleNamespace(target_modules=".*q", layers_pattern="layers"))
+    with pytest.raises(ValueError, match="`layers_pattern` needs `layers_to_transform`"):
+        validate_target_selection(SimpleNamespace(target_modules=["q"], layers_pattern="layers"))
+    require_positive_int(SimpleNamespace(r=3), "r")
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match=rf"`r` must be a positive integer, got {bad!r}"):
+            require_positive_int(SimpleNamespace(r=bad), "r")
+
+
+def test_delta_matmul_computes_half_precision_in_float32_on_cpu():
+    left, right = torch.randn(8, 3, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
+    for dtype in (torch.float16, torch.bfloat16):
+        out = delta_matmul(left.to(dtype), right.to(dtype))
+        assert out.dtype == dtype
+        assert torch.equal(out, (left.to(dtype).float() @ right.to(dtype).float()).to(dtype))
+    assert torch.equal(delta_matmul(left, right), left @ right)
+
+
+class _Scale(AdapterLayer):
+    """A minimal skeleton user: ``delta = diag(s)``, with an after_forward hook that counts calls."""
+
+    method_name = "Scale"
+    adapter_dict_name = "scale_s"
+    adapter_layer_names = ("scale_s",)
+
+    def __init__(self, base_layer: nn.Module) -> None:
+        AdapterLayer.__init__(self, base_layer)
+        self.scale_s = nn.ParameterDict({})
+        self.calls = 0
+
+    def adapter_output(self, x, adapter_name, rows=None):
+        return x * self.scale_s[adapter_name]
+
+    def get_delta_weight(self, adapter_name):
+        return torch.diag(self.scale_s[adapter_name])
+
+    def after_forward(self, x, result):
+        self.calls += 1
+        return result
+
+
+class _ScaleLinear(AdapterLinear, _Scale):
+    def __init__(self, base_layer: nn.Module) -> None:
+        super().__init__()
+        _Scale.__init__(self, base_layer)
+        for name, value in (("a", 0.5), ("b", -2.0)):
+            self.scale_s[name] = nn.Parameter(torch.full((4,), value))
+        self._active_adapter = ["a", "b"]
+
+
+def test_adapter_linear_dispatch_merge_and_mixed_batch():
+    torch.manual_seed(0)
+    layer = _ScaleLinear(nn.Linear(4, 4))
+    x = torch.randn(3, 4)
+    base = layer.base_layer(x)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), base + 0.5 * x - 2.0 * x)
+        mixed = layer(x, adapter_names=["a", "__base__", "b"])
+        torch.testing.assert_close(mixed, torch.stack([base[0] + 0.5 * x[0], base[1], base[2] - 2.0 * x[2]]))
+        with pytest.raises(ValueError, match="one entry per input, got 2 names for 3 inputs"):
+            layer(x, adapter_names=["a", "b"])
+        weight = layer.base_layer.weight.clone()
+        layer.merge(adapter_names=["a"])
+        assert layer.merged_adapters == ["a"]
+        torch.testing.assert_close(layer(x), base + 0.5 * x)  # merged: the base layer alone
+        layer.enable_adapters(False)
+        torch.testing.assert_close(layer(x), base)  # disabling unmerges
+        assert not layer.merged and torch.allclose(layer.base_layer.weight, weight)
+        layer.enable_adapters(True)
+        layer.scale_s["b"].fill_(float("nan"))
+        with pytest.raises(ValueError, match="Merging Scale adapter 'b' gives non-finite weights"):
+            layer.merge(safe_merge=True, adapter_names=["b"])
+        assert torch.equal(layer.base_layer.weight, weight)
+    assert layer.calls == 4  # after_forward ran in every branch: plain, mixed, merged, disabled
+    assert repr(layer).startswith("scale._ScaleLinear(")
+    assert layer.carried_adapters() == ["a", "b"] and layer.carries_adapter("a") and not layer.carries_adapter("c")

@@ -21,7 +21,9 @@ __all__ = [
     "forward_adapter_names",
     "merge_deltas",
     "require_linear_target",
+    "require_positive_int",
     "unmerge_deltas",
+    "validate_target_selection",
 ]
 
 
@@ -134,6 +136,17 @@ def check_adapter_names_args(layer: BaseTunerLayer, x: torch.Tensor, adapter_nam
         raise ValueError("Cannot pass `adapter_names` while adapters are merged; call `unmerge_adapter()` first")
 
 
+def _merged_weight(layer: BaseTunerLayer, weight: torch.Tensor, name: str) -> torch.Tensor:
+    # Layers on the AdapterLayer skeleton may merge other than additively (their merged_weight hook).
+    hook = getattr(layer, "merged_weight", None)
+    return hook(weight, name) if hook is not None else weight + layer.get_delta_weight(name).to(weight.dtype)
+
+
+def _unmerged_weight(layer: BaseTunerLayer, weight: torch.Tensor, name: str) -> torch.Tensor:
+    hook = getattr(layer, "unmerged_weight", None)
+    return hook(weight, name) if hook is not None else weight - layer.get_delta_weight(name).to(weight.dtype)
+
+
 def merge_deltas(
     layer: BaseTunerLayer,
     adapters: Container[str],
@@ -142,6 +155,9 @@ def merge_deltas(
     method: str,
 ) -> None:
     """Add each adapter's ``layer.get_delta_weight(name)`` to the base weight (adapters whose delta is additive).
+
+    A layer with a ``merged_weight(weight, name)`` method (every :class:`~peft_ext.tuners.adapter_layer.AdapterLayer`)
+    computes the merged weight itself. Runs without autograd: merging is not part of a differentiable graph.
 
     Args:
         layer: The adapter layer.
@@ -160,18 +176,15 @@ def merge_deltas(
     for name in adapter_names:
         if name not in adapters:
             continue
-        weight = layer.get_base_weight()
-        delta = layer.get_delta_weight(name).to(weight.dtype)
-        if safe_merge:
-            merged = weight.clone() + delta
-            if not torch.isfinite(merged).all():
+        with torch.no_grad():
+            weight = layer.get_base_weight()
+            merged = _merged_weight(layer, weight.clone() if safe_merge else weight, name)
+            if safe_merge and not torch.isfinite(merged).all():
                 raise ValueError(
                     f"Merging {method} adapter {name!r} gives non-finite weights; the adapter is broken "
                     "(the base weight was left unchanged)"
                 )
             layer.set_base_weight(merged)
-        else:
-            layer.set_base_weight(weight + delta)
         layer.merged_adapters.append(name)
 
 
@@ -183,5 +196,41 @@ def unmerge_deltas(layer: BaseTunerLayer, adapters: Container[str]) -> None:
     while layer.merged_adapters:
         name = layer.merged_adapters.pop()
         if name in adapters:
-            weight = layer.get_base_weight()
-            layer.set_base_weight(weight - layer.get_delta_weight(name).to(weight.dtype))
+            with torch.no_grad():
+                layer.set_base_weight(_unmerged_weight(layer, layer.get_base_weight(), name))
+
+
+def validate_target_selection(config: Any) -> None:
+    """The checks every linear-layer adapter config shares: ``target_modules`` / ``exclude_modules`` lists become
+    sets (PEFT's convention), and ``layers_to_transform`` / ``layers_pattern`` are used consistently.
+
+    Call it from the config's ``__post_init__``; attributes the config lacks are skipped.
+
+    Args:
+        config: The adapter config (a ``PeftConfig`` dataclass).
+    """
+    for key in ("target_modules", "exclude_modules"):
+        if isinstance(getattr(config, key, None), (list, tuple)):
+            setattr(config, key, set(getattr(config, key)))
+    target_modules = getattr(config, "target_modules", None)
+    layers_to_transform = getattr(config, "layers_to_transform", None)
+    layers_pattern = getattr(config, "layers_pattern", None)
+    if isinstance(target_modules, str) and layers_to_transform is not None:
+        raise ValueError("`layers_to_transform` cannot be used when `target_modules` is a regex string")
+    if isinstance(target_modules, str) and layers_pattern is not None:
+        raise ValueError("`layers_pattern` cannot be used when `target_modules` is a regex string")
+    if layers_pattern and layers_to_transform is None:
+        raise ValueError("`layers_pattern` needs `layers_to_transform`; set both or neither")
+
+
+def require_positive_int(config: Any, *names: str) -> None:
+    """Raise ``ValueError`` naming the field and its value unless each field ``names`` of ``config`` is an int >= 1.
+
+    Args:
+        config: The config.
+        *names: Its fields to check.
+    """
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}` must be a positive integer, got {value!r}")

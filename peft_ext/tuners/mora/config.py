@@ -10,6 +10,8 @@ from typing import Optional, Union
 from peft.config import PeftConfig
 from peft.utils import PeftType
 
+from .._common import require_positive_int, validate_target_selection
+
 # transformers' CLIPModel: text_model.encoder.layers.<i>.self_attn.{q,k,v,out}_proj and the same under vision_model.
 CLIP_TEXT_PATTERN = r"(?:^|\.)text_model\.encoder\.layers\.(\d+)\."
 CLIP_VISION_PATTERN = r"(?:^|\.)vision_model\.encoder\.layers\.(\d+)\."
@@ -83,10 +85,8 @@ class MoRAConfig(PeftConfig):
         # Looked up on the enum, not through a module global: register_peft_type instantiates this class before its
         # return value exists.
         self.peft_type = PeftType.MORA
-        if isinstance(self.target_modules, (list, tuple)):
-            self.target_modules = set(self.target_modules)
-        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
-            raise ValueError(f"`r` must be a positive integer, got {self.r!r}")
+        validate_target_selection(self)
+        require_positive_int(self, "r")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not math.isfinite(self.alpha):
             raise ValueError(f"`alpha` must be a finite number, got {self.alpha!r}")
         if not self.target_modules:
@@ -111,8 +111,7 @@ class MoRAConfig(PeftConfig):
                 )
             if len(set(self.layers)) != len(self.layers):
                 raise ValueError(f"`layers` must not repeat an index, got {self.layers!r}")
-        if isinstance(self.top_layers, bool) or not isinstance(self.top_layers, int) or self.top_layers < 1:
-            raise ValueError(f"`top_layers` must be a positive integer, got {self.top_layers!r}")
+        require_positive_int(self, "top_layers")
         if not isinstance(self.init_weights, bool):
             raise ValueError(f"`init_weights` must be True or False, got {self.init_weights!r}")
         if (

@@ -20,11 +20,10 @@ import warnings
 from typing import Any, Optional
 
 import torch
-from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check_adapters_to_merge
-from peft.utils import quantization_extra_repr, resolve_quantization_backend
+from peft.tuners.tuners_utils import check_adapters_to_merge
 from torch import nn
 
-from .._common import check_adapter_names_args, disable_bnb_cpu_repacking
+from ..adapter_layer import AdapterLayer, AdapterLinear
 from .config import MoRAConfig
 
 __all__ = ["MODALITIES", "Linear", "MoRALayer", "SharedFactors", "row_norm"]
@@ -59,21 +58,18 @@ class SharedFactors:
         return (a, b) if modality == "text" else (b, a)
 
 
-class MoRALayer(BaseTunerLayer):
-    """State and shared logic of a layer carrying MoRA adapters (see the module docstring)."""
+class MoRALayer(AdapterLayer):
+    """State and composition of a layer carrying MoRA adapters (see the module docstring)."""
 
+    method_name = "MoRA"
+    adapter_dict_name = "mora_spec_A"
     adapter_layer_names: tuple[str, ...] = ("mora_spec_A", "mora_spec_B", "mora_mag_shared", "mora_mag_specific")
     other_param_names: tuple[str, ...] = ("r", "scaling", "mora_pair")
 
     def __init__(self, base_layer: nn.Module, modality: str, shared: SharedFactors, **kwargs: Any) -> None:
         if modality not in MODALITIES:
             raise ValueError(f"`modality` must be one of {MODALITIES}, got {modality!r}")
-        self.base_layer = base_layer
-        self.quantization_backend = resolve_quantization_backend(
-            self.get_base_layer(), get_apply_tensor_subclass=kwargs.get("get_apply_tensor_subclass")
-        )
-        if self.quantization_backend is not None:
-            disable_bnb_cpu_repacking(self.get_base_layer())
+        AdapterLayer.__init__(self, base_layer, **kwargs)
         self.mora_modality = modality
         # object.__setattr__: keep the reference out of nn.Module's registry (one copy in the state dict, see above)
         object.__setattr__(self, "_mora_shared", shared)
@@ -84,21 +80,13 @@ class MoRALayer(BaseTunerLayer):
         self.mora_spec_B = nn.ParameterDict({})
         self.mora_mag_shared = nn.ParameterDict({})
         self.mora_mag_specific = nn.ParameterDict({})
-        self._disable_adapters = False
-        self.merged_adapters: list[str] = []
         # one entry per merge() call: {adapter: (s_sh, s_sp)}, what unmerge() needs to invert it exactly
         self._mora_merge_scales: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
-        self.kwargs = kwargs
-        in_features, out_features = _get_in_out_features(self.get_base_layer())
-        if in_features is None or out_features is None:
-            raise TypeError(f"MoRA cannot read the in/out features of {type(self.get_base_layer()).__name__}")
-        if in_features != out_features:
+        if self.in_features != self.out_features:
             raise ValueError(
                 f"MoRA's shared delta S (G) S^T is square, so it adapts square projections only; this layer is "
-                f"{out_features} x {in_features}. Restrict `target_modules` to the attention projections."
+                f"{self.out_features} x {self.in_features}. Restrict `target_modules` to the attention projections."
             )
-        self.in_features = in_features
-        self.out_features = out_features
 
     def update_layer(self, adapter_name: str, pair_key: str, config: MoRAConfig, inference_mode: bool = False) -> None:
         """Add (or re-create) adapter ``adapter_name``; the shared factors must already exist on the tuner.
@@ -174,15 +162,22 @@ class MoRALayer(BaseTunerLayer):
         s_sh, s_sp, d_sh, d_sp = self._scales(adapter_name, weight)
         return (s_sh + s_sp - 1).unsqueeze(1) * weight + s_sh.unsqueeze(1) * d_sh + s_sp.unsqueeze(1) * d_sp
 
-    def _adapter_output(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    def adapter_dtype(self, adapter_name: str) -> None:
+        # The composed delta's dtype is known only once it is computed (float32, or wider shared factors'):
+        # adapter_output casts the input to it.
+        return None
+
+    def adapter_output(self, x: torch.Tensor, adapter_name: str, rows: Optional[list[int]] = None) -> torch.Tensor:
+        """``x (W' - W)^T``: the composed weight's change applied to ``x`` (see ``AdapterLayer``)."""
+        delta = self.get_delta_weight(adapter_name)
         return self._cast_input_dtype(x, delta.dtype) @ delta.mT
 
-    def _check_forward_args(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        check_adapter_names_args(self, x, kwargs.get("adapter_names"))
 
-
-class Linear(nn.Module, MoRALayer):
+class Linear(AdapterLinear, MoRALayer):
     """A square ``torch.nn.Linear`` (or bitsandbytes ``Linear8bitLt`` / ``Linear4bit``) of one tower, with MoRA.
+
+    Forward dispatch, mixed-adapter batches and ``repr`` come from :class:`AdapterLinear`; merging is MoRA's own
+    (the adapters merged in one call are composed from the same base weight, and unmerging inverts that exactly).
 
     Args:
         base_layer: The layer to adapt.
@@ -269,35 +264,5 @@ class Linear(nn.Module, MoRALayer):
             for _ in scales:
                 self.merged_adapters.pop()
 
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self._check_forward_args(x, *args, **kwargs)
-        adapter_names = kwargs.pop("adapter_names", None)
-        if self.disable_adapters:
-            if self.merged:
-                self.unmerge()
-            return self.base_layer(x, *args, **kwargs)
-        result = self.base_layer(x, *args, **kwargs)
-        if self.merged:
-            return result
-        active = sorted(set(adapter_names)) if adapter_names is not None else self.active_adapters
-        active = [name for name in active if name in self.mora_spec_A]
-        if not active:
-            return result
-        if self.quantization_backend is not None:
-            result = self.quantization_backend.maybe_clone_base_result(result)
-        dtype = result.dtype
-        weight = self.get_base_weight()
-        for name in active:
-            delta = self.get_delta_weight(name, weight)
-            if adapter_names is None:
-                result = result + self._adapter_output(x, delta).to(dtype)
-            else:
-                rows = [i for i, item in enumerate(adapter_names) if item == name]
-                result[rows] += self._adapter_output(x[rows], delta).to(dtype)
-        return result
-
     def extra_repr(self) -> str:
-        return f"modality={self.mora_modality}, " + quantization_extra_repr(self)
-
-    def __repr__(self) -> str:
-        return "mora." + super().__repr__()
+        return f"modality={self.mora_modality}, " + super().extra_repr()

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Optional
 
 import torch
-from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
+from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
-from .._common import forward_adapter_names, require_linear_target
+from .._common import require_linear_target
+from ..adapter_tuner import AdapterTuner
 from .config import MoRAConfig
 from .layer import Linear, MoRALayer, SharedFactors
 
@@ -122,7 +120,7 @@ def plan_targets(model: nn.Module, config: MoRAConfig) -> dict[str, MoRATarget]:
     return dict(sorted(plan.items(), key=lambda item: order[item[0]]))
 
 
-class MoRAModel(BaseTuner):
+class MoRAModel(AdapterTuner):
     """MoRA adapters (METHODS.md section 4) on the top layers of both towers of a dual encoder.
 
     Use it through PEFT: ``get_peft_model(clip_model, MoRAConfig(r=4))``. The tuner owns the modality-common factors
@@ -180,32 +178,20 @@ class MoRAModel(BaseTuner):
             factor = torch.randn(width, config.r, device=device) * std
             container[adapter_name][target.pair_key] = nn.Parameter(factor, requires_grad=trainable)
 
-    def _create_and_replace(
-        self,
-        peft_config: MoRAConfig,
-        adapter_name: str,
-        target: nn.Module,
-        target_name: str,
-        parent: nn.Module,
-        current_key: str,
-        *,
-        parameter_name: Optional[str] = None,
-    ) -> None:
-        if parameter_name is not None:
-            raise ValueError(
-                f"MoRA adapts whole linear layers, not parameters; got target_parameters {parameter_name!r}"
-            )
-        info = self._mora_plan[current_key]
+    def _prepare_target(self, peft_config: MoRAConfig, adapter_name: str, target: nn.Module, current_key: str) -> None:
         base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
-        device = base.weight.device
-        self._ensure_shared(adapter_name, info, peft_config, device)
-        if isinstance(target, MoRALayer):
-            target.update_layer(adapter_name, info.pair_key, peft_config, inference_mode=peft_config.inference_mode)
-            return
-        new_module = Linear(target, adapter_name, info.pair_key, info.modality, self._shared(), peft_config)
-        if adapter_name not in self.active_adapters:
-            new_module.requires_grad_(False)
-        self._replace_module(parent, target_name, new_module, target)
+        self._ensure_shared(adapter_name, self._mora_plan[current_key], peft_config, base.weight.device)
+
+    def _update_target(self, target: MoRALayer, peft_config: MoRAConfig, adapter_name: str, current_key: str) -> None:
+        pair_key = self._mora_plan[current_key].pair_key
+        target.update_layer(adapter_name, pair_key, peft_config, inference_mode=peft_config.inference_mode)
+
+    def _check_target(self, target: nn.Module, current_key: str) -> None:
+        pass  # plan_targets checked every target (linear and square) before any was wrapped
+
+    def _new_layer(self, peft_config: MoRAConfig, adapter_name: str, target: nn.Module, current_key: str) -> nn.Module:
+        info = self._mora_plan[current_key]
+        return Linear(target, adapter_name, info.pair_key, info.modality, self._shared(), peft_config)
 
     def set_adapter(self, adapter_name: str | list[str], inference_mode: bool = False) -> None:
         """Set the active adapter(s); only their shared and specific parameters require grad.
@@ -261,10 +247,3 @@ class MoRAModel(BaseTuner):
         if adapter_name not in shared.text:
             raise ValueError(f"unknown adapter {adapter_name!r}; known: {sorted(shared.text.keys())}")
         return {k: (shared.text[adapter_name][k], shared.vision[adapter_name][k]) for k in shared.text[adapter_name]}
-
-    @contextmanager
-    def _enable_peft_forward_hooks(self, *args: Any, **kwargs: Any) -> Iterator[None]:
-        # Mixed-adapter batches: PeftModel.forward routes `adapter_names` here; every layer receives it as a kwarg.
-        names = kwargs.pop("adapter_names", None)
-        with forward_adapter_names(self, names, lambda: self._shared().text.keys(), (MoRALayer,)):
-            yield

@@ -9,6 +9,8 @@ from typing import Optional, Union
 from peft.config import PeftConfig
 from peft.utils import PeftType
 
+from .._common import require_positive_int, validate_target_selection
+
 
 @dataclass
 class RiemannionConfig(PeftConfig):
@@ -66,22 +68,14 @@ class RiemannionConfig(PeftConfig):
         # Looked up on the enum (not a module global): register_peft_type instantiates this class to check it before
         # the registration's return value exists.
         self.peft_type = PeftType.RIEMANNION
-        if isinstance(self.target_modules, list):
-            self.target_modules = set(self.target_modules)
-        if isinstance(self.exclude_modules, list):
-            self.exclude_modules = set(self.exclude_modules)
-        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
-            raise ValueError(f"`r` must be a positive integer, got {self.r!r}")
+        validate_target_selection(self)
+        require_positive_int(self, "r")
         if not isinstance(self.init_weights, bool):
             raise ValueError(f"`init_weights` must be True or False, got {self.init_weights!r}")
         if self.init_scale is not None and not (math.isfinite(self.init_scale) and self.init_scale > 0):
             raise ValueError(f"`init_scale` must be a positive finite number or None, got {self.init_scale!r}")
         if not 0 <= self.riemannion_dropout < 1:
             raise ValueError(f"`riemannion_dropout` must be in [0, 1), got {self.riemannion_dropout!r}")
-        if isinstance(self.target_modules, str) and self.layers_to_transform is not None:
-            raise ValueError("`layers_to_transform` cannot be used when `target_modules` is a regex string")
-        if self.layers_pattern and self.layers_to_transform is None:
-            raise ValueError("`layers_pattern` needs `layers_to_transform`; set both or neither")
 
     @property
     def resolved_init_scale(self) -> float:

@@ -13,7 +13,8 @@ G^T A_L from one backward pass"): ``dL/dZ = G B_R`` and ``dL/dB = G^T A``, with 
 (recovering ``G B_R`` from ``dL/dA = G B`` would need ``R^{-1}`` of ``qr(B)``, unstable for the small B of LOI).
 
 The base weight is never modified outside ``merge``; quantized bases (bitsandbytes 4-bit and 8-bit) go through
-PEFT's quantization backends, so one ``Linear`` class serves them all.
+PEFT's quantization backends, so one ``Linear`` class serves them all. The forward skeleton, mixed batches, merging
+and dtype handling are :class:`~peft_ext.tuners.adapter_layer.AdapterLinear`'s; this module holds the delta math.
 """
 
 from __future__ import annotations
@@ -23,20 +24,20 @@ from typing import Any, Optional
 
 import torch
 from peft.tuners._buffer_dict import BufferDict
-from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features
-from peft.utils import quantization_extra_repr, resolve_quantization_backend
 from torch import nn
 
 from ...manifolds.fixed_rank import random_point, right_basis
-from .._common import check_adapter_names_args, disable_bnb_cpu_repacking, merge_deltas, unmerge_deltas
+from ..adapter_layer import AdapterLayer, AdapterLinear, delta_matmul
 from .config import RiemannionConfig
 
 __all__ = ["AdapterRef", "Linear", "RiemannionLayer", "find_adapters"]
 
 
-class RiemannionLayer(BaseTunerLayer):
-    """State and shared logic of a layer carrying Riemannion adapters (see the module docstring)."""
+class RiemannionLayer(AdapterLayer):
+    """State and delta math of a layer carrying Riemannion adapters (see the module docstring)."""
 
+    method_name = "Riemannion"
+    adapter_dict_name = "riemannion_A"
     adapter_layer_names: tuple[str, ...] = ("riemannion_A", "riemannion_B", "riemannion_Z")
     other_param_names: tuple[str, ...] = (
         "r",
@@ -47,12 +48,7 @@ class RiemannionLayer(BaseTunerLayer):
     )
 
     def __init__(self, base_layer: nn.Module, **kwargs: Any) -> None:
-        self.base_layer = base_layer
-        self.quantization_backend = resolve_quantization_backend(
-            self.get_base_layer(), get_apply_tensor_subclass=kwargs.get("get_apply_tensor_subclass")
-        )
-        if self.quantization_backend is not None:
-            disable_bnb_cpu_repacking(self.get_base_layer())
+        AdapterLayer.__init__(self, base_layer, **kwargs)
         self.r: dict[str, int] = {}
         self.riemannion_A = nn.ParameterDict({})
         self.riemannion_B = nn.ParameterDict({})
@@ -61,18 +57,10 @@ class RiemannionLayer(BaseTunerLayer):
         self.riemannion_X0_A = BufferDict({}, persistent=True)
         self.riemannion_X0_B = BufferDict({}, persistent=True)
         self.riemannion_dropout = nn.ModuleDict({})
-        self._disable_adapters = False
-        self.merged_adapters: list[str] = []
         # (kind, basis, zero probe) while initialize_loi runs; see loi.py
         self._riemannion_probe: Optional[tuple[str, torch.Tensor, torch.Tensor]] = None
         # B_R per adapter with the (identity, storage, version) of the B it was computed from; see _right_basis
         self._riemannion_B_R: dict[str, tuple[tuple[int, int, int], torch.Tensor]] = {}
-        self.kwargs = kwargs
-        in_features, out_features = _get_in_out_features(self.get_base_layer())
-        if in_features is None or out_features is None:
-            raise TypeError(f"Riemannion cannot read the in/out features of {type(self.get_base_layer()).__name__}")
-        self.in_features = in_features
-        self.out_features = out_features
 
     def update_layer(self, adapter_name: str, config: RiemannionConfig, inference_mode: bool = False) -> None:
         """Add (or re-create) adapter ``adapter_name`` from ``config``.
@@ -135,9 +123,9 @@ class RiemannionLayer(BaseTunerLayer):
         right = torch.cat([B, B_R, self.riemannion_X0_B[adapter_name]], dim=1)
         return left, right
 
-    def _adapter_output(self, x: torch.Tensor, adapter_name: str) -> torch.Tensor:
+    def adapter_output(self, x: torch.Tensor, adapter_name: str, rows: Optional[list[int]] = None) -> torch.Tensor:
+        """``(X - X0) x`` in factored form, the input already in the adapter dtype (see ``AdapterLayer``)."""
         left, right = self._factors(adapter_name)
-        x = self._cast_input_dtype(x, left.dtype)
         x = self.riemannion_dropout[adapter_name](x)
         return (x @ right) @ left.mT
 
@@ -150,26 +138,12 @@ class RiemannionLayer(BaseTunerLayer):
             adapter_name: The adapter.
         """
         left, right = self._factors(adapter_name)
-        # float32 on CPU for half-precision adapters: CPU half matmuls are slow and lossy (as in PEFT's LoRA)
-        if left.device.type == "cpu" and left.dtype in (torch.float16, torch.bfloat16):
-            return (left.float() @ right.float().mT).to(left.dtype)
-        return left @ right.mT
+        return delta_matmul(left, right.mT)
 
-    def _check_forward_args(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        check_adapter_names_args(self, x, kwargs.get("adapter_names"))
-
-    def _mixed_batch_forward(
-        self, x: torch.Tensor, *args: Any, adapter_names: list[str], **kwargs: Any
-    ) -> torch.Tensor:
-        result = self.base_layer(x, *args, **kwargs)
-        dtype = result.dtype
-        if self.quantization_backend is not None:
-            result = self.quantization_backend.maybe_clone_base_result(result)
-        for name in set(adapter_names):
-            if name == "__base__" or name not in self.riemannion_A:
-                continue
-            rows = [i for i, item in enumerate(adapter_names) if item == name]
-            result[rows] += self._adapter_output(x[rows], name).to(dtype)
+    def after_forward(self, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+        """Add LOI's zero gradient probe while :func:`~.loi.initialize_loi` runs (in every forward branch)."""
+        if self._riemannion_probe is not None:
+            result = self._add_probe(x, result)
         return result
 
     def _add_probe(self, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
@@ -212,8 +186,10 @@ class RiemannionLayer(BaseTunerLayer):
         self._riemannion_B_R[adapter_name] = ((id(B), B.data_ptr(), B._version), B_R)
 
 
-class Linear(nn.Module, RiemannionLayer):
+class Linear(AdapterLinear, RiemannionLayer):
     """A ``torch.nn.Linear`` (or a bitsandbytes ``Linear8bitLt`` / ``Linear4bit``) with Riemannion adapters.
+
+    Forward dispatch, mixed-adapter batches, merging and ``repr`` come from :class:`AdapterLinear`.
 
     Args:
         base_layer: The layer to adapt.
@@ -226,49 +202,6 @@ class Linear(nn.Module, RiemannionLayer):
         RiemannionLayer.__init__(self, base_layer, **kwargs)
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config, inference_mode=config.inference_mode)
-
-    def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
-        """Add the active (or the given) adapters' deltas to the base weight.
-
-        Args:
-            safe_merge: Compute the merged weight in a copy and raise ``ValueError`` if it has non-finite values,
-                leaving the base weight untouched.
-            adapter_names: Adapters to merge (default: the active ones).
-        """
-        merge_deltas(self, self.riemannion_A, safe_merge, adapter_names, "Riemannion")
-
-    def unmerge(self) -> None:
-        """Subtract the merged adapters' deltas from the base weight again."""
-        unmerge_deltas(self, self.riemannion_A)
-
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self._check_forward_args(x, *args, **kwargs)
-        adapter_names = kwargs.pop("adapter_names", None)
-        if self.disable_adapters:
-            if self.merged:
-                self.unmerge()
-            result = self.base_layer(x, *args, **kwargs)
-        elif adapter_names is not None:
-            result = self._mixed_batch_forward(x, *args, adapter_names=adapter_names, **kwargs)
-        elif self.merged:
-            result = self.base_layer(x, *args, **kwargs)
-        else:
-            result = self.base_layer(x, *args, **kwargs)
-            dtype = result.dtype
-            if self.quantization_backend is not None:
-                result = self.quantization_backend.maybe_clone_base_result(result)
-            for name in self.active_adapters:
-                if name in self.riemannion_A:
-                    result = result + self._adapter_output(x, name).to(dtype)
-        if self._riemannion_probe is not None:
-            result = self._add_probe(x, result)
-        return result
-
-    def extra_repr(self) -> str:
-        return quantization_extra_repr(self)
-
-    def __repr__(self) -> str:
-        return "riemannion." + super().__repr__()
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ from typing import Literal, Optional, Union
 from peft.config import PeftConfig
 from peft.utils import PeftType
 
+from .._common import require_positive_int, validate_target_selection
+
 STATISTICS = ("auto", "dense", "sketch")
 INIT_SCALINGS = ("inverse_task", "constant")
 
@@ -88,12 +90,8 @@ class SplitLoRAConfig(PeftConfig):
         # Looked up on PeftType directly (not through a module global): register_peft_type instantiates this config
         # to check the round trip before the module-level assignment of its return value exists.
         self.peft_type = PeftType.SPLITLORA
-        if isinstance(self.target_modules, list):
-            self.target_modules = set(self.target_modules)
-        if isinstance(self.exclude_modules, list):
-            self.exclude_modules = set(self.exclude_modules)
-        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
-            raise ValueError(f"`r` must be a positive integer, got {self.r!r}")
+        validate_target_selection(self)
+        require_positive_int(self, "r")
         if isinstance(self.trade_off, bool) or not isinstance(self.trade_off, (int, float)):
             raise TypeError(f"`trade_off` must be a number, got {type(self.trade_off).__name__} {self.trade_off!r}")
         if not (math.isfinite(self.trade_off) and self.trade_off > 0):
@@ -101,20 +99,11 @@ class SplitLoRAConfig(PeftConfig):
         self.trade_off = float(self.trade_off)
         if self.statistics not in STATISTICS:
             raise ValueError(f"`statistics` must be one of {STATISTICS}, got {self.statistics!r}")
-        for key in ("sketch_rank", "dense_max_features"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{key}` must be a positive integer, got {value!r}")
+        require_positive_int(self, "sketch_rank", "dense_max_features")
         if self.init_scaling not in INIT_SCALINGS:
             raise ValueError(f"`init_scaling` must be one of {INIT_SCALINGS}, got {self.init_scaling!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"`seed` must be an integer, got {type(self.seed).__name__} {self.seed!r}")
-        if isinstance(self.target_modules, str) and self.layers_to_transform is not None:
-            raise ValueError("`layers_to_transform` cannot be used when `target_modules` is a str (a regex).")
-        if isinstance(self.target_modules, str) and self.layers_pattern is not None:
-            raise ValueError("`layers_pattern` cannot be used when `target_modules` is a str (a regex).")
-        if self.layers_pattern and self.layers_to_transform is None:
-            raise ValueError("When `layers_pattern` is specified, `layers_to_transform` must also be specified.")
 
     def statistics_for(self, in_features: int) -> Literal["dense", "sketch"]:
         """The statistics kind a layer with ``in_features`` inputs uses under this config."""

@@ -9,10 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from peft.tuners._buffer_dict import BufferDict
-from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check_adapters_to_merge
-from peft.utils import quantization_extra_repr, resolve_quantization_backend
 from torch import nn
 
+from ..adapter_layer import AdapterLayer, AdapterLinear
 from .config import SplitLoRAConfig
 from .stats import (
     accumulate_covariance,
@@ -38,7 +37,7 @@ def _distributed_group(group: Any) -> tuple[bool, Any]:
     return dist.get_world_size(group) > 1, group
 
 
-class SplitLoRALayer(BaseTunerLayer):
+class SplitLoRALayer(AdapterLayer):
     """Per-adapter state of a SplitLoRA layer.
 
     Saved with the adapter (``BufferDict``/``ParameterDict`` entries keyed by adapter name):
@@ -56,6 +55,8 @@ class SplitLoRALayer(BaseTunerLayer):
     under DDP only that increment is all-reduced, never the already-global running sums.
     """
 
+    method_name = "SplitLoRA"
+    adapter_dict_name = "splitlora_B"
     adapter_layer_names: tuple[str, ...] = ("splitlora_B",)
     other_param_names: tuple[str, ...] = (
         "splitlora_A",
@@ -76,10 +77,7 @@ class SplitLoRALayer(BaseTunerLayer):
     resizable_buffer_names: tuple[str, ...] = ("splitlora_old_A", "splitlora_old_B", "splitlora_old_dense")
 
     def __init__(self, base_layer: nn.Module, seed_key: str, **kwargs: Any) -> None:
-        self.base_layer = base_layer
-        self.quantization_backend = resolve_quantization_backend(
-            self.get_base_layer(), get_apply_tensor_subclass=kwargs.get("get_apply_tensor_subclass")
-        )
+        AdapterLayer.__init__(self, base_layer, **kwargs)
         self.r: dict[str, int] = {}
         self.splitlora_config: dict[str, SplitLoRAConfig] = {}
         self.splitlora_B = nn.ParameterDict({})
@@ -96,14 +94,6 @@ class SplitLoRALayer(BaseTunerLayer):
         self.splitlora_primary = BufferDict({}, persistent=True)
         self._splitlora_pending: dict[str, dict[str, torch.Tensor]] = {}
         self._splitlora_seed_key = seed_key
-        self._disable_adapters = False
-        self.merged_adapters: list[str] = []
-        self.kwargs = kwargs
-        in_features, out_features = _get_in_out_features(self.get_base_layer())
-        if in_features is None or out_features is None:
-            raise TypeError(f"SplitLoRA cannot read in/out features of {type(self.get_base_layer()).__name__}")
-        self.in_features = in_features
-        self.out_features = out_features
 
     # --- creation ------------------------------------------------------------------------------------------------
 
@@ -406,7 +396,7 @@ class SplitLoRALayer(BaseTunerLayer):
         self.splitlora_primary[adapter_name].fill_(primary)
         return {"task": task_index, "k_star": k_star, "primary": primary, "in_features": n}
 
-    # --- merging ----------------------------------------------------------------------------------------------------
+    # --- the delta (the forward skeleton and merging are AdapterLinear's) ------------------------------------------
 
     def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
         """``dW_old + B A`` as an ``out x in`` matrix in the adapter dtype.
@@ -422,54 +412,9 @@ class SplitLoRALayer(BaseTunerLayer):
             delta = delta + self.splitlora_old_dense[adapter_name]
         return delta
 
-    def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
-        """Add the adapters' deltas to the base weight (dequantized and re-quantized for quantized bases).
-
-        Args:
-            safe_merge: Check the merged weight for non-finite values before writing it; on failure the base weight
-                is left untouched and a ``ValueError`` is raised.
-            adapter_names: Adapters to merge (default: the active ones).
-        """
-        for name in check_adapters_to_merge(self, adapter_names):
-            if name not in self.splitlora_B:
-                continue
-            with torch.no_grad():
-                weight = self.get_base_weight()
-                merged = weight + self.get_delta_weight(name).to(weight.dtype)
-                if safe_merge and not bool(torch.isfinite(merged).all()):
-                    raise ValueError(
-                        f"Merging SplitLoRA adapter {name!r} into {self._splitlora_seed_key!r} produced non-finite "
-                        "weights; the base weight was left unchanged."
-                    )
-                self.set_base_weight(merged)
-            self.merged_adapters.append(name)
-
-    def unmerge(self) -> None:
-        """Subtract merged adapters again (exact for float bases; quantized bases re-quantize, as in PEFT)."""
-        if not self.merged:
-            warnings.warn("Already unmerged. Nothing to do.", UserWarning, stacklevel=2)
-            return
-        while self.merged_adapters:
-            name = self.merged_adapters.pop()
-            if name in self.splitlora_B:
-                with torch.no_grad():
-                    weight = self.get_base_weight()
-                    self.set_base_weight(weight - self.get_delta_weight(name).to(weight.dtype))
-
-
-class Linear(nn.Module, SplitLoRALayer):
-    """SplitLoRA on an ``nn.Linear`` (or a quantized linear layer PEFT can dequantize, e.g. bitsandbytes)."""
-
-    def __init__(self, base_layer: nn.Module, adapter_name: str, config: SplitLoRAConfig, seed_key: str, **kwargs):
-        super().__init__()
-        SplitLoRALayer.__init__(self, base_layer, seed_key, **kwargs)
-        self._active_adapter = adapter_name
-        self.update_layer(adapter_name, config)
-
-    def _adapter_output(self, adapter_name: str, x: torch.Tensor) -> torch.Tensor:
-        b = self.splitlora_B[adapter_name]
-        x = self._cast_input_dtype(x, b.dtype)
-        out = F.linear(F.linear(x, self.splitlora_A[adapter_name]), b)
+    def adapter_output(self, x: torch.Tensor, adapter_name: str, rows: Optional[list[int]] = None) -> torch.Tensor:
+        """``(dW_old + B A) x`` in factored form (``x`` already in the adapter dtype; see ``AdapterLayer``)."""
+        out = F.linear(F.linear(x, self.splitlora_A[adapter_name]), self.splitlora_B[adapter_name])
         old_a = self.splitlora_old_A[adapter_name]
         if old_a.shape[0]:
             out = out + F.linear(F.linear(x, old_a), self.splitlora_old_B[adapter_name])
@@ -478,45 +423,21 @@ class Linear(nn.Module, SplitLoRALayer):
             out = out + F.linear(x, dense)
         return out
 
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        adapter_names = kwargs.pop("adapter_names", None)
-        if self.disable_adapters:
-            if self.merged:
-                self.unmerge()
-            return self.base_layer(x, *args, **kwargs)
-        if adapter_names is not None:
-            return self._mixed_batch_forward(x, *args, adapter_names=adapter_names, **kwargs)
-        if self.merged:
-            return self.base_layer(x, *args, **kwargs)
-        result = self.base_layer(x, *args, **kwargs)
-        if self.quantization_backend is not None:
-            result = self.quantization_backend.maybe_clone_base_result(result)
-        result_dtype = result.dtype
-        for name in self.active_adapters:
-            if name in self.splitlora_B:
-                result = result + self._adapter_output(name, x).to(result_dtype)
-        return result
 
-    def _mixed_batch_forward(
-        self, x: torch.Tensor, *args: Any, adapter_names: list[str], **kwargs: Any
-    ) -> torch.Tensor:
-        if len(adapter_names) != x.shape[0]:
-            raise ValueError(
-                f"`adapter_names` has {len(adapter_names)} entries but the batch has {x.shape[0]} samples"
-            )
-        result = self.base_layer(x, *args, **kwargs)
-        if self.quantization_backend is not None:
-            result = self.quantization_backend.maybe_clone_base_result(result)
-        result = result.clone()
-        for adapter in sorted(set(adapter_names)):
-            if adapter == "__base__" or adapter not in self.splitlora_B:
-                continue
-            rows = [i for i, name in enumerate(adapter_names) if name == adapter]
-            result[rows] = result[rows] + self._adapter_output(adapter, x[rows]).to(result.dtype)
-        return result
+class Linear(AdapterLinear, SplitLoRALayer):
+    """SplitLoRA on an ``nn.Linear`` (or a quantized linear layer PEFT can dequantize, e.g. bitsandbytes).
 
-    def extra_repr(self) -> str:
-        return quantization_extra_repr(self)
+    Forward dispatch, mixed-adapter batches, merging and ``repr`` come from :class:`AdapterLinear`.
 
-    def __repr__(self) -> str:
-        return "splitlora." + super().__repr__()
+    Args:
+        base_layer: The layer to adapt.
+        adapter_name: Name of the first adapter.
+        config: Its configuration.
+        seed_key: The module's name in the model; seeds its frozen ``A`` draws.
+    """
+
+    def __init__(self, base_layer: nn.Module, adapter_name: str, config: SplitLoRAConfig, seed_key: str, **kwargs):
+        super().__init__()
+        SplitLoRALayer.__init__(self, base_layer, seed_key, **kwargs)
+        self._active_adapter = adapter_name
+        self.update_layer(adapter_name, config)

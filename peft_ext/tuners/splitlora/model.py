@@ -7,19 +7,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from peft.config import PeftConfig
-from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
-from peft.utils import (
-    TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING,
-    get_quantization_kwargs,
-    resolve_quantization_backend,
-)
+from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, get_quantization_kwargs
 from torch import nn
 
-from .._common import forward_adapter_names
+from ..adapter_tuner import AdapterTuner
 from .config import SplitLoRAConfig
 from .layer import Linear, SplitLoRALayer
 
@@ -79,7 +74,7 @@ def _statistics_hook(holder: _MaskHolder, adapter_name: str, module: SplitLoRALa
     module.accumulate_statistics(adapter_name, rows)
 
 
-class SplitLoRAModel(BaseTuner):
+class SplitLoRAModel(AdapterTuner):
     """Creates a SplitLoRA model from a base model (METHODS.md section 2).
 
     Use it through PEFT: ``model = get_peft_model(base, SplitLoRAConfig(...))``. The task lifecycle is on this tuner
@@ -111,48 +106,21 @@ class SplitLoRAModel(BaseTuner):
     tuner_layer_cls = SplitLoRALayer
     target_module_mapping = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 
-    def _create_and_replace(
-        self,
-        peft_config: PeftConfig,
-        adapter_name: str,
-        target: nn.Module,
-        target_name: str,
-        parent: nn.Module,
-        current_key: str,
-        *,
-        parameter_name: Optional[str] = None,
+    def _prepare_target(
+        self, peft_config: SplitLoRAConfig, adapter_name: str, target: nn.Module, current_key: str
     ) -> None:
         if current_key is None:
             raise ValueError("SplitLoRA needs the module's name (current_key) to seed its frozen A.")
-        if isinstance(target, SplitLoRALayer):
-            target.update_layer(adapter_name, peft_config)
-            return
-        base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
-        backend = None if isinstance(base, nn.Linear) else resolve_quantization_backend(base)
-        if not isinstance(base, nn.Linear) and (backend is None or backend.layer_type != "linear"):
-            raise ValueError(
-                f"SplitLoRA adapts torch.nn.Linear (or a quantized linear layer), got {type(base).__name__} at "
-                f"{current_key!r}; exclude it from `target_modules`."
-            )
-        new_module = Linear(target, adapter_name, peft_config, current_key, **get_quantization_kwargs(self.model))
-        if adapter_name not in self.active_adapters:
-            new_module.requires_grad_(False)
-        self._replace_module(parent, target_name, new_module, target)
 
-    # --- mixed adapter batches -------------------------------------------------------------------------------------
+    def _update_target(
+        self, target: SplitLoRALayer, peft_config: SplitLoRAConfig, adapter_name: str, current_key: str
+    ) -> None:
+        target.update_layer(adapter_name, peft_config)
 
-    @contextmanager
-    def _enable_peft_forward_hooks(self, *args: Any, **kwargs: Any) -> Iterator[None]:
-        # Mixed-adapter batches: PeftModel.forward routes `adapter_names` here; every layer receives it as a kwarg.
-        names = kwargs.pop("adapter_names", None)
-        with forward_adapter_names(
-            self,
-            names,
-            lambda: set().union(*(layer.splitlora_B.keys() for _, layer in self._layers())),
-            (SplitLoRALayer,),
-            merged=lambda: any(layer.merged for _, layer in self._layers()),
-        ):
-            yield
+    def _new_layer(
+        self, peft_config: SplitLoRAConfig, adapter_name: str, target: nn.Module, current_key: str
+    ) -> nn.Module:
+        return Linear(target, adapter_name, peft_config, current_key, **get_quantization_kwargs(self.model))
 
     # --- saving and loading ------------------------------------------------------------------------------------------
 
