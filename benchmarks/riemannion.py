@@ -41,8 +41,8 @@ import torch
 from torch import nn
 
 from peft_ext.continual import TrainConfig, get_continual_method, run_sequence
-from peft_ext.continual.tasks import Task, TaskSequence
 from peft_ext.data.collate import TextCollator
+from peft_ext.data.tasks import Task, TaskSequence
 from peft_ext.data.wordnet import class_counts, wordnet_task_sequence
 from peft_ext.models import load_text_classifier
 

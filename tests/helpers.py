@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from peft_ext.continual.tasks import Example, Task, TaskSequence
+from peft_ext.data.tasks import Example, Task, TaskSequence
 from peft_ext.models import SentenceClassifier, tiny_bert
 
 

@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from peft_ext.cli import load_job_config
 from peft_ext.continual.config import ConfigError, apply_overrides, config_from_dict, load_config
+from peft_ext.jobs import load_job_config
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"

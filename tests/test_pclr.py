@@ -363,7 +363,7 @@ def test_continual_plugin_runs_a_sequence_within_the_cap():
     method = get_continual_method("pclr")(
         pool_size=12, ranks_schedule=[4], compress_schedule=[0.0, 0.25], top_k=4, lr=5e-3, shared_r=2
     )
-    from peft_ext.continual.runner import RunContext
+    from peft_ext.continual import RunContext
 
     captured = {}
     original = method.after_task

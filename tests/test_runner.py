@@ -7,7 +7,7 @@ import torch
 from peft_ext.continual import TrainConfig, get_continual_method, run_sequence
 from peft_ext.continual.methods import ContinualMethod, MethodOptions
 from peft_ext.continual.report import matrix_table, metrics_table, save_results
-from peft_ext.continual.tasks import Example, Task, TaskSequence
+from peft_ext.data.tasks import Example, Task, TaskSequence
 
 from .helpers import stack_collate, tiny_classifier, token_sequence
 
@@ -134,7 +134,7 @@ def test_bad_train_config_is_rejected():
 
 
 def test_lr_schedules():
-    from peft_ext.continual.runner import lr_factor
+    from peft_ext.continual.context import lr_factor
 
     assert [lr_factor(s, 10, "constant", 0.0) for s in (0, 9)] == [1.0, 1.0]
     assert lr_factor(0, 10, "linear", 0.0) == 1.0 and lr_factor(5, 10, "linear", 0.0) == 0.5
@@ -148,8 +148,8 @@ def test_lr_schedules():
 def test_heatmap_is_a_png_and_leaves_the_callers_matplotlib_backend_alone(tmp_path):
     import matplotlib
 
+    from peft_ext.continual import MethodResult
     from peft_ext.continual.report import plot_accuracy_matrices
-    from peft_ext.continual.runner import MethodResult
 
     previous = matplotlib.get_backend()
     matplotlib.use("svg")  # e.g. a notebook's inline backend: plotting must not switch it

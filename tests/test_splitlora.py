@@ -14,9 +14,8 @@ from torch import nn
 
 import peft_ext
 from peft_ext import SplitLoRAConfig
-from peft_ext.continual import TrainConfig, get_continual_method, run_sequence
+from peft_ext.continual import RunContext, TrainConfig, get_continual_method, run_sequence
 from peft_ext.continual.methods_splitlora import gpm_update, inflora_A, input_covariances
-from peft_ext.continual.runner import RunContext
 from peft_ext.models import tiny_bert
 from peft_ext.tuners.splitlora import SPLITLORA, SplitLoRALayer, SplitLoRAModel
 from peft_ext.tuners.splitlora.stats import (

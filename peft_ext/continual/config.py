@@ -16,9 +16,9 @@ from typing import Any, Literal
 
 import yaml
 
+from ..data.tasks import PROTOCOLS
+from .context import TrainConfig
 from .methods import MethodOptions, get_continual_method
-from .runner import TrainConfig
-from .tasks import PROTOCOLS
 
 
 class ConfigError(ValueError):
@@ -185,7 +185,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise TypeError(f"unsupported annotation {tp!r} for `{key}`")  # a bug in a section class, not in the config
 
 
-def _unknown_key(key: str, prefix: str, valid: list[str]) -> ConfigError:
+def unknown_key(key: str, prefix: str, valid: list[str]) -> ConfigError:
+    """The error for a key that ``valid`` does not list, with a did-you-mean."""
     close = difflib.get_close_matches(key, valid, n=1)
     hint = f" (did you mean `{close[0]}`?)" if close else ""
     return ConfigError(f"unknown key `{prefix}{key}`{hint}; valid keys: {', '.join(valid)}")
@@ -212,7 +213,7 @@ def build_section(cls: type, data: Any, prefix: str = "", skip: tuple[str, ...] 
         if key in skip:
             continue
         if key not in fields:
-            raise _unknown_key(str(key), prefix, fields)
+            raise unknown_key(str(key), prefix, fields)
         kwargs[key] = _coerce(value, hints[key], prefix + key)
     missing = [
         f.name
@@ -255,7 +256,7 @@ def config_from_dict(data: Any) -> RunConfig:
     valid = ["name", *sections, "methods"]
     for key in data:
         if key not in valid:
-            raise _unknown_key(str(key), "", valid)
+            raise unknown_key(str(key), "", valid)
     name = data.get("name", "run")
     if not isinstance(name, str) or not name:
         raise ConfigError(f"`name` must be a non-empty string, got {name!r}")

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from .runner import RunContext
-    from .tasks import Task
+    from ..data.tasks import Task
+    from .context import RunContext
 
 
 @dataclass

@@ -16,11 +16,10 @@ import torch
 from torch import nn
 
 from .methods import ContinualMethod, MethodOptions, head_module_name, register_continual_method
-from .runner import _batches, _to_device
 
 if TYPE_CHECKING:
-    from .runner import RunContext
-    from .tasks import Task
+    from ..data.tasks import Task
+    from .context import RunContext
 
 __all__ = ["PCLRMethod", "PCLROptions"]
 
@@ -129,9 +128,7 @@ class PCLRMethod(ContinualMethod):
         return model
 
     def _task_batches(self, task: Task, ctx: RunContext) -> list[dict[str, Any]]:
-        return [
-            _to_device(ctx.collate(chunk), ctx.device) for chunk in _batches(task.train, ctx.train.batch_size, None)
-        ]
+        return list(ctx.iter_batches(task.train))
 
     def before_task(self, model: nn.Module, task_id: int, task: Task, ctx: RunContext) -> nn.Module:
         from ..tuners.pclr import begin_task, query_prototype

@@ -25,8 +25,8 @@ from ..tuners.riemannion import RiemannionConfig, initialize_loi
 from .methods import ContinualMethod, LoraOptions, MethodOptions, head_module_name, register_continual_method
 
 if TYPE_CHECKING:
-    from .runner import RunContext
-    from .tasks import Task
+    from ..data.tasks import Task
+    from .context import RunContext
 
 
 @dataclass
@@ -96,29 +96,8 @@ def calibration_batches(task: Task, ctx: RunContext, n: int) -> list[dict[str, A
         ctx: The run context.
         n: Number of batches.
     """
-    from .runner import _batches, _to_device
-
     rng = random.Random(f"calibration:{ctx.train.seed}")
-    batches = _batches(task.train, ctx.train.batch_size, rng)[:n]
-    return [_to_device(ctx.collate(batch), ctx.device) for batch in batches]
-
-
-def task_loss(model: nn.Module, batch: dict[str, Any], task_id: int, ctx: RunContext) -> torch.Tensor:
-    """The runner's training loss for ``batch`` of task ``task_id`` (cross entropy with its logit mask).
-
-    Args:
-        model: The model.
-        batch: A collated batch with ``labels``.
-        task_id: The task.
-        ctx: The run context.
-    """
-    from .runner import _allowed_for_training, _class_mask, _logits
-
-    logits = _logits(model, batch)
-    allowed = _allowed_for_training(ctx.sequence, task_id, ctx.train)
-    if allowed is not None:
-        logits = logits.masked_fill(~_class_mask(ctx.sequence.num_classes, allowed, ctx.device), float("-inf"))
-    return nn.functional.cross_entropy(logits, batch["labels"])
+    return list(ctx.iter_batches(task.train, rng=rng, limit=n))
 
 
 @register_continual_method
@@ -147,7 +126,7 @@ class RiemannionMethod(ContinualMethod):
             result = initialize_loi(
                 model,
                 calibration_batches(task, ctx, self.options.loi_batches),
-                loss_fn=lambda m, batch: task_loss(m, batch, task_id, ctx),
+                loss_fn=lambda m, batch: ctx.task_loss(m, batch, task_id),
                 oversampling=self.options.loi_oversampling,
                 power_iters=self.options.loi_power_iters,
                 seed=ctx.train.seed,
@@ -268,7 +247,7 @@ class LoraOpt(ContinualMethod):
 
         def train_step() -> None:
             for batch in batches:
-                task_loss(model, batch, task_id, ctx).backward()
+                ctx.task_loss(model, batch, task_id).backward()
 
         # LoRA-GA forms each target's full gradient and rewrites the base weights (W <- W - scaling * B A)
         preprocess_loraga(model, config, train_step)

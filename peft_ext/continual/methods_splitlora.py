@@ -27,11 +27,10 @@ import torch
 from torch import nn
 
 from .methods import ContinualMethod, LoraOptions, MethodOptions, head_module_name, register_continual_method
-from .runner import _batches, _to_device
 
 if TYPE_CHECKING:
-    from .runner import RunContext
-    from .tasks import Example, Task
+    from ..data.tasks import Example, Task
+    from .context import RunContext
 
 __all__ = [
     "InfLoRAMethod",
@@ -70,8 +69,7 @@ def run_forward(
     model.eval()
     try:
         with torch.no_grad():
-            for chunk in _batches(examples, ctx.train.eval_batch_size, None):
-                batch = _to_device(ctx.collate(chunk), ctx.device)
+            for batch in ctx.iter_batches(examples, ctx.train.eval_batch_size):
                 inputs = {k: v for k, v in batch.items() if k != "labels"}
                 if on_batch is not None:
                     on_batch(inputs)
