@@ -63,10 +63,11 @@ REFERENCE = "lora_adamw"
 
 
 def _options(plugin: str, options: dict[str, Any], label: str) -> dict[str, Any]:
-    common = {"r": RANK, "target_modules": TARGETS, "head_lr": HEAD_LR, "label": label}
+    common = {"head_lr": HEAD_LR, "label": label}
     if plugin == "riemannion":
-        return {**common, "loi_batches": 2, **options}
-    return {**common, "init_batches": 2, **options}
+        return {**common, "loi_batches": 2, "adapter": {"r": RANK, "target_modules": TARGETS}, **options}
+    adapter = {"r": RANK, "lora_alpha": 16.0, "target_modules": TARGETS}  # the lora_alpha lora_opt always used
+    return {**common, "init_batches": 2, "adapter": adapter, **options}
 
 
 class Instrumented:

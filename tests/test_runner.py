@@ -9,7 +9,7 @@ from peft_ext.continual.methods import ContinualMethod, MethodOptions
 from peft_ext.continual.report import matrix_table, metrics_table, save_results
 from peft_ext.data.tasks import Example, Task, TaskSequence
 
-from .helpers import stack_collate, tiny_classifier, token_sequence
+from .helpers import lora_adapter, stack_collate, tiny_classifier, token_sequence
 
 FAST = TrainConfig(epochs=4, batch_size=8, progress=False, device="cpu")
 
@@ -33,7 +33,7 @@ def test_seq_lora_fills_the_lower_triangle_and_learns(seq):
     # Task-incremental, so the check is about learning each task, not about the class-incremental head bias
     # (old classes' logits outscoring a new task's, which the CIL evaluation rightly counts as errors).
     seq = dataclasses.replace(seq, protocol="task-incremental")
-    r = _run("seq_lora", seq, lr=5e-3, r=4, target_modules=["query", "value"])
+    r = _run("seq_lora", seq, lr=5e-3, adapter=lora_adapter(4))
     T = len(seq)
     for i in range(T):
         for j in range(T):
@@ -56,7 +56,7 @@ def test_frozen_linear_trains_only_the_head(seq):
 
 
 def test_joint_reports_only_the_last_row(seq):
-    r = _run("joint", seq, lr=5e-3, r=4)
+    r = _run("joint", seq, lr=5e-3, adapter=lora_adapter(4))
     assert all(x is None for row in r.accuracy_matrix[:-1] for x in row)
     assert all(x is not None for x in r.accuracy_matrix[-1])
     assert r.metrics["bwt"] is None and r.metrics["forgetting"] is None
@@ -64,8 +64,8 @@ def test_joint_reports_only_the_last_row(seq):
 
 
 def test_runs_are_deterministic(seq):
-    a = _run("seq_lora", seq, lr=5e-3, r=4)
-    b = _run("seq_lora", seq, lr=5e-3, r=4)
+    a = _run("seq_lora", seq, lr=5e-3, adapter=lora_adapter(4))
+    b = _run("seq_lora", seq, lr=5e-3, adapter=lora_adapter(4))
     assert a.accuracy_matrix == b.accuracy_matrix
     assert a.task_losses == b.task_losses
 
@@ -101,7 +101,7 @@ def test_class_incremental_evaluation_scores_against_all_seen_classes():
 
 
 def test_reports_are_written(tmp_path, seq):
-    r = _run("seq_lora", seq, lr=5e-3, r=4)
+    r = _run("seq_lora", seq, lr=5e-3, adapter=lora_adapter(4))
     paths = save_results([r], tmp_path / "out", {"name": "unit"}, [t.name for t in seq.tasks])
     import json
 
