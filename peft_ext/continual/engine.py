@@ -209,9 +209,7 @@ class ContinualEngine:
         train.validate()
         self.sequence = sequence
         self.method = method
-        self.ctx = RunContext(
-            sequence=sequence, train=train, collate=collate, device=device or train.resolve_device()
-        )
+        self.ctx = RunContext(sequence=sequence, train=train, collate=collate, device=device or train.resolve_device())
 
     def build(self, base_model: nn.Module) -> nn.Module:
         """The method's model, built from a deep copy of ``base_model`` under the run's seed, on the run's device."""

@@ -93,6 +93,7 @@ COLUMNS = ("synset", "supersense", "lemmas", "definition", "examples")
 # Joins the examples of one synset in the file; no WordNet 3.0 gloss contains "|" after the field separator.
 EXAMPLE_SEP = " | "
 
+
 @dataclass(frozen=True, slots=True)
 class GlossExample:
     """One WordNet 3.0 synset with its supersense label.

@@ -19,15 +19,8 @@ from typing import Any
 import torch
 
 from ..continual.config import ConfigError, build_section, unknown_key, unknown_value
-from ..multimodal.experiment import (
-    METHODS,
-    ExperimentSettings,
-    grid_specs,
-    markdown_table,
-    prepare,
-    run_grid,
-    time_inference,
-)
+from ..multimodal import experiment
+from ..multimodal.experiment import METHODS, ExperimentSettings
 from ..multimodal.missing import MISSING_TYPES
 
 __all__ = ["JOB_NAME", "MissingModalityConfig", "missing_modality_config_from_dict", "run_missing_modality_job"]
@@ -138,12 +131,12 @@ def run_missing_modality_job(config: MissingModalityConfig, echo: Callable[[str]
     start = time.perf_counter()
     settings = ExperimentSettings(**asdict(config.model))
     echo(f"[peft-ext] {config.name}: emoji pairs, missing-modality fine-tuning, methods {', '.join(config.methods)}")
-    prep = prepare(settings, echo=echo)
-    specs = grid_specs(config.grid.rates, config.grid.kinds)
-    rows = run_grid(prep, specs, config.methods, config.grid.seeds, echo=echo)
-    infer_ms = time_inference(prep, config.methods, specs[-1])
+    prep = experiment.prepare(settings, echo=echo)
+    specs = experiment.grid_specs(config.grid.rates, config.grid.kinds)
+    rows = experiment.run_grid(prep, specs, config.methods, config.grid.seeds, echo=echo)
+    infer_ms = experiment.time_inference(prep, config.methods, specs[-1])
     wall = time.perf_counter() - start
-    table = markdown_table(rows, infer_ms)
+    table = experiment.markdown_table(rows, infer_ms)
     meta = {
         "name": config.name,
         "settings": asdict(config.model),
