@@ -1,10 +1,19 @@
 import dataclasses
 import math
+import random
 
 import pytest
 import torch
 
-from peft_ext.continual import TrainConfig, get_continual_method, run_sequence
+from peft_ext.continual import (
+    ContinualEngine,
+    RunContext,
+    RunRecord,
+    TaskTrainer,
+    TrainConfig,
+    get_continual_method,
+    run_sequence,
+)
 from peft_ext.continual.methods import ContinualMethod, MethodOptions
 from peft_ext.continual.report import matrix_table, metrics_table, save_results
 from peft_ext.data.tasks import Example, Task, TaskSequence
@@ -163,3 +172,92 @@ def test_heatmap_is_a_png_and_leaves_the_callers_matplotlib_backend_alone(tmp_pa
         matplotlib.use(previous)
     with pytest.raises(ValueError, match="no results to plot"):
         plot_accuracy_matrices([], tmp_path / "none.png")
+
+
+class _Recorder(TaskTrainer):
+    """A training step that trains nothing and records what the engine asked of it, and when."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def prepare(self, phase):
+        self.log.append(("prepare", phase.task_id))
+
+    def train(self, model, phase):
+        self.log.append(("train", phase.task_id, phase.allowed_classes, phase.row))
+        return float(phase.task_id)
+
+    def finish(self, model, phase):
+        self.log.append(("finish", phase.task_id))
+
+    def phase_done(self, model, phase, record):
+        self.log.append(("done", phase.task_id, record.completed, record.accuracy_matrix[phase.row][phase.row]))
+
+
+class _Hooks(ContinualMethod):
+    name = "hooks_for_test"
+
+    def __init__(self, log: list, joint: bool = False) -> None:
+        super().__init__()
+        self.log, self.joint = log, joint
+
+    def before_task(self, model, task_id, task, ctx):
+        self.log.append(("before", task_id))
+        return model
+
+    def after_task(self, model, task_id, task, ctx):
+        self.log.append(("after", task_id))
+        return model
+
+
+@pytest.mark.parametrize("joint", [False, True])
+def test_engine_runs_the_phases_in_order_with_a_pluggable_training_step(seq, joint):
+    log: list = []
+    engine = ContinualEngine(seq, _Hooks(log, joint), stack_collate, FAST)
+    record = RunRecord.empty(len(seq))
+    engine.run(engine.build(tiny_classifier(seq.num_classes)), _Recorder(log), record)
+    T = len(seq)
+    if joint:
+        union = sorted(c for task in seq.tasks for c in task.classes)
+        assert log[:5] == [("prepare", 0), ("before", 0), ("train", 0, union, T - 1), ("finish", 0), ("after", 0)]
+        assert record.task_losses == [0.0] and record.completed == 1
+        assert all(x is None for row in record.accuracy_matrix[:-1] for x in row)
+        assert engine.metrics(record)["bwt"] is None
+    else:
+        for i, task in enumerate(seq.tasks):
+            phase = log[6 * i : 6 * i + 6]
+            assert phase[:5] == [
+                ("prepare", i),
+                ("before", i),
+                ("train", i, task.classes, i),
+                ("finish", i),
+                ("after", i),
+            ]
+            assert phase[5][:3] == ("done", i, i + 1) and phase[5][3] is not None  # evaluated before phase_done
+        assert record.task_losses == [0.0, 1.0, 2.0][:T]
+        assert all(record.accuracy_matrix[i][j] is not None for i in range(T) for j in range(i + 1))
+    # a run resumed from the record runs nothing more
+    again = len(log)
+    engine.run(engine.build(tiny_classifier(seq.num_classes)), _Recorder(log), record)
+    assert len(log) == again
+
+
+def test_run_context_batches_and_task_loss(seq):
+    ctx = RunContext(sequence=seq, train=FAST, collate=stack_collate, device=torch.device("cpu"))
+    task = seq.tasks[1]
+    batches = list(ctx.iter_batches(task.train, batch_size=5, limit=2))
+    assert [len(b["labels"]) for b in batches] == [5, 5]
+    assert torch.equal(batches[0]["labels"], torch.tensor([ex.label for ex in task.train[:5]]))
+    shuffled = list(ctx.iter_batches(task.train, rng=random.Random(0)))
+    assert sorted(int(y) for b in shuffled for y in b["labels"]) == sorted(ex.label for ex in task.train)
+    assert ctx.training_classes(1) == list(task.classes) and ctx.eval_classes(1, 0) == seq.classes_seen(1)
+    model = tiny_classifier(seq.num_classes).eval()
+    batch = batches[0]
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    masked = logits.masked_fill(~ctx.class_mask(task.classes), float("-inf"))
+    torch.testing.assert_close(
+        ctx.task_loss(model, batch, 1), torch.nn.functional.cross_entropy(masked, batch["labels"])
+    )
+    assert not torch.allclose(
+        ctx.task_loss(model, batch, 1), torch.nn.functional.cross_entropy(logits, batch["labels"])
+    )

@@ -1,6 +1,7 @@
 """A continual-learning driver on ``transformers.Trainer``: a task sequence, a method plugin, resumable anywhere.
 
-:func:`run_continual_with_trainer` is :func:`peft_ext.continual.run_sequence` with each task trained by a Trainer:
+:func:`run_continual_with_trainer` is :func:`peft_ext.continual.run_sequence` with each task trained by a Trainer
+(both drive :class:`~peft_ext.continual.ContinualEngine`; this driver plugs in a Trainer-based training step):
 the same :class:`~peft_ext.continual.ContinualMethod` plugins (``build``, ``before_task``, ``trainable_parameters``,
 ``make_optimizer``, ``extra_loss``, ``after_task``, ``report``), the same class-incremental logit masks and the same
 accuracy matrix, logged through ``trainer.log`` (``continual/acc_{i}_{j}`` after task ``i``, and the four metrics at
