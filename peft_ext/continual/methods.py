@@ -136,6 +136,17 @@ class LoraOptions(AdapterOptions):
 
     adapter: LoraConfig = field(default_factory=LoraConfig)
 
+    def validate(self) -> None:
+        super().validate()
+        # PEFT's LoraConfig accepts these and fails only when the model is wrapped; a run config should fail first.
+        adapter = self.adapter
+        if isinstance(adapter.r, bool) or not isinstance(adapter.r, int) or adapter.r < 1:
+            raise ValueError(f"`adapter.r` must be a positive integer, got {adapter.r!r}")
+        if not 0 <= adapter.lora_dropout < 1:
+            raise ValueError(f"`adapter.lora_dropout` must be in [0, 1), got {adapter.lora_dropout!r}")
+        if adapter.target_modules is not None and not adapter.target_modules:
+            raise ValueError("`adapter.target_modules` must name at least one module (or be unset), got none")
+
 
 class ContinualMethod:
     """Base class of a continual-learning method plugin.
