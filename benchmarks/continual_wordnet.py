@@ -22,6 +22,7 @@ against one LoRA per task. The script prints whether each target was met, per se
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -50,36 +51,43 @@ TARGET_MODULES = ["query", "value"]
 # head): 1e-3, the quickstart's LoRA rate, for the methods that train A and B and for OSF (at 1e-4, OSF's head barely
 # learns in 15 steps a task); 5e-3 for both B-only methods (frozen A), the better of {1e-3, 5e-3} for *each* of them
 # on 5 tasks, seed 0 (docs/splitlora.md records the calibration), so neither is tuned against the other.
+LORA = {"r": 10, "lora_alpha": 20.0, "target_modules": TARGET_MODULES}
 METHODS: dict[str, dict[str, Any]] = {
-    "seq_lora": {"lr": 1e-3, "r": 10, "alpha": 20.0, "target_modules": TARGET_MODULES},
+    "seq_lora": {"lr": 1e-3, "adapter": LORA},
     "inflora": {"lr": 5e-3, "r": 10, "target_modules": TARGET_MODULES},
-    "olora": {"lr": 1e-3, "r": 10, "alpha": 20.0, "target_modules": TARGET_MODULES},
+    "olora": {"lr": 1e-3, "adapter": LORA},
     "osf": {"lr": 1e-3, "target_modules": TARGET_MODULES},
-    "splitlora": {"lr": 5e-3, "r": 10, "target_modules": TARGET_MODULES},
-    "joint": {"lr": 1e-3, "r": 10, "alpha": 20.0, "target_modules": TARGET_MODULES},
+    "splitlora": {"lr": 5e-3, "adapter": {"r": 10, "target_modules": TARGET_MODULES}},
+    "joint": {"lr": 1e-3, "adapter": LORA},
 }
 # PCLR (issue 6): a pool capped at 32 ranks per linear, 16 new ranks per task, top-16 routing, half the pool dropped
 # after every task but the first (so the pool is at its cap while each task trains), a rank-4 shared LoRA, the
 # learning rate of benchmarks/pclr.py. Variants differ in the compression rule and the integration only (the base
 # entry uses the public code's task-routed integration; ``_input`` routes each sample by its own query, the ``pclr``
 # method's default since this comparison).
-PCLR = {
-    "lr": 2e-3,
+PCLR_ADAPTER = {
     "pool_size": 32,
     "ranks_schedule": [16],
     "compress_schedule": [0.0, 0.5],
     "top_k": 16,
     "alpha": 16.0,
     "shared_r": 4,
+    "shared_alpha": 8.0,
     "target_modules": TARGET_MODULES,
-    "integrate_routing": "tasks",
 }
+
+
+def _pclr(compress_rule: str, **cycle: Any) -> dict[str, Any]:
+    adapter = {**PCLR_ADAPTER, "compress_rule": compress_rule}
+    return {"lr": 2e-3, "integrate_routing": "tasks", **cycle, "adapter": adapter}
+
+
 PCLR_VARIANTS: dict[str, dict[str, Any]] = {
-    "pclr_index": {**PCLR, "compress_rule": "index"},
-    "pclr_importance": {**PCLR, "compress_rule": "importance"},
-    "pclr_contribution": {**PCLR, "compress_rule": "contribution"},
-    "pclr_contribution_input": {**PCLR, "compress_rule": "contribution", "integrate_routing": "input"},
-    "pclr_contribution_no_integrate": {**PCLR, "compress_rule": "contribution", "integrate_epochs": 0},
+    "pclr_index": _pclr("index"),
+    "pclr_importance": _pclr("importance"),
+    "pclr_contribution": _pclr("contribution"),
+    "pclr_contribution_input": _pclr("contribution", integrate_routing="input"),
+    "pclr_contribution_no_integrate": _pclr("contribution", integrate_epochs=0),
 }
 METHODS.update(PCLR_VARIANTS)
 #: the registered method each entry runs (the PCLR variants are option sets of ``pclr``)
@@ -103,7 +111,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-length", type=int, default=32)
     parser.add_argument(
-        "--set", action="append", default=[], metavar="METHOD.KEY=VALUE", help="override a method option"
+        "--set",
+        action="append",
+        default=[],
+        metavar="METHOD.KEY=VALUE",
+        help="override a method option (METHOD.adapter.KEY for an adapter field)",
     )
     parser.add_argument("--out", default="runs/benchmark_continual_wordnet", help="folder for results.json")
     parser.add_argument(
@@ -112,13 +124,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="reuse the runs in OUT/checkpoint.json (written after every method run) made with the same settings",
     )
     args = parser.parse_args(argv)
-    args.options = {name: dict(METHODS[name]) for name in args.methods}
+    args.options = {name: copy.deepcopy(METHODS[name]) for name in args.methods}
     for item in args.set:
         key, sep, raw = item.partition("=")
         name, dot, option = key.partition(".")
         if not sep or not dot or name not in args.options:
             parser.error(f"--set expects METHOD.KEY=VALUE with METHOD in {args.methods}, got {item!r}")
-        args.options[name][option] = yaml.safe_load(raw)
+        section, _, leaf = option.rpartition(".")  # METHOD.adapter.KEY sets a field of the adapter section
+        target = args.options[name].setdefault(section, {}) if section else args.options[name]
+        target[leaf] = yaml.safe_load(raw)
     for name, options in args.options.items():
         # the run configs' own validation: unknown keys, types (YAML reads `1e-3` as a string) and values
         try:
@@ -255,7 +269,7 @@ def targets(runs: dict[int, dict[str, dict[str, Any]]]) -> list[str]:
         if "seq_lora" not in methods:
             break
         ratio = mean(name, "forgetting") / max(mean("seq_lora", "forgetting"), 1e-12)
-        cap = METHODS[name]["pool_size"]
+        cap = METHODS[name]["adapter"]["pool_size"]
         pools = [r for seed in runs for r in runs[seed][name]["extras"].get("pool_ranks", [])]
         within = bool(pools) and max(pools) <= cap
         lines.append(

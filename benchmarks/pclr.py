@@ -58,25 +58,25 @@ def main() -> None:
     base, tokenizer = load_text_classifier("minilm", sequence.num_classes, dropout=0.1, seed=args.seed)
     collate = TextCollator(tokenizer, 32)
     train = TrainConfig(epochs=args.epochs, batch_size=16, eval_batch_size=128, seed=args.seed, progress=False)
-    pclr = dict(
+    adapter = dict(
         pool_size=args.pool_size,
         ranks_schedule=[args.ranks],
         compress_schedule=[0.0, args.compress],
         top_k=args.top_k,
         alpha=float(args.top_k),
         shared_r=4,
+        shared_alpha=8.0,
         target_modules=["query", "value"],
-        lr=2e-3,
     )
     variants = [
-        ("pclr_index", "pclr", {**pclr, "compress_rule": "index"}),
-        ("pclr_importance", "pclr", {**pclr, "compress_rule": "importance"}),
+        ("pclr_index", "pclr", {"lr": 2e-3, "adapter": {**adapter, "compress_rule": "index"}}),
+        ("pclr_importance", "pclr", {"lr": 2e-3, "adapter": {**adapter, "compress_rule": "importance"}}),
     ]
     if not args.no_baselines:
-        variants.append(
-            ("pclr_importance_no_integrate", "pclr", {**pclr, "compress_rule": "importance", "integrate_epochs": 0})
-        )
-        variants.append(("seq_lora", "seq_lora", {"r": 8, "alpha": 16.0, "lr": 1e-3}))
+        importance = {"lr": 2e-3, "adapter": {**adapter, "compress_rule": "importance"}}
+        variants.append(("pclr_importance_no_integrate", "pclr", {**importance, "integrate_epochs": 0}))
+        lora = {"r": 8, "lora_alpha": 16.0, "target_modules": ["query", "value"]}
+        variants.append(("seq_lora", "seq_lora", {"lr": 1e-3, "adapter": lora}))
 
     rows = []
     for label, name, options in variants:

@@ -41,8 +41,8 @@ import torch
 from torch import nn
 
 from peft_ext.continual import TrainConfig, get_continual_method, run_sequence
-from peft_ext.continual.tasks import Task, TaskSequence
 from peft_ext.data.collate import TextCollator
+from peft_ext.data.tasks import Task, TaskSequence
 from peft_ext.data.wordnet import class_counts, wordnet_task_sequence
 from peft_ext.models import load_text_classifier
 
@@ -63,10 +63,11 @@ REFERENCE = "lora_adamw"
 
 
 def _options(plugin: str, options: dict[str, Any], label: str) -> dict[str, Any]:
-    common = {"r": RANK, "target_modules": TARGETS, "head_lr": HEAD_LR, "label": label}
+    common = {"head_lr": HEAD_LR, "label": label}
     if plugin == "riemannion":
-        return {**common, "loi_batches": 2, **options}
-    return {**common, "init_batches": 2, **options}
+        return {**common, "loi_batches": 2, "adapter": {"r": RANK, "target_modules": TARGETS}, **options}
+    adapter = {"r": RANK, "lora_alpha": 16.0, "target_modules": TARGETS}  # the lora_alpha lora_opt always used
+    return {**common, "init_batches": 2, "adapter": adapter, **options}
 
 
 class Instrumented:

@@ -1,7 +1,7 @@
 """Command line: ``peft-ext run CONFIG.yaml [--set key=value ...]``, ``peft-ext check CONFIG``, ``peft-ext list``.
 
 A config's top-level ``job`` key picks the job: ``continual`` (the default) or ``missing_modality``
-(:mod:`peft_ext.multimodal.job`, e.g. ``configs/mora_emoji.yaml``)."""
+(:mod:`peft_ext.jobs.multimodal`, e.g. ``configs/mora_emoji.yaml``)."""
 
 from __future__ import annotations
 
@@ -32,26 +32,9 @@ def _cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-JOBS = ("continual", "missing_modality")
-
-
-def load_job_config(path: str, overrides: list[str] | None = None):
-    """Read, override and validate a config of any job; its top-level ``job`` key (default ``continual``) picks
-    the type: a ``continual.config.RunConfig`` or a ``multimodal.job.MissingModalityConfig``."""
-    from peft_ext.continual.config import config_from_dict, read_config, unknown_value
-
-    data = read_config(path, overrides)
-    job = data.pop("job", "continual") if isinstance(data, dict) else "continual"
-    if job not in JOBS:
-        raise unknown_value("job", job, list(JOBS))
-    if job == "missing_modality":
-        from peft_ext.multimodal.job import missing_modality_config_from_dict
-
-        return missing_modality_config_from_dict(data)
-    return config_from_dict(data)
-
-
 def _load(args: argparse.Namespace):
+    from peft_ext.jobs import load_job_config
+
     return load_job_config(args.config, args.set)
 
 
@@ -67,17 +50,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    config = _load(args)
-    from peft_ext.multimodal.job import MissingModalityConfig, run_missing_modality_job
+    from peft_ext.jobs import run_job_config
 
-    if isinstance(config, MissingModalityConfig):
-        run_missing_modality_job(config)
-        return 0
-    from peft_ext.continual.job import run_job
-
-    if args.no_progress:
-        config.train.progress = False
-    run_job(config)
+    run_job_config(_load(args), progress=not args.no_progress)
     return 0
 
 

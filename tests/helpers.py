@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from peft_ext.continual.tasks import Example, Task, TaskSequence
+from peft_ext.data.tasks import Example, Task, TaskSequence
 from peft_ext.models import SentenceClassifier, tiny_bert
 
 
@@ -40,3 +40,17 @@ def stack_collate(examples):
         "attention_mask": torch.ones_like(ids),
         "labels": torch.tensor([e.label for e in examples]),
     }
+
+
+QUERY_VALUE = ["query", "value"]
+
+
+def lora_adapter(r: int, lora_alpha: float = 16.0) -> dict:
+    """A LoRA ``adapter:`` section with the alpha and targets the LoRA methods used before they embedded LoraConfig."""
+    return {"r": r, "lora_alpha": lora_alpha, "target_modules": list(QUERY_VALUE)}
+
+
+def pclr_adapter(**fields) -> dict:
+    """A PCLR ``adapter:`` section: what the ``pclr`` method used before it embedded PCLRConfig, then ``fields``."""
+    base = {"pool_size": 64, "ranks_schedule": [16], "compress_schedule": [0.0, 0.0, 0.25], "top_k": 16, "alpha": 16.0}
+    return {**base, "shared_r": 4, "shared_alpha": 8.0, "target_modules": list(QUERY_VALUE), **fields}

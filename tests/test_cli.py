@@ -39,7 +39,7 @@ def _config(tmp_path, backbone, **train):
 
 def test_run_end_to_end_writes_results(tmp_path, tiny_backbone, capsys):
     cfg = _config(tmp_path, tiny_backbone)
-    assert main(["run", str(cfg), "--no-progress", "--set", "methods.seq_lora.r=2"]) == 0
+    assert main(["run", str(cfg), "--no-progress", "--set", "methods.seq_lora.adapter.r=2"]) == 0
     out = capsys.readouterr().out
     assert "| method | final acc | avg incr acc | BWT | forgetting |" in out
     every = ["frozen_linear", "seq_lora", "inflora", "olora", "osf", "splitlora", "pclr", "joint"]

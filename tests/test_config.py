@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from peft_ext.cli import load_job_config
 from peft_ext.continual.config import ConfigError, apply_overrides, config_from_dict, load_config
+from peft_ext.jobs import load_job_config
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
@@ -28,7 +28,10 @@ def test_quickstart_values(data):
     cfg = config_from_dict(data)
     every = ["frozen_linear", "seq_lora", "inflora", "olora", "osf", "splitlora", "pclr", "joint"]
     assert [m.name for m in cfg.methods] == every
-    assert cfg.methods[1].options.r == 8 and cfg.methods[1].options.lr == pytest.approx(1e-3)
+    assert cfg.methods[1].options.adapter.r == 8 and cfg.methods[1].options.lr == pytest.approx(1e-3)
+    pclr = cfg.methods[6].options
+    assert (pclr.adapter.pool_size, pclr.adapter.top_k, pclr.adapter.shared_r) == (32, 16, 4)
+    assert pclr.adapter.modules_to_save is None  # the method sets the head when it builds the model
     assert cfg.data.n_tasks == 5 and cfg.data.classes_per_task == 4
 
 
@@ -45,7 +48,13 @@ def test_quickstart_values(data):
         (lambda d: d["data"].update(dataset="imagenet"), r"`data.dataset` must be one of \['wordnet'\]"),
         (lambda d: d["data"].update(classes=["noun.animal"]), r"`data.classes` lists 1 names"),
         (lambda d: d["methods"][1].update(lr=-1), r"`methods\[1\].lr` must be > 0, got -1.0"),
-        (lambda d: d["methods"][1].update(r=0), r"`methods\[1\].r` must be a positive integer, got 0"),
+        (lambda d: d["methods"][6]["adapter"].update(pool_size=0), r"`methods\[6\].adapter.pool_size` must be a pos"),
+        (lambda d: d["methods"][6]["adapter"].update(pool_siz=8), r"`methods\[6\].adapter.pool_siz` \(did you m"),
+        (lambda d: d["methods"][6]["adapter"].update(modules_to_save=["x"]), r"`methods\[6\].adapter.modules_to_sa"),
+        (lambda d: d["methods"][5]["adapter"].update(seed=3), r"`methods\[5\].adapter.seed` is set by the method"),
+        (lambda d: d["methods"][6].update(adapter=[1]), r"`methods\[6\].adapter` must be a mapping"),
+        (lambda d: d["methods"][6].update(integrate_lr=0), r"`methods\[6\].integrate_lr` must be > 0"),
+        (lambda d: d["methods"][1]["adapter"].update(r=0), r"`methods\[1\].adapter.r` must be a positive integer"),
         (lambda d: d["methods"][1].update(rank=4), r"unknown key `methods\[1\].rank`"),
         (lambda d: d["methods"][0].update(name="ewc"), r"`methods\[0\].name`: unknown continual method 'ewc'"),
         (lambda d: d["methods"][0].update(r=4), r"unknown key `methods\[0\].r`"),
@@ -102,3 +111,36 @@ def test_overrides(data):
         apply_overrides(copy.deepcopy(data), ["methods.9.lr=1"])
     with pytest.raises(ConfigError, match="is a value, not a section"):
         apply_overrides(copy.deepcopy(data), ["name.x=1"])
+
+
+def test_flat_adapter_keys_still_load_with_a_warning_that_shows_the_new_form(data):
+    pclr = data["methods"][6]
+    nested = config_from_dict(copy.deepcopy(data)).methods[6].options.adapter
+    pclr.update(pclr.pop("adapter"))  # the old layout: adapter fields beside the method's own
+    with pytest.warns(DeprecationWarning, match=r"`methods\[6\].pool_size` .* write `adapter: \{pool_size: 32, "):
+        flat = config_from_dict(data).methods[6].options.adapter
+    assert flat == nested
+    lora = {"name": "seq_lora", "r": 4, "alpha": 32.0, "dropout": 0.1}  # renamed: lora_alpha, lora_dropout
+    with pytest.warns(DeprecationWarning, match=r"lora_alpha: 32.0"):
+        adapter = config_from_dict({"methods": [lora]}).methods[0].options.adapter
+    assert (adapter.r, adapter.lora_alpha, adapter.lora_dropout) == (4, 32.0, 0.1)
+
+
+def test_one_default_per_adapter_setting():
+    """A method's adapter settings default to the adapter config's own defaults; the method adds nothing."""
+    from peft import LoraConfig
+
+    from peft_ext import PCLRConfig, RiemannionConfig, SplitLoRAConfig
+
+    expected = {"pclr": PCLRConfig(), "splitlora": SplitLoRAConfig(), "riemannion": RiemannionConfig()}
+    expected.update(dict.fromkeys(["seq_lora", "joint", "olora", "lora_opt"], LoraConfig()))
+    config = config_from_dict({"methods": [{"name": name} for name in expected]})
+    for entry in config.methods:
+        assert entry.options.adapter == expected[entry.name], entry.name
+
+
+def test_set_overrides_reach_the_adapter_section(data):
+    d = apply_overrides(copy.deepcopy(data), ["methods.pclr.adapter.pool_size=48", "methods.seq_lora.adapter.r=2"])
+    cfg = config_from_dict(d)
+    assert cfg.methods[6].options.adapter.pool_size == 48 and cfg.methods[1].options.adapter.r == 2
+    assert cfg.methods[6].options.adapter.top_k == 16  # the rest of the section is kept

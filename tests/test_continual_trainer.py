@@ -14,16 +14,19 @@ from peft_ext.continual import get_continual_method
 from peft_ext.integrations import run_continual_with_trainer
 from peft_ext.integrations.continual_trainer import STATE_FILE, last_complete_checkpoint, load_model_state
 
-from .helpers import stack_collate, tiny_classifier, token_sequence
+from .helpers import QUERY_VALUE, lora_adapter, pclr_adapter, stack_collate, tiny_classifier, token_sequence
 from .single_thread import single_thread  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 METHODS = {
-    "seq_lora": {"lr": 1e-2, "r": 4},
-    "splitlora": {"lr": 5e-3, "r": 2, "trade_off": 5.0},
-    "riemannion": {"lr": 0.05, "head_lr": 1e-2, "r": 4, "loi_batches": 2},
-    "pclr": {"pool_size": 12, "ranks_schedule": [4], "compress_schedule": [0.0, 0.25], "top_k": 4, "lr": 5e-3},
+    "seq_lora": {"lr": 1e-2, "adapter": lora_adapter(4)},
+    "splitlora": {"lr": 5e-3, "adapter": {"r": 2, "trade_off": 5.0, "target_modules": QUERY_VALUE}},
+    "riemannion": {"lr": 0.05, "head_lr": 1e-2, "loi_batches": 2, "adapter": {"r": 4, "target_modules": QUERY_VALUE}},
+    "pclr": {
+        "lr": 5e-3,
+        "adapter": pclr_adapter(pool_size=12, ranks_schedule=[4], compress_schedule=[0.0, 0.25], top_k=4),
+    },
 }
 
 
@@ -146,7 +149,7 @@ def test_load_model_state_explains_a_structure_change():
 
 
 def test_joint_method_trains_once_and_fills_the_last_row(seq, tmp_path):
-    method = get_continual_method("joint")(lr=1e-2, r=4)
+    method = get_continual_method("joint")(lr=1e-2, adapter=lora_adapter(4))
     result, _ = run_continual_with_trainer(
         seq, method, tiny_classifier(seq.num_classes), stack_collate, targs(tmp_path, num_train_epochs=1)
     )
@@ -169,7 +172,7 @@ def test_a_half_written_checkpoint_is_skipped(seq, tmp_path):
     with pytest.raises(ValueError, match="save_only_model"):
         run_continual_with_trainer(
             seq,
-            get_continual_method("seq_lora")(),
+            get_continual_method("seq_lora")(adapter=lora_adapter(8)),
             tiny_classifier(seq.num_classes),
             stack_collate,
             targs(tmp_path / "x", save_only_model=True),

@@ -19,7 +19,8 @@ from peft_ext.data import (
     split_of,
     wordnet_task_sequence,
 )
-from peft_ext.data.wordnet import DEFAULT_PATH, main
+from peft_ext.data.wordnet import DEFAULT_PATH
+from peft_ext.data.wordnet_build import main
 
 SYSTEM_WORDNET = Path("/usr/share/wordnet")
 HEADER = "  1 This software and database is being provided to you, the LICENSEE, by  \n"

@@ -31,7 +31,7 @@ from peft_ext.tuners.pclr import (
     teacher_outputs,
 )
 
-from .helpers import stack_collate, tiny_classifier, token_sequence
+from .helpers import pclr_adapter, stack_collate, tiny_classifier, token_sequence
 from .tuner_contract import CONTRACT_CHECKS, TunerCase
 
 VOCAB = 128
@@ -360,10 +360,9 @@ def test_begin_task_out_of_order_is_refused():
 @pytest.mark.slow
 def test_continual_plugin_runs_a_sequence_within_the_cap():
     seq = token_sequence(n_tasks=3)
-    method = get_continual_method("pclr")(
-        pool_size=12, ranks_schedule=[4], compress_schedule=[0.0, 0.25], top_k=4, lr=5e-3, shared_r=2
-    )
-    from peft_ext.continual.runner import RunContext
+    adapter = pclr_adapter(pool_size=12, ranks_schedule=[4], compress_schedule=[0.0, 0.25], top_k=4, shared_r=2)
+    method = get_continual_method("pclr")(lr=5e-3, adapter=adapter)
+    from peft_ext.continual import RunContext
 
     captured = {}
     original = method.after_task
@@ -389,7 +388,7 @@ def test_continual_plugin_runs_a_sequence_within_the_cap():
 
 def test_plugin_options_are_validated():
     with pytest.raises(ValueError, match="`top_k` must be a positive integer, got 0"):
-        get_continual_method("pclr")(top_k=0)
+        get_continual_method("pclr")(adapter={"top_k": 0})
     with pytest.raises(ValueError, match="`integrate_epochs` must be >= 0, got -1"):
         get_continual_method("pclr")(integrate_epochs=-1)
 

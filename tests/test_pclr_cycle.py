@@ -29,7 +29,7 @@ from peft_ext.tuners.pclr import (
 from peft_ext.tuners.pclr.cycle import _set_count
 from peft_ext.tuners.pclr.layer import N_PROTOS
 
-from .helpers import stack_collate, tiny_classifier, token_sequence
+from .helpers import pclr_adapter, stack_collate, tiny_classifier, token_sequence
 
 VOCAB = 128
 
@@ -263,16 +263,9 @@ def test_stored_adapter_parameters_counts_ranks_keys_prototypes_and_shared():
 @pytest.mark.slow
 def test_continual_plugin_with_task_routing_records_a_bounded_adapter():
     seq = token_sequence(n_tasks=3)
-    method = get_continual_method("pclr")(
-        pool_size=8,
-        ranks_schedule=[4],
-        compress_schedule=[0.0, 0.5],
-        top_k=4,
-        lr=5e-3,
-        shared_r=2,
-        compress_rule="contribution",
-        integrate_routing="tasks",
-    )
+    schedules = {"ranks_schedule": [4], "compress_schedule": [0.0, 0.5], "compress_rule": "contribution"}
+    adapter = pclr_adapter(pool_size=8, top_k=4, shared_r=2, **schedules)
+    method = get_continual_method("pclr")(lr=5e-3, integrate_routing="tasks", adapter=adapter)
     captured = {}
     original = method.after_task
 

@@ -14,7 +14,7 @@ from peft_ext.continual.methods_riemannion import StepTogether
 from peft_ext.optim import Riemannion, RiemannLoRA
 from peft_ext.tuners.riemannion import find_adapters
 
-from .helpers import stack_collate, tiny_classifier, token_sequence
+from .helpers import QUERY_VALUE, lora_adapter, stack_collate, tiny_classifier, token_sequence
 from .single_thread import single_thread  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -47,13 +47,15 @@ def _run(seq, name, **opts):
     ids=["loi-muon", "random-muon-nesterov", "loi-sgd"],
 )
 def test_riemannion_learns_every_task(seq, opts):
-    result = _run(seq, "riemannion", r=4, target_modules=["query", "value"], loi_batches=2, **opts)
+    result = _run(seq, "riemannion", loi_batches=2, adapter={"r": 4, "target_modules": QUERY_VALUE}, **opts)
     assert min(result.accuracy_matrix[i][i] for i in range(len(seq))) > 0.8
     assert result.trainable_params < result.total_params / 4
 
 
 def test_riemannion_builds_the_optimizer_and_loi_keeps_the_output(seq):
-    method = get_continual_method("riemannion")(r=4, lr=0.05, head_lr=1e-3, variant="sgd", loi_batches=2)
+    method = get_continual_method("riemannion")(
+        lr=0.05, head_lr=1e-3, variant="sgd", loi_batches=2, adapter={"r": 4, "target_modules": QUERY_VALUE}
+    )
     base = tiny_classifier(seq.num_classes)
     ctx = RunContext(sequence=seq, train=FAST, collate=stack_collate, device=torch.device("cpu"))
     model = method.build(copy.deepcopy(base), ctx).eval()  # eval: no dropout noise in the comparison
@@ -87,14 +89,14 @@ def test_riemannion_builds_the_optimizer_and_loi_keeps_the_output(seq):
     ids=["adamw", "riemannian_precond", "muon", "lora_ga"],
 )
 def test_lora_peers_learn_every_task(seq, opts):
-    result = _run(seq, "lora_opt", r=4, lr=5e-3, head_lr=1e-2, **opts)
+    result = _run(seq, "lora_opt", lr=5e-3, head_lr=1e-2, adapter=lora_adapter(4), **opts)
     assert min(result.accuracy_matrix[i][i] for i in range(len(seq))) > 0.8
 
 
 def test_lora_peer_optimizers_keep_the_head_on_adamw(seq):
     ctx = RunContext(sequence=seq, train=FAST, collate=stack_collate, device=torch.device("cpu"))
     for name in ("riemannian_precond", "muon"):
-        method = get_continual_method("lora_opt")(r=4, lr=2e-3, head_lr=1e-2, optimizer=name)
+        method = get_continual_method("lora_opt")(lr=2e-3, head_lr=1e-2, optimizer=name, adapter=lora_adapter(4))
         model = method.build(tiny_classifier(seq.num_classes), ctx)
         optimizer = method.make_optimizer(model, method.trainable_parameters(model))
         assert isinstance(optimizer, StepTogether)
@@ -107,7 +109,7 @@ def test_lora_peer_optimizers_keep_the_head_on_adamw(seq):
 
 
 def test_lora_ga_rewrites_the_base_but_keeps_the_output(seq):
-    method = get_continual_method("lora_opt")(r=4, lr=2e-3, init="lora_ga", init_batches=2)
+    method = get_continual_method("lora_opt")(lr=2e-3, init="lora_ga", init_batches=2, adapter=lora_adapter(4))
     ctx = RunContext(sequence=seq, train=FAST, collate=stack_collate, device=torch.device("cpu"))
     base = method.build(tiny_classifier(seq.num_classes), ctx).eval()
     batch = stack_collate(seq.tasks[0].test)
@@ -140,8 +142,8 @@ def test_the_shipped_config_is_valid_and_compares_all_six_methods():
     assert labels == ["riemannion_loi", "riemannion_random", "lora_adamw", "lora_rprec", "lora_ga", "lora_muon"]
     assert config.data.n_tasks == 1 and config.train.train_logit_mask == "all"
     riemannion = config.methods[0].options
-    assert riemannion.r == 16 and riemannion.init == "loi" and riemannion.variant == "muon"
-    assert {m.options.r for m in config.methods} == {16}
+    assert riemannion.adapter.r == 16 and riemannion.init == "loi" and riemannion.variant == "muon"
+    assert {m.options.adapter.r for m in config.methods} == {16}
     assert len({m.options.head_lr for m in config.methods}) == 1, "every method must train the head the same way"
     with pytest.raises(ConfigError, match="methods"):
         load_config(ROOT / "configs" / "riemannion_wordnet.yaml", ["methods.0.init=pissa"])

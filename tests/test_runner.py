@@ -1,15 +1,24 @@
 import dataclasses
 import math
+import random
 
 import pytest
 import torch
 
-from peft_ext.continual import TrainConfig, get_continual_method, run_sequence
+from peft_ext.continual import (
+    ContinualEngine,
+    RunContext,
+    RunRecord,
+    TaskTrainer,
+    TrainConfig,
+    get_continual_method,
+    run_sequence,
+)
 from peft_ext.continual.methods import ContinualMethod, MethodOptions
 from peft_ext.continual.report import matrix_table, metrics_table, save_results
-from peft_ext.continual.tasks import Example, Task, TaskSequence
+from peft_ext.data.tasks import Example, Task, TaskSequence
 
-from .helpers import stack_collate, tiny_classifier, token_sequence
+from .helpers import lora_adapter, stack_collate, tiny_classifier, token_sequence
 
 FAST = TrainConfig(epochs=4, batch_size=8, progress=False, device="cpu")
 
@@ -33,7 +42,7 @@ def test_seq_lora_fills_the_lower_triangle_and_learns(seq):
     # Task-incremental, so the check is about learning each task, not about the class-incremental head bias
     # (old classes' logits outscoring a new task's, which the CIL evaluation rightly counts as errors).
     seq = dataclasses.replace(seq, protocol="task-incremental")
-    r = _run("seq_lora", seq, lr=5e-3, r=4, target_modules=["query", "value"])
+    r = _run("seq_lora", seq, lr=5e-3, adapter=lora_adapter(4))
     T = len(seq)
     for i in range(T):
         for j in range(T):
@@ -56,7 +65,7 @@ def test_frozen_linear_trains_only_the_head(seq):
 
 
 def test_joint_reports_only_the_last_row(seq):
-    r = _run("joint", seq, lr=5e-3, r=4)
+    r = _run("joint", seq, lr=5e-3, adapter=lora_adapter(4))
     assert all(x is None for row in r.accuracy_matrix[:-1] for x in row)
     assert all(x is not None for x in r.accuracy_matrix[-1])
     assert r.metrics["bwt"] is None and r.metrics["forgetting"] is None
@@ -64,8 +73,8 @@ def test_joint_reports_only_the_last_row(seq):
 
 
 def test_runs_are_deterministic(seq):
-    a = _run("seq_lora", seq, lr=5e-3, r=4)
-    b = _run("seq_lora", seq, lr=5e-3, r=4)
+    a = _run("seq_lora", seq, lr=5e-3, adapter=lora_adapter(4))
+    b = _run("seq_lora", seq, lr=5e-3, adapter=lora_adapter(4))
     assert a.accuracy_matrix == b.accuracy_matrix
     assert a.task_losses == b.task_losses
 
@@ -101,7 +110,7 @@ def test_class_incremental_evaluation_scores_against_all_seen_classes():
 
 
 def test_reports_are_written(tmp_path, seq):
-    r = _run("seq_lora", seq, lr=5e-3, r=4)
+    r = _run("seq_lora", seq, lr=5e-3, adapter=lora_adapter(4))
     paths = save_results([r], tmp_path / "out", {"name": "unit"}, [t.name for t in seq.tasks])
     import json
 
@@ -134,7 +143,7 @@ def test_bad_train_config_is_rejected():
 
 
 def test_lr_schedules():
-    from peft_ext.continual.runner import lr_factor
+    from peft_ext.continual.context import lr_factor
 
     assert [lr_factor(s, 10, "constant", 0.0) for s in (0, 9)] == [1.0, 1.0]
     assert lr_factor(0, 10, "linear", 0.0) == 1.0 and lr_factor(5, 10, "linear", 0.0) == 0.5
@@ -148,8 +157,8 @@ def test_lr_schedules():
 def test_heatmap_is_a_png_and_leaves_the_callers_matplotlib_backend_alone(tmp_path):
     import matplotlib
 
+    from peft_ext.continual import MethodResult
     from peft_ext.continual.report import plot_accuracy_matrices
-    from peft_ext.continual.runner import MethodResult
 
     previous = matplotlib.get_backend()
     matplotlib.use("svg")  # e.g. a notebook's inline backend: plotting must not switch it
@@ -163,3 +172,92 @@ def test_heatmap_is_a_png_and_leaves_the_callers_matplotlib_backend_alone(tmp_pa
         matplotlib.use(previous)
     with pytest.raises(ValueError, match="no results to plot"):
         plot_accuracy_matrices([], tmp_path / "none.png")
+
+
+class _Recorder(TaskTrainer):
+    """A training step that trains nothing and records what the engine asked of it, and when."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def prepare(self, phase):
+        self.log.append(("prepare", phase.task_id))
+
+    def train(self, model, phase):
+        self.log.append(("train", phase.task_id, phase.allowed_classes, phase.row))
+        return float(phase.task_id)
+
+    def finish(self, model, phase):
+        self.log.append(("finish", phase.task_id))
+
+    def phase_done(self, model, phase, record):
+        self.log.append(("done", phase.task_id, record.completed, record.accuracy_matrix[phase.row][phase.row]))
+
+
+class _Hooks(ContinualMethod):
+    name = "hooks_for_test"
+
+    def __init__(self, log: list, joint: bool = False) -> None:
+        super().__init__()
+        self.log, self.joint = log, joint
+
+    def before_task(self, model, task_id, task, ctx):
+        self.log.append(("before", task_id))
+        return model
+
+    def after_task(self, model, task_id, task, ctx):
+        self.log.append(("after", task_id))
+        return model
+
+
+@pytest.mark.parametrize("joint", [False, True])
+def test_engine_runs_the_phases_in_order_with_a_pluggable_training_step(seq, joint):
+    log: list = []
+    engine = ContinualEngine(seq, _Hooks(log, joint), stack_collate, FAST)
+    record = RunRecord.empty(len(seq))
+    engine.run(engine.build(tiny_classifier(seq.num_classes)), _Recorder(log), record)
+    T = len(seq)
+    if joint:
+        union = sorted(c for task in seq.tasks for c in task.classes)
+        assert log[:5] == [("prepare", 0), ("before", 0), ("train", 0, union, T - 1), ("finish", 0), ("after", 0)]
+        assert record.task_losses == [0.0] and record.completed == 1
+        assert all(x is None for row in record.accuracy_matrix[:-1] for x in row)
+        assert engine.metrics(record)["bwt"] is None
+    else:
+        for i, task in enumerate(seq.tasks):
+            phase = log[6 * i : 6 * i + 6]
+            assert phase[:5] == [
+                ("prepare", i),
+                ("before", i),
+                ("train", i, task.classes, i),
+                ("finish", i),
+                ("after", i),
+            ]
+            assert phase[5][:3] == ("done", i, i + 1) and phase[5][3] is not None  # evaluated before phase_done
+        assert record.task_losses == [0.0, 1.0, 2.0][:T]
+        assert all(record.accuracy_matrix[i][j] is not None for i in range(T) for j in range(i + 1))
+    # a run resumed from the record runs nothing more
+    again = len(log)
+    engine.run(engine.build(tiny_classifier(seq.num_classes)), _Recorder(log), record)
+    assert len(log) == again
+
+
+def test_run_context_batches_and_task_loss(seq):
+    ctx = RunContext(sequence=seq, train=FAST, collate=stack_collate, device=torch.device("cpu"))
+    task = seq.tasks[1]
+    batches = list(ctx.iter_batches(task.train, batch_size=5, limit=2))
+    assert [len(b["labels"]) for b in batches] == [5, 5]
+    assert torch.equal(batches[0]["labels"], torch.tensor([ex.label for ex in task.train[:5]]))
+    shuffled = list(ctx.iter_batches(task.train, rng=random.Random(0)))
+    assert sorted(int(y) for b in shuffled for y in b["labels"]) == sorted(ex.label for ex in task.train)
+    assert ctx.training_classes(1) == list(task.classes) and ctx.eval_classes(1, 0) == seq.classes_seen(1)
+    model = tiny_classifier(seq.num_classes).eval()
+    batch = batches[0]
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    masked = logits.masked_fill(~ctx.class_mask(task.classes), float("-inf"))
+    torch.testing.assert_close(
+        ctx.task_loss(model, batch, 1), torch.nn.functional.cross_entropy(masked, batch["labels"])
+    )
+    assert not torch.allclose(
+        ctx.task_loss(model, batch, 1), torch.nn.functional.cross_entropy(logits, batch["labels"])
+    )

@@ -14,9 +14,8 @@ from torch import nn
 
 import peft_ext
 from peft_ext import SplitLoRAConfig
-from peft_ext.continual import TrainConfig, get_continual_method, run_sequence
+from peft_ext.continual import RunContext, TrainConfig, get_continual_method, run_sequence
 from peft_ext.continual.methods_splitlora import gpm_update, inflora_A, input_covariances
-from peft_ext.continual.runner import RunContext
 from peft_ext.models import tiny_bert
 from peft_ext.tuners.splitlora import SPLITLORA, SplitLoRALayer, SplitLoRAModel
 from peft_ext.tuners.splitlora.stats import (
@@ -30,7 +29,7 @@ from peft_ext.tuners.splitlora.stats import (
     split_objective,
 )
 
-from .helpers import stack_collate, tiny_classifier, token_sequence
+from .helpers import QUERY_VALUE, lora_adapter, stack_collate, tiny_classifier, token_sequence
 from .tuner_contract import CONTRACT_CHECKS, TunerCase
 
 
@@ -523,7 +522,8 @@ def _ctx(seq) -> RunContext:
 
 
 def test_splitlora_method_runs_the_lifecycle_and_trains_only_B_and_the_head(seq):
-    method = get_continual_method("splitlora")(lr=5e-3, r=2, trade_off=5.0, target_modules=["query", "value"])
+    adapter = {"r": 2, "trade_off": 5.0, "target_modules": QUERY_VALUE}
+    method = get_continual_method("splitlora")(lr=5e-3, adapter=adapter)
     result = run_sequence(seq, method, tiny_classifier(seq.num_classes), stack_collate, FAST)
     # the first two tasks are learned (the third's accuracy right after training is dominated by class-incremental
     # bias towards the previous task's logits at 2 epochs, for every method including frozen_linear)
@@ -535,7 +535,7 @@ def test_splitlora_method_runs_the_lifecycle_and_trains_only_B_and_the_head(seq)
 
 def test_splitlora_statistics_skip_padding(seq):
     """The method's statistics count only real tokens: the attention mask reaches the hooks."""
-    method = get_continual_method("splitlora")(r=2, target_modules=["query"])
+    method = get_continual_method("splitlora")(adapter={"r": 2, "target_modules": ["query"]})
     ctx = _ctx(seq)
     model = method.build(tiny_classifier(seq.num_classes), ctx)
     padded = [
@@ -558,7 +558,8 @@ def test_splitlora_statistics_skip_padding(seq):
 @pytest.mark.parametrize("name", ["inflora", "olora", "osf"])
 def test_rewrapping_baselines_keep_the_finished_task(name, seq):
     """Folding task t and wrapping task t+1's fresh adapter must not change the model's function."""
-    method = get_continual_method(name)(lr=5e-3)
+    options = {"adapter": lora_adapter(8)} if name == "olora" else {}  # inflora and osf keep flat options
+    method = get_continual_method(name)(lr=5e-3, **options)
     ctx = _ctx(seq)
     model = method.build(tiny_classifier(seq.num_classes), ctx)
     x = torch.stack([ex.inputs for ex in seq.tasks[0].test])
@@ -615,7 +616,7 @@ def test_input_covariances_match_a_manual_computation(seq):
 
 
 def test_olora_loss_is_the_orthogonality_penalty(seq):
-    method = get_continual_method("olora")(lr=5e-3, r=2, lambda_orth=0.5)
+    method = get_continual_method("olora")(lr=5e-3, lambda_orth=0.5, adapter=lora_adapter(2))
     ctx = _ctx(seq)
     model = method.before_task(method.build(tiny_classifier(seq.num_classes), ctx), 0, seq.tasks[0], ctx)
     assert method.extra_loss(model, {}, 0) is None  # nothing to be orthogonal to yet
@@ -635,7 +636,7 @@ def test_osf_preserved_share_grows_over_the_sequence():
 
 def test_method_options_are_validated():
     with pytest.raises(ValueError, match=r"`trade_off` must be a positive finite number, got 0.0"):
-        get_continual_method("splitlora")(trade_off=0.0)
+        get_continual_method("splitlora")(adapter={"trade_off": 0.0})
     with pytest.raises(ValueError, match=r"`threshold_start` must be in \(0, 1\], got 1.5"):
         get_continual_method("inflora")(threshold_start=1.5)
     with pytest.raises(ValueError, match=r"`lambda_orth` must be >= 0, got -1"):
@@ -655,10 +656,10 @@ def test_on_real_minilm_splitlora_forgets_far_less_than_sequential_lora():
     results = {}
     for name, options in (
         # 3e-3: at 1e-3 plain LoRA barely learns the later tasks in 2 epochs, so it has little to forget
-        ("seq_lora", {"lr": 3e-3, "r": 10, "alpha": 20.0}),
-        ("splitlora", {"lr": 5e-3, "r": 10}),
+        ("seq_lora", {"lr": 3e-3, "adapter": lora_adapter(10, lora_alpha=20.0)}),
+        ("splitlora", {"lr": 5e-3, "adapter": {"r": 10, "target_modules": QUERY_VALUE}}),
     ):
-        method = get_continual_method(name)(target_modules=["query", "value"], **options)
+        method = get_continual_method(name)(**options)
         results[name] = run_sequence(sequence, method, base, TextCollator(tokenizer, 32), train)
     split, plain = results["splitlora"], results["seq_lora"]
     chance = 1 / 3  # within a task; class-incremental evaluation is harder still

@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
+from ..data.tasks import Example, Task, TaskSequence
+
 # Importing the plugin modules registers their methods: full_ft; pclr; riemannion, lora_opt;
 # splitlora, inflora, olora, osf.
 from . import methods_optim, methods_pclr, methods_riemannion, methods_splitlora  # noqa: F401
+from .context import RunContext, TrainConfig
+from .engine import ContinualEngine, MethodResult, Phase, RunRecord, TaskTrainer, evaluate
 from .methods import CONTINUAL_METHODS, ContinualMethod, MethodOptions, get_continual_method, register_continual_method
 from .metrics import average_incremental_accuracy, backward_transfer, final_average_accuracy, forgetting, summarize
-from .runner import MethodResult, RunContext, TrainConfig, evaluate, run_sequence
-from .tasks import Example, Task, TaskSequence
+from .runner import run_sequence
 
 __all__ = [
     "CONTINUAL_METHODS",
+    "ContinualEngine",
     "ContinualMethod",
     "Example",
     "MethodOptions",
     "MethodResult",
+    "Phase",
     "RunContext",
+    "RunRecord",
     "Task",
     "TaskSequence",
+    "TaskTrainer",
     "TrainConfig",
     "average_incremental_accuracy",
     "backward_transfer",

@@ -16,9 +16,9 @@ from typing import Any, Literal
 
 import yaml
 
-from .methods import MethodOptions, get_continual_method
-from .runner import TrainConfig
-from .tasks import PROTOCOLS
+from ..data.tasks import PROTOCOLS
+from .context import TrainConfig
+from .methods import AdapterOptions, MethodOptions, get_continual_method
 
 
 class ConfigError(ValueError):
@@ -185,7 +185,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise TypeError(f"unsupported annotation {tp!r} for `{key}`")  # a bug in a section class, not in the config
 
 
-def _unknown_key(key: str, prefix: str, valid: list[str]) -> ConfigError:
+def unknown_key(key: str, prefix: str, valid: list[str]) -> ConfigError:
+    """The error for a key that ``valid`` does not list, with a did-you-mean."""
     close = difflib.get_close_matches(key, valid, n=1)
     hint = f" (did you mean `{close[0]}`?)" if close else ""
     return ConfigError(f"unknown key `{prefix}{key}`{hint}; valid keys: {', '.join(valid)}")
@@ -212,8 +213,11 @@ def build_section(cls: type, data: Any, prefix: str = "", skip: tuple[str, ...] 
         if key in skip:
             continue
         if key not in fields:
-            raise _unknown_key(str(key), prefix, fields)
-        kwargs[key] = _coerce(value, hints[key], prefix + key)
+            raise unknown_key(str(key), prefix, fields)
+        if key == "adapter" and issubclass(cls, AdapterOptions):
+            kwargs[key] = build_adapter_section(cls, value, f"{prefix}adapter.")
+        else:
+            kwargs[key] = _coerce(value, hints[key], prefix + key)
     missing = [
         f.name
         for f in dataclasses.fields(cls)
@@ -229,11 +233,38 @@ def build_section(cls: type, data: Any, prefix: str = "", skip: tuple[str, ...] 
         try:
             obj.validate()
         except ValueError as err:
-            msg = str(err)
-            raise ConfigError(
-                msg.replace("`", f"`{prefix}", 1) if msg.startswith("`") else f"{prefix}: {msg}"
-            ) from None
+            raise _prefixed(err, prefix) from None
     return obj
+
+
+def _prefixed(err: Exception, prefix: str) -> ConfigError:
+    """``err`` as a ConfigError whose leading `` `key` `` names the full path (``methods[2].adapter.pool_size``)."""
+    msg = str(err)
+    return ConfigError(msg.replace("`", f"`{prefix}", 1) if msg.startswith("`") else f"{prefix.rstrip('.')}: {msg}")
+
+
+def build_adapter_section(cls: type[AdapterOptions], data: Any, prefix: str) -> Any:
+    """Build the adapter config of ``cls`` from its ``adapter:`` mapping; the config class validates the values.
+
+    Args:
+        cls: The method's options class.
+        data: The mapping (``None``: every default).
+        prefix: Key prefix of the section (``methods[2].adapter.``).
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"`{prefix.rstrip('.')}` must be a mapping of adapter fields, got {type(data).__name__}")
+    valid = cls.adapter_keys()
+    for key in data:
+        if key in cls.method_owned:
+            raise ConfigError(f"`{prefix}{key}` is set by the method, not by the config")
+        if key not in valid:
+            raise unknown_key(str(key), prefix, valid)
+    try:
+        return cls.adapter_cls()(**data)
+    except (ValueError, TypeError) as err:
+        raise _prefixed(err, prefix) from None
 
 
 def _build_method(data: Any, index: int) -> MethodEntry:
@@ -244,6 +275,8 @@ def _build_method(data: Any, index: int) -> MethodEntry:
         cls = get_continual_method(data["name"])
     except ValueError as err:
         raise ConfigError(f"`{prefix}name`: {err}") from None
+    if issubclass(cls.options_cls, AdapterOptions):
+        data = cls.options_cls.nest_flat_keys(data, prefix)
     return MethodEntry(name=cls.name, options=build_section(cls.options_cls, data, prefix, skip=("name",)))
 
 
@@ -255,7 +288,7 @@ def config_from_dict(data: Any) -> RunConfig:
     valid = ["name", *sections, "methods"]
     for key in data:
         if key not in valid:
-            raise _unknown_key(str(key), "", valid)
+            raise unknown_key(str(key), "", valid)
     name = data.get("name", "run")
     if not isinstance(name, str) or not name:
         raise ConfigError(f"`name` must be a non-empty string, got {name!r}")

@@ -14,15 +14,19 @@ Baselines shipped here (every later method is measured against them, side by sid
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from peft import LoraConfig
 from torch import nn
 
 if TYPE_CHECKING:
-    from .runner import RunContext
-    from .tasks import Task
+    from ..data.tasks import Task
+    from .context import RunContext
 
 
 @dataclass
@@ -46,30 +50,102 @@ class MethodOptions:
             raise ValueError(f"`weight_decay` must be >= 0, got {self.weight_decay}")
 
 
+#: Fields every PEFT config has that describe the saved adapter, not the adapter itself; no method config sets them.
+PEFT_BOOKKEEPING = ("peft_type", "task_type", "auto_mapping", "base_model_name_or_path", "revision", "inference_mode")
+
+
 @dataclass
-class LoraOptions(MethodOptions):
+class AdapterOptions(MethodOptions):
+    """Options of a method that trains one adapter type: the method's own settings, and ``adapter``, the adapter's
+    own config (a YAML mapping under ``adapter:``, validated by the config class itself).
+
+    Every adapter setting has one default, the config class's. Subclasses declare the field ``adapter`` with the
+    config class as type and default factory, and set the class attributes below.
+    """
+
+    #: Adapter fields the method sets itself (e.g. ``modules_to_save``: the head); a config may not set them.
+    method_owned: ClassVar[tuple[str, ...]] = ("modules_to_save",)
+    #: Old flat option names that became adapter fields of another name (``alpha`` -> ``lora_alpha``).
+    legacy_names: ClassVar[dict[str, str]] = {}
+
+    def __post_init__(self) -> None:
+        if isinstance(self.adapter, dict):
+            self.adapter = self.adapter_cls()(**self.adapter)
+
+    @classmethod
+    def adapter_cls(cls) -> type:
+        """The adapter's config class (the type of the ``adapter`` field)."""
+        return next(f for f in dataclasses.fields(cls) if f.name == "adapter").default_factory  # type: ignore
+
+    @classmethod
+    def adapter_keys(cls) -> list[str]:
+        """The adapter fields a config may set."""
+        skip = {*PEFT_BOOKKEEPING, *cls.method_owned}
+        return [f.name for f in dataclasses.fields(cls.adapter_cls()) if f.init and f.name not in skip]
+
+    @classmethod
+    def nest_flat_keys(cls, data: dict[str, Any], where: str = "") -> dict[str, Any]:
+        """Move old flat adapter keys of ``data`` (e.g. ``pool_size``) into its ``adapter`` section, with a warning.
+
+        Args:
+            data: Option values by name.
+            where: Key prefix for the warning (``methods[2].``).
+        """
+        own = {f.name for f in dataclasses.fields(cls)}
+        adapter_keys = set(cls.adapter_keys())
+        moved = {k: cls.legacy_names.get(k, k) for k in data if k not in own}
+        moved = {k: new for k, new in moved.items() if new in adapter_keys}
+        if not moved:
+            return data
+        data = dict(data)
+        section = data.get("adapter") or {}
+        if not isinstance(section, dict):
+            raise TypeError(f"pass the adapter fields {sorted(moved)} inside `adapter`, not beside a config object")
+        section = dict(section)
+        for old, new in moved.items():
+            section[new] = data.pop(old)
+        data["adapter"] = section
+        shown = ", ".join(f"{new}: {section[new]!r}" for new in moved.values())
+        warnings.warn(
+            f"`{where}{next(iter(moved))}` and the other adapter fields moved into the adapter section: write "
+            f"`adapter: {{{shown}}}` (flat adapter keys will stop working)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return data
+
+    def adapter_config(self, **method_set: Any) -> Any:
+        """A copy of ``adapter`` with the fields the method sets (``method_owned``) filled in."""
+        unknown = set(method_set) - set(self.method_owned)
+        if unknown:
+            raise ValueError(f"{sorted(unknown)} are not among the method-set adapter fields {self.method_owned}")
+        return dataclasses.replace(self.adapter, **method_set) if method_set else copy.deepcopy(self.adapter)
+
+
+@dataclass
+class LoraOptions(AdapterOptions):
     """Options of the LoRA-based baselines.
 
     Args:
-        r: LoRA rank.
-        alpha: LoRA alpha (scale = alpha / r).
-        dropout: LoRA dropout.
-        target_modules: Module-name suffixes to adapt (MiniLM/BERT: ``query``, ``key``, ``value``, ``dense``).
+        adapter: PEFT's :class:`~peft.LoraConfig` (``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules``, ...);
+            YAML ``adapter: {r: 8, lora_alpha: 16, target_modules: [query, value]}``. The method sets
+            ``modules_to_save`` (the head).
     """
 
-    r: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: ["query", "value"])
+    legacy_names: ClassVar[dict[str, str]] = {"alpha": "lora_alpha", "dropout": "lora_dropout"}
+
+    adapter: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self) -> None:
         super().validate()
-        if self.r < 1:
-            raise ValueError(f"`r` must be a positive integer, got {self.r}")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"`dropout` must be in [0, 1), got {self.dropout}")
-        if not self.target_modules:
-            raise ValueError("`target_modules` must name at least one module, got an empty list")
+        # PEFT's LoraConfig accepts these and fails only when the model is wrapped; a run config should fail first.
+        adapter = self.adapter
+        if isinstance(adapter.r, bool) or not isinstance(adapter.r, int) or adapter.r < 1:
+            raise ValueError(f"`adapter.r` must be a positive integer, got {adapter.r!r}")
+        if not 0 <= adapter.lora_dropout < 1:
+            raise ValueError(f"`adapter.lora_dropout` must be in [0, 1), got {adapter.lora_dropout!r}")
+        if adapter.target_modules is not None and not adapter.target_modules:
+            raise ValueError("`adapter.target_modules` must name at least one module (or be unset), got none")
 
 
 class ContinualMethod:
@@ -86,6 +162,8 @@ class ContinualMethod:
 
     def __init__(self, options: MethodOptions | None = None, **kwargs: Any) -> None:
         if options is None:
+            if issubclass(self.options_cls, AdapterOptions):
+                kwargs = self.options_cls.nest_flat_keys(kwargs)
             options = self.options_cls(**kwargs)
         elif kwargs:
             raise TypeError("pass either an options object or keyword options, not both")
@@ -171,16 +249,9 @@ class _LoraMethod(ContinualMethod):
     options_cls = LoraOptions
 
     def build(self, base_model: nn.Module, ctx: RunContext) -> nn.Module:
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
 
-        opts = self.options
-        config = LoraConfig(
-            r=opts.r,
-            lora_alpha=opts.alpha,
-            lora_dropout=opts.dropout,
-            target_modules=list(opts.target_modules),
-            modules_to_save=[head_module_name(base_model)],
-        )
+        config = self.options.adapter_config(modules_to_save=[head_module_name(base_model)])
         return get_peft_model(base_model, config)
 
 

@@ -19,7 +19,7 @@ from ..optim.dct_adamw import DCTAdamW, matches_target
 from .methods import ContinualMethod, MethodOptions, register_continual_method
 
 if TYPE_CHECKING:
-    from .runner import RunContext
+    from .context import RunContext
 
 OPTIMIZER_CHOICES = ("adamw", "galore_adamw", "dct_adamw")
 #: Each optimizer's own default refresh interval, used when ``update_proj_gap`` is left unset: GaLore's README

@@ -10,40 +10,29 @@ integrates as scheduled, and freezes the ranks. Evaluation runs without a task i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from .methods import ContinualMethod, MethodOptions, head_module_name, register_continual_method
-from .runner import _batches, _to_device
+from ..tuners.pclr import INTEGRATE_ROUTING, PCLRConfig
+from .methods import AdapterOptions, ContinualMethod, head_module_name, register_continual_method
 
 if TYPE_CHECKING:
-    from .runner import RunContext
-    from .tasks import Task
+    from ..data.tasks import Task
+    from .context import RunContext
 
 __all__ = ["PCLRMethod", "PCLROptions"]
 
 
 @dataclass
-class PCLROptions(MethodOptions):
-    """Options of the ``pclr`` method (see :class:`peft_ext.PCLRConfig` for the adapter fields).
+class PCLROptions(AdapterOptions):
+    """Options of the ``pclr`` method: the task cycle's own settings and the adapter's :class:`~peft_ext.PCLRConfig`.
 
     Args:
-        pool_size: Cap on ranks per linear.
-        ranks_schedule: New ranks per task (last entry repeats).
-        compress_schedule: Fraction of the pool dropped after each task (last entry repeats).
-        compress_rule: ``"contribution"`` (measured contribution; default), ``"index"`` (public code) or
-            ``"importance"`` (``||a_i|| ||b_i||``); benchmarks/continual_wordnet.py compares them.
-        top_k: Ranks selected per sample.
-        alpha: Pool scale numerator (scale ``alpha / top_k``).
-        shared_r: Rank of the shared LoRA (0: none).
-        shared_alpha: Shared LoRA scale numerator.
+        adapter: The PCLR adapter (pool size, schedules, ``top_k``, ``alpha``, shared LoRA, targets, ...); YAML
+            ``adapter: {pool_size: 64, ...}``. The method sets ``modules_to_save`` (the head).
         train_shared: Also train the shared LoRA while learning each task (default: only during integration).
-        target_modules: Module-name suffixes to adapt.
-        query_loss_weight: Weight of the key loss ``1 - cos(q, k)``.
-        prototype_routing: Restrict ranks by the nearest stored task prototype at inference.
-        init_from_static: Initialize new ranks from the best-matching static ranks.
         integrate_epochs: Distillation passes over the task's data after compression (0: no integration).
         integrate_routing: ``"input"`` (default: each sample routed by its own query; the current task's logits)
             or ``"tasks"`` (public code: each distillation batch routed as one stored task, drawn with probability
@@ -56,19 +45,8 @@ class PCLROptions(MethodOptions):
         key_pull_strength: How far keys close to several prototypes move toward them.
     """
 
-    pool_size: int = 64
-    ranks_schedule: list[int] = field(default_factory=lambda: [16])
-    compress_schedule: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.25])
-    compress_rule: str = "contribution"
-    top_k: int = 16
-    alpha: float = 16.0
-    shared_r: int = 4
-    shared_alpha: float = 8.0
+    adapter: PCLRConfig = field(default_factory=PCLRConfig)
     train_shared: bool = False
-    target_modules: list[str] = field(default_factory=lambda: ["query", "value"])
-    query_loss_weight: float = 0.2
-    prototype_routing: bool = True
-    init_from_static: bool = True
     integrate_epochs: int = 1
     integrate_routing: str = "input"
     integrate_lr: float = 1e-3
@@ -78,37 +56,12 @@ class PCLROptions(MethodOptions):
 
     def validate(self) -> None:
         super().validate()
-        if not self.target_modules:
-            raise ValueError("`target_modules` must name at least one module, got an empty list")
         if self.integrate_epochs < 0:
             raise ValueError(f"`integrate_epochs` must be >= 0, got {self.integrate_epochs}")
         if not self.integrate_lr > 0:
             raise ValueError(f"`integrate_lr` must be > 0, got {self.integrate_lr}")
-        from ..tuners.pclr import INTEGRATE_ROUTING
-
         if self.integrate_routing not in INTEGRATE_ROUTING:
             raise ValueError(f"`integrate_routing` must be one of {INTEGRATE_ROUTING}, got {self.integrate_routing!r}")
-        self.adapter_config(None)  # validates the adapter fields with PCLRConfig's messages
-
-    def adapter_config(self, head: Optional[str]) -> Any:
-        """The :class:`peft_ext.PCLRConfig` these options describe (``head`` goes to ``modules_to_save``)."""
-        from ..tuners.pclr import PCLRConfig
-
-        return PCLRConfig(
-            pool_size=self.pool_size,
-            ranks_schedule=list(self.ranks_schedule),
-            compress_schedule=list(self.compress_schedule),
-            compress_rule=self.compress_rule,
-            top_k=self.top_k,
-            alpha=self.alpha,
-            shared_r=self.shared_r,
-            shared_alpha=self.shared_alpha,
-            target_modules=list(self.target_modules),
-            query_loss_weight=self.query_loss_weight,
-            prototype_routing=self.prototype_routing,
-            init_from_static=self.init_from_static,
-            modules_to_save=[head] if head else None,
-        )
 
 
 @register_continual_method
@@ -121,7 +74,7 @@ class PCLRMethod(ContinualMethod):
     def build(self, base_model: nn.Module, ctx: RunContext) -> nn.Module:
         from peft import get_peft_model
 
-        model = get_peft_model(base_model, self.options.adapter_config(head_module_name(base_model)))
+        model = get_peft_model(base_model, self.options.adapter_config(modules_to_save=[head_module_name(base_model)]))
         ctx.state["pclr_pool"] = []
         ctx.state["pclr_adapter_params"] = []
         ctx.state["pclr_integrate"] = []
@@ -129,9 +82,7 @@ class PCLRMethod(ContinualMethod):
         return model
 
     def _task_batches(self, task: Task, ctx: RunContext) -> list[dict[str, Any]]:
-        return [
-            _to_device(ctx.collate(chunk), ctx.device) for chunk in _batches(task.train, ctx.train.batch_size, None)
-        ]
+        return list(ctx.iter_batches(task.train))
 
     def before_task(self, model: nn.Module, task_id: int, task: Task, ctx: RunContext) -> nn.Module:
         from ..tuners.pclr import begin_task, query_prototype

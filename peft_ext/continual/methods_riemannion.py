@@ -15,48 +15,46 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
 from ..optim.riemannion import create_riemannion_optimizer
 from ..tuners.riemannion import RiemannionConfig, initialize_loi
-from .methods import ContinualMethod, LoraOptions, MethodOptions, head_module_name, register_continual_method
+from .methods import AdapterOptions, ContinualMethod, LoraOptions, head_module_name, register_continual_method
 
 if TYPE_CHECKING:
-    from .runner import RunContext
-    from .tasks import Task
+    from ..data.tasks import Task
+    from .context import RunContext
 
 
 @dataclass
-class RiemannionOptions(MethodOptions):
+class RiemannionOptions(AdapterOptions):
     """Options of ``riemannion``.
 
     Args:
-        r: Adapter rank.
-        target_modules: Module-name suffixes to adapt (MiniLM/BERT: ``query``, ``key``, ``value``, ``dense``).
+        adapter: The :class:`~peft_ext.RiemannionConfig` (``r``, ``target_modules``, ``init_scale``,
+            ``riemannion_dropout``, ...); YAML ``adapter: {r: 16, target_modules: [query, value]}``. The method sets
+            ``modules_to_save`` (the head).
         init: ``loi`` (gradient-informed, on the first task) or ``random``.
         variant: ``muon`` (Riemannion: orthogonalized steps, ``lr`` in spectral-norm units) or ``sgd``
             (RiemannLoRA: Riemannian gradient steps, ``lr`` in Frobenius units).
         momentum: Momentum coefficient.
         nesterov: Nesterov momentum.
-        init_scale: Singular values of the initial point (default ``1e-2 / sqrt(r)``).
-        dropout: Dropout on the adapters' input.
         head_lr: AdamW learning rate of the head (default ``lr``).
         loi_batches: Calibration batches (of ``train.batch_size``) for LOI.
         loi_oversampling: LOI's extra random probes.
         loi_power_iters: LOI's power iterations.
     """
 
-    r: int = 16
-    target_modules: list[str] = field(default_factory=lambda: ["query", "value"])
+    legacy_names: ClassVar[dict[str, str]] = {"dropout": "riemannion_dropout"}
+
+    adapter: RiemannionConfig = field(default_factory=RiemannionConfig)
     init: Literal["loi", "random"] = "loi"
     variant: Literal["muon", "sgd"] = "muon"
     momentum: float = 0.9
     nesterov: bool = False
-    init_scale: float | None = None
-    dropout: float = 0.0
     head_lr: float | None = None
     loi_batches: int = 4
     loi_oversampling: int = 16
@@ -64,20 +62,12 @@ class RiemannionOptions(MethodOptions):
 
     def validate(self) -> None:
         super().validate()
-        if self.r < 1:
-            raise ValueError(f"`r` must be a positive integer, got {self.r}")
-        if not self.target_modules:
-            raise ValueError("`target_modules` must name at least one module, got an empty list")
         if self.init not in ("loi", "random"):
             raise ValueError(f"`init` must be 'loi' or 'random', got {self.init!r}")
         if self.variant not in ("muon", "sgd"):
             raise ValueError(f"`variant` must be 'muon' or 'sgd', got {self.variant!r}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"`momentum` must be in [0, 1), got {self.momentum}")
-        if self.init_scale is not None and not self.init_scale > 0:
-            raise ValueError(f"`init_scale` must be > 0 (or unset), got {self.init_scale}")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"`dropout` must be in [0, 1), got {self.dropout}")
         if self.head_lr is not None and not self.head_lr > 0:
             raise ValueError(f"`head_lr` must be > 0 (or unset), got {self.head_lr}")
         for key in ("loi_batches",):
@@ -96,29 +86,8 @@ def calibration_batches(task: Task, ctx: RunContext, n: int) -> list[dict[str, A
         ctx: The run context.
         n: Number of batches.
     """
-    from .runner import _batches, _to_device
-
     rng = random.Random(f"calibration:{ctx.train.seed}")
-    batches = _batches(task.train, ctx.train.batch_size, rng)[:n]
-    return [_to_device(ctx.collate(batch), ctx.device) for batch in batches]
-
-
-def task_loss(model: nn.Module, batch: dict[str, Any], task_id: int, ctx: RunContext) -> torch.Tensor:
-    """The runner's training loss for ``batch`` of task ``task_id`` (cross entropy with its logit mask).
-
-    Args:
-        model: The model.
-        batch: A collated batch with ``labels``.
-        task_id: The task.
-        ctx: The run context.
-    """
-    from .runner import _allowed_for_training, _class_mask, _logits
-
-    logits = _logits(model, batch)
-    allowed = _allowed_for_training(ctx.sequence, task_id, ctx.train)
-    if allowed is not None:
-        logits = logits.masked_fill(~_class_mask(ctx.sequence.num_classes, allowed, ctx.device), float("-inf"))
-    return nn.functional.cross_entropy(logits, batch["labels"])
+    return list(ctx.iter_batches(task.train, rng=rng, limit=n))
 
 
 @register_continual_method
@@ -131,14 +100,7 @@ class RiemannionMethod(ContinualMethod):
     def build(self, base_model: nn.Module, ctx: RunContext) -> nn.Module:
         from peft import get_peft_model
 
-        opts = self.options
-        config = RiemannionConfig(
-            r=opts.r,
-            target_modules=list(opts.target_modules),
-            init_scale=opts.init_scale,
-            riemannion_dropout=opts.dropout,
-            modules_to_save=[head_module_name(base_model)],
-        )
+        config = self.options.adapter_config(modules_to_save=[head_module_name(base_model)])
         return get_peft_model(base_model, config)
 
     def before_task(self, model: nn.Module, task_id: int, task: Task, ctx: RunContext) -> nn.Module:
@@ -147,7 +109,7 @@ class RiemannionMethod(ContinualMethod):
             result = initialize_loi(
                 model,
                 calibration_batches(task, ctx, self.options.loi_batches),
-                loss_fn=lambda m, batch: task_loss(m, batch, task_id, ctx),
+                loss_fn=lambda m, batch: ctx.task_loss(m, batch, task_id),
                 oversampling=self.options.loi_oversampling,
                 power_iters=self.options.loi_power_iters,
                 seed=ctx.train.seed,
@@ -181,6 +143,8 @@ class LoraOptOptions(LoraOptions):
         precond_reg: Damping of PEFT's Riemannian preconditioner.
         init_batches: Batches LoRA-GA estimates the gradient on.
     """
+
+    method_owned: ClassVar[tuple[str, ...]] = ("modules_to_save", "init_lora_weights", "lora_ga_config")
 
     optimizer: Literal["adamw", "riemannian_precond", "muon"] = "adamw"
     init: Literal["default", "lora_ga"] = "default"
@@ -238,18 +202,11 @@ class LoraOpt(ContinualMethod):
     options_cls = LoraOptOptions
 
     def _config(self, base_model: nn.Module):
-        from peft import LoraConfig, LoraGAConfig
+        from peft import LoraGAConfig
 
-        opts = self.options
-        extra = {"init_lora_weights": "lora_ga", "lora_ga_config": LoraGAConfig()} if opts.init == "lora_ga" else {}
-        return LoraConfig(
-            r=opts.r,
-            lora_alpha=opts.alpha,
-            lora_dropout=opts.dropout,
-            target_modules=list(opts.target_modules),
-            modules_to_save=[head_module_name(base_model)],
-            **extra,
-        )
+        lora_ga = self.options.init == "lora_ga"
+        extra = {"init_lora_weights": "lora_ga", "lora_ga_config": LoraGAConfig()} if lora_ga else {}
+        return self.options.adapter_config(modules_to_save=[head_module_name(base_model)], **extra)
 
     def build(self, base_model: nn.Module, ctx: RunContext) -> nn.Module:
         from peft import get_peft_model
@@ -268,7 +225,7 @@ class LoraOpt(ContinualMethod):
 
         def train_step() -> None:
             for batch in batches:
-                task_loss(model, batch, task_id, ctx).backward()
+                ctx.task_loss(model, batch, task_id).backward()
 
         # LoRA-GA forms each target's full gradient and rewrites the base weights (W <- W - scaling * B A)
         preprocess_loraga(model, config, train_step)

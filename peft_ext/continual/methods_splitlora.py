@@ -21,17 +21,24 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
-from .methods import ContinualMethod, LoraOptions, MethodOptions, head_module_name, register_continual_method
-from .runner import _batches, _to_device
+from ..tuners.splitlora import SplitLoRAConfig
+from .methods import (
+    AdapterOptions,
+    ContinualMethod,
+    LoraOptions,
+    MethodOptions,
+    head_module_name,
+    register_continual_method,
+)
 
 if TYPE_CHECKING:
-    from .runner import RunContext
-    from .tasks import Example, Task
+    from ..data.tasks import Example, Task
+    from .context import RunContext
 
 __all__ = [
     "InfLoRAMethod",
@@ -70,8 +77,7 @@ def run_forward(
     model.eval()
     try:
         with torch.no_grad():
-            for chunk in _batches(examples, ctx.train.eval_batch_size, None):
-                batch = _to_device(ctx.collate(chunk), ctx.device)
+            for batch in ctx.iter_batches(examples, ctx.train.eval_batch_size):
                 inputs = {k: v for k, v in batch.items() if k != "labels"}
                 if on_batch is not None:
                     on_batch(inputs)
@@ -153,45 +159,18 @@ def input_covariances(
 
 
 @dataclass
-class SplitLoRAOptions(MethodOptions):
-    """Options of the ``splitlora`` method (see :class:`peft_ext.SplitLoRAConfig` for the meaning of each).
+class SplitLoRAOptions(AdapterOptions):
+    """Options of the ``splitlora`` method.
 
     Args:
-        r: Rank of each task's adapter (paper: 10).
-        trade_off: The coefficient ``a`` of the split objective (paper: 20).
-        target_modules: Module-name suffixes to adapt (MiniLM/BERT: ``query``, ``key``, ``value``, ``dense``).
-        statistics: ``auto``, ``dense`` or ``sketch``.
-        sketch_rank: Rows of the frequent-directions sketch.
-        init_scaling: ``inverse_task`` (METHODS.md) or ``constant`` (the authors' public code).
+        adapter: The :class:`~peft_ext.SplitLoRAConfig` (``r``, ``trade_off``, ``target_modules``, ``statistics``,
+            ...); YAML ``adapter: {r: 10, target_modules: [query, value]}``. The method sets ``modules_to_save``
+            (the head) and ``seed`` (``train.seed``).
     """
 
-    r: int = 10
-    trade_off: float = 20.0
-    target_modules: list[str] = field(default_factory=lambda: ["query", "value"])
-    statistics: Literal["auto", "dense", "sketch"] = "auto"
-    sketch_rank: int = 256
-    init_scaling: Literal["inverse_task", "constant"] = "inverse_task"
+    method_owned: ClassVar[tuple[str, ...]] = ("modules_to_save", "seed")
 
-    def validate(self) -> None:
-        super().validate()
-        if not self.target_modules:
-            raise ValueError("`target_modules` must name at least one module, got an empty list")
-        self.to_config()  # SplitLoRAConfig's own checks, with the same "`key` must ..." messages
-
-    def to_config(self, seed: int = 0, modules_to_save: list[str] | None = None):
-        """The :class:`~peft_ext.SplitLoRAConfig` these options describe."""
-        from ..tuners.splitlora import SplitLoRAConfig
-
-        return SplitLoRAConfig(
-            r=self.r,
-            target_modules=list(self.target_modules),
-            trade_off=self.trade_off,
-            statistics=self.statistics,
-            sketch_rank=self.sketch_rank,
-            init_scaling=self.init_scaling,
-            seed=seed,
-            modules_to_save=modules_to_save,
-        )
+    adapter: SplitLoRAConfig = field(default_factory=SplitLoRAConfig)
 
 
 @register_continual_method
@@ -205,7 +184,7 @@ class SplitLoRAMethod(ContinualMethod):
         from peft import get_peft_model
 
         seed = ctx.train.seed if ctx is not None else 0
-        config = self.options.to_config(seed=seed, modules_to_save=[head_module_name(base_model)])
+        config = self.options.adapter_config(seed=seed, modules_to_save=[head_module_name(base_model)])
         return get_peft_model(base_model, config)
 
     def before_task(self, model: nn.Module, task_id: int, task: Task, ctx: RunContext) -> nn.Module:
@@ -388,16 +367,11 @@ class OLoRAMethod(_RewrapMethod):
     options_cls = OLoRAOptions
 
     def before_task(self, model: nn.Module, task_id: int, task: Task, ctx: RunContext) -> nn.Module:
-        from peft import LoraConfig
-
         opts = self.options
         old: dict[str, list[torch.Tensor]] = ctx.state.setdefault("olora_A", {})
         for name, layer in self._lora_layers(model):
             old.setdefault(name, []).append(layer.lora_A["default"].weight.detach().clone())
-        config = LoraConfig(
-            r=opts.r, lora_alpha=opts.alpha, lora_dropout=opts.dropout, target_modules=list(opts.target_modules)
-        )
-        model = self._wrap(self._fold(model), config)
+        model = self._wrap(self._fold(model), opts.adapter_config())
         self._old = {name: torch.cat(mats) for name, mats in old.items()}
         return model
 

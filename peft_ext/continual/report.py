@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .runner import MethodResult
+from .engine import MethodResult
 
 METRIC_COLUMNS = (
     ("final_acc", "final acc"),

@@ -2,6 +2,6 @@
 
 import sys
 
-from .wordnet import main
+from .wordnet_build import main
 
 sys.exit(main())

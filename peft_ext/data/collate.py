@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ..continual.tasks import Example
+from .tasks import Example
 
 
 class TextCollator:

@@ -1,6 +1,7 @@
 """A continual-learning driver on ``transformers.Trainer``: a task sequence, a method plugin, resumable anywhere.
 
-:func:`run_continual_with_trainer` is :func:`peft_ext.continual.run_sequence` with each task trained by a Trainer:
+:func:`run_continual_with_trainer` is :func:`peft_ext.continual.run_sequence` with each task trained by a Trainer
+(both drive :class:`~peft_ext.continual.ContinualEngine`; this driver plugs in a Trainer-based training step):
 the same :class:`~peft_ext.continual.ContinualMethod` plugins (``build``, ``before_task``, ``trainable_parameters``,
 ``make_optimizer``, ``extra_loss``, ``after_task``, ``report``), the same class-incremental logit masks and the same
 accuracy matrix, logged through ``trainer.log`` (``continual/acc_{i}_{j}`` after task ``i``, and the four metrics at
@@ -29,8 +30,8 @@ import copy
 import json
 import math
 import os
-import time
 from collections.abc import Sequence
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
@@ -40,21 +41,18 @@ from transformers import Trainer, TrainerCallback, set_seed
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..continual.methods import ContinualMethod
-from ..continual.metrics import summarize
-from ..continual.runner import (
-    Collate,
+from ..continual.context import Collate, TrainConfig, class_mask
+from ..continual.engine import (
+    ContinualEngine,
     MethodResult,
-    RunContext,
-    TrainConfig,
-    _allowed_for_eval,
-    _allowed_for_training,
-    _class_mask,
-    _count_params,
-    _logits,
-    evaluate,
+    Phase,
+    RunRecord,
+    TaskTrainer,
+    trainable_parameters,
+    training_loss,
 )
-from ..continual.tasks import Task, TaskSequence
+from ..continual.methods import ContinualMethod
+from ..data.tasks import TaskSequence
 
 if TYPE_CHECKING:
     from transformers import TrainingArguments
@@ -165,16 +163,10 @@ class ContinualTrainer(Trainer):
         return_outputs: bool = False,
         num_items_in_batch: Any = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
-        logits = _logits(model, inputs)
+        mask = None
         if self.allowed_classes is not None:
-            mask = _class_mask(self.num_classes, self.allowed_classes, logits.device)
-            logits = logits.masked_fill(~mask, float("-inf"))
-        loss = nn.functional.cross_entropy(logits, inputs["labels"])
-        extra = self.method.extra_loss(model, inputs, self.task_id)
-        if extra is not None:
-            loss = loss + extra
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"non-finite training loss {loss.item()} at task {self.task_id}")
+            mask = class_mask(self.num_classes, self.allowed_classes, inputs["labels"].device)
+        loss, logits = training_loss(model, self.method, inputs, self.task_id, mask)
         return (loss, logits) if return_outputs else loss
 
     def _save(self, output_dir: Optional[str] = None, state_dict: Optional[dict] = None) -> None:
@@ -224,6 +216,64 @@ def _train_config(args: TrainingArguments, train_logit_mask: str) -> TrainConfig
     return config
 
 
+class _TrainerPhases(TaskTrainer):
+    """Trains each phase with a :class:`ContinualTrainer` in ``output_dir/task-{i}``; logs and snapshots each one."""
+
+    def __init__(
+        self,
+        engine: ContinualEngine,
+        args: TrainingArguments,
+        callbacks: Optional[list[TrainerCallback]],
+        identity: dict[str, Any],
+    ) -> None:
+        self.engine = engine
+        self.args = args
+        self.callbacks = callbacks
+        self.identity = identity
+        self.out = Path(args.output_dir)
+        self.trainer: Optional[ContinualTrainer] = None
+
+    def prepare(self, phase: Phase) -> None:
+        set_seed(self.args.seed + phase.task_id)  # before_task may draw random numbers; a resume must draw the same
+
+    def train(self, model: nn.Module, phase: Phase) -> float:
+        method, ctx = self.engine.method, self.engine.ctx
+        params = trainable_parameters(method, model)
+        task_args = copy.deepcopy(self.args)
+        task_args.output_dir = str(self.out / f"task-{phase.task_id}")
+        task_args.seed = self.args.seed + phase.task_id
+        self.trainer = ContinualTrainer(
+            model=model,
+            args=task_args,
+            train_dataset=phase.task.train,
+            data_collator=ctx.collate,
+            optimizers=(method.make_optimizer(model, params), None),
+            callbacks=self.callbacks,
+            method=method,
+            task_id=phase.task_id,
+            allowed_classes=phase.allowed_classes,
+            num_classes=ctx.sequence.num_classes,
+        )
+        output = self.trainer.train(resume_from_checkpoint=last_complete_checkpoint(Path(task_args.output_dir)))
+        return output.training_loss
+
+    def finish(self, model: nn.Module, phase: Phase) -> None:
+        # A resumed Trainer with nothing left to train does not restore the RNG; after_task may draw from it (PCLR's
+        # integration), so it starts from the task's seed either way, in train mode as after a Trainer's last step.
+        set_seed(self.args.seed + phase.task_id)
+        model.train()
+
+    def phase_done(self, model: nn.Module, phase: Phase, record: RunRecord) -> None:
+        row = record.accuracy_matrix[phase.row][: phase.row + 1]
+        accuracies = {f"continual/acc_{phase.row}_{j}": acc for j, acc in enumerate(row)}
+        self.trainer.log({"continual/task": float(phase.task_id), **accuracies})
+        snapshot = {"model": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
+        snapshot["method_state"] = _encode(self.engine.ctx.state)
+        _atomic_save(snapshot, self.out / f"task-{phase.task_id}" / END_OF_TASK_FILE)
+        # after the snapshot: the state file never points at a missing one
+        _atomic_write_json({**self.identity, **asdict(record)}, self.out / STATE_FILE)
+
+
 def run_continual_with_trainer(
     sequence: TaskSequence,
     method: ContinualMethod,
@@ -263,18 +313,10 @@ def run_continual_with_trainer(
         raise ValueError("`save_only_model=True` drops the optimizer and RNG state that an exact resume needs")
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    train = _train_config(args, train_logit_mask)
-    ctx = RunContext(sequence=sequence, train=train, collate=collate, device=args.device)
+    engine = ContinualEngine(sequence, method, collate, _train_config(args, train_logit_mask), device=args.device)
     T = len(sequence)
     identity = {"method": method.name, "label": method.label, "sequence": sequence.name, "num_tasks": T}
-    state: dict[str, Any] = {
-        **identity,
-        "completed": 0,
-        "accuracy_matrix": [[None] * T for _ in range(T)],
-        "task_losses": [],
-        "train_seconds": 0.0,
-        "eval_seconds": 0.0,
-    }
+    record = RunRecord.empty(T)
     state_path = out / STATE_FILE
     if state_path.is_file():
         if not resume:
@@ -283,94 +325,18 @@ def run_continual_with_trainer(
         differs = {k: (saved.get(k), v) for k, v in identity.items() if saved.get(k) != v}
         if differs:
             raise ValueError(f"{state_path} belongs to another run; (saved, now) differ in {differs}")
-        state = saved
+        record = RunRecord(**{f.name: saved[f.name] for f in fields(RunRecord)})
 
-    torch.manual_seed(args.seed)
-    model = method.build(copy.deepcopy(base_model), ctx).to(args.device)
-    if state["completed"]:
-        snapshot = torch.load(out / f"task-{state['completed'] - 1}" / END_OF_TASK_FILE, weights_only=True)
+    model = engine.build(base_model)
+    if record.completed:
+        snapshot = torch.load(out / f"task-{record.completed - 1}" / END_OF_TASK_FILE, weights_only=True)
         load_model_state(model, snapshot["model"])
-        ctx.state.clear()
-        ctx.state.update(_decode(snapshot["method_state"]))
+        engine.ctx.state.clear()
+        engine.ctx.state.update(_decode(snapshot["method_state"]))
 
-    R = state["accuracy_matrix"]
-    if method.joint:
-        union = Task("joint", sequence.classes_seen(T - 1), [ex for t in sequence.tasks for ex in t.train], [])
-        phases = [(0, union, None if train_logit_mask == "all" else union.classes, T - 1)]
-    else:
-        phases = [(i, task, _allowed_for_training(sequence, i, train), i) for i, task in enumerate(sequence.tasks)]
-
-    trainer: Optional[ContinualTrainer] = None
-    for i, task, allowed, row in phases[state["completed"] :]:
-        start = time.perf_counter()
-        set_seed(args.seed + i)  # before_task may draw random numbers; a resumed run must draw the same ones
-        model = method.before_task(model, i, task, ctx)
-        params = method.trainable_parameters(model)
-        if not params:
-            raise ValueError(f"method {method.name!r} left no trainable parameters")
-        task_args = copy.deepcopy(args)
-        task_args.output_dir = str(out / f"task-{i}")
-        task_args.seed = args.seed + i
-        trainer = ContinualTrainer(
-            model=model,
-            args=task_args,
-            train_dataset=task.train,
-            data_collator=collate,
-            optimizers=(method.make_optimizer(model, params), None),
-            callbacks=callbacks,
-            method=method,
-            task_id=i,
-            allowed_classes=allowed,
-            num_classes=sequence.num_classes,
-        )
-        output = trainer.train(resume_from_checkpoint=last_complete_checkpoint(Path(task_args.output_dir)))
-        # A resumed Trainer with nothing left to train does not restore the RNG; after_task may draw from it (PCLR's
-        # integration), so it starts from the task's seed either way, in train mode as after a Trainer's last step.
-        set_seed(args.seed + i)
-        model.train()
-        model = method.after_task(model, i, task, ctx)
-        state["train_seconds"] += time.perf_counter() - start
-
-        start = time.perf_counter()
-        for j in range(row + 1):
-            R[row][j] = evaluate(
-                model,
-                sequence.tasks[j].test,
-                _allowed_for_eval(sequence, row, j),
-                sequence.num_classes,
-                collate,
-                ctx.device,
-                batch_size=train.eval_batch_size,
-            )
-        state["eval_seconds"] += time.perf_counter() - start
-        trainer.log({"continual/task": float(i), **{f"continual/acc_{row}_{j}": R[row][j] for j in range(row + 1)}})
-
-        state["task_losses"].append(output.training_loss)
-        state["completed"] = i + 1
-        snapshot = {"model": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
-        snapshot["method_state"] = _encode(ctx.state)
-        _atomic_save(snapshot, Path(task_args.output_dir) / END_OF_TASK_FILE)
-        _atomic_write_json(state, state_path)  # after the snapshot: the file never points at a missing one
-
-    if method.joint:
-        # Only the last row exists: forgetting and transfer are undefined for a model trained once.
-        metrics: dict[str, Optional[float]] = {"final_acc": sum(R[T - 1]) / T}
-        metrics.update(avg_incremental_acc=None, bwt=None, forgetting=None)
-    else:
-        metrics = dict(summarize([[0.0 if x is None else x for x in row] for row in R]))
-    if trainer is not None:
-        trainer.log({f"continual/{k}": v for k, v in metrics.items() if v is not None})
-    trainable, total = _count_params(model)
-    result = MethodResult(
-        method=method.name,
-        label=method.label,
-        accuracy_matrix=R,
-        metrics=metrics,
-        trainable_params=trainable,
-        total_params=total,
-        train_seconds=state["train_seconds"],
-        eval_seconds=state["eval_seconds"],
-        task_losses=state["task_losses"],
-        extras=method.report(ctx),
-    )
+    phases = _TrainerPhases(engine, args, callbacks, identity)
+    model = engine.run(model, phases, record)
+    result = engine.result(model, record)
+    if phases.trainer is not None:
+        phases.trainer.log({f"continual/{k}": v for k, v in result.metrics.items() if v is not None})
     return result, model

@@ -1,5 +1,6 @@
 """The ``job: missing_modality`` run config of ``peft-ext run``: fine-tune several methods on the emoji pairs under a
-grid of missing-modality settings (:mod:`.experiment`) and write ``results.json`` and ``results.md``.
+grid of missing-modality settings (:mod:`peft_ext.multimodal.experiment`) and write ``results.json`` and
+``results.md``.
 
 Validated like the continual-learning configs (:mod:`peft_ext.continual.config`): unknown keys fail with a
 did-you-mean, wrong types and impossible values name the key; the CLI exits with status 2.
@@ -17,9 +18,10 @@ from typing import Any
 
 import torch
 
-from ..continual.config import ConfigError, _unknown_key, build_section, unknown_value
-from .experiment import METHODS, ExperimentSettings, grid_specs, markdown_table, prepare, run_grid, time_inference
-from .missing import MISSING_TYPES
+from ..continual.config import ConfigError, build_section, unknown_key, unknown_value
+from ..multimodal import experiment
+from ..multimodal.experiment import METHODS, ExperimentSettings
+from ..multimodal.missing import MISSING_TYPES
 
 __all__ = ["JOB_NAME", "MissingModalityConfig", "missing_modality_config_from_dict", "run_missing_modality_job"]
 
@@ -108,7 +110,7 @@ def missing_modality_config_from_dict(data: Any) -> MissingModalityConfig:
     valid = ["job", "name", *sections, "methods"]
     for key in data:
         if key not in valid:
-            raise _unknown_key(str(key), "", valid)
+            raise unknown_key(str(key), "", valid)
     name = data.get("name", JOB_NAME)
     if not isinstance(name, str) or not name:
         raise ConfigError(f"`name` must be a non-empty string, got {name!r}")
@@ -129,12 +131,12 @@ def run_missing_modality_job(config: MissingModalityConfig, echo: Callable[[str]
     start = time.perf_counter()
     settings = ExperimentSettings(**asdict(config.model))
     echo(f"[peft-ext] {config.name}: emoji pairs, missing-modality fine-tuning, methods {', '.join(config.methods)}")
-    prep = prepare(settings, echo=echo)
-    specs = grid_specs(config.grid.rates, config.grid.kinds)
-    rows = run_grid(prep, specs, config.methods, config.grid.seeds, echo=echo)
-    infer_ms = time_inference(prep, config.methods, specs[-1])
+    prep = experiment.prepare(settings, echo=echo)
+    specs = experiment.grid_specs(config.grid.rates, config.grid.kinds)
+    rows = experiment.run_grid(prep, specs, config.methods, config.grid.seeds, echo=echo)
+    infer_ms = experiment.time_inference(prep, config.methods, specs[-1])
     wall = time.perf_counter() - start
-    table = markdown_table(rows, infer_ms)
+    table = experiment.markdown_table(rows, infer_ms)
     meta = {
         "name": config.name,
         "settings": asdict(config.model),

@@ -1,4 +1,5 @@
-"""The main job: build the task sequence and the backbone from a :class:`RunConfig`, run every method, report."""
+"""The ``continual`` job (the default of ``peft-ext run``): build the task sequence and the backbone from a
+:class:`~peft_ext.continual.config.RunConfig`, run every method, report."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ from typing import Any
 
 import torch
 
-from .config import RunConfig
-from .methods import get_continual_method
-from .report import matrix_table, metrics_table, save_results
-from .runner import MethodResult, run_sequence
-from .tasks import TaskSequence
+from ..continual.config import RunConfig
+from ..continual.engine import MethodResult
+from ..continual.methods import get_continual_method
+from ..continual.report import matrix_table, metrics_table, save_results
+from ..continual.runner import run_sequence
+from ..data.tasks import TaskSequence
 
 
 def build_sequence(config: RunConfig) -> TaskSequence:

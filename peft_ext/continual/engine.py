@@ -1,0 +1,298 @@
+"""The task loop of a continual-learning run, shared by every driver.
+
+:class:`ContinualEngine` owns the phases of a task sequence: the method's ``before_task``, training the task, the
+method's ``after_task``, the evaluation row ``R[i][j]`` (accuracy on task ``j``'s test set after training task
+``i``), the joint branch (one phase over the union of all tasks, evaluated as the last row), the metrics and the
+:class:`MethodResult`. How a task is trained is pluggable: a driver passes a :class:`TaskTrainer`
+(:func:`~peft_ext.continual.run_sequence` trains with its own loop, the Trainer driver of
+:mod:`peft_ext.integrations.continual_trainer` with ``transformers.Trainer`` and checkpoints).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..data.tasks import Example, Task, TaskSequence
+from .context import (
+    Collate,
+    RunContext,
+    TrainConfig,
+    class_mask,
+    count_params,
+    masked_cross_entropy,
+    model_logits,
+    split_batches,
+    to_device,
+)
+from .methods import ContinualMethod
+from .metrics import summarize
+
+__all__ = [
+    "ContinualEngine",
+    "MethodResult",
+    "Phase",
+    "RunRecord",
+    "TaskTrainer",
+    "evaluate",
+    "trainable_parameters",
+    "training_loss",
+]
+
+
+@dataclass
+class MethodResult:
+    """One method's run: ``accuracy_matrix[i][j]`` (None where undefined), metrics, cost."""
+
+    method: str
+    label: str
+    accuracy_matrix: list[list[float | None]]
+    metrics: dict[str, float | None]
+    trainable_params: int
+    total_params: int
+    train_seconds: float
+    eval_seconds: float
+    task_losses: list[float]
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class RunRecord:
+    """The progress of a run: phases finished, the accuracy matrix and losses so far, time spent (JSON-friendly).
+
+    Args:
+        accuracy_matrix: ``R[i][j]``, ``None`` where not (yet) evaluated.
+        completed: Phases finished (trained, folded and evaluated).
+        task_losses: Mean training loss of each finished phase.
+        train_seconds: Time in ``before_task``, training and ``after_task``.
+        eval_seconds: Time evaluating.
+    """
+
+    accuracy_matrix: list[list[Optional[float]]]
+    completed: int = 0
+    task_losses: list[float] = field(default_factory=list)
+    train_seconds: float = 0.0
+    eval_seconds: float = 0.0
+
+    @classmethod
+    def empty(cls, num_tasks: int) -> RunRecord:
+        return cls(accuracy_matrix=[[None] * num_tasks for _ in range(num_tasks)])
+
+
+@dataclass
+class Phase:
+    """One trained phase: a task of the sequence, or the union of all of them for a joint method.
+
+    Args:
+        task_id: Index given to the method's hooks and the training step.
+        task: The data trained on.
+        allowed_classes: Classes whose logits the training loss sees (``None``: all).
+        row: Row of the accuracy matrix evaluated after the phase.
+        desc: Progress-bar label.
+    """
+
+    task_id: int
+    task: Task
+    allowed_classes: Optional[list[int]]
+    row: int
+    desc: str
+
+
+class TaskTrainer:
+    """How the engine trains one phase; drivers subclass it (only :meth:`train` is required)."""
+
+    def prepare(self, phase: Phase) -> None:
+        """Called before the method's ``before_task`` (e.g. to seed the RNGs a resumed run must replay)."""
+
+    def train(self, model: nn.Module, phase: Phase) -> float:
+        """Train ``model`` on ``phase.task``; return the mean training loss."""
+        raise NotImplementedError
+
+    def finish(self, model: nn.Module, phase: Phase) -> None:
+        """Called after training and before the method's ``after_task``."""
+
+    def phase_done(self, model: nn.Module, phase: Phase, record: RunRecord) -> None:
+        """Called once the phase is evaluated and recorded (log it, save a snapshot)."""
+
+
+def trainable_parameters(method: ContinualMethod, model: nn.Module) -> list[nn.Parameter]:
+    """``method.trainable_parameters(model)``, refusing an empty list (nothing would train)."""
+    params = method.trainable_parameters(model)
+    if not params:
+        raise ValueError(f"method {method.name!r} left no trainable parameters")
+    return params
+
+
+def training_loss(
+    model: nn.Module, method: ContinualMethod, batch: dict[str, Any], task_id: int, mask: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss every driver trains on: masked cross-entropy plus the method's ``extra_loss``.
+
+    Args:
+        model: The model.
+        method: The method plugin.
+        batch: A collated batch with ``labels``, on the model's device.
+        task_id: The task being trained.
+        mask: Boolean mask of the logits the loss sees (``None``: all).
+
+    Returns:
+        ``(loss, masked logits)``.
+
+    Raises:
+        FloatingPointError: If the loss is not finite.
+    """
+    loss, logits = masked_cross_entropy(model_logits(model, batch), batch["labels"], mask)
+    extra = method.extra_loss(model, batch, task_id)
+    if extra is not None:
+        loss = loss + extra
+    if not torch.isfinite(loss):
+        raise FloatingPointError(f"non-finite training loss {loss.item()} at task {task_id}")
+    return loss, logits
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    examples: Sequence[Example],
+    allowed_classes: Sequence[int],
+    num_classes: int,
+    collate: Collate,
+    device: torch.device,
+    batch_size: int = 128,
+    progress: bool = False,
+    desc: str = "eval",
+) -> float:
+    """Accuracy of ``model`` on ``examples`` when it may only predict ``allowed_classes``."""
+    if not examples:
+        raise ValueError("cannot evaluate on an empty test set")
+    was_training = model.training
+    model.eval()
+    mask = class_mask(num_classes, allowed_classes, device)
+    correct = 0
+    for batch in tqdm(split_batches(examples, batch_size), desc=desc, disable=not progress, leave=False):
+        batch = to_device(collate(batch), device)
+        logits = model_logits(model, batch).masked_fill(~mask, float("-inf"))
+        correct += (logits.argmax(-1) == batch["labels"]).sum().item()
+    model.train(was_training)
+    return correct / len(examples)
+
+
+class ContinualEngine:
+    """The phases of one method's run through a task sequence.
+
+    Args:
+        sequence: The tasks, in order.
+        method: The method plugin.
+        collate: Turns a list of examples into a batch dict with a ``labels`` tensor.
+        train: Training settings (validated here).
+        device: The device (default: ``train.resolve_device()``).
+    """
+
+    def __init__(
+        self,
+        sequence: TaskSequence,
+        method: ContinualMethod,
+        collate: Collate,
+        train: TrainConfig,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        train.validate()
+        self.sequence = sequence
+        self.method = method
+        self.ctx = RunContext(sequence=sequence, train=train, collate=collate, device=device or train.resolve_device())
+
+    def build(self, base_model: nn.Module) -> nn.Module:
+        """The method's model, built from a deep copy of ``base_model`` under the run's seed, on the run's device."""
+        torch.manual_seed(self.ctx.train.seed)
+        return self.method.build(copy.deepcopy(base_model), self.ctx).to(self.ctx.device)
+
+    def phases(self) -> list[Phase]:
+        """The phases in order: one per task, or one over the union of all tasks for a joint method."""
+        sequence, label = self.sequence, self.method.label
+        if self.method.joint:
+            T = len(sequence)
+            union = Task("joint", sequence.classes_seen(T - 1), [ex for t in sequence.tasks for ex in t.train], [])
+            allowed = None if self.ctx.train.train_logit_mask == "all" else union.classes
+            return [Phase(0, union, allowed, T - 1, f"{label} joint")]
+        return [
+            Phase(i, task, self.ctx.training_classes(i), i, f"{label} {task.name}")
+            for i, task in enumerate(sequence.tasks)
+        ]
+
+    def evaluate_row(self, model: nn.Module, row: int) -> list[float]:
+        """Accuracy on the test sets of tasks ``0..row`` after training up to phase row ``row``."""
+        ctx = self.ctx
+        return [
+            evaluate(
+                model,
+                self.sequence.tasks[j].test,
+                ctx.eval_classes(row, j),
+                self.sequence.num_classes,
+                ctx.collate,
+                ctx.device,
+                batch_size=ctx.train.eval_batch_size,
+                progress=ctx.train.progress,
+                desc=f"{self.method.label} eval t{j}",
+            )
+            for j in range(row + 1)
+        ]
+
+    def run(self, model: nn.Module, trainer: TaskTrainer, record: RunRecord) -> nn.Module:
+        """Run the phases not yet in ``record``; return the final model.
+
+        Args:
+            model: The built model (:meth:`build`), with the state after ``record.completed`` phases.
+            trainer: Trains each phase.
+            record: Progress so far (``RunRecord.empty(len(sequence))`` for a new run), updated in place.
+        """
+        method, ctx = self.method, self.ctx
+        for phase in self.phases()[record.completed :]:
+            start = time.perf_counter()
+            trainer.prepare(phase)
+            model = method.before_task(model, phase.task_id, phase.task, ctx)
+            loss = trainer.train(model, phase)
+            trainer.finish(model, phase)
+            model = method.after_task(model, phase.task_id, phase.task, ctx)
+            record.train_seconds += time.perf_counter() - start
+            start = time.perf_counter()
+            record.accuracy_matrix[phase.row][: phase.row + 1] = self.evaluate_row(model, phase.row)
+            record.eval_seconds += time.perf_counter() - start
+            record.task_losses.append(loss)
+            record.completed += 1
+            trainer.phase_done(model, phase, record)
+        return model
+
+    def metrics(self, record: RunRecord) -> dict[str, Optional[float]]:
+        """Final accuracy, average incremental accuracy, backward transfer and forgetting of ``record``."""
+        R = record.accuracy_matrix
+        if self.method.joint:
+            T = len(R)
+            # Only the last row exists: forgetting and transfer are undefined for a model trained once.
+            return {"final_acc": sum(R[T - 1]) / T, "avg_incremental_acc": None, "bwt": None, "forgetting": None}
+        return dict(summarize([[0.0 if x is None else x for x in row] for row in R]))
+
+    def result(self, model: nn.Module, record: RunRecord) -> MethodResult:
+        """The :class:`MethodResult` of a finished run."""
+        trainable, total = count_params(model)
+        return MethodResult(
+            method=self.method.name,
+            label=self.method.label,
+            accuracy_matrix=record.accuracy_matrix,
+            metrics=self.metrics(record),
+            trainable_params=trainable,
+            total_params=total,
+            train_seconds=record.train_seconds,
+            eval_seconds=record.eval_seconds,
+            task_losses=record.task_losses,
+            extras=self.method.report(self.ctx),
+        )

@@ -1,0 +1,55 @@
+"""Job entry points of ``peft-ext run``: read a config, pick its job, run it.
+
+A config's top-level ``job`` key picks the job: ``continual`` (the default; :mod:`peft_ext.jobs.continual`) or
+``missing_modality`` (:mod:`peft_ext.jobs.multimodal`, e.g. ``configs/mora_emoji.yaml``). This package sits above
+:mod:`peft_ext.continual` and :mod:`peft_ext.multimodal`; nothing below imports it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+from ..continual.config import RunConfig, config_from_dict, read_config, unknown_value
+from .multimodal import MissingModalityConfig, missing_modality_config_from_dict
+
+__all__ = ["JOBS", "load_job_config", "run_job_config"]
+
+JOBS = ("continual", "missing_modality")
+
+
+def load_job_config(path: str, overrides: list[str] | None = None) -> Union[RunConfig, MissingModalityConfig]:
+    """Read, override and validate a config of any job.
+
+    Args:
+        path: The YAML file.
+        overrides: ``key.path=value`` overrides (see :func:`peft_ext.continual.config.apply_overrides`).
+
+    Returns:
+        A :class:`~peft_ext.continual.config.RunConfig` (``job: continual``, the default) or a
+        :class:`~peft_ext.jobs.multimodal.MissingModalityConfig` (``job: missing_modality``).
+    """
+    data = read_config(path, overrides)
+    job = data.pop("job", "continual") if isinstance(data, dict) else "continual"
+    if job not in JOBS:
+        raise unknown_value("job", job, list(JOBS))
+    if job == "missing_modality":
+        return missing_modality_config_from_dict(data)
+    return config_from_dict(data)
+
+
+def run_job_config(config: Union[RunConfig, MissingModalityConfig], progress: bool = True) -> Any:
+    """Run the job ``config`` describes; return its results.
+
+    Args:
+        config: A config from :func:`load_job_config`.
+        progress: Show progress bars (continual jobs).
+    """
+    if isinstance(config, MissingModalityConfig):
+        from .multimodal import run_missing_modality_job
+
+        return run_missing_modality_job(config)
+    from .continual import run_job
+
+    if not progress:
+        config.train.progress = False
+    return run_job(config)
