@@ -31,6 +31,7 @@ from torch import nn
 
 from ...distributed import broadcast_
 from .._common import forward_adapter_names, require_linear_target
+from .._cycle import resolve_cycle_adapter
 from .config import PCLRConfig, PCLRCycleConfig
 from .distill import IntegrateResult, integrate, integrate_over_tasks, teacher_outputs
 from .keys import pull_keys_to_prototypes, query_prototype
@@ -164,17 +165,7 @@ class PCLRModel(BaseTuner):
     # --- the task cycle (docs/task_cycle.md) ------------------------------------------------------------------------
 
     def _resolve_adapter(self, adapter_name: Optional[str]) -> str:
-        if adapter_name is None:
-            if len(self.active_adapters) != 1:
-                raise ValueError(
-                    f"{len(self.active_adapters)} adapters are active ({self.active_adapters}); pass `adapter_name`."
-                )
-            adapter_name = self.active_adapters[0]
-        if adapter_name not in self.peft_config:
-            raise ValueError(f"no adapter named {adapter_name!r}; adapters: {sorted(self.peft_config)}")
-        if not isinstance(self.peft_config[adapter_name], PCLRConfig):
-            raise TypeError(f"adapter {adapter_name!r} is not a PCLR adapter")
-        return adapter_name
+        return resolve_cycle_adapter(self, adapter_name, PCLRConfig, "PCLR")
 
     def finished_tasks(self, adapter_name: Optional[str] = None) -> int:
         """Number of tasks finished with ``end_task`` (the 0-based index of the task in progress).

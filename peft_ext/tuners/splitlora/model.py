@@ -20,6 +20,7 @@ from peft.utils import (
 from torch import nn
 
 from .._common import forward_adapter_names
+from .._cycle import resolve_cycle_adapter
 from .config import SplitLoRAConfig
 from .layer import Linear, SplitLoRALayer
 
@@ -209,17 +210,7 @@ class SplitLoRAModel(BaseTuner):
         ]
 
     def _resolve_adapter(self, adapter_name: str | None) -> str:
-        if adapter_name is None:
-            if len(self.active_adapters) != 1:
-                raise ValueError(
-                    f"{len(self.active_adapters)} adapters are active ({self.active_adapters}); pass `adapter_name`."
-                )
-            adapter_name = self.active_adapters[0]
-        if adapter_name not in self.peft_config:
-            raise ValueError(f"no adapter named {adapter_name!r}; adapters: {sorted(self.peft_config)}")
-        if not isinstance(self.peft_config[adapter_name], SplitLoRAConfig):
-            raise TypeError(f"adapter {adapter_name!r} is not a SplitLoRA adapter")
-        return adapter_name
+        return resolve_cycle_adapter(self, adapter_name, SplitLoRAConfig, "SplitLoRA")
 
     def _lifecycle_layers(self, adapter_name: str) -> list[tuple[str, SplitLoRALayer]]:
         layers = self._layers(adapter_name)
