@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from peft_ext import PCLRConfig, RiemannionConfig, SplitLoRAConfig
 from peft_ext.models import tiny_bert, tiny_llama
 from peft_ext.optim import DCTAdamW, create_riemannion_optimizer
-from peft_ext.tuners.pclr import begin_task, end_task, query_loss, query_prototype
+from peft_ext.tuners.pclr import query_loss
 from peft_ext.tuners.riemannion import find_adapters, initialize_loi
 
 STEPS, ROWS, SEQ, VOCAB = 3, 8, 8, 128  # ROWS: the global batch; each of 2 ranks gets ROWS // 2
@@ -133,10 +133,10 @@ def pclr(part: slice, wrap: Wrap, rank: int = 0) -> dict:
     record = {"prototypes": []}
     for task in range(2):
         batches = [{"input_ids": x[part]} for x in tokens(20 + task, STEPS, low=50 * task, high=50 * task + 70)]
-        proto = query_prototype(model, batches)
+        proto = model.query_prototype(batches)
         record["prototypes"].append(proto)
         torch.manual_seed(100 + task + 1000 * rank)  # the ranks' generators differ: begin_task must broadcast
-        begin_task(model, task, proto)
+        model.begin_task(task, proto)
         optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
         for batch in batches:
             ids = batch["input_ids"]
@@ -148,8 +148,8 @@ def pclr(part: slice, wrap: Wrap, rank: int = 0) -> dict:
         routing = "input" if task == 0 else "tasks"
         generator = torch.Generator().manual_seed(7 + 1000 * rank)
         with mock.patch.object(torch.optim, "AdamW", _sgd):
-            result = end_task(
-                model, task, proto, batches, integrate_lr=0.5, integrate_routing=routing, generator=generator
+            result = model.end_task(
+                task, proto, batches, integrate_lr=0.5, integrate_routing=routing, generator=generator
             )
         record[f"draws{task}"] = result.task_draws
     with torch.no_grad():

@@ -18,15 +18,12 @@ from peft_ext.models import tiny_llama
 from peft_ext.tuners.pclr import (
     PCLR,
     PCLRLayer,
-    begin_task,
     compress,
-    end_task,
     group_layers,
     importance_scores,
     integrate,
     pool_in_use,
     query_loss,
-    query_prototype,
     select_top_k,
     teacher_outputs,
 )
@@ -258,10 +255,10 @@ def _train(model, batches, steps: int = 6, lr: float = 5e-2) -> None:
 
 
 def _run_task(model, t: int, batches, integrate_epochs: int = 1):
-    proto = query_prototype(model, batches)
-    begin_task(model, t, proto)
+    proto = model.query_prototype(batches)
+    model.begin_task(t, proto)
     _train(model, batches)
-    return end_task(model, t, proto, batches, integrate_epochs=integrate_epochs, integrate_lr=1e-2)
+    return model.end_task(t, proto, batches, integrate_epochs=integrate_epochs, integrate_lr=1e-2)
 
 
 def test_pool_never_exceeds_its_cap_across_a_long_sequence():
@@ -270,11 +267,11 @@ def test_pool_never_exceeds_its_cap_across_a_long_sequence():
     sizes = []
     for t in range(10):
         batches = _task_batches(t, low=(t * 12) % 100, high=(t * 12) % 100 + 28, n=1)
-        proto = query_prototype(model, batches)
-        begin_task(model, t, proto)
+        proto = model.query_prototype(batches)
+        model.begin_task(t, proto)
         sizes.append(pool_in_use(model))
         _train(model, batches, steps=1)
-        end_task(model, t, proto, batches, integrate_epochs=0)
+        model.end_task(t, proto, batches, integrate_epochs=0)
         sizes.append(pool_in_use(model))
     assert max(sizes) == 12, sizes  # the cap is reached (compression is exercised) ...
     assert all(s <= 12 for s in sizes)  # ... and never exceeded
@@ -285,8 +282,8 @@ def test_pool_never_exceeds_its_cap_across_a_long_sequence():
 def test_integration_lowers_the_teacher_student_kl():
     model = get_peft_model(_llama(), _config(pool_size=16, ranks_schedule=[8], top_k=8, shared_r=4))
     batches = _task_batches(0, 0, 60)
-    proto = query_prototype(model, batches)
-    begin_task(model, 0, proto)
+    proto = model.query_prototype(batches)
+    model.begin_task(0, proto)
     _train(model, batches, steps=10)
     teacher = teacher_outputs(model, batches)
     compress(model, 4, rule="index")
@@ -347,11 +344,11 @@ def test_save_load_in_the_middle_of_a_sequence_continues_identically(tmp_path):
 
 def test_begin_task_out_of_order_is_refused():
     model = get_peft_model(_llama(), _config())
-    proto = query_prototype(model, _task_batches(0, 0, 40))
+    proto = model.query_prototype(_task_batches(0, 0, 40))
     with pytest.raises(ValueError, match=r"begin_task\(1\) but the adapter expects task 0"):
-        begin_task(model, 1, proto)
+        model.begin_task(1, proto)
     with pytest.raises(ValueError, match="`prototype` has 3 entries but the keys have width 64"):
-        begin_task(model, 0, torch.ones(3))
+        model.begin_task(0, torch.ones(3))
 
 
 # -- the continual plugin ------------------------------------------------------------------------------------------

@@ -14,20 +14,15 @@ from peft_ext.continual import TrainConfig, get_continual_method, run_sequence
 from peft_ext.models import tiny_llama
 from peft_ext.tuners.pclr import (
     PoolSnapshot,
-    begin_task,
     compress,
     contribution_scores,
-    end_task,
     group_layers,
     integrate_over_tasks,
     query_loss,
-    query_prototype,
     routed_as,
     stored_adapter_parameters,
     stored_prototypes,
 )
-from peft_ext.tuners.pclr.cycle import _set_count
-from peft_ext.tuners.pclr.layer import N_PROTOS
 
 from .helpers import pclr_adapter, stack_collate, tiny_classifier, token_sequence
 
@@ -64,22 +59,20 @@ def _train(model, batches, steps: int = 8, lr: float = 5e-2) -> None:
 
 def _store_prototype(model, task_id: int, proto: torch.Tensor) -> None:
     """What end_task does first, without compressing or folding (to set up integration by hand)."""
-    with torch.no_grad():
-        for layers in group_layers(model).values():
-            layers[0].pclr_prototypes["default"][task_id] = F.normalize(proto, dim=0)
-            for layer in layers:
-                _set_count(layer, "default", N_PROTOS, task_id + 1)
+    for layers in group_layers(model).values():
+        for layer in layers:
+            layer.store_prototype("default", task_id, F.normalize(proto, dim=0))
 
 
 def _two_tasks(model):
     """Task 0 learnt and frozen; task 1 learnt, its prototype stored, its ranks still new (not folded)."""
     tasks = [_batches(0, 0, 50), _batches(1, 70, 128)]
-    proto = query_prototype(model, tasks[0])
-    begin_task(model, 0, proto)
+    proto = model.query_prototype(tasks[0])
+    model.begin_task(0, proto)
     _train(model, tasks[0])
-    end_task(model, 0, proto, tasks[0], integrate_epochs=0)
-    proto = query_prototype(model, tasks[1])
-    begin_task(model, 1, proto)
+    model.end_task(0, proto, tasks[0], integrate_epochs=0)
+    proto = model.query_prototype(tasks[1])
+    model.begin_task(1, proto)
     _train(model, tasks[1])
     _store_prototype(model, 1, proto)
     return tasks
@@ -233,11 +226,11 @@ def test_end_task_with_contribution_and_task_routing_keeps_the_cap():
     sizes = []
     for t in range(4):
         batches = _batches(t, 30 * t, 30 * t + 40)
-        proto = query_prototype(model, batches)
-        begin_task(model, t, proto)
+        proto = model.query_prototype(batches)
+        model.begin_task(t, proto)
         _train(model, batches, steps=2)
-        result = end_task(
-            model, t, proto, batches, integrate_routing="tasks", generator=torch.Generator().manual_seed(t)
+        result = model.end_task(
+            t, proto, batches, integrate_routing="tasks", generator=torch.Generator().manual_seed(t)
         )
         sizes.append(stored_adapter_parameters(model))
         if t > 0:
@@ -246,9 +239,9 @@ def test_end_task_with_contribution_and_task_routing_keeps_the_cap():
     growth = [b - a for a, b in zip(sizes[1:], sizes[2:])]
     assert growth == [64 * len(group_layers(model))] * 2, (sizes, growth)
     with pytest.raises(ValueError, match="`integrate_routing` must be one of"):
-        end_task(model, 4, proto, batches, integrate_routing="sample")
+        model.end_task(4, proto, batches, integrate_routing="sample")
     with pytest.raises(ValueError, match="compress_rule='contribution' measures the ranks"):
-        end_task(model, 4, proto, [])
+        model.end_task(4, proto, [])
 
 
 def test_stored_adapter_parameters_counts_ranks_keys_prototypes_and_shared():

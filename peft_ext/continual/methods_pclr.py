@@ -85,11 +85,9 @@ class PCLRMethod(ContinualMethod):
         return list(ctx.iter_batches(task.train))
 
     def before_task(self, model: nn.Module, task_id: int, task: Task, ctx: RunContext) -> nn.Module:
-        from ..tuners.pclr import begin_task, query_prototype
-
-        prototype = query_prototype(model, self._task_batches(task, ctx))
+        prototype = model.query_prototype(self._task_batches(task, ctx))
         ctx.state["pclr_prototype"] = prototype
-        begin_task(model, task_id, prototype)
+        model.begin_task(task_id, prototype)
         return model
 
     def trainable_parameters(self, model: nn.Module) -> list[nn.Parameter]:
@@ -109,7 +107,7 @@ class PCLRMethod(ContinualMethod):
         return query_loss(model)
 
     def after_task(self, model: nn.Module, task_id: int, task: Task, ctx: RunContext) -> nn.Module:
-        from ..tuners.pclr import end_task, pool_in_use, stored_adapter_parameters
+        from ..tuners.pclr import PCLRCycleConfig, pool_in_use, stored_adapter_parameters
 
         opts = self.options
         mask = torch.zeros(ctx.sequence.num_classes, dtype=torch.bool, device=ctx.device)
@@ -119,18 +117,20 @@ class PCLRMethod(ContinualMethod):
                 mask[list(seen.classes)] = True
         else:
             mask[list(task.classes)] = True
-        result = end_task(
-            model,
+        cycle = PCLRCycleConfig(
+            integrate_epochs=opts.integrate_epochs,
+            integrate_lr=opts.integrate_lr,
+            integrate_routing=opts.integrate_routing,
+            temperature=opts.temperature,
+            key_pull_threshold=opts.key_pull_threshold,
+            key_pull_strength=opts.key_pull_strength,
+        )
+        result = model.end_task(
             task_id,
             ctx.state.pop("pclr_prototype"),
             self._task_batches(task, ctx),
-            integrate_epochs=opts.integrate_epochs,
-            integrate_lr=opts.integrate_lr,
-            temperature=opts.temperature,
+            cycle=cycle,
             mask=mask,
-            key_pull_threshold=opts.key_pull_threshold,
-            key_pull_strength=opts.key_pull_strength,
-            integrate_routing=opts.integrate_routing,
             generator=ctx.state["pclr_generator"],
         )
         ctx.state["pclr_pool"].append(pool_in_use(model))

@@ -1,51 +1,36 @@
 """PCLR: a capped LoRA rank pool with keyed per-sample routing and the compress - integrate - learn cycle
 (METHODS.md section 3), registered with PEFT as ``"pclr"``.
 
+Modules: ``config`` (:class:`PCLRConfig`, :class:`PCLRCycleConfig`), ``layer`` (the layer and its pool API),
+``router`` (query, selection, query-key loss), ``pool`` (layer groups, folding, snapshots), ``keys`` (prototypes,
+routing as a task, key pulling), ``scoring`` (rank scores, compression), ``distill`` (integration), ``model`` (the
+tuner and the task cycle). The task cycle is the same for every adapter type that has one: docs/task_cycle.md.
+
 Example::
 
     from peft import get_peft_model
     from peft_ext import PCLRConfig
-    from peft_ext.tuners.pclr import begin_task, end_task, query_loss, query_prototype
 
     model = get_peft_model(base, PCLRConfig(target_modules=["query", "value"], pool_size=64, top_k=16,
                                             ranks_schedule=[16], compress_schedule=[0.0, 0.25]))
     for t, batches in enumerate(tasks):
-        proto = query_prototype(model, batches)
-        begin_task(model, t, proto)
+        proto = model.query_prototype(batches)
+        model.begin_task(t, proto)
         for batch in batches:                       # any optimizer over the trainable parameters
-            loss = task_loss(model(**batch), batch) + query_loss(model)
+            loss = task_loss(model(**batch), batch) + model.query_loss()
             ...
-        end_task(model, t, proto, batches)          # store prototype, compress, integrate, freeze
+        model.end_task(t, proto, batches)           # store prototype, compress, integrate, freeze
 """
 
 from __future__ import annotations
 
 from ...registry import register_peft_type
-from .config import PCLRConfig
-from .cycle import (
-    INTEGRATE_ROUTING,
-    IntegrateResult,
-    PoolSnapshot,
-    begin_task,
-    compress,
-    contribution_scores,
-    distill_loss,
-    end_task,
-    group_layers,
-    importance_scores,
-    integrate,
-    integrate_over_tasks,
-    pool_in_use,
-    pull_keys_to_prototypes,
-    query_loss,
-    query_prototype,
-    routed_as,
-    stored_adapter_parameters,
-    stored_prototypes,
-    teacher_outputs,
-)
+from .config import INTEGRATE_ROUTING, PCLRConfig, PCLRCycleConfig
+from .distill import IntegrateResult, distill_loss, integrate, integrate_over_tasks, teacher_outputs
+from .keys import pull_keys_to_prototypes, query_loss, query_prototype, routed_as
 from .layer import Linear, PCLRLayer
 from .model import PCLRModel
+from .pool import PoolSnapshot, fold_new_ranks, group_layers, pool_in_use, stored_adapter_parameters, stored_prototypes
 from .router import (
     RoutingState,
     allowed_by_prototype,
@@ -54,6 +39,7 @@ from .router import (
     query_key_loss,
     select_top_k,
 )
+from .scoring import compress, contribution_scores, importance_scores
 
 __all__ = [
     "INTEGRATE_ROUTING",
@@ -61,18 +47,18 @@ __all__ = [
     "IntegrateResult",
     "Linear",
     "PCLRConfig",
+    "PCLRCycleConfig",
     "PCLRLayer",
     "PCLRModel",
     "PoolSnapshot",
     "RoutingState",
     "allowed_by_prototype",
-    "begin_task",
     "compress",
     "contribution_scores",
     "default_query",
     "distill_loss",
-    "end_task",
     "find_input_embeddings",
+    "fold_new_ranks",
     "group_layers",
     "importance_scores",
     "integrate",

@@ -11,6 +11,11 @@ from peft.utils import PeftType
 
 COMPRESS_RULES = ("index", "importance", "contribution")
 
+#: How ``end_task`` routes the distillation data (see :mod:`peft_ext.tuners.pclr.distill`).
+INTEGRATE_ROUTING = ("input", "tasks")
+
+__all__ = ["COMPRESS_RULES", "INTEGRATE_ROUTING", "PCLRConfig", "PCLRCycleConfig"]
+
 
 @dataclass
 class PCLRConfig(PeftConfig):
@@ -21,8 +26,8 @@ class PCLRConfig(PeftConfig):
     use. All linears of one layer group (one transformer block, found with ``group_pattern``) share one key set and
     one selection. The pool holds frozen *static* ranks (earlier tasks) and trainable *new* ranks (the current task);
     static plus new never exceed ``pool_size``. A freshly created adapter is learning task 0 with
-    ``ranks_schedule[0]`` new ranks. The cycle (``peft_ext.tuners.pclr.cycle``) moves ranks from new to static,
-    compresses and integrates.
+    ``ranks_schedule[0]`` new ranks. The task cycle (``PCLRModel.begin_task`` / ``end_task``, docs/task_cycle.md)
+    moves ranks from new to static, compresses and integrates.
 
     Args:
         pool_size: Cap on the number of ranks (static + new) per linear (public code: 256).
@@ -145,3 +150,50 @@ class PCLRConfig(PeftConfig):
     def compress_ratio_after(self, task_id: int) -> float:
         """Fraction of the pool dropped after task ``task_id`` (the schedule's last entry repeats)."""
         return float(self.compress_schedule[min(task_id, len(self.compress_schedule) - 1)])
+
+
+@dataclass
+class PCLRCycleConfig:
+    """Settings of PCLR's task cycle (``PCLRModel.begin_task`` / ``end_task``), apart from the adapter's own config.
+
+    The adapter's :class:`PCLRConfig` says what the pool is (its cap, schedules, compression rule); these say how one
+    run drives it: how the new keys start and how the compressed pool is distilled and its keys pulled.
+
+    Args:
+        key_noise: Relative noise added to the task's prototype for each new key, so new ranks are not tied.
+        integrate_epochs: Distillation passes over the task's data after compression (0: no integration).
+        integrate_lr: Distillation (AdamW) learning rate.
+        integrate_routing: ``"input"`` (each sample routed by its own query) or ``"tasks"`` (public code: each batch
+            routed as a stored task drawn by ``sqrt`` of its last distillation loss).
+        temperature: Distillation temperature.
+        top_logits: Distill only the teacher's top logits (METHODS.md); ``None``: all.
+        key_pull_threshold: Cosine above which a static key counts as close to a task prototype.
+        key_pull_strength: How far keys close to several prototypes move toward them, in [0, 1].
+    """
+
+    key_noise: float = 0.05
+    integrate_epochs: int = 1
+    integrate_lr: float = 1e-3
+    integrate_routing: str = "input"
+    temperature: float = 2.0
+    top_logits: Optional[int] = None
+    key_pull_threshold: float = 0.8
+    key_pull_strength: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not self.key_noise >= 0:
+            raise ValueError(f"`key_noise` must be >= 0, got {self.key_noise!r}")
+        if isinstance(self.integrate_epochs, bool) or not isinstance(self.integrate_epochs, int):
+            raise ValueError(f"`integrate_epochs` must be an integer >= 0, got {self.integrate_epochs!r}")
+        if self.integrate_epochs < 0:
+            raise ValueError(f"`integrate_epochs` must be >= 0, got {self.integrate_epochs}")
+        if not self.integrate_lr > 0:
+            raise ValueError(f"`integrate_lr` must be > 0, got {self.integrate_lr!r}")
+        if self.integrate_routing not in INTEGRATE_ROUTING:
+            raise ValueError(f"`integrate_routing` must be one of {INTEGRATE_ROUTING}, got {self.integrate_routing!r}")
+        if not self.temperature > 0:
+            raise ValueError(f"`temperature` must be > 0, got {self.temperature!r}")
+        if self.top_logits is not None and (not isinstance(self.top_logits, int) or self.top_logits < 1):
+            raise ValueError(f"`top_logits` must be a positive integer or None, got {self.top_logits!r}")
+        if not 0 <= self.key_pull_strength <= 1:
+            raise ValueError(f"`key_pull_strength` must be in [0, 1], got {self.key_pull_strength!r}")

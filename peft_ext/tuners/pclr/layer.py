@@ -11,9 +11,12 @@ Per adapter the layer holds (``N_s`` static and ``N_n`` new ranks in use; METHOD
 - on the first layer of each layer group only (the group's *owner*): ``pclr_keys_static`` / ``pclr_keys`` (the keys,
   same layout as the ranks) and ``pclr_prototypes`` (max_tasks x d).
 
-Ranks are stored rank-major (one row per rank), so gathering a subset reads contiguous rows. The forward pass
-concatenates the active static and new rows into one pool of ``N = N_s + N_n`` ranks and calls
-:func:`peft_ext.kernels.rank_pool_gather` with the group's per-sample selection.
+Ranks are stored rank-major (one row per rank), so gathering a subset reads contiguous rows. The group's per-sample
+selection indexes the pool of ``N = N_s + N_n`` ranks (static first); the forward pass reads the two stores in place
+with :func:`peft_ext.kernels.rank_pool_gather` (no concatenated copy). The counts live on the host
+(``pclr_host_counts``); ``pclr_counts`` mirrors them for checkpoints and is read back on load. Only the pool API
+(:class:`~.store.RankPoolStore`: ``begin_new_ranks``, ``drop_ranks``, ``fold_new_ranks``, ``store_prototype``,
+``set_static_keys``, ``finish_task``, ``load_pool_tensors``) writes into the stores.
 """
 
 from __future__ import annotations
@@ -31,15 +34,19 @@ from ...kernels import rank_pool_gather
 from .._common import check_adapter_names_args, disable_bnb_cpu_repacking, merge_deltas, unmerge_deltas
 from .config import PCLRConfig
 from .router import RoutingState, allowed_by_prototype, query_key_loss, select_top_k
+from .store import N_NEW, N_PROTOS, N_STATIC, TASK, RankPoolStore
 
-__all__ = ["Linear", "PCLRLayer"]
-
-# Slots of pclr_counts.
-N_STATIC, N_NEW, N_PROTOS, TASK = 0, 1, 2, 3
+__all__ = ["N_NEW", "N_PROTOS", "N_STATIC", "TASK", "Linear", "PCLRLayer"]
 
 
-class PCLRLayer(BaseTunerLayer):
-    """State and shared logic of a layer carrying PCLR adapters (see the module docstring)."""
+def _restore_host_counts(module: nn.Module, incompatible_keys: Any) -> None:
+    # load_state_dict post hook: the loaded pclr_counts buffers become the host-side counts the forward reads
+    module.restore_counts()
+
+
+class PCLRLayer(BaseTunerLayer, RankPoolStore):
+    """State and shared logic of a layer carrying PCLR adapters (see the module docstring); the pool API comes
+    from :class:`~.store.RankPoolStore`."""
 
     adapter_layer_names: tuple[str, ...] = ("pclr_A", "pclr_B", "pclr_keys", "pclr_shared_A", "pclr_shared_B")
     other_param_names: tuple[str, ...] = (
@@ -48,6 +55,7 @@ class PCLRLayer(BaseTunerLayer):
         "pclr_keys_static",
         "pclr_rank_task",
         "pclr_counts",
+        "pclr_host_counts",
         "pclr_prototypes",
         "pclr_scale",
         "pclr_top_k",
@@ -73,6 +81,9 @@ class PCLRLayer(BaseTunerLayer):
         self.pclr_rank_task = BufferDict({}, persistent=True)
         self.pclr_counts = BufferDict({}, persistent=True)
         self.pclr_prototypes = BufferDict({}, persistent=True)
+        # The counts every forward needs, as python ints: the source of truth (pclr_counts mirrors them for
+        # checkpoints and is read back into them on load), so no forward reads a tensor back to the host.
+        self.pclr_host_counts: dict[str, list[int]] = {}
         self.pclr_scale: dict[str, float] = {}
         self.pclr_top_k: dict[str, int] = {}
         self.pclr_shared_scale: dict[str, float] = {}
@@ -132,6 +143,7 @@ class PCLRLayer(BaseTunerLayer):
         tags[cap : cap + n_new] = 0
         self.pclr_rank_task[adapter_name] = tags
         self.pclr_counts[adapter_name] = torch.tensor([0, n_new, 0, 0], dtype=torch.long)
+        self.pclr_host_counts[adapter_name] = [0, n_new, 0, 0]
         if config.shared_r > 0:
             r = config.shared_r
             self.pclr_shared_A[adapter_name] = nn.Parameter(torch.randn(r, n) / math.sqrt(n))
@@ -150,37 +162,6 @@ class PCLRLayer(BaseTunerLayer):
             self.pclr_prototypes[adapter_name] = torch.zeros(config.max_tasks, query_dim)
         self._move_adapter_to_device_of_base_layer(adapter_name)
         self.set_adapter(self.active_adapters, inference_mode=inference_mode)
-
-    # -- the pool ------------------------------------------------------------------------------------------------
-
-    def counts(self, adapter_name: str) -> list[int]:
-        """``[static ranks, new ranks, stored prototypes, current task]`` of the adapter."""
-        return [int(v) for v in self.pclr_counts[adapter_name].tolist()]
-
-    def active_rank_task(self, adapter_name: str) -> torch.Tensor:
-        """Task of each active rank, in pool order (static, then new)."""
-        n_s, n_n = self.counts(adapter_name)[:2]
-        tags = self.pclr_rank_task[adapter_name]
-        cap = self.pclr_A_static[adapter_name].shape[0]
-        return torch.cat([tags[:n_s], tags[cap : cap + n_n]])
-
-    def pool(self, adapter_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The active ranks ``(A, B)``: (N x in) and (N x out), static rows first; gradients reach the new ones."""
-        n_s, n_n = self.counts(adapter_name)[:2]
-        A = torch.cat([self.pclr_A_static[adapter_name][:n_s], self.pclr_A[adapter_name][:n_n]])
-        B = torch.cat([self.pclr_B_static[adapter_name][:n_s], self.pclr_B[adapter_name][:n_n]])
-        return A, B
-
-    def keys(self, adapter_name: str) -> torch.Tensor:
-        """The active keys (N x d) of this layer's group, static first."""
-        owner = self.group_owner(adapter_name)
-        n_s, n_n = owner.counts(adapter_name)[:2]
-        return torch.cat([owner.pclr_keys_static[adapter_name][:n_s], owner.pclr_keys[adapter_name][:n_n]])
-
-    def prototypes(self, adapter_name: str) -> torch.Tensor:
-        """The stored task prototypes (T x d), row ``t`` for task ``t``."""
-        owner = self.group_owner(adapter_name)
-        return owner.pclr_prototypes[adapter_name][: owner.counts(adapter_name)[N_PROTOS]]
 
     def selection(self, adapter_name: str, batch: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """This forward pass's per-sample ``(indices, gates)`` for the group (computed once per group and pass).
@@ -207,16 +188,29 @@ class PCLRLayer(BaseTunerLayer):
         return indices, gates
 
     def _adapter_output(self, x: torch.Tensor, adapter_name: str, rows: Optional[list[int]] = None) -> torch.Tensor:
-        A, B = self.pool(adapter_name)
-        x = self._cast_input_dtype(x, A.dtype)
+        (A_s, B_s), (A_n, B_n) = self.static_ranks(adapter_name), self.new_ranks(adapter_name)
+        x = self._cast_input_dtype(x, A_n.dtype)
         # A mixed-adapter batch passes this adapter's rows only: select for the whole batch (one query per sample)
         # and keep those rows, so each row routes exactly as it would alone.
         indices, gates = self.selection(adapter_name, None if rows is not None else x.shape[0])
         if rows is not None:
             indices, gates = indices[rows], gates[rows]
         elif self._pclr_state.recorder is not None:
+            A, B = self.pool(adapter_name)
             self._pclr_state.recorder(self, adapter_name, x, A, B, indices, gates)
-        out = rank_pool_gather(x, A.mT, B, indices, self.pclr_scale[adapter_name], gates.to(x.dtype))
+        scale, gates = self.pclr_scale[adapter_name], gates.to(x.dtype)
+        # Pool index i < N_s is static row i, else new row i - N_s. The two stores are read in place (no N x in
+        # concatenation per call): each gather takes the other store's slots with gate 0, and the two sum to the
+        # gather over the concatenated pool. With one store empty (known on the host) one gather does it all.
+        n_s = A_s.shape[0]
+        if A_n.shape[0] == 0:
+            out = rank_pool_gather(x, A_s.mT, B_s, indices, scale, gates)
+        elif n_s == 0:
+            out = rank_pool_gather(x, A_n.mT, B_n, indices, scale, gates)
+        else:
+            static = indices < n_s
+            out = rank_pool_gather(x, A_s.mT, B_s, indices.clamp(max=n_s - 1), scale, gates * static)
+            out = out + rank_pool_gather(x, A_n.mT, B_n, (indices - n_s).clamp(min=0), scale, gates * ~static)
         if adapter_name in self.pclr_shared_A:
             shared_A, shared_B = self.pclr_shared_A[adapter_name], self.pclr_shared_B[adapter_name]
             out = out + (x @ shared_A.mT) @ shared_B.mT * self.pclr_shared_scale[adapter_name]
@@ -308,6 +302,7 @@ class Linear(nn.Module, PCLRLayer):
         self._pclr_state = state
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config, query_dim, inference_mode=config.inference_mode)
+        self.register_load_state_dict_post_hook(_restore_host_counts)
 
     def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
         """Add the active (or the given) adapters' deltas to the base weight (static routing only).

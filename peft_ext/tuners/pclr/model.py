@@ -1,21 +1,46 @@
-"""The PCLR tuner: wraps target linears in :class:`~.layer.Linear`, groups them by block and computes the query."""
+"""The PCLR tuner: wraps target linears in :class:`~.layer.Linear`, groups them by block, computes the query, and
+runs the task cycle (``begin_task`` / ``end_task``; docs/task_cycle.md).
+
+The task cycle (METHODS.md section 3) for task ``t``:
+
+1. :meth:`PCLRModel.begin_task`: make room (the pool never exceeds ``pool_size``), add ``ranks_for_task(t)``
+   trainable ranks (``a_i`` optionally copied from the static ranks whose keys best match the task's prototype;
+   ``b_i = 0`` so the model's function is unchanged when training starts) and set their keys to the task's query
+   prototype (:meth:`PCLRModel.query_prototype`).
+2. Train (task loss + :meth:`PCLRModel.query_loss`).
+3. :meth:`PCLRModel.end_task`: store the task's prototype; if the schedule (or the next task's room) asks for it,
+   record the uncompressed pool's outputs on the task's data (teacher), compress the pool (:mod:`.scoring`),
+   integrate (distill teacher -> compressed pool + shared LoRA; :mod:`.distill`); fold the new ranks into the
+   static pool; pull keys toward the prototypes of similar tasks (:mod:`.keys`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 from peft.tuners.tuners_utils import BaseTuner
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from torch import nn
 
+from ...distributed import broadcast_
 from .._common import forward_adapter_names, require_linear_target
-from .config import PCLRConfig
-from .layer import Linear, PCLRLayer
+from .._cycle import resolve_cycle_adapter
+from .config import PCLRConfig, PCLRCycleConfig
+from .distill import IntegrateResult, integrate, integrate_over_tasks, teacher_outputs
+from .keys import pull_keys_to_prototypes, query_prototype
+from .layer import N_NEW, N_STATIC, TASK, Linear, PCLRLayer
+from .pool import PoolSnapshot, fold_new_ranks, group_layers
 from .router import QueryFn, RoutingState, find_input_embeddings
+from .scoring import compress, contribution_scores
+
+Batch = dict[str, Any]
 
 __all__ = ["PCLRModel"]
 
@@ -39,8 +64,8 @@ class PCLRModel(BaseTuner):
     Use it through PEFT: ``get_peft_model(model, PCLRConfig(target_modules=[...]))``. Each forward pass computes one
     query per sample (by default the normalized masked mean of the input token embeddings) in a pre-hook on the
     wrapped model; every layer group then routes each sample to its own top-K ranks. Train the current task's ranks
-    with any optimizer, adding :func:`peft_ext.tuners.pclr.query_loss` to the loss so the keys learn; run the task
-    cycle with :mod:`peft_ext.tuners.pclr.cycle`.
+    with any optimizer, adding :meth:`query_loss` to the loss so the keys learn; run the task cycle with
+    :meth:`begin_task` / :meth:`end_task` (docs/task_cycle.md).
 
     Merging is exact only while routing is static (``top_k`` covers every active rank and prototypes exclude none);
     otherwise ``merge`` raises ``ValueError``. Several adapters, disabling, deleting, mixed-adapter batches and
@@ -136,3 +161,224 @@ class PCLRModel(BaseTuner):
         if loss is None:
             return None
         return self.peft_config[self.active_adapters[0]].query_loss_weight * loss
+
+    # --- the task cycle (docs/task_cycle.md) ------------------------------------------------------------------------
+
+    def _resolve_adapter(self, adapter_name: Optional[str]) -> str:
+        return resolve_cycle_adapter(self, adapter_name, PCLRConfig, "PCLR")
+
+    def finished_tasks(self, adapter_name: Optional[str] = None) -> int:
+        """Number of tasks finished with ``end_task`` (the 0-based index of the task in progress).
+
+        Args:
+            adapter_name: The PCLR adapter (default: the single active one).
+        """
+        name = self._resolve_adapter(adapter_name)
+        tasks = {layer.counts(name)[TASK] for layers in group_layers(self, name).values() for layer in layers}
+        if len(tasks) != 1:
+            raise ValueError(f"adapter {name!r}: layers disagree on the number of finished tasks ({sorted(tasks)})")
+        return tasks.pop()
+
+    def task_state(self, adapter_name: Optional[str] = None) -> dict[str, dict[str, int]]:
+        """Per layer group: static and new ranks, stored prototypes and the task in progress.
+
+        Args:
+            adapter_name: The PCLR adapter (default: the single active one).
+        """
+        name = self._resolve_adapter(adapter_name)
+        return {
+            group: dict(zip(("static", "new", "prototypes", "task"), layers[0].counts(name)))
+            for group, layers in group_layers(self, name).items()
+        }
+
+    def query_prototype(self, batches: Sequence[Batch]) -> torch.Tensor:
+        """The task's prototype: the normalized mean routing query over ``batches`` (all-reduced under DDP).
+
+        Args:
+            batches: The task's input batches (as passed to the model; a ``labels`` entry is ignored).
+        """
+        return query_prototype(self, batches)
+
+    @staticmethod
+    def _cycle(cycle: Optional[PCLRCycleConfig], overrides: dict[str, Any]) -> PCLRCycleConfig:
+        cycle = cycle if cycle is not None else PCLRCycleConfig()
+        if not isinstance(cycle, PCLRCycleConfig):
+            raise TypeError(f"`cycle` must be a PCLRCycleConfig or None, got {type(cycle).__name__}")
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(PCLRCycleConfig)})
+        if unknown:
+            raise TypeError(
+                f"unknown task-cycle setting(s) {unknown}; valid: {[f.name for f in dataclasses.fields(cycle)]}"
+            )
+        return dataclasses.replace(cycle, **overrides) if overrides else cycle
+
+    @torch.no_grad()
+    def begin_task(
+        self,
+        task_id: int,
+        prototype: torch.Tensor,
+        adapter_name: Optional[str] = None,
+        *,
+        cycle: Optional[PCLRCycleConfig] = None,
+        **overrides: Any,
+    ) -> int:
+        """Start learning task ``task_id``: make room, add its trainable ranks, initialize them and their keys.
+
+        A fresh adapter is already learning task 0 (random keys); calling this for task 0 re-initializes those ranks
+        from the prototype. For later tasks the previous one must have ended (:meth:`end_task`).
+
+        Under ``torch.distributed`` the new ranks and keys (drawn from each process's random generator) are broadcast
+        from rank 0, so the processes start the task identical even when their generators differ.
+
+        Args:
+            task_id: The task, counted from 0 (tasks run in order: it must equal :meth:`finished_tasks`).
+            prototype: (query_dim,) the task's query prototype (:meth:`query_prototype`).
+            adapter_name: The PCLR adapter (default: the single active one).
+            cycle: The cycle's settings (only ``key_noise`` is used here); default :class:`PCLRCycleConfig`.
+            **overrides: Single :class:`PCLRCycleConfig` fields, e.g. ``key_noise=0.1``.
+
+        Returns:
+            The number of new ranks.
+        """
+        adapter = self._resolve_adapter(adapter_name)
+        key_noise = self._cycle(cycle, overrides).key_noise
+        config = self.peft_config[adapter]
+        groups = group_layers(self, adapter)
+        first = next(iter(groups.values()))[0]
+        n_new, current = first.counts(adapter)[N_NEW], first.counts(adapter)[TASK]
+        if task_id != current:
+            raise ValueError(
+                f"begin_task({task_id}) but the adapter expects task {current} next (tasks run in order)"
+            )
+        if task_id > 0 and n_new > 0:
+            raise ValueError(
+                f"task {task_id} began while {n_new} ranks of task {task_id - 1} are still new; call end_task"
+            )
+        count = config.ranks_for_task(task_id)
+        overflow = max(layer.counts(adapter)[N_STATIC] for layers in groups.values() for layer in layers) + count
+        overflow -= config.pool_size
+        if overflow > 0:
+            # The schedule did not leave enough room (e.g. a shortened schedule): compress the static pool further
+            # without integration rather than ever exceeding the cap.
+            compress(self, overflow, adapter=adapter, only_static=True)
+        proto = F.normalize(prototype.detach().float().flatten(), dim=0)
+        for layers in groups.values():
+            owner = layers[0]
+            keys_static = owner.static_keys(adapter)
+            n_s, dim = keys_static.shape
+            if proto.numel() != dim:
+                raise ValueError(f"`prototype` has {proto.numel()} entries but the keys have width {dim}")
+            source: list[int] = []
+            if config.init_from_static and n_s > 0:
+                scores = F.normalize(keys_static.float(), dim=-1) @ proto.to(keys_static.device)
+                source = scores.topk(min(count, n_s)).indices.tolist()
+            device = owner.pclr_keys[adapter].device
+            noise = torch.randn(count, dim, device=device) * key_noise
+            keys = F.normalize(proto.to(device) + noise, dim=-1)
+            for layer in layers:
+                A_static = layer.static_ranks(adapter)[0]
+                A = torch.randn(count, A_static.shape[1], device=A_static.device) / math.sqrt(A_static.shape[1])
+                if source:
+                    # Copy the directions a_i of the matching old ranks, not b_i: copying both would add their output
+                    # a second time; with b_i = 0 the model's function is unchanged when the task starts (LoRA's
+                    # init).
+                    A[: len(source)] = A_static[source]
+                layer.begin_new_ranks(adapter, task_id, A, keys if layer is owner else None)
+        trainable = [
+            store[adapter]
+            for layers in groups.values()
+            for layer in layers
+            for store in (layer.pclr_keys, layer.pclr_A, layer.pclr_B)
+            if adapter in store
+        ]
+        broadcast_(trainable)
+        return count
+
+    def end_task(
+        self,
+        task_id: int,
+        prototype: torch.Tensor,
+        batches: Sequence[Batch] = (),
+        adapter_name: Optional[str] = None,
+        *,
+        cycle: Optional[PCLRCycleConfig] = None,
+        forward: Optional[Callable[[nn.Module, Batch], Any]] = None,
+        mask: Optional[torch.Tensor] = None,
+        generator: Optional[torch.Generator] = None,
+        **overrides: Any,
+    ) -> Optional[IntegrateResult]:
+        """Finish task ``task_id``: store its prototype, compress + integrate if scheduled, fold the new ranks, pull
+        keys.
+
+        The number of ranks dropped is ``round(compress_ratio_after(task_id) * active ranks)``, raised if needed so
+        the next task's new ranks fit within ``pool_size``.
+
+        Args:
+            task_id: The task that just finished training.
+            prototype: (query_dim,) its query prototype.
+            batches: The task's data for integration (empty: compress without integrating).
+            adapter_name: The PCLR adapter (default: the single active one).
+            cycle: The cycle's settings (distillation, key pulling); default :class:`PCLRCycleConfig`.
+            forward: ``forward(model, batch) -> output`` for the distillation; default ``model(**batch)`` without
+                ``labels``.
+            mask: Optional bool mask of the logits that take part in distillation.
+            generator: Random generator for the task draws of ``"tasks"`` routing.
+            **overrides: Single :class:`PCLRCycleConfig` fields (``integrate_epochs=0``, ``integrate_lr=...``, ...),
+                applied over ``cycle``.
+
+        Returns:
+            The integration result, or ``None`` when nothing was compressed or integrated.
+        """
+        settings = self._cycle(cycle, overrides)
+        adapter = self._resolve_adapter(adapter_name)
+        config = self.peft_config[adapter]
+        if config.compress_rule == "contribution" and not batches:
+            raise ValueError("compress_rule='contribution' measures the ranks on the task's data: pass `batches`")
+        groups = group_layers(self, adapter)
+        current = self.finished_tasks(adapter)
+        if task_id != current:
+            raise ValueError(f"end_task({task_id}) but the adapter is learning task {current}")
+        if task_id >= config.max_tasks:
+            raise ValueError(f"task {task_id} exceeds max_tasks={config.max_tasks} stored prototypes; raise max_tasks")
+        proto = F.normalize(prototype.detach().float().flatten(), dim=0)
+        for layers in groups.values():
+            for layer in layers:
+                layer.store_prototype(adapter, task_id, proto)
+        n_active = max(sum(layer.counts(adapter)[:2]) for layers in groups.values() for layer in layers)
+        n_drop = round(config.compress_ratio_after(task_id) * n_active)
+        n_drop = max(n_drop, n_active + config.ranks_for_task(task_id + 1) - config.pool_size)
+        result = None
+        if n_drop > 0:
+            result = self._compress_and_integrate(adapter, n_drop, batches, settings, forward, mask, generator)
+        fold_new_ranks(self, adapter)
+        pull_keys_to_prototypes(self, adapter, settings.key_pull_threshold, settings.key_pull_strength)
+        for layers in groups.values():
+            for layer in layers:
+                layer.finish_task(adapter, task_id)
+        return result
+
+    def _compress_and_integrate(
+        self,
+        adapter: str,
+        n_drop: int,
+        batches: Sequence[Batch],
+        settings: PCLRCycleConfig,
+        forward: Optional[Callable[[nn.Module, Batch], Any]],
+        mask: Optional[torch.Tensor],
+        generator: Optional[torch.Generator],
+    ) -> Optional[IntegrateResult]:
+        by_tasks = settings.integrate_routing == "tasks"
+        integrating = bool(batches) and settings.integrate_epochs > 0
+        teacher: Any = None
+        if integrating:
+            teacher = PoolSnapshot(self, adapter) if by_tasks else teacher_outputs(self, batches, forward)
+        scores = None
+        if self.peft_config[adapter].compress_rule == "contribution":
+            scores = contribution_scores(self, batches, adapter, forward)
+        compress(self, n_drop, adapter=adapter, scores=scores)
+        if not integrating:
+            return None
+        args = (self, batches, teacher, adapter, settings.integrate_epochs, settings.integrate_lr)
+        args += (settings.temperature, settings.top_logits, forward, mask)
+        if by_tasks:
+            return integrate_over_tasks(*args, generator=generator)
+        return integrate(*args)

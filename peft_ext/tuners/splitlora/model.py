@@ -14,6 +14,7 @@ from peft.config import PeftConfig
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, get_quantization_kwargs
 from torch import nn
 
+from .._cycle import resolve_cycle_adapter
 from ..adapter_tuner import AdapterTuner
 from .config import SplitLoRAConfig
 from .layer import Linear, SplitLoRALayer
@@ -177,17 +178,7 @@ class SplitLoRAModel(AdapterTuner):
         ]
 
     def _resolve_adapter(self, adapter_name: str | None) -> str:
-        if adapter_name is None:
-            if len(self.active_adapters) != 1:
-                raise ValueError(
-                    f"{len(self.active_adapters)} adapters are active ({self.active_adapters}); pass `adapter_name`."
-                )
-            adapter_name = self.active_adapters[0]
-        if adapter_name not in self.peft_config:
-            raise ValueError(f"no adapter named {adapter_name!r}; adapters: {sorted(self.peft_config)}")
-        if not isinstance(self.peft_config[adapter_name], SplitLoRAConfig):
-            raise TypeError(f"adapter {adapter_name!r} is not a SplitLoRA adapter")
-        return adapter_name
+        return resolve_cycle_adapter(self, adapter_name, SplitLoRAConfig, "SplitLoRA")
 
     def _lifecycle_layers(self, adapter_name: str) -> list[tuple[str, SplitLoRALayer]]:
         layers = self._layers(adapter_name)

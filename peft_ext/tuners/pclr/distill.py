@@ -1,0 +1,333 @@
+"""PCLR's integration: distill the uncompressed pool (the teacher) into the compressed pool plus the shared LoRA.
+
+METHODS.md section 3. Two routings of the distillation data (``PCLRCycleConfig.integrate_routing``): ``"input"``
+(:func:`integrate`) routes each sample by its own query; ``"tasks"`` (:func:`integrate_over_tasks`, the public code's
+scheme) routes each batch as one stored task (its prototype as every sample's query), the task drawn with
+probability proportional to ``sqrt(last distillation loss on it)``, so the student learns to reproduce every task's
+routing of the pool, and tasks it reproduces worst are revisited most. ``benchmarks/continual_wordnet.py`` compares
+them.
+
+The distillation does not run through a DDP wrapper: it steps its own AdamW and averages the gradients over the
+processes itself (as DDP would), so every process keeps the same pool.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...distributed import all_reduce_, average_gradients, broadcast_
+from .keys import query_loss, routed_as
+from .pool import PoolSnapshot, group_layers, stored_prototypes
+
+__all__ = [
+    "IntegrateResult",
+    "default_forward",
+    "distill_loss",
+    "evaluating",
+    "integrate",
+    "integrate_over_tasks",
+    "model_output",
+    "teacher_outputs",
+]
+
+Batch = dict[str, Any]
+
+
+def model_output(out: Any) -> torch.Tensor:
+    """A model's logits: ``out.logits`` when it has them, else ``out`` itself."""
+    return getattr(out, "logits", out)
+
+
+def distill_loss(
+    student: torch.Tensor, teacher: torch.Tensor, temperature: float, top_logits: Optional[int] = None
+) -> torch.Tensor:
+    """``T^2 * KL(softmax(teacher / T) || softmax(student / T))`` over the teacher's top logits (METHODS.md).
+
+    Args:
+        student: (..., C) student logits.
+        teacher: (..., C) teacher logits.
+        temperature: Softening temperature ``T`` > 0.
+        top_logits: Keep only the teacher's ``top_logits`` largest logits (both sides); ``None``: all.
+    """
+    if not temperature > 0:
+        raise ValueError(f"`temperature` must be > 0, got {temperature!r}")
+    student = student.float().reshape(-1, student.shape[-1])
+    teacher = teacher.float().reshape(-1, teacher.shape[-1])
+    finite = torch.isfinite(teacher).all(-1)
+    student, teacher = student[finite], teacher[finite]
+    if top_logits is not None and top_logits < teacher.shape[-1]:
+        idx = teacher.topk(top_logits, dim=-1).indices
+        student, teacher = student.gather(-1, idx), teacher.gather(-1, idx)
+    log_p_t = F.log_softmax(teacher / temperature, dim=-1)
+    log_p_s = F.log_softmax(student / temperature, dim=-1)
+    return temperature**2 * F.kl_div(log_p_s, log_p_t, log_target=True, reduction="batchmean")
+
+
+@dataclass
+class IntegrateResult:
+    """What one integration did.
+
+    Args:
+        kl_before: Mean teacher-student distillation loss right after compression.
+        kl_after: The same after distillation.
+        steps: Optimizer steps taken.
+        task_draws: With task routing, how many steps each stored task was drawn for (task order).
+        task_weights: With task routing, the final sampling weights ``sqrt(last loss + 1e-4)`` per task.
+    """
+
+    kl_before: float
+    kl_after: float
+    steps: int
+    task_draws: Optional[list[int]] = None
+    task_weights: Optional[list[float]] = None
+
+
+def _student_parameters(model: nn.Module, adapter: str) -> list[nn.Parameter]:
+    params = []
+    for layers in group_layers(model, adapter).values():
+        for layer in layers:
+            for store in (layer.pclr_A, layer.pclr_B, layer.pclr_shared_A, layer.pclr_shared_B):
+                if adapter in store:
+                    params.append(store[adapter])
+    return params
+
+
+@contextmanager
+def _student(model: nn.Module, adapter: str, lr: float) -> Iterator[Optional[torch.optim.Optimizer]]:
+    """Make the student (surviving new ranks, shared LoRA, keys) trainable for the block; ``None`` if it is empty."""
+    params = _student_parameters(model, adapter)
+    keys = [layers[0].pclr_keys[adapter] for layers in group_layers(model, adapter).values()]
+    trainable = params + keys
+    flags = [p.requires_grad for p in trainable]
+    was_training = model.training
+    if not params:
+        yield None
+        return
+    for p in trainable:
+        p.requires_grad_(True)
+    model.train()
+    try:
+        yield torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
+    finally:
+        model.train(was_training)
+        for p, flag in zip(trainable, flags):
+            p.requires_grad_(flag)
+
+
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor) -> None:
+    extra = query_loss(model)
+    if extra is not None:
+        loss = loss + extra
+    if not torch.isfinite(loss):
+        raise FloatingPointError(
+            f"non-finite PCLR distillation loss {float(loss)} during integration; the pool is left as compressed "
+            "(lower integrate_lr or check the teacher's outputs for inf/nan)"
+        )
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    # the distillation does not run through the DDP wrapper: average the gradients over the processes as DDP would
+    average_gradients(p for group in optimizer.param_groups for p in group["params"])
+    optimizer.step()
+
+
+def _masked_distill(
+    student: Any, target: torch.Tensor, mask: Optional[torch.Tensor], temperature: float, top_logits: Optional[int]
+) -> torch.Tensor:
+    student = model_output(student)
+    if mask is not None:
+        student, target = student[..., mask], target[..., mask]
+    return distill_loss(student, target, temperature, top_logits)
+
+
+@contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """Eval mode for the block, the previous mode restored after it."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+@torch.no_grad()
+def _mean_distill_loss(
+    model: nn.Module,
+    forward: Callable[[nn.Module, Batch], Any],
+    items: Sequence[tuple[Batch, torch.Tensor, Optional[torch.Tensor]]],
+    mask: Optional[torch.Tensor],
+    temperature: float,
+    top_logits: Optional[int],
+) -> float:
+    """Mean distillation loss in eval mode over ``(batch, teacher output, prototype to route as or None)``."""
+    total = 0.0
+    with evaluating(model):
+        for batch, target, proto in items:
+            with routed_as(model, proto) if proto is not None else nullcontext():
+                total += float(_masked_distill(forward(model, batch), target, mask, temperature, top_logits))
+    return total / max(len(items), 1)
+
+
+@torch.no_grad()
+def teacher_outputs(
+    model: nn.Module, batches: Sequence[Batch], forward: Optional[Callable[[nn.Module, Batch], Any]] = None
+) -> list[torch.Tensor]:
+    """The model's outputs (logits) on ``batches`` in eval mode: the teacher for :func:`integrate`.
+
+    Args:
+        model: The model (before compression).
+        batches: Input batches.
+        forward: ``forward(model, batch) -> output``; default ``model(**batch without labels)``.
+    """
+    forward = forward or default_forward
+    with evaluating(model):
+        return [model_output(forward(model, batch)).detach() for batch in batches]
+
+
+def default_forward(model: nn.Module, batch: Batch) -> Any:
+    """``model(**batch)`` without the ``labels`` entry: the forward the cycle uses when none is given."""
+    return model(**{k: v for k, v in batch.items() if k != "labels"})
+
+
+def integrate(
+    model: nn.Module,
+    batches: Sequence[Batch],
+    teacher: Sequence[torch.Tensor],
+    adapter: str = "default",
+    epochs: int = 1,
+    lr: float = 1e-3,
+    temperature: float = 2.0,
+    top_logits: Optional[int] = None,
+    forward: Optional[Callable[[nn.Module, Batch], Any]] = None,
+    mask: Optional[torch.Tensor] = None,
+) -> IntegrateResult:
+    """Distill the uncompressed pool (``teacher`` outputs) into the compressed pool plus the shared LoRA.
+
+    Each sample is routed by its own query. The student's trainable parameters are the task's surviving new ranks
+    and the shared LoRA: older static ranks stay frozen because the distillation data is the current task's only
+    (public code does the same; tuning old ranks on new data would move old tasks' outputs). Keys keep learning
+    through the query loss. :func:`integrate_over_tasks` is the public code's task-routed variant.
+
+    Args:
+        model: The compressed model.
+        batches: The current task's input batches.
+        teacher: The uncompressed model's outputs on ``batches`` (:func:`teacher_outputs`).
+        adapter: The adapter.
+        epochs: Passes over ``batches``.
+        lr: AdamW learning rate.
+        temperature: Distillation temperature.
+        top_logits: Distill only the teacher's top logits (METHODS.md); ``None``: all.
+        forward: ``forward(model, batch) -> output``; default ``model(**batch without labels)``.
+        mask: Optional (C,) bool mask of logits that take part (e.g. the task's classes).
+
+    Returns:
+        The distillation loss before and after, and the number of steps.
+    """
+    if len(batches) != len(teacher):
+        raise ValueError(f"got {len(batches)} batches but {len(teacher)} teacher outputs")
+    forward = forward or default_forward
+    items = [(batch, target, None) for batch, target in zip(batches, teacher)]
+
+    def mean_loss() -> float:
+        return _mean_distill_loss(model, forward, items, mask, temperature, top_logits)
+
+    before = mean_loss()
+    steps = 0
+    if epochs > 0:
+        with _student(model, adapter, lr) as optimizer:
+            if optimizer is not None:
+                for _ in range(epochs):
+                    for batch, target in zip(batches, teacher):
+                        loss = _masked_distill(forward(model, batch), target, mask, temperature, top_logits)
+                        _step(model, optimizer, loss)
+                        steps += 1
+    return IntegrateResult(before, mean_loss(), steps)
+
+
+def integrate_over_tasks(
+    model: nn.Module,
+    batches: Sequence[Batch],
+    teacher: PoolSnapshot,
+    adapter: str = "default",
+    epochs: int = 1,
+    lr: float = 1e-3,
+    temperature: float = 2.0,
+    top_logits: Optional[int] = None,
+    forward: Optional[Callable[[nn.Module, Batch], Any]] = None,
+    mask: Optional[torch.Tensor] = None,
+    generator: Optional[torch.Generator] = None,
+) -> IntegrateResult:
+    """Distill the uncompressed pool into the compressed one with every batch routed as one stored task.
+
+    The public code's integration: for each step a stored task ``t`` is drawn with probability proportional to
+    ``w_t``, teacher (the snapshot of the uncompressed pool) and student both route the whole batch as ``t``
+    (:func:`routed_as`), and after the step ``w_t = sqrt(max(loss, 0) + 1e-4)`` (all ``w`` start at 1). So the
+    student learns to reproduce every task's routing of the pool from the current task's inputs alone, and the
+    tasks it reproduces worst are drawn most. Routed as an old task, the student can only change the shared LoRA
+    (old static ranks stay frozen; the new ranks are excluded by prototype routing): it learns to make up for what
+    compression removed from the old tasks.
+
+    Args:
+        model: The compressed model, the current task's prototype already stored.
+        batches: The current task's input batches.
+        teacher: A :class:`PoolSnapshot` taken before compression.
+        adapter: The adapter.
+        epochs: Passes over ``batches`` (one task draw per batch).
+        lr: AdamW learning rate.
+        temperature: Distillation temperature.
+        top_logits: Distill only the teacher's top logits; ``None``: all.
+        forward: ``forward(model, batch) -> output``; default ``model(**batch without labels)``.
+        mask: Optional (C,) bool mask of logits that take part (e.g. the classes seen so far).
+        generator: Random generator for the task draws (reproducible runs).
+
+    Returns:
+        Distillation loss before and after over the batches (batch ``i`` routed as task ``i mod T``), the steps, how
+        often each task was drawn and the final sampling weights.
+    """
+    forward = forward or default_forward
+    protos = stored_prototypes(model, adapter)
+    n_tasks = protos.shape[0]
+    if n_tasks == 0:
+        raise ValueError("no task prototype is stored; end_task stores the current one before integrating")
+
+    @torch.no_grad()
+    def teacher_on(batch: Batch, task: int) -> torch.Tensor:
+        with evaluating(model), teacher.active(), routed_as(model, protos[task]):
+            return model_output(forward(model, batch)).detach()
+
+    # fixed (batch, task) pairs for the before/after figures: every batch once, tasks in turn
+    items = [(batch, teacher_on(batch, i % n_tasks), protos[i % n_tasks]) for i, batch in enumerate(batches)]
+
+    def mean_loss() -> float:
+        return _mean_distill_loss(model, forward, items, mask, temperature, top_logits)
+
+    before = mean_loss()
+    weights = torch.ones(n_tasks, dtype=torch.float64)
+    draws = [0] * n_tasks
+    steps = 0
+    if epochs > 0:
+        with _student(model, adapter, lr) as optimizer:
+            if optimizer is not None:
+                for _ in range(epochs):
+                    for batch in batches:
+                        draw = torch.multinomial(weights / weights.sum(), 1, generator=generator)
+                        broadcast_([draw])  # one draw for all processes (their generators may differ)
+                        task = int(draw)
+                        target = teacher_on(batch, task)
+                        with routed_as(model, protos[task]):
+                            loss = _masked_distill(forward(model, batch), target, mask, temperature, top_logits)
+                            _step(model, optimizer, loss)
+                        last = loss.detach().double().reshape(1)
+                        all_reduce_([last], mean=True)
+                        weights[task] = math.sqrt(max(float(last), 0.0) + 1e-4)
+                        draws[task] += 1
+                        steps += 1
+    return IntegrateResult(before, mean_loss(), steps, draws, weights.tolist())

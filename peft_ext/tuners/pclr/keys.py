@@ -1,0 +1,128 @@
+"""PCLR's keys and task prototypes at the model level: the query loss, a task's prototype, routing as a stored task,
+and pulling static keys toward the prototypes of similar tasks (METHODS.md section 3)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...distributed import all_reduce_
+from .layer import N_PROTOS
+from .pool import group_layers, pclr_tuner
+
+__all__ = ["pull_keys_to_prototypes", "query_loss", "query_prototype", "routed_as"]
+
+Batch = dict[str, Any]
+
+
+def query_loss(model: nn.Module) -> Optional[torch.Tensor]:
+    """The weighted query-key loss ``w * mean(1 - cos(q, k))`` of the last forward pass (``None``: nothing to train).
+
+    Add it to the task loss after each training forward; it is what trains the keys (METHODS.md: not the gate).
+    """
+    return pclr_tuner(model).query_loss()
+
+
+@torch.no_grad()
+def query_prototype(model: nn.Module, batches: Sequence[Batch]) -> torch.Tensor:
+    """The task's prototype: the normalized mean of the per-sample queries over ``batches`` (no forward pass needed).
+
+    Under ``torch.distributed`` the query sums are all-reduced, so every process gets the prototype of all the
+    processes' batches (each process passes its own shard).
+
+    Args:
+        model: The PCLR model.
+        batches: Input batches (as passed to ``model(**batch)``; a ``labels`` entry is ignored).
+    """
+    tuner = pclr_tuner(model)
+    state = tuner.routing_state
+    total: Optional[torch.Tensor] = None
+    for batch in batches:
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        q = state.query_fn(tuner.model, (), inputs)
+        if q is None:
+            raise ValueError("the query function returned None for a batch; cannot compute a task prototype")
+        total = q.sum(0) if total is None else total + q.sum(0)
+    if total is None:
+        raise ValueError("`batches` is empty; a task prototype needs at least one batch")
+    all_reduce_([total])
+    return F.normalize(total, dim=0)
+
+
+@contextmanager
+def routed_as(model: nn.Module, prototype: torch.Tensor) -> Iterator[None]:
+    """Route every sample as the task of ``prototype``: its (normalized) prototype replaces each sample's query.
+
+    The default query still runs (for the batch size and the device), then every row is replaced, so selection and
+    prototype routing behave as for an input whose query is exactly that prototype. Useful when the task id is known
+    at inference, and the routing :func:`~.distill.integrate_over_tasks` and :func:`~.scoring.contribution_scores`
+    use.
+
+    Args:
+        model: The PCLR model.
+        prototype: (query_dim,) a task prototype (e.g. a row of the stored prototypes).
+    """
+    state = pclr_tuner(model).routing_state
+    original = state.query_fn
+    proto = F.normalize(prototype.detach().float().flatten(), dim=0)
+
+    def query_fn(m: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Optional[torch.Tensor]:
+        query = original(m, args, kwargs)
+        if query is None:
+            return None
+        if query.shape[-1] != proto.numel():
+            raise ValueError(f"`prototype` has {proto.numel()} entries but the query has width {query.shape[-1]}")
+        return proto.to(query).expand_as(query)
+
+    state.query_fn = query_fn
+    try:
+        yield
+    finally:
+        state.query_fn = original
+
+
+@torch.no_grad()
+def pull_keys_to_prototypes(
+    model: nn.Module, adapter: str = "default", threshold: float = 0.8, strength: float = 0.5
+) -> int:
+    """Pull every static key that is close to several task prototypes toward all of them (merging similar tasks).
+
+    ``k <- normalize((1 - strength) k + strength * mean_{p: cos(k, p) >= threshold} p)`` for keys with at least two
+    such prototypes (METHODS.md: "keys close to several similar tasks' prototypes are pulled toward all of them").
+    Done in closed form because static keys are frozen buffers; the public code uses a loss term during
+    distillation, which for frozen keys amounts to the same move.
+
+    Args:
+        model: The PCLR model.
+        adapter: The adapter.
+        threshold: Cosine above which a prototype counts as close.
+        strength: Fraction of the way to move toward the mean of the close prototypes.
+
+    Returns:
+        The number of keys moved (over all groups).
+    """
+    if not 0 <= strength <= 1:
+        raise ValueError(f"`strength` must be in [0, 1], got {strength!r}")
+    moved = 0
+    for layers in group_layers(model, adapter).values():
+        owner = layers[0]
+        keys = owner.static_keys(adapter)
+        if owner.counts(adapter)[N_PROTOS] < 2 or keys.shape[0] == 0:
+            continue
+        protos = owner.prototypes(adapter).to(keys.dtype)
+        close = (F.normalize(keys, dim=-1) @ protos.mT) >= threshold  # (n_s, T)
+        several = close.sum(1) >= 2
+        if not several.any():
+            continue
+        target = (close.to(keys.dtype) @ protos) / close.sum(1, keepdim=True).clamp_min(1).to(keys.dtype)
+        pulled = F.normalize((1 - strength) * F.normalize(keys, dim=-1) + strength * target, dim=-1)
+        updated = keys.clone()
+        updated[several] = pulled[several]
+        owner.set_static_keys(adapter, updated)
+        moved += int(several.sum())
+    return moved

@@ -1,0 +1,164 @@
+"""PCLR's compression: score the active ranks of each layer group and drop the weakest (METHODS.md section 3).
+
+Rules (``PCLRConfig.compress_rule``): ``"index"`` is the public code's rule (drop every s-th rank); ``"importance"``
+drops the ranks with the smallest ``||a_i|| ||b_i||`` summed over the linears of the layer group (they share one key
+and one selection, so a rank is dropped from the whole group); ``"contribution"`` drops the ranks that contribute
+least to the outputs, measured on the task's data routed as each stored task (:func:`contribution_scores`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ...distributed import all_reduce_
+from .config import COMPRESS_RULES
+from .distill import default_forward, evaluating
+from .keys import routed_as
+from .layer import PCLRLayer
+from .pool import adapter_config, group_layers, pclr_tuner, stored_prototypes
+
+__all__ = ["compress", "contribution_scores", "importance_scores"]
+
+Batch = dict[str, Any]
+
+
+def importance_scores(layers: Sequence[PCLRLayer], adapter: str) -> torch.Tensor:
+    """``sum over the group's linears of ||a_i|| ||b_i||`` for each active rank (static first), the importance rule.
+
+    Args:
+        layers: The linears of one layer group.
+        adapter: The adapter.
+    """
+    total = None
+    for layer in layers:
+        # per store, then concatenated: the same numbers as on the concatenated pool, without copying the ranks
+        stores = (layer.static_ranks(adapter), layer.new_ranks(adapter))
+        score = torch.cat([A.detach().float().norm(dim=1) * B.detach().float().norm(dim=1) for A, B in stores])
+        total = score if total is None else total + score
+    return total
+
+
+@torch.no_grad()
+def contribution_scores(
+    model: nn.Module,
+    batches: Sequence[Batch],
+    adapter: str = "default",
+    forward: Optional[Callable[[nn.Module, Batch], Any]] = None,
+) -> dict[str, torch.Tensor]:
+    """Measured contribution of every active rank, per layer group: the ``"contribution"`` compression rule.
+
+    For each stored task ``t`` the batches are routed as ``t`` (:func:`routed_as`), and rank ``i`` scores
+    ``sum over samples of gate_i * mean over tokens |a_i . x| * ||b_i||`` summed over the group's linears: the size
+    of what it adds to the outputs when it is used. Each task's scores are normalized to sum to one before they are
+    added, so every task has the same say whatever its magnitudes (``||a_i|| ||b_i||`` alone is not comparable across
+    tasks trained at different times) and a rank that no task's routing selects scores zero. Padding tokens count in
+    the token mean (the layers do not see the attention mask).
+
+    Args:
+        model: The PCLR model (its prototypes stored).
+        batches: Input batches (the current task's data).
+        adapter: The adapter.
+        forward: ``forward(model, batch) -> output``; default ``model(**batch without labels)``.
+
+    Returns:
+        ``{group: (active ranks,) scores}``, static ranks first.
+    """
+    if not batches:
+        raise ValueError("`batches` is empty; the contribution rule measures the ranks on data")
+    forward = forward or default_forward
+    groups = group_layers(model, adapter)
+    totals = {group: torch.zeros(sum(layers[0].counts(adapter)[:2])) for group, layers in groups.items()}
+    current: dict[str, torch.Tensor] = {}
+
+    def record(layer: PCLRLayer, name: str, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, indices, gates) -> None:
+        if name != adapter:
+            return
+        x3 = x if x.dim() == 3 else x.unsqueeze(1)
+        proj = torch.einsum("btn,bkn->btk", x3.float(), A.detach().float()[indices])
+        size = proj.abs().mean(1) * B.detach().float().norm(dim=1)[indices] * gates.float()
+        current[layer.pclr_group].index_add_(0, indices.flatten().cpu(), size.flatten().cpu())
+
+    state = pclr_tuner(model).routing_state
+    protos = stored_prototypes(model, adapter)
+    if protos.shape[0] == 0:
+        raise ValueError("no task prototype is stored yet; store the task's prototype before measuring contributions")
+    state.recorder = record
+    try:
+        with evaluating(model):
+            for proto in protos:
+                for group in totals:
+                    current[group] = torch.zeros_like(totals[group])
+                with routed_as(model, proto):
+                    for batch in batches:
+                        forward(model, batch)
+                # under torch.distributed: the contributions on every process's data
+                all_reduce_(list(current.values()))
+                for group, value in current.items():
+                    totals[group] += value / value.sum().clamp_min(1e-30)
+    finally:
+        state.recorder = None
+    return totals
+
+
+def _drop_indices(rule: str, n_active: int, n_drop: int, scores: Optional[torch.Tensor]) -> list[int]:
+    if rule == "index":
+        # Public code: drop every s-th rank (s = 4 drops 25 %); s is chosen so that at least n_drop are candidates.
+        s = max(1, n_active // n_drop)
+        return list(range(s - 1, n_active, s))[:n_drop]
+    # stable: among equal scores (e.g. ranks no routing selects) the older rank goes first
+    order = torch.sort(scores.float(), stable=True).indices
+    return sorted(order[:n_drop].tolist())
+
+
+@torch.no_grad()
+def compress(
+    model: nn.Module,
+    n_drop: int,
+    rule: Optional[str] = None,
+    adapter: str = "default",
+    only_static: bool = False,
+    scores: Optional[dict[str, torch.Tensor]] = None,
+) -> dict[str, list[int]]:
+    """Drop ``n_drop`` ranks from every layer group (static and new ranks together), compacting the survivors.
+
+    Args:
+        model: The PCLR model.
+        n_drop: Ranks to drop per group.
+        rule: ``"index"``, ``"importance"`` or ``"contribution"`` (default: the config's ``compress_rule``).
+        adapter: The adapter.
+        only_static: Drop among the static ranks only (making room for a new task).
+        scores: Per-group rank scores for the ``"contribution"`` rule (:func:`contribution_scores`); without them
+            that rule falls back to ``"importance"`` (e.g. when making room before a task, with no data at hand).
+
+    Returns:
+        The dropped pool indices (static first, then new) per group.
+    """
+    rule = rule or adapter_config(model, adapter).compress_rule
+    if rule not in COMPRESS_RULES:
+        raise ValueError(f"`rule` must be one of {COMPRESS_RULES}, got {rule!r}")
+    if isinstance(n_drop, bool) or not isinstance(n_drop, int) or n_drop < 0:
+        raise ValueError(f"`n_drop` must be a non-negative integer, got {n_drop!r}")
+    dropped: dict[str, list[int]] = {}
+    for group, layers in group_layers(model, adapter).items():
+        n_s, n_n = layers[0].counts(adapter)[:2]
+        n_active = n_s if only_static else n_s + n_n
+        k = min(n_drop, n_active)
+        if k == 0:
+            dropped[group] = []
+            continue
+        group_scores = None
+        if rule == "contribution" and scores is not None:
+            if group not in scores or scores[group].numel() < n_active:
+                raise ValueError(f"`scores` has no score for each of the {n_active} active ranks of group {group!r}")
+            group_scores = scores[group][:n_active]
+        elif rule != "index":
+            group_scores = importance_scores(layers, adapter)[:n_active]
+        drop = _drop_indices(rule, n_active, k, group_scores)
+        dropped[group] = drop
+        for layer in layers:
+            layer.drop_ranks(adapter, drop)
+    return dropped
