@@ -26,12 +26,10 @@ from typing import Any, Optional
 
 import torch
 from peft.tuners._buffer_dict import BufferDict
-from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features
-from peft.utils import quantization_extra_repr, resolve_quantization_backend
 from torch import nn
 
 from ...kernels import rank_pool_gather
-from .._common import check_adapter_names_args, disable_bnb_cpu_repacking, merge_deltas, unmerge_deltas
+from ..adapter_layer import AdapterLayer, AdapterLinear
 from .config import PCLRConfig
 from .router import RoutingState, allowed_by_prototype, query_key_loss, select_top_k
 from .store import N_NEW, N_PROTOS, N_STATIC, TASK, RankPoolStore
@@ -44,9 +42,12 @@ def _restore_host_counts(module: nn.Module, incompatible_keys: Any) -> None:
     module.restore_counts()
 
 
-class PCLRLayer(BaseTunerLayer, RankPoolStore):
-    """State and shared logic of a layer carrying PCLR adapters (see the module docstring); the pool API comes
-    from :class:`~.store.RankPoolStore`."""
+class PCLRLayer(AdapterLayer, RankPoolStore):
+    """State and delta math of a layer carrying PCLR adapters (see the module docstring); the pool API comes from
+    :class:`~.store.RankPoolStore`, forward dispatch, mixed batches and merging from the adapter skeleton."""
+
+    method_name = "PCLR"
+    adapter_dict_name = "pclr_A"
 
     adapter_layer_names: tuple[str, ...] = ("pclr_A", "pclr_B", "pclr_keys", "pclr_shared_A", "pclr_shared_B")
     other_param_names: tuple[str, ...] = (
@@ -64,12 +65,7 @@ class PCLRLayer(BaseTunerLayer, RankPoolStore):
     )
 
     def __init__(self, base_layer: nn.Module, **kwargs: Any) -> None:
-        self.base_layer = base_layer
-        self.quantization_backend = resolve_quantization_backend(
-            self.get_base_layer(), get_apply_tensor_subclass=kwargs.get("get_apply_tensor_subclass")
-        )
-        if self.quantization_backend is not None:
-            disable_bnb_cpu_repacking(self.get_base_layer())
+        AdapterLayer.__init__(self, base_layer, **kwargs)
         self.pclr_A = nn.ParameterDict({})
         self.pclr_B = nn.ParameterDict({})
         self.pclr_keys = nn.ParameterDict({})
@@ -90,14 +86,6 @@ class PCLRLayer(BaseTunerLayer, RankPoolStore):
         self.pclr_prototype_routing: dict[str, bool] = {}
         self.pclr_group = ""
         self._pclr_state: Optional[RoutingState] = None
-        self._disable_adapters = False
-        self.merged_adapters: list[str] = []
-        self.kwargs = kwargs
-        in_features, out_features = _get_in_out_features(self.get_base_layer())
-        if in_features is None or out_features is None:
-            raise TypeError(f"PCLR cannot read the in/out features of {type(self.get_base_layer()).__name__}")
-        self.in_features = in_features
-        self.out_features = out_features
 
     def owns_keys(self, adapter_name: str) -> bool:
         """Whether this layer holds its group's keys and prototypes of ``adapter_name``."""
@@ -187,9 +175,8 @@ class PCLRLayer(BaseTunerLayer, RankPoolStore):
             state.losses.append(query_key_loss(query, keys, indices, gates))
         return indices, gates
 
-    def _adapter_output(self, x: torch.Tensor, adapter_name: str, rows: Optional[list[int]] = None) -> torch.Tensor:
+    def adapter_output(self, x: torch.Tensor, adapter_name: str, rows: Optional[list[int]] = None) -> torch.Tensor:
         (A_s, B_s), (A_n, B_n) = self.static_ranks(adapter_name), self.new_ranks(adapter_name)
-        x = self._cast_input_dtype(x, A_n.dtype)
         # A mixed-adapter batch passes this adapter's rows only: select for the whole batch (one query per sample)
         # and keep those rows, so each row routes exactly as it would alone.
         indices, gates = self.selection(adapter_name, None if rows is not None else x.shape[0])
@@ -256,25 +243,8 @@ class PCLRLayer(BaseTunerLayer, RankPoolStore):
             delta = delta + self.pclr_shared_scale[adapter_name] * shared
         return delta.to(A.dtype)
 
-    def _check_forward_args(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        check_adapter_names_args(self, x, kwargs.get("adapter_names"))
 
-    def _mixed_batch_forward(
-        self, x: torch.Tensor, *args: Any, adapter_names: list[str], **kwargs: Any
-    ) -> torch.Tensor:
-        result = self.base_layer(x, *args, **kwargs)
-        dtype = result.dtype
-        if self.quantization_backend is not None:
-            result = self.quantization_backend.maybe_clone_base_result(result)
-        for name in set(adapter_names):
-            if name == "__base__" or name not in self.pclr_A:
-                continue
-            rows = [i for i, item in enumerate(adapter_names) if item == name]
-            result[rows] += self._adapter_output(x[rows], name, rows=rows).to(dtype)
-        return result
-
-
-class Linear(nn.Module, PCLRLayer):
+class Linear(AdapterLinear, PCLRLayer):
     """A ``torch.nn.Linear`` (or a bitsandbytes ``Linear8bitLt`` / ``Linear4bit``) with PCLR adapters.
 
     Args:
@@ -303,43 +273,3 @@ class Linear(nn.Module, PCLRLayer):
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config, query_dim, inference_mode=config.inference_mode)
         self.register_load_state_dict_post_hook(_restore_host_counts)
-
-    def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
-        """Add the active (or the given) adapters' deltas to the base weight (static routing only).
-
-        Args:
-            safe_merge: Compute the merged weight in a copy and raise ``ValueError`` if it has non-finite values,
-                leaving the base weight untouched.
-            adapter_names: Adapters to merge (default: the active ones).
-        """
-        merge_deltas(self, self.pclr_A, safe_merge, adapter_names, "PCLR")
-
-    def unmerge(self) -> None:
-        """Subtract the merged adapters' deltas from the base weight again."""
-        unmerge_deltas(self, self.pclr_A)
-
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self._check_forward_args(x, *args, **kwargs)
-        adapter_names = kwargs.pop("adapter_names", None)
-        if self.disable_adapters:
-            if self.merged:
-                self.unmerge()
-            return self.base_layer(x, *args, **kwargs)
-        if adapter_names is not None:
-            return self._mixed_batch_forward(x, *args, adapter_names=adapter_names, **kwargs)
-        result = self.base_layer(x, *args, **kwargs)
-        if self.merged:
-            return result
-        dtype = result.dtype
-        if self.quantization_backend is not None:
-            result = self.quantization_backend.maybe_clone_base_result(result)
-        for name in self.active_adapters:
-            if name in self.pclr_A:
-                result = result + self._adapter_output(x, name).to(dtype)
-        return result
-
-    def extra_repr(self) -> str:
-        return quantization_extra_repr(self)
-
-    def __repr__(self) -> str:
-        return "pclr." + super().__repr__()

@@ -19,19 +19,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
-from peft.tuners.tuners_utils import BaseTuner
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from torch import nn
 
 from ...distributed import broadcast_
-from .._common import forward_adapter_names, require_linear_target
 from .._cycle import resolve_cycle_adapter
+from ..adapter_tuner import AdapterTuner
 from .config import PCLRConfig, PCLRCycleConfig
 from .distill import IntegrateResult, integrate, integrate_over_tasks, teacher_outputs
 from .keys import pull_keys_to_prototypes, query_prototype
@@ -58,7 +56,7 @@ class _QueryHook:
         self.state.begin(module, args, kwargs)
 
 
-class PCLRModel(BaseTuner):
+class PCLRModel(AdapterTuner):
     """PCLR adapters (a capped, keyed LoRA rank pool; METHODS.md section 3) on a model's linear layers.
 
     Use it through PEFT: ``get_peft_model(model, PCLRConfig(target_modules=[...]))``. Each forward pass computes one
@@ -116,44 +114,16 @@ class PCLRModel(BaseTuner):
             )
         return embedding.embedding_dim
 
-    def _create_and_replace(
-        self,
-        peft_config: PCLRConfig,
-        adapter_name: str,
-        target: nn.Module,
-        target_name: str,
-        parent: nn.Module,
-        current_key: str,
-        *,
-        parameter_name: Optional[str] = None,
-    ) -> None:
-        if parameter_name is not None:
-            raise ValueError(
-                f"PCLR adapts whole linear layers, not parameters; got target_parameters {parameter_name!r}"
-            )
+    def _update_target(self, target: PCLRLayer, peft_config: PCLRConfig, adapter_name: str, current_key: str) -> None:
+        target.update_layer(
+            adapter_name, peft_config, self._query_dim(peft_config), inference_mode=peft_config.inference_mode
+        )
+
+    def _new_layer(self, peft_config: PCLRConfig, adapter_name: str, target: nn.Module, current_key: str) -> Linear:
         query_dim = self._query_dim(peft_config)
-        if isinstance(target, PCLRLayer):
-            target.update_layer(adapter_name, peft_config, query_dim, inference_mode=peft_config.inference_mode)
-            return
-        require_linear_target(target, current_key, "PCLR")
         match = re.match(peft_config.group_pattern, current_key)
         group = match.group(1) if match else current_key
-        new_module = Linear(target, adapter_name, peft_config, query_dim, group, self._routing_state())
-        if adapter_name not in self.active_adapters:
-            new_module.requires_grad_(False)
-        self._replace_module(parent, target_name, new_module, target)
-
-    @contextmanager
-    def _enable_peft_forward_hooks(self, *args: Any, **kwargs: Any) -> Iterator[None]:
-        # Mixed-adapter batches: PeftModel.forward routes `adapter_names` here; every layer receives it as a kwarg.
-        names = kwargs.pop("adapter_names", None)
-        with forward_adapter_names(
-            self,
-            names,
-            lambda: set().union(*(m.pclr_A.keys() for m in self.modules() if isinstance(m, PCLRLayer))),
-            (PCLRLayer,),
-        ):
-            yield
+        return Linear(target, adapter_name, peft_config, query_dim, group, self._routing_state())
 
     def query_loss(self) -> Optional[torch.Tensor]:
         """The weighted query-key loss of the last forward pass (``None`` if no trainable key was routed)."""
@@ -246,9 +216,7 @@ class PCLRModel(BaseTuner):
         first = next(iter(groups.values()))[0]
         n_new, current = first.counts(adapter)[N_NEW], first.counts(adapter)[TASK]
         if task_id != current:
-            raise ValueError(
-                f"begin_task({task_id}) but the adapter expects task {current} next (tasks run in order)"
-            )
+            raise ValueError(f"begin_task({task_id}) but the adapter expects task {current} next (tasks run in order)")
         if task_id > 0 and n_new > 0:
             raise ValueError(
                 f"task {task_id} began while {n_new} ranks of task {task_id - 1} are still new; call end_task"
