@@ -98,10 +98,11 @@ def load_rank_pool_kernel() -> Optional[RankPoolKernel]:
     _AUTOLOAD_TRIED = True
     if _FAST_KERNEL is None:
         try:
-            from .triton_rank_pool import rank_pool_kernel
+            from .triton_rank_pool import supports, triton_rank_pool_gather
         except ImportError:  # Triton is only a dependency on Linux x86-64
             return None
-        register_rank_pool_kernel(rank_pool_kernel())
+        # The Triton module does not know this registry (no import back): the kernel is described here.
+        register_rank_pool_kernel(RankPoolKernel("triton", triton_rank_pool_gather, supports))
     return _FAST_KERNEL
 
 

@@ -27,9 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import RankPoolKernel
-
-__all__ = ["rank_pool_kernel", "triton_rank_pool_gather"]
+__all__ = ["supports", "triton_rank_pool_gather"]
 
 # tl.dot needs every tile dimension >= 16; smaller problems are masked inside a 16-wide tile.
 _MIN_BLOCK = 16
@@ -352,10 +350,10 @@ def triton_rank_pool_gather(
     return _RankPoolGather.apply(x, A_pool, B_pool, indices, float(scale), gates)
 
 
-def _supports(x: torch.Tensor) -> bool:
+def supports(x: torch.Tensor) -> bool:
+    """Whether :func:`triton_rank_pool_gather` runs on ``x``: CUDA tensors in fp32 / fp16 / bf16.
+
+    Args:
+        x: The gather's input.
+    """
     return x.is_cuda and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
-
-
-def rank_pool_kernel() -> RankPoolKernel:
-    """The fused kernel as a :class:`.dispatch.RankPoolKernel` (CUDA tensors in fp32 / fp16 / bf16)."""
-    return RankPoolKernel("triton", triton_rank_pool_gather, _supports)
