@@ -79,7 +79,7 @@ PCLR_ADAPTER = {
 
 def _pclr(compress_rule: str, **cycle: Any) -> dict[str, Any]:
     adapter = {**PCLR_ADAPTER, "compress_rule": compress_rule}
-    return {"lr": 2e-3, "integrate_routing": "tasks", **cycle, "adapter": adapter}
+    return {"lr": 2e-3, "cycle": {"integrate_routing": "tasks", **cycle}, "adapter": adapter}
 
 
 PCLR_VARIANTS: dict[str, dict[str, Any]] = {

@@ -74,7 +74,7 @@ def main() -> None:
     ]
     if not args.no_baselines:
         importance = {"lr": 2e-3, "adapter": {**adapter, "compress_rule": "importance"}}
-        variants.append(("pclr_importance_no_integrate", "pclr", {**importance, "integrate_epochs": 0}))
+        variants.append(("pclr_importance_no_integrate", "pclr", {**importance, "cycle": {"integrate_epochs": 0}}))
         lora = {"r": 8, "lora_alpha": 16.0, "target_modules": ["query", "value"]}
         variants.append(("seq_lora", "seq_lora", {"lr": 1e-3, "adapter": lora}))
 

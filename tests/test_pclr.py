@@ -387,7 +387,26 @@ def test_plugin_options_are_validated():
     with pytest.raises(ValueError, match="`top_k` must be a positive integer, got 0"):
         get_continual_method("pclr")(adapter={"top_k": 0})
     with pytest.raises(ValueError, match="`integrate_epochs` must be >= 0, got -1"):
-        get_continual_method("pclr")(integrate_epochs=-1)
+        get_continual_method("pclr")(cycle={"integrate_epochs": -1})
+
+
+def test_plugin_cycle_section_is_the_cycle_config_and_old_flat_keys_move_into_it():
+    from peft_ext.continual.config import ConfigError, config_from_dict
+    from peft_ext.tuners.pclr import PCLRCycleConfig
+
+    options = get_continual_method("pclr")().options
+    assert options.cycle == PCLRCycleConfig()  # one default per setting: the cycle config's own
+    base = {"data": {"dataset": "wordnet"}, "methods": []}
+    doc = {**base, "methods": [{"name": "pclr", "cycle": {"integrate_epochs": 0, "integrate_routing": "tasks"}}]}
+    cycle = config_from_dict(doc).methods[0].options.cycle
+    assert isinstance(cycle, PCLRCycleConfig) and cycle.integrate_epochs == 0 and cycle.integrate_routing == "tasks"
+    with pytest.warns(DeprecationWarning, match=r"write `cycle: \{integrate_epochs: 0\}`"):
+        flat = config_from_dict({**base, "methods": [{"name": "pclr", "integrate_epochs": 0}]})
+    assert flat.methods[0].options.cycle.integrate_epochs == 0
+    with pytest.raises(ConfigError, match=r"`methods\[0\]\.cycle\.temperature` must be > 0"):
+        config_from_dict({**base, "methods": [{"name": "pclr", "cycle": {"temperature": 0.0}}]})
+    with pytest.raises(ConfigError, match=r"unknown key `methods\[0\]\.cycle\.epochs`"):
+        config_from_dict({**base, "methods": [{"name": "pclr", "cycle": {"epochs": 1}}]})
 
 
 def test_pclr_layer_is_exported():

@@ -258,7 +258,7 @@ def test_continual_plugin_with_task_routing_records_a_bounded_adapter():
     seq = token_sequence(n_tasks=3)
     schedules = {"ranks_schedule": [4], "compress_schedule": [0.0, 0.5], "compress_rule": "contribution"}
     adapter = pclr_adapter(pool_size=8, top_k=4, shared_r=2, **schedules)
-    method = get_continual_method("pclr")(lr=5e-3, integrate_routing="tasks", adapter=adapter)
+    method = get_continual_method("pclr")(lr=5e-3, cycle={"integrate_routing": "tasks"}, adapter=adapter)
     captured = {}
     original = method.after_task
 
@@ -284,7 +284,7 @@ def test_continual_plugin_with_task_routing_records_a_bounded_adapter():
     assert kl[0] is None and all(after <= before for before, after in kl[1:])
     assert result.accuracy_matrix[0][0] > 0.9
     with pytest.raises(ValueError, match="`integrate_routing` must be one of"):
-        get_continual_method("pclr")(integrate_routing="batch")
+        get_continual_method("pclr")(cycle={"integrate_routing": "batch"})
 
 
 def test_a_non_finite_distillation_loss_is_refused():

@@ -98,7 +98,7 @@ def test_the_forward_reads_nothing_back_to_the_host(monkeypatch):
 
         return wrapper
 
-    for name in ("tolist", "item"):
+    for name in ("tolist", "item", "__int__", "__float__", "__bool__"):
         monkeypatch.setattr(torch.Tensor, name, refuse(name))
     with torch.no_grad():
         out = model(input_ids=tasks[0]["input_ids"]).logits

@@ -216,6 +216,8 @@ def build_section(cls: type, data: Any, prefix: str = "", skip: tuple[str, ...] 
             raise unknown_key(str(key), prefix, fields)
         if key == "adapter" and issubclass(cls, AdapterOptions):
             kwargs[key] = build_adapter_section(cls, value, f"{prefix}adapter.")
+        elif dataclasses.is_dataclass(hints[key]):
+            kwargs[key] = build_nested_section(hints[key], value, f"{prefix}{key}.")
         else:
             kwargs[key] = _coerce(value, hints[key], prefix + key)
     missing = [
@@ -235,6 +237,22 @@ def build_section(cls: type, data: Any, prefix: str = "", skip: tuple[str, ...] 
         except ValueError as err:
             raise _prefixed(err, prefix) from None
     return obj
+
+
+def build_nested_section(cls: type, data: Any, prefix: str) -> Any:
+    """Build a nested settings dataclass (e.g. PCLR's ``cycle:``) whose own ``__post_init__`` validates the values.
+
+    Args:
+        cls: The dataclass.
+        data: Its mapping (``None``: every default).
+        prefix: Key prefix of the section (``methods[6].cycle.``).
+    """
+    try:
+        return build_section(cls, data, prefix)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as err:
+        raise _prefixed(err, prefix) from None
 
 
 def _prefixed(err: Exception, prefix: str) -> ConfigError:

@@ -1,21 +1,23 @@
 """PCLR as a continual-learning method plugin: the rank pool with keyed routing and its task cycle.
 
-Per task (METHODS.md section 3; :mod:`peft_ext.tuners.pclr.cycle`): before training, the task's query prototype is
-computed from its training inputs and :func:`~peft_ext.tuners.pclr.begin_task` adds the task's trainable ranks;
-training optimizes the new ranks, their keys (through the query loss, added by :meth:`PCLRMethod.extra_loss`) and the
-classification head; after training, :func:`~peft_ext.tuners.pclr.end_task` stores the prototype, compresses and
-integrates as scheduled, and freezes the ranks. Evaluation runs without a task id (prototype routing decides).
+Per task (METHODS.md section 3; docs/task_cycle.md): before training, the task's query prototype is computed from
+its training inputs and ``PCLRModel.begin_task`` adds the task's trainable ranks; training optimizes the new ranks,
+their keys (through the query loss, added by :meth:`PCLRMethod.extra_loss`) and the classification head; after
+training, ``PCLRModel.end_task`` stores the prototype, compresses and integrates as scheduled, and freezes the
+ranks. Evaluation runs without a task id (prototype routing decides).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from ..tuners.pclr import INTEGRATE_ROUTING, PCLRConfig
+from ..tuners.pclr import PCLRConfig, PCLRCycleConfig
 from .methods import AdapterOptions, ContinualMethod, head_module_name, register_continual_method
 
 if TYPE_CHECKING:
@@ -27,41 +29,51 @@ __all__ = ["PCLRMethod", "PCLROptions"]
 
 @dataclass
 class PCLROptions(AdapterOptions):
-    """Options of the ``pclr`` method: the task cycle's own settings and the adapter's :class:`~peft_ext.PCLRConfig`.
+    """Options of the ``pclr`` method: the adapter's :class:`~peft_ext.PCLRConfig`, the task cycle's
+    :class:`~peft_ext.tuners.pclr.PCLRCycleConfig`, and what the method itself decides.
 
     Args:
         adapter: The PCLR adapter (pool size, schedules, ``top_k``, ``alpha``, shared LoRA, targets, ...); YAML
             ``adapter: {pool_size: 64, ...}``. The method sets ``modules_to_save`` (the head).
+        cycle: The task cycle's settings (distillation epochs / lr / routing / temperature, key noise, key pull);
+            YAML ``cycle: {integrate_epochs: 1, integrate_routing: input}``. With ``integrate_routing: input`` the
+            distillation keeps the current task's logits; with ``tasks`` (public code) the logits of every class
+            seen so far. On WordNet (benchmarks/continual_wordnet.py, 3 seeds) ``input`` kept more accuracy (39.9
+            vs 36.3 final) at the same forgetting.
         train_shared: Also train the shared LoRA while learning each task (default: only during integration).
-        integrate_epochs: Distillation passes over the task's data after compression (0: no integration).
-        integrate_routing: ``"input"`` (default: each sample routed by its own query; the current task's logits)
-            or ``"tasks"`` (public code: each distillation batch routed as one stored task, drawn with probability
-            proportional to ``sqrt`` of its last distillation loss; the logits of every class seen so far). On
-            WordNet (benchmarks/continual_wordnet.py, 3 seeds) ``"input"`` kept more accuracy (39.9 vs 36.3 final)
-            at the same forgetting.
-        integrate_lr: Distillation learning rate.
-        temperature: Distillation temperature.
-        key_pull_threshold: Cosine above which a key counts as close to a task prototype.
-        key_pull_strength: How far keys close to several prototypes move toward them.
     """
 
     adapter: PCLRConfig = field(default_factory=PCLRConfig)
+    cycle: PCLRCycleConfig = field(default_factory=PCLRCycleConfig)
     train_shared: bool = False
-    integrate_epochs: int = 1
-    integrate_routing: str = "input"
-    integrate_lr: float = 1e-3
-    temperature: float = 2.0
-    key_pull_threshold: float = 0.8
-    key_pull_strength: float = 0.5
 
-    def validate(self) -> None:
-        super().validate()
-        if self.integrate_epochs < 0:
-            raise ValueError(f"`integrate_epochs` must be >= 0, got {self.integrate_epochs}")
-        if not self.integrate_lr > 0:
-            raise ValueError(f"`integrate_lr` must be > 0, got {self.integrate_lr}")
-        if self.integrate_routing not in INTEGRATE_ROUTING:
-            raise ValueError(f"`integrate_routing` must be one of {INTEGRATE_ROUTING}, got {self.integrate_routing!r}")
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.cycle, dict):
+            self.cycle = PCLRCycleConfig(**self.cycle)
+
+    @classmethod
+    def nest_flat_keys(cls, data: dict[str, Any], where: str = "") -> dict[str, Any]:
+        """As :meth:`AdapterOptions.nest_flat_keys`; old flat cycle keys (``integrate_epochs``) move into ``cycle``."""
+        data = super().nest_flat_keys(data, where)
+        cycle_keys = {f.name for f in dataclasses.fields(PCLRCycleConfig)}
+        moved = [key for key in data if key in cycle_keys]
+        if not moved:
+            return data
+        data = dict(data)
+        section = data.get("cycle") or {}
+        if not isinstance(section, dict):
+            raise TypeError(f"pass the cycle fields {sorted(moved)} inside `cycle`, not beside a config object")
+        section = {**section, **{key: data.pop(key) for key in moved}}
+        data["cycle"] = section
+        shown = ", ".join(f"{key}: {section[key]!r}" for key in moved)
+        warnings.warn(
+            f"`{where}{moved[0]}` and the other cycle settings moved into the cycle section: write "
+            f"`cycle: {{{shown}}}` (flat cycle keys will stop working)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return data
 
 
 @register_continual_method
@@ -107,29 +119,21 @@ class PCLRMethod(ContinualMethod):
         return query_loss(model)
 
     def after_task(self, model: nn.Module, task_id: int, task: Task, ctx: RunContext) -> nn.Module:
-        from ..tuners.pclr import PCLRCycleConfig, pool_in_use, stored_adapter_parameters
+        from ..tuners.pclr import pool_in_use, stored_adapter_parameters
 
         opts = self.options
         mask = torch.zeros(ctx.sequence.num_classes, dtype=torch.bool, device=ctx.device)
-        if opts.integrate_routing == "tasks":
+        if opts.cycle.integrate_routing == "tasks":
             # routed as an old task, the teacher's outputs on the old classes are what must be kept
             for seen in ctx.sequence.tasks[: task_id + 1]:
                 mask[list(seen.classes)] = True
         else:
             mask[list(task.classes)] = True
-        cycle = PCLRCycleConfig(
-            integrate_epochs=opts.integrate_epochs,
-            integrate_lr=opts.integrate_lr,
-            integrate_routing=opts.integrate_routing,
-            temperature=opts.temperature,
-            key_pull_threshold=opts.key_pull_threshold,
-            key_pull_strength=opts.key_pull_strength,
-        )
         result = model.end_task(
             task_id,
             ctx.state.pop("pclr_prototype"),
             self._task_batches(task, ctx),
-            cycle=cycle,
+            cycle=opts.cycle,
             mask=mask,
             generator=ctx.state["pclr_generator"],
         )

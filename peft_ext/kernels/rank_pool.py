@@ -55,7 +55,12 @@ _COPY_COST = 4.0
 
 
 def _check(
-    x: torch.Tensor, A_pool: torch.Tensor, B_pool: torch.Tensor, indices: torch.Tensor, gates: Optional[torch.Tensor]
+    x: torch.Tensor,
+    A_pool: torch.Tensor,
+    B_pool: torch.Tensor,
+    indices: torch.Tensor,
+    gates: Optional[torch.Tensor],
+    check_range: bool = True,
 ) -> None:
     for name, t in (("x", x), ("A_pool", A_pool), ("B_pool", B_pool), ("indices", indices)):
         if not isinstance(t, torch.Tensor):
@@ -74,7 +79,9 @@ def _check(
         raise ValueError(f"`indices` must be (batch={x.shape[0]}, K), got shape {tuple(indices.shape)}")
     if indices.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"`indices` must be int64 or int32, got {indices.dtype}")
-    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= A_pool.shape[1]):
+    # The range check reads the indices back to the host (a device sync); callers whose indices come from a top-K over
+    # the pool itself (PCLR's router) pass check_range=False.
+    if check_range and indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= A_pool.shape[1]):
         raise ValueError(
             f"`indices` must lie in [0, {A_pool.shape[1]}), got values in [{int(indices.min())}, {int(indices.max())}]"
         )
@@ -93,6 +100,8 @@ def rank_pool_gather_loop(
     indices: torch.Tensor,
     scale: float,
     gates: Optional[torch.Tensor] = None,
+    *,
+    check_range: bool = True,
 ) -> torch.Tensor:
     """Per-sample loop reference (the oracle): ``y[b] = scale * (x[b] A[:, S_b] diag(g_b)) B[S_b, :]``.
 
@@ -103,11 +112,12 @@ def rank_pool_gather_loop(
         indices: (batch, K) rank indices per sample.
         scale: Output scale (PCLR: ``alpha / K``).
         gates: Optional (batch, K) gate values (0/1 in PCLR); default all ones.
+        check_range: Check the indices' range (a device sync); see :func:`rank_pool_gather`.
 
     Returns:
         (batch, out) or (batch, tokens, out), the dtype of ``x``.
     """
-    _check(x, A_pool, B_pool, indices, gates)
+    _check(x, A_pool, B_pool, indices, gates, check_range)
     rows = []
     for b in range(x.shape[0]):
         idx = indices[b].long()
@@ -125,12 +135,14 @@ def rank_pool_gather_indexed(
     indices: torch.Tensor,
     scale: float,
     gates: Optional[torch.Tensor] = None,
+    *,
+    check_range: bool = True,
 ) -> torch.Tensor:
     """Gather-based reference: copy each sample's ``K`` ranks, then two batched matmuls (BGMV style).
 
     Args: as :func:`rank_pool_gather_loop`.
     """
-    _check(x, A_pool, B_pool, indices, gates)
+    _check(x, A_pool, B_pool, indices, gates, check_range)
     x3, squeeze = _as_3d(x)
     idx = indices.long()
     # A_pool.mT[idx] reads rows of the (N, in) transpose: when the pool is stored rank-major (PCLR stores A as N x in
@@ -151,13 +163,15 @@ def rank_pool_gather_masked(
     indices: torch.Tensor,
     scale: float,
     gates: Optional[torch.Tensor] = None,
+    *,
+    check_range: bool = True,
 ) -> torch.Tensor:
     """Masked-dense reference: all ``N`` ranks for every sample, weighted by how often (and with which gate) each
     sample selected them. Exact for 0/1 gates; ``N / K`` times the FLOPs of the gathered version.
 
     Args: as :func:`rank_pool_gather_loop`.
     """
-    _check(x, A_pool, B_pool, indices, gates)
+    _check(x, A_pool, B_pool, indices, gates, check_range)
     x3, squeeze = _as_3d(x)
     weights = torch.zeros(indices.shape[0], A_pool.shape[1], dtype=x.dtype, device=x.device)
     src = torch.ones(indices.shape, dtype=x.dtype, device=x.device) if gates is None else gates.to(x.dtype)
@@ -195,6 +209,8 @@ def rank_pool_gather(
     scale: float,
     gates: Optional[torch.Tensor] = None,
     method: Literal["auto", "indexed", "masked", "loop"] = "auto",
+    *,
+    check_range: bool = True,
 ) -> torch.Tensor:
     """``y[b] = scale * (x[b] @ A_pool[:, S_b]) @ B_pool[S_b, :]`` per sample; the entry point PCLR calls.
 
@@ -207,6 +223,9 @@ def rank_pool_gather(
         gates: Optional (batch, K) 0/1 gates; default all ones.
         method: ``"auto"`` (fast kernel if registered and allowed by ``PEFT_EXT_KERNELS``, else the cheaper
             reference), or force ``"indexed"``, ``"masked"`` or ``"loop"``.
+        check_range: Check that every index lies in ``[0, N)``. The check reads the indices back to the host (a
+            device sync per call); pass ``False`` only for indices that are in range by construction (PCLR's top-K
+            over the pool's own keys).
 
     Returns:
         The adapter output, (batch, out) or (batch, tokens, out).
@@ -216,7 +235,7 @@ def rank_pool_gather(
     if method == "auto":
         fast = fast_rank_pool_kernel(x, indices, gates)
         if fast is not None:
-            _check(x, A_pool, B_pool, indices, gates)
+            _check(x, A_pool, B_pool, indices, gates, check_range)
             return fast.fn(x, A_pool, B_pool, indices, scale, gates)
         tokens = 1 if x.dim() == 2 else x.shape[1]
         method = choose_reference(tokens, A_pool.shape[1], indices.shape[1], A_pool.shape[0], B_pool.shape[1])
@@ -225,4 +244,4 @@ def rank_pool_gather(
         "masked": rank_pool_gather_masked,
         "loop": rank_pool_gather_loop,
     }[method]
-    return impl(x, A_pool, B_pool, indices, scale, gates)
+    return impl(x, A_pool, B_pool, indices, scale, gates, check_range=check_range)

@@ -21,6 +21,7 @@ with :func:`peft_ext.kernels.rank_pool_gather` (no concatenated copy). The count
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Optional
 
@@ -190,14 +191,16 @@ class PCLRLayer(AdapterLayer, RankPoolStore):
         # concatenation per call): each gather takes the other store's slots with gate 0, and the two sum to the
         # gather over the concatenated pool. With one store empty (known on the host) one gather does it all.
         n_s = A_s.shape[0]
+        # The router's top-K over this pool's own keys gives in-range indices: skip the range check's host read.
+        gather = functools.partial(rank_pool_gather, check_range=False)
         if A_n.shape[0] == 0:
-            out = rank_pool_gather(x, A_s.mT, B_s, indices, scale, gates)
+            out = gather(x, A_s.mT, B_s, indices, scale, gates)
         elif n_s == 0:
-            out = rank_pool_gather(x, A_n.mT, B_n, indices, scale, gates)
+            out = gather(x, A_n.mT, B_n, indices, scale, gates)
         else:
             static = indices < n_s
-            out = rank_pool_gather(x, A_s.mT, B_s, indices.clamp(max=n_s - 1), scale, gates * static)
-            out = out + rank_pool_gather(x, A_n.mT, B_n, (indices - n_s).clamp(min=0), scale, gates * ~static)
+            out = gather(x, A_s.mT, B_s, indices.clamp(max=n_s - 1), scale, gates * static)
+            out = out + gather(x, A_n.mT, B_n, (indices - n_s).clamp(min=0), scale, gates * ~static)
         if adapter_name in self.pclr_shared_A:
             shared_A, shared_B = self.pclr_shared_A[adapter_name], self.pclr_shared_B[adapter_name]
             out = out + (x @ shared_A.mT) @ shared_B.mT * self.pclr_shared_scale[adapter_name]
