@@ -54,6 +54,34 @@ class MethodOptions:
 PEFT_BOOKKEEPING = ("peft_type", "task_type", "auto_mapping", "base_model_name_or_path", "revision", "inference_mode")
 
 
+def nest_into_section(data: dict[str, Any], moved: dict[str, str], section: str, where: str = "") -> dict[str, Any]:
+    """Move the old flat keys ``moved`` (old name -> name in the section) of ``data`` into its ``section`` mapping,
+    warning with the new form (``DeprecationWarning``); returns the new mapping.
+
+    Args:
+        data: Option values by name.
+        moved: Flat keys to move, with their names inside the section.
+        section: The nested section, e.g. ``"adapter"``.
+        where: Key prefix for the warning (``methods[2].``).
+    """
+    data = dict(data)
+    nested = data.get(section) or {}
+    if not isinstance(nested, dict):
+        raise TypeError(f"pass the fields {sorted(moved)} inside `{section}`, not beside a config object")
+    nested = dict(nested)
+    for old, new in moved.items():
+        nested[new] = data.pop(old)
+    data[section] = nested
+    shown = ", ".join(f"{new}: {nested[new]!r}" for new in moved.values())
+    warnings.warn(
+        f"`{where}{next(iter(moved))}` and the other {section} fields moved into the {section} section: write "
+        f"`{section}: {{{shown}}}` (flat {section} keys will stop working)",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+    return data
+
+
 @dataclass
 class AdapterOptions(MethodOptions):
     """Options of a method that trains one adapter type: the method's own settings, and ``adapter``, the adapter's
@@ -97,22 +125,7 @@ class AdapterOptions(MethodOptions):
         moved = {k: new for k, new in moved.items() if new in adapter_keys}
         if not moved:
             return data
-        data = dict(data)
-        section = data.get("adapter") or {}
-        if not isinstance(section, dict):
-            raise TypeError(f"pass the adapter fields {sorted(moved)} inside `adapter`, not beside a config object")
-        section = dict(section)
-        for old, new in moved.items():
-            section[new] = data.pop(old)
-        data["adapter"] = section
-        shown = ", ".join(f"{new}: {section[new]!r}" for new in moved.values())
-        warnings.warn(
-            f"`{where}{next(iter(moved))}` and the other adapter fields moved into the adapter section: write "
-            f"`adapter: {{{shown}}}` (flat adapter keys will stop working)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        return data
+        return nest_into_section(data, moved, "adapter", where)
 
     def adapter_config(self, **method_set: Any) -> Any:
         """A copy of ``adapter`` with the fields the method sets (``method_owned``) filled in."""

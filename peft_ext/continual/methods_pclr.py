@@ -10,7 +10,6 @@ ranks. Evaluation runs without a task id (prototype routing decides).
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +17,7 @@ import torch
 from torch import nn
 
 from ..tuners.pclr import PCLRConfig, PCLRCycleConfig
-from .methods import AdapterOptions, ContinualMethod, head_module_name, register_continual_method
+from .methods import AdapterOptions, ContinualMethod, head_module_name, nest_into_section, register_continual_method
 
 if TYPE_CHECKING:
     from ..data.tasks import Task
@@ -57,23 +56,8 @@ class PCLROptions(AdapterOptions):
         """As :meth:`AdapterOptions.nest_flat_keys`; old flat cycle keys (``integrate_epochs``) move into ``cycle``."""
         data = super().nest_flat_keys(data, where)
         cycle_keys = {f.name for f in dataclasses.fields(PCLRCycleConfig)}
-        moved = [key for key in data if key in cycle_keys]
-        if not moved:
-            return data
-        data = dict(data)
-        section = data.get("cycle") or {}
-        if not isinstance(section, dict):
-            raise TypeError(f"pass the cycle fields {sorted(moved)} inside `cycle`, not beside a config object")
-        section = {**section, **{key: data.pop(key) for key in moved}}
-        data["cycle"] = section
-        shown = ", ".join(f"{key}: {section[key]!r}" for key in moved)
-        warnings.warn(
-            f"`{where}{moved[0]}` and the other cycle settings moved into the cycle section: write "
-            f"`cycle: {{{shown}}}` (flat cycle keys will stop working)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        return data
+        moved = {key: key for key in data if key in cycle_keys}
+        return nest_into_section(data, moved, "cycle", where) if moved else data
 
 
 @register_continual_method
