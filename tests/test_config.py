@@ -53,7 +53,10 @@ def test_quickstart_values(data):
         (lambda d: d["methods"][6]["adapter"].update(modules_to_save=["x"]), r"`methods\[6\].adapter.modules_to_sa"),
         (lambda d: d["methods"][5]["adapter"].update(seed=3), r"`methods\[5\].adapter.seed` is set by the method"),
         (lambda d: d["methods"][6].update(adapter=[1]), r"`methods\[6\].adapter` must be a mapping"),
-        (lambda d: d["methods"][6].update(integrate_lr=0), r"`methods\[6\].integrate_lr` must be > 0"),
+        (
+            lambda d: d["methods"][6].update(cycle={"integrate_lr": 0}),
+            r"`methods\[6\].cycle.integrate_lr` must be > 0",
+        ),
         (lambda d: d["methods"][1]["adapter"].update(r=0), r"`methods\[1\].adapter.r` must be a positive integer"),
         (lambda d: d["methods"][1].update(rank=4), r"unknown key `methods\[1\].rank`"),
         (lambda d: d["methods"][0].update(name="ewc"), r"`methods\[0\].name`: unknown continual method 'ewc'"),
