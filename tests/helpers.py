@@ -6,6 +6,7 @@ The synthetic sequence is only for mechanical runner tests (fast, exact); qualit
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from peft_ext.data.tasks import Example, Task, TaskSequence
 from peft_ext.models import SentenceClassifier, tiny_bert
@@ -54,3 +55,21 @@ def pclr_adapter(**fields) -> dict:
     """A PCLR ``adapter:`` section: what the ``pclr`` method used before it embedded PCLRConfig, then ``fields``."""
     base = {"pool_size": 64, "ranks_schedule": [16], "compress_schedule": [0.0, 0.0, 0.25], "top_k": 16, "alpha": 16.0}
     return {**base, "shared_r": 4, "shared_alpha": 8.0, "target_modules": list(QUERY_VALUE), **fields}
+
+
+class ContractMLP(nn.Module):
+    """Two hidden linears and a head, ``forward(x)`` like any model PEFT wraps: the tuner-contract test model.
+
+    Hidden widths are 64: bitsandbytes' CPU 4-bit inference kernel (used on AVX512-BF16 machines) repacks the weight
+    in blocks of 32 output rows and 64 input columns and refuses other shapes.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin0 = nn.Linear(64, 64)
+        self.lin1 = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.lin1(torch.tanh(self.lin0(x)))))
