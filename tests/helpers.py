@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from peft_ext.continual import TrainConfig, run_sequence
 from peft_ext.data.tasks import Example, Task, TaskSequence
 from peft_ext.models import SentenceClassifier, tiny_bert
 
@@ -73,3 +74,19 @@ class ContractMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.lin1(torch.tanh(self.lin0(x)))))
+
+
+def run_recording_state(seq: TaskSequence, method, epochs: int = 2, batch_size: int = 8) -> tuple[dict, dict]:
+    """``run_sequence`` of ``method`` over ``seq`` on :func:`tiny_classifier`; returns the result and the run
+    context's ``state`` as it stood after the last ``after_task`` (what the method recorded there)."""
+    recorded = {}
+    original = method.after_task
+
+    def after_task(model, task_id, task, ctx):
+        out = original(model, task_id, task, ctx)
+        recorded.update(ctx.state)
+        return out
+
+    method.after_task = after_task
+    config = TrainConfig(epochs=epochs, batch_size=batch_size, progress=False)
+    return run_sequence(seq, method, tiny_classifier(seq.num_classes), stack_collate, config), recorded

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from peft import get_peft_model
 
 from peft_ext import PCLRConfig
-from peft_ext.continual import TrainConfig, get_continual_method, run_sequence
+from peft_ext.continual import get_continual_method
 from peft_ext.models import tiny_llama
 from peft_ext.tuners.pclr import (
     PoolSnapshot,
@@ -24,7 +24,7 @@ from peft_ext.tuners.pclr import (
     stored_prototypes,
 )
 
-from .helpers import pclr_adapter, stack_collate, tiny_classifier, token_sequence
+from .helpers import pclr_adapter, run_recording_state, token_sequence
 
 VOCAB = 128
 
@@ -32,6 +32,11 @@ VOCAB = 128
 def _model(**kwargs):
     defaults = dict(target_modules=["q_proj", "v_proj"], pool_size=16, ranks_schedule=[6], top_k=4, alpha=4.0)
     return get_peft_model(tiny_llama(vocab_size=VOCAB, hidden_size=64), PCLRConfig(**{**defaults, **kwargs}))
+
+
+def _pool_layers(model) -> list:
+    """Every PCLR linear of ``model``, group by group."""
+    return [layer for layers in group_layers(model).values() for layer in layers]
 
 
 def _batches(seed: int, low: int, high: int, n: int = 2) -> list[dict[str, torch.Tensor]]:
@@ -59,9 +64,8 @@ def _train(model, batches, steps: int = 8, lr: float = 5e-2) -> None:
 
 def _store_prototype(model, task_id: int, proto: torch.Tensor) -> None:
     """What end_task does first, without compressing or folding (to set up integration by hand)."""
-    for layers in group_layers(model).values():
-        for layer in layers:
-            layer.store_prototype("default", task_id, F.normalize(proto, dim=0))
+    for layer in _pool_layers(model):
+        layer.store_prototype("default", task_id, F.normalize(proto, dim=0))
 
 
 def _two_tasks(model):
@@ -134,9 +138,8 @@ def test_task_sampled_integration_lowers_kl_and_draws_tasks_by_sqrt_of_their_los
     # shared LoRA nothing it trains reaches task 0's routing): loss 0, weight sqrt(1e-4). Routed as task 1 it does
     # not, so task 1 must be drawn far more often.
     with torch.no_grad():
-        for layers in group_layers(model).values():
-            for layer in layers:
-                layer.pclr_B["default"][:3] = 0
+        for layer in _pool_layers(model):
+            layer.pclr_B["default"][:3] = 0
     result = integrate_over_tasks(
         model, tasks[1], teacher, epochs=15, lr=1e-2, generator=torch.Generator().manual_seed(0)
     )
@@ -168,7 +171,7 @@ def _manual_contributions(model, batches, proto) -> dict[str, torch.Tensor]:
     def capture(module, args):
         inputs[id(module)] = args[0]
 
-    hooks = [layer.register_forward_pre_hook(capture) for layers in group_layers(model).values() for layer in layers]
+    hooks = [layer.register_forward_pre_hook(capture) for layer in _pool_layers(model)]
     state = model.base_model.routing_state
     totals = {}
     try:
@@ -208,10 +211,9 @@ def test_contribution_compression_drops_ranks_that_add_nothing():
     tasks = _two_tasks(model)
     dead = [1, 4, 8]  # static 1 and 4 (task 0), new 2 (task 1, pool index 8)
     with torch.no_grad():
-        for layers in group_layers(model).values():
-            for layer in layers:
-                layer.pclr_B_static["default"][[1, 4]] = 0
-                layer.pclr_B["default"][2] = 0
+        for layer in _pool_layers(model):
+            layer.pclr_B_static["default"][[1, 4]] = 0
+            layer.pclr_B["default"][2] = 0
     scores = contribution_scores(model, tasks[1])
     for value in scores.values():
         assert (value[dead] == 0).all() and (value[[i for i in range(12) if i not in dead]] > 0).all()
@@ -259,22 +261,7 @@ def test_continual_plugin_with_task_routing_records_a_bounded_adapter():
     schedules = {"ranks_schedule": [4], "compress_schedule": [0.0, 0.5], "compress_rule": "contribution"}
     adapter = pclr_adapter(pool_size=8, top_k=4, shared_r=2, **schedules)
     method = get_continual_method("pclr")(lr=5e-3, cycle={"integrate_routing": "tasks"}, adapter=adapter)
-    captured = {}
-    original = method.after_task
-
-    def after_task(model, task_id, task, ctx):
-        out = original(model, task_id, task, ctx)
-        captured.update(ctx.state)
-        return out
-
-    method.after_task = after_task
-    result = run_sequence(
-        seq,
-        method,
-        tiny_classifier(seq.num_classes),
-        stack_collate,
-        TrainConfig(epochs=2, batch_size=8, progress=False),
-    )
+    result, captured = run_recording_state(seq, method)
     assert captured["pclr_pool"] == [4, 4, 4]
     sizes = captured["pclr_adapter_params"]
     # the ranks stay at the cap; only one prototype per task and group is added
@@ -292,8 +279,7 @@ def test_a_non_finite_distillation_loss_is_refused():
     tasks = _two_tasks(model)
     teacher = PoolSnapshot(model)
     with torch.no_grad():
-        for layers in group_layers(model).values():
-            for layer in layers:
-                layer.pclr_B["default"][0] = float("nan")
+        for layer in _pool_layers(model):
+            layer.pclr_B["default"][0] = float("nan")
     with pytest.raises(FloatingPointError, match="non-finite PCLR distillation loss"):
         integrate_over_tasks(model, tasks[1], teacher, epochs=1)
