@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..continual import config as continual_config
 from ..continual.config import ConfigError, build_section, check_local_model_path, unknown_key, unknown_value
 from ..multimodal import experiment
 from ..multimodal.experiment import METHODS, ExperimentSettings
@@ -76,18 +77,14 @@ class GridSection:
 
 
 @dataclass
-class OutputSection:
-    """Where results go.
+class OutputSection(continual_config.OutputSection):
+    """Where results go: the continual run's output section with this job's default folder.
 
     Args:
         dir: Folder for results.json and results.md (created if missing).
     """
 
     dir: str = "runs/mora_emoji"
-
-    def validate(self) -> None:
-        if Path(self.dir).exists() and not Path(self.dir).is_dir():
-            raise ValueError(f"`dir` {self.dir!r} exists and is not a directory")
 
 
 @dataclass
