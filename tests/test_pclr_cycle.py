@@ -18,13 +18,12 @@ from peft_ext.tuners.pclr import (
     contribution_scores,
     group_layers,
     integrate_over_tasks,
-    query_loss,
     routed_as,
     stored_adapter_parameters,
     stored_prototypes,
 )
 
-from .helpers import pclr_adapter, run_recording_state, token_sequence
+from .helpers import pclr_adapter, pclr_lm_step, run_recording_state, token_sequence
 
 VOCAB = 128
 
@@ -53,12 +52,7 @@ def _train(model, batches, steps: int = 8, lr: float = 5e-2) -> None:
     optimizer = torch.optim.AdamW(params, lr=lr)
     model.train()
     for step in range(steps):
-        ids = batches[step % len(batches)]["input_ids"]
-        logits = model(input_ids=ids).logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1)) + query_loss(model)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        pclr_lm_step(model, model, batches[step % len(batches)]["input_ids"], optimizer)
     model.eval()
 
 
@@ -80,6 +74,14 @@ def _two_tasks(model):
     _train(model, tasks[1])
     _store_prototype(model, 1, proto)
     return tasks
+
+
+def _two_tasks_and_teacher(**kwargs):
+    """A model (``_model(**kwargs)``) after :func:`_two_tasks`, those tasks' batches and the uncompressed pool's
+    snapshot (the distillation teacher)."""
+    model = _model(**kwargs)
+    tasks = _two_tasks(model)
+    return model, tasks, PoolSnapshot(model)
 
 
 def test_routed_as_gives_every_sample_the_prototype_as_query():
@@ -131,9 +133,7 @@ def test_pool_snapshot_runs_the_uncompressed_pool_and_restores_the_compressed_on
 
 
 def test_task_sampled_integration_lowers_kl_and_draws_tasks_by_sqrt_of_their_loss():
-    model = _model(shared_r=0)
-    tasks = _two_tasks(model)
-    teacher = PoolSnapshot(model)
+    model, tasks, teacher = _two_tasks_and_teacher(shared_r=0)
     # "compress" only task 1's ranks. Routed as task 0 the student equals the teacher and stays equal (without a
     # shared LoRA nothing it trains reaches task 0's routing): loss 0, weight sqrt(1e-4). Routed as task 1 it does
     # not, so task 1 must be drawn far more often.
@@ -155,9 +155,7 @@ def test_task_draws_are_reproducible_with_a_generator():
     draws = []
     for _ in range(2):
         torch.manual_seed(0)
-        model = _model(shared_r=2)
-        tasks = _two_tasks(model)
-        teacher = PoolSnapshot(model)
+        model, tasks, teacher = _two_tasks_and_teacher(shared_r=2)
         compress(model, 4, rule="index")
         result = integrate_over_tasks(model, tasks[1], teacher, epochs=3, generator=torch.Generator().manual_seed(3))
         draws.append((result.task_draws, result.kl_after))
@@ -275,9 +273,7 @@ def test_continual_plugin_with_task_routing_records_a_bounded_adapter():
 
 
 def test_a_non_finite_distillation_loss_is_refused():
-    model = _model(shared_r=2)
-    tasks = _two_tasks(model)
-    teacher = PoolSnapshot(model)
+    model, tasks, teacher = _two_tasks_and_teacher(shared_r=2)
     with torch.no_grad():
         for layer in _pool_layers(model):
             layer.pclr_B["default"][0] = float("nan")
