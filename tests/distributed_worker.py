@@ -32,8 +32,8 @@ from torch.nn.parallel import DistributedDataParallel
 from peft_ext import PCLRConfig, RiemannionConfig, SplitLoRAConfig
 from peft_ext.models import tiny_bert, tiny_llama
 from peft_ext.optim import DCTAdamW, create_riemannion_optimizer
-from peft_ext.tuners.pclr import query_loss
 from peft_ext.tuners.riemannion import find_adapters, initialize_loi
+from tests.helpers import pclr_lm_step
 
 STEPS, ROWS, SEQ, VOCAB = 3, 8, 8, 128  # ROWS: the global batch; each of 2 ranks gets ROWS // 2
 Wrap = Callable[[nn.Module], nn.Module]
@@ -139,12 +139,7 @@ def pclr(part: slice, wrap: Wrap, rank: int = 0) -> dict:
         model.begin_task(task, proto)
         optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
         for batch in batches:
-            ids = batch["input_ids"]
-            logits = net(input_ids=ids).logits
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1)) + query_loss(model)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+            pclr_lm_step(net, model, batch["input_ids"], optimizer)
         routing = "input" if task == 0 else "tasks"
         generator = torch.Generator().manual_seed(7 + 1000 * rank)
         with mock.patch.object(torch.optim, "AdamW", _sgd):

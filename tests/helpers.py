@@ -5,10 +5,27 @@ The synthetic sequence is only for mechanical runner tests (fast, exact); qualit
 
 from __future__ import annotations
 
-import torch
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from torch import nn
+from transformers import AutoTokenizer, BertConfig, BertModel
+
+from peft_ext.continual import TrainConfig, run_sequence
 from peft_ext.data.tasks import Example, Task, TaskSequence
-from peft_ext.models import SentenceClassifier, tiny_bert
+from peft_ext.models import SentenceClassifier, minilm_path, tiny_bert
+from peft_ext.tuners.pclr import query_loss
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny_classifier(num_labels: int, seed: int = 0) -> SentenceClassifier:
@@ -54,3 +71,109 @@ def pclr_adapter(**fields) -> dict:
     """A PCLR ``adapter:`` section: what the ``pclr`` method used before it embedded PCLRConfig, then ``fields``."""
     base = {"pool_size": 64, "ranks_schedule": [16], "compress_schedule": [0.0, 0.0, 0.25], "top_k": 16, "alpha": 16.0}
     return {**base, "shared_r": 4, "shared_alpha": 8.0, "target_modules": list(QUERY_VALUE), **fields}
+
+
+class ContractMLP(nn.Module):
+    """Two hidden linears and a head, ``forward(x)`` like any model PEFT wraps: the tuner-contract test model.
+
+    Hidden widths are 64: bitsandbytes' CPU 4-bit inference kernel (used on AVX512-BF16 machines) repacks the weight
+    in blocks of 32 output rows and 64 input columns and refuses other shapes.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin0 = nn.Linear(64, 64)
+        self.lin1 = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.lin1(torch.tanh(self.lin0(x)))))
+
+
+def run_recording_state(seq: TaskSequence, method, epochs: int = 2, batch_size: int = 8) -> tuple[dict, dict]:
+    """``run_sequence`` of ``method`` over ``seq`` on :func:`tiny_classifier`; returns the result and the run
+    context's ``state`` as it stood after the last ``after_task`` (what the method recorded there)."""
+    recorded = {}
+    original = method.after_task
+
+    def after_task(model, task_id, task, ctx):
+        out = original(model, task_id, task, ctx)
+        recorded.update(ctx.state)
+        return out
+
+    method.after_task = after_task
+    config = TrainConfig(epochs=epochs, batch_size=batch_size, progress=False)
+    return run_sequence(seq, method, tiny_classifier(seq.num_classes), stack_collate, config), recorded
+
+
+def job_config(tmp_path: Path, name: str, edit: Callable[[dict], None]) -> Path:
+    """``configs/<name>.yaml`` changed by ``edit`` (in place) and with its output under ``tmp_path / "out"``, written
+    to ``tmp_path / "cfg.yaml"``; returns that path."""
+    data = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())
+    edit(data)
+    data["output"]["dir"] = str(tmp_path / "out")
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def save_tiny_bert(path: Path, num_layers: int, seed: int | None = 0) -> Path:
+    """Save a tiny random BERT (width 32) with MiniLM's real tokenizer to ``path``: a local model directory, as a user
+    would pass one; returns ``path``. ``seed``: torch's seed for the weights (``None``: the current RNG state)."""
+    tok = AutoTokenizer.from_pretrained(minilm_path())
+    if seed is not None:
+        torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+    )
+    BertModel(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def launcher(name: str) -> str | None:
+    """The path of the launcher ``name`` (``torchrun``, ``accelerate``): next to this Python first, else on PATH."""
+    return shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
+
+
+def run_launcher(cmd: list[str], timeout: float = 150) -> None:
+    """Run the multi-process launch ``cmd`` from the repository root; fail the test if it fails or outlives
+    ``timeout`` seconds."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # a session of its own, so a timeout can end the launcher *and* its workers (killing the launcher alone orphans
+    # them)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, start_new_session=True
+    )
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        pytest.fail(f"the 2-process run did not finish in {timeout} s:\n{stderr[-4000:]}")
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{stderr[-4000:]}"
+
+
+def torchrun_ranks(worker: Path, out: Path, if_missing: Callable[[str], None]) -> list[dict]:
+    """Run ``worker out`` under ``torchrun --standalone --nproc_per_node=2`` and load what each rank saved
+    (``out / "rank<r>.pt"``). Without torchrun, ``if_missing(message)`` (``pytest.skip`` or ``pytest.fail``)."""
+    torchrun = launcher("torchrun")
+    if torchrun is None:
+        if_missing("torchrun is not installed next to this Python (it ships with torch); it starts the 2 processes")
+    run_launcher([torchrun, "--standalone", "--nproc_per_node=2", str(worker), str(out)])
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def pclr_lm_step(net: nn.Module, model: nn.Module, ids: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+    """One optimizer step of a PCLR causal LM on token ``ids``: next-token cross-entropy of ``net`` (the model or its
+    DDP wrapper) plus the query-key loss of ``model``."""
+    logits = net(input_ids=ids).logits
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)) + query_loss(model)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()

@@ -11,25 +11,12 @@ from torch import nn
 
 import peft_ext
 
+from .helpers import ContractMLP as MLP
 from .single_thread import single_thread  # noqa: F401  (fixture)
 from .sixth_adapter import SCALEDLR, Linear, ScaledLowRankConfig, ScaledLowRankModel
 from .tuner_contract import CONTRACT_CHECKS, TunerCase
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-class MLP(nn.Module):
-    """Two hidden linears (64 wide, what bitsandbytes' CPU 4-bit kernel accepts) and a head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin0 = nn.Linear(64, 64)
-        self.lin1 = nn.Linear(64, 64)
-        self.head = nn.Linear(64, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.lin1(torch.tanh(self.lin0(x)))))
 
 
 def _config(identity: bool) -> ScaledLowRankConfig:

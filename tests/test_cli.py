@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from transformers import AutoTokenizer, BertConfig, BertModel
 
 from peft_ext.cli import main
-from peft_ext.models import minilm_path
+
+from .helpers import job_config, save_tiny_bert
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -16,25 +16,16 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def tiny_backbone(tmp_path_factory):
     """A tiny random BERT saved with MiniLM's real tokenizer: a local model directory, as a user would pass one."""
-    path = tmp_path_factory.mktemp("tiny-bert")
-    tok = AutoTokenizer.from_pretrained(minilm_path())
-    config = BertConfig(
-        vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
-    )
-    BertModel(config).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny-bert"), num_layers=2, seed=None)
 
 
 def _config(tmp_path, backbone, **train):
-    data = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
-    data["model"]["backbone"] = str(backbone)
-    data["data"].update(n_tasks=2, classes_per_task=2, train_per_class=8, test_per_class=4)
-    data["train"].update(epochs=1, batch_size=8, **train)
-    data["output"]["dir"] = str(tmp_path / "out")
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    def edit(data: dict) -> None:
+        data["model"]["backbone"] = str(backbone)
+        data["data"].update(n_tasks=2, classes_per_task=2, train_per_class=8, test_per_class=4)
+        data["train"].update(epochs=1, batch_size=8, **train)
+
+    return job_config(tmp_path, "quickstart", edit)
 
 
 def test_run_end_to_end_writes_results(tmp_path, tiny_backbone, capsys):

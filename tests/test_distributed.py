@@ -8,10 +8,6 @@ parameters with a ``ValueError`` instead of training on shards.
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,35 +21,16 @@ from peft_ext.models import tiny_llama
 from peft_ext.optim import DCTAdamW, Riemannion, create_riemannion_optimizer
 
 from . import distributed_worker as worker
+from .helpers import launcher, run_launcher, torchrun_ranks
 from .single_thread import single_thread  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("riemannion", "dct_adamw", "splitlora", "pclr")
 
 
-def _run(cmd: list[str], timeout: float = 150) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    # a session of its own, so a timeout can end the launcher *and* its workers
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, start_new_session=True
-    )
-    try:
-        _, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, stderr = proc.communicate()
-        pytest.fail(f"the 2-process run did not finish in {timeout} s:\n{stderr[-4000:]}")
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{stderr[-4000:]}"
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
-    if torchrun is None:
-        pytest.skip("torchrun is not installed (it ships with torch); the DDP tests need it to start 2 processes")
-    out = tmp_path_factory.mktemp("ddp")
-    _run([torchrun, "--standalone", "--nproc_per_node=2", str(ROOT / "tests" / "distributed_worker.py"), str(out)])
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return torchrun_ranks(ROOT / "tests" / "distributed_worker.py", tmp_path_factory.mktemp("ddp"), pytest.skip)
 
 
 @pytest.fixture(scope="module")
@@ -108,14 +85,14 @@ def test_selections_splits_prototypes_and_draws_are_global(ranks, single):
 
 @pytest.mark.distributed
 def test_accelerate_launch_runs_the_same_worker(tmp_path):
-    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or shutil.which("accelerate")
+    accelerate = launcher("accelerate")
     if accelerate is None:
         pytest.skip("accelerate is not installed; `accelerate launch` is optional")
     pytest.importorskip("accelerate")
     if os.environ.get("PEFT_EXT_ACCELERATE_TEST") != "1":
         pytest.skip("runs the whole worker again (~20 s); set PEFT_EXT_ACCELERATE_TEST=1 (docs/distributed.md)")
     config = ROOT / "tests" / "accelerate_cpu.yaml"
-    _run(
+    run_launcher(
         [
             accelerate,
             "launch",

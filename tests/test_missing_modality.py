@@ -9,33 +9,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import yaml
 from peft import get_peft_model
-from transformers import AutoTokenizer, BertConfig, BertModel
 
 from peft_ext import MoRAConfig
 from peft_ext.cli import main
-from peft_ext.models import minilm_path
 from peft_ext.multimodal.dual_encoder import build_dual_encoder, mora_patterns
 from peft_ext.multimodal.experiment import grid_specs
 from peft_ext.multimodal.prompts import COMPLETE, IMAGE_MISSING, TEXT_MISSING, MissingAwarePrompts, missing_pattern
 from peft_ext.tuners.mora import plan_targets
 
-ROOT = Path(__file__).resolve().parents[1]
+from .helpers import job_config, save_tiny_bert
 
 
 @pytest.fixture(scope="module")
 def tiny_text(tmp_path_factory) -> Path:
     """A tiny random 3-layer BERT (width 32) saved with MiniLM's real tokenizer, as a local text-tower directory."""
-    path = tmp_path_factory.mktemp("tiny-bert")
-    tok = AutoTokenizer.from_pretrained(minilm_path())
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4
-    )
-    BertModel(config).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny-bert"), num_layers=3)
 
 
 # -- prompts ----------------------------------------------------------------------------------------------------------
@@ -140,24 +129,22 @@ def test_grid_runs_rate_zero_once():
 
 
 def _config(tmp_path: Path, tiny_text: Path) -> Path:
-    data = yaml.safe_load((ROOT / "configs" / "mora_emoji.yaml").read_text())
-    data["model"].update(
-        text=str(tiny_text),
-        vision_width=24,
-        vision_layers=2,
-        vision_heads=2,
-        embed_dim=8,
-        pretrain_epochs=1,
-        train_limit=96,
-        epochs=1,
-        timing_batches=1,
-        cache_dir=str(tmp_path / "cache"),
-    )
-    data["methods"] = ["linear_probe", "lora", "mora", "prompts"]
-    data["output"]["dir"] = str(tmp_path / "out")
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    def edit(data: dict) -> None:
+        data["model"].update(
+            text=str(tiny_text),
+            vision_width=24,
+            vision_layers=2,
+            vision_heads=2,
+            embed_dim=8,
+            pretrain_epochs=1,
+            train_limit=96,
+            epochs=1,
+            timing_batches=1,
+            cache_dir=str(tmp_path / "cache"),
+        )
+        data["methods"] = ["linear_probe", "lora", "mora", "prompts"]
+
+    return job_config(tmp_path, "mora_emoji", edit)
 
 
 def test_peft_ext_runs_a_missing_modality_job(tmp_path, tiny_text, capsys):

@@ -13,7 +13,7 @@ from peft.utils import PeftType
 
 import peft_ext
 from peft_ext import PCLRConfig
-from peft_ext.continual import TrainConfig, get_continual_method, run_sequence
+from peft_ext.continual import get_continual_method
 from peft_ext.models import tiny_llama
 from peft_ext.tuners.pclr import (
     PCLR,
@@ -28,7 +28,7 @@ from peft_ext.tuners.pclr import (
     teacher_outputs,
 )
 
-from .helpers import pclr_adapter, stack_collate, tiny_classifier, token_sequence
+from .helpers import pclr_adapter, run_recording_state, token_sequence
 from .tuner_contract import CONTRACT_CHECKS, TunerCase
 
 VOCAB = 128
@@ -359,24 +359,7 @@ def test_continual_plugin_runs_a_sequence_within_the_cap():
     seq = token_sequence(n_tasks=3)
     adapter = pclr_adapter(pool_size=12, ranks_schedule=[4], compress_schedule=[0.0, 0.25], top_k=4, shared_r=2)
     method = get_continual_method("pclr")(lr=5e-3, adapter=adapter)
-    from peft_ext.continual import RunContext
-
-    captured = {}
-    original = method.after_task
-
-    def after_task(model, task_id, task, ctx: RunContext):
-        out = original(model, task_id, task, ctx)
-        captured.update(ctx.state)
-        return out
-
-    method.after_task = after_task
-    result = run_sequence(
-        seq,
-        method,
-        tiny_classifier(seq.num_classes),
-        stack_collate,
-        TrainConfig(epochs=2, batch_size=8, progress=False),
-    )
+    result, captured = run_recording_state(seq, method)
     assert captured["pclr_pool"] == [4, 6, 8]  # 4; 4 + 4 less 25 % = 6; 6 + 4 less 25 % (rounded) = 8
     assert captured["pclr_integrate"][0] is None and captured["pclr_integrate"][1] is not None
     assert result.accuracy_matrix[0][0] > 0.9  # the first task is learnt

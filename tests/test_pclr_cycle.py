@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from peft import get_peft_model
 
 from peft_ext import PCLRConfig
-from peft_ext.continual import TrainConfig, get_continual_method, run_sequence
+from peft_ext.continual import get_continual_method
 from peft_ext.models import tiny_llama
 from peft_ext.tuners.pclr import (
     PoolSnapshot,
@@ -18,13 +18,12 @@ from peft_ext.tuners.pclr import (
     contribution_scores,
     group_layers,
     integrate_over_tasks,
-    query_loss,
     routed_as,
     stored_adapter_parameters,
     stored_prototypes,
 )
 
-from .helpers import pclr_adapter, stack_collate, tiny_classifier, token_sequence
+from .helpers import pclr_adapter, pclr_lm_step, run_recording_state, token_sequence
 
 VOCAB = 128
 
@@ -32,6 +31,11 @@ VOCAB = 128
 def _model(**kwargs):
     defaults = dict(target_modules=["q_proj", "v_proj"], pool_size=16, ranks_schedule=[6], top_k=4, alpha=4.0)
     return get_peft_model(tiny_llama(vocab_size=VOCAB, hidden_size=64), PCLRConfig(**{**defaults, **kwargs}))
+
+
+def _pool_layers(model) -> list:
+    """Every PCLR linear of ``model``, group by group."""
+    return [layer for layers in group_layers(model).values() for layer in layers]
 
 
 def _batches(seed: int, low: int, high: int, n: int = 2) -> list[dict[str, torch.Tensor]]:
@@ -48,20 +52,14 @@ def _train(model, batches, steps: int = 8, lr: float = 5e-2) -> None:
     optimizer = torch.optim.AdamW(params, lr=lr)
     model.train()
     for step in range(steps):
-        ids = batches[step % len(batches)]["input_ids"]
-        logits = model(input_ids=ids).logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1)) + query_loss(model)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        pclr_lm_step(model, model, batches[step % len(batches)]["input_ids"], optimizer)
     model.eval()
 
 
 def _store_prototype(model, task_id: int, proto: torch.Tensor) -> None:
     """What end_task does first, without compressing or folding (to set up integration by hand)."""
-    for layers in group_layers(model).values():
-        for layer in layers:
-            layer.store_prototype("default", task_id, F.normalize(proto, dim=0))
+    for layer in _pool_layers(model):
+        layer.store_prototype("default", task_id, F.normalize(proto, dim=0))
 
 
 def _two_tasks(model):
@@ -76,6 +74,14 @@ def _two_tasks(model):
     _train(model, tasks[1])
     _store_prototype(model, 1, proto)
     return tasks
+
+
+def _two_tasks_and_teacher(**kwargs):
+    """A model (``_model(**kwargs)``) after :func:`_two_tasks`, those tasks' batches and the uncompressed pool's
+    snapshot (the distillation teacher)."""
+    model = _model(**kwargs)
+    tasks = _two_tasks(model)
+    return model, tasks, PoolSnapshot(model)
 
 
 def test_routed_as_gives_every_sample_the_prototype_as_query():
@@ -127,16 +133,13 @@ def test_pool_snapshot_runs_the_uncompressed_pool_and_restores_the_compressed_on
 
 
 def test_task_sampled_integration_lowers_kl_and_draws_tasks_by_sqrt_of_their_loss():
-    model = _model(shared_r=0)
-    tasks = _two_tasks(model)
-    teacher = PoolSnapshot(model)
+    model, tasks, teacher = _two_tasks_and_teacher(shared_r=0)
     # "compress" only task 1's ranks. Routed as task 0 the student equals the teacher and stays equal (without a
     # shared LoRA nothing it trains reaches task 0's routing): loss 0, weight sqrt(1e-4). Routed as task 1 it does
     # not, so task 1 must be drawn far more often.
     with torch.no_grad():
-        for layers in group_layers(model).values():
-            for layer in layers:
-                layer.pclr_B["default"][:3] = 0
+        for layer in _pool_layers(model):
+            layer.pclr_B["default"][:3] = 0
     result = integrate_over_tasks(
         model, tasks[1], teacher, epochs=15, lr=1e-2, generator=torch.Generator().manual_seed(0)
     )
@@ -152,9 +155,7 @@ def test_task_draws_are_reproducible_with_a_generator():
     draws = []
     for _ in range(2):
         torch.manual_seed(0)
-        model = _model(shared_r=2)
-        tasks = _two_tasks(model)
-        teacher = PoolSnapshot(model)
+        model, tasks, teacher = _two_tasks_and_teacher(shared_r=2)
         compress(model, 4, rule="index")
         result = integrate_over_tasks(model, tasks[1], teacher, epochs=3, generator=torch.Generator().manual_seed(3))
         draws.append((result.task_draws, result.kl_after))
@@ -168,7 +169,7 @@ def _manual_contributions(model, batches, proto) -> dict[str, torch.Tensor]:
     def capture(module, args):
         inputs[id(module)] = args[0]
 
-    hooks = [layer.register_forward_pre_hook(capture) for layers in group_layers(model).values() for layer in layers]
+    hooks = [layer.register_forward_pre_hook(capture) for layer in _pool_layers(model)]
     state = model.base_model.routing_state
     totals = {}
     try:
@@ -208,10 +209,9 @@ def test_contribution_compression_drops_ranks_that_add_nothing():
     tasks = _two_tasks(model)
     dead = [1, 4, 8]  # static 1 and 4 (task 0), new 2 (task 1, pool index 8)
     with torch.no_grad():
-        for layers in group_layers(model).values():
-            for layer in layers:
-                layer.pclr_B_static["default"][[1, 4]] = 0
-                layer.pclr_B["default"][2] = 0
+        for layer in _pool_layers(model):
+            layer.pclr_B_static["default"][[1, 4]] = 0
+            layer.pclr_B["default"][2] = 0
     scores = contribution_scores(model, tasks[1])
     for value in scores.values():
         assert (value[dead] == 0).all() and (value[[i for i in range(12) if i not in dead]] > 0).all()
@@ -259,22 +259,7 @@ def test_continual_plugin_with_task_routing_records_a_bounded_adapter():
     schedules = {"ranks_schedule": [4], "compress_schedule": [0.0, 0.5], "compress_rule": "contribution"}
     adapter = pclr_adapter(pool_size=8, top_k=4, shared_r=2, **schedules)
     method = get_continual_method("pclr")(lr=5e-3, cycle={"integrate_routing": "tasks"}, adapter=adapter)
-    captured = {}
-    original = method.after_task
-
-    def after_task(model, task_id, task, ctx):
-        out = original(model, task_id, task, ctx)
-        captured.update(ctx.state)
-        return out
-
-    method.after_task = after_task
-    result = run_sequence(
-        seq,
-        method,
-        tiny_classifier(seq.num_classes),
-        stack_collate,
-        TrainConfig(epochs=2, batch_size=8, progress=False),
-    )
+    result, captured = run_recording_state(seq, method)
     assert captured["pclr_pool"] == [4, 4, 4]
     sizes = captured["pclr_adapter_params"]
     # the ranks stay at the cap; only one prototype per task and group is added
@@ -288,12 +273,9 @@ def test_continual_plugin_with_task_routing_records_a_bounded_adapter():
 
 
 def test_a_non_finite_distillation_loss_is_refused():
-    model = _model(shared_r=2)
-    tasks = _two_tasks(model)
-    teacher = PoolSnapshot(model)
+    model, tasks, teacher = _two_tasks_and_teacher(shared_r=2)
     with torch.no_grad():
-        for layers in group_layers(model).values():
-            for layer in layers:
-                layer.pclr_B["default"][0] = float("nan")
+        for layer in _pool_layers(model):
+            layer.pclr_B["default"][0] = float("nan")
     with pytest.raises(FloatingPointError, match="non-finite PCLR distillation loss"):
         integrate_over_tasks(model, tasks[1], teacher, epochs=1)

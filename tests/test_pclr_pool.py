@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from peft import get_peft_model
 
 from peft_ext import PCLRConfig
 from peft_ext.kernels import rank_pool_gather
 from peft_ext.models import tiny_llama
-from peft_ext.tuners.pclr import PCLRCycleConfig, PCLRLayer, group_layers, query_loss
+from peft_ext.tuners.pclr import PCLRCycleConfig, PCLRLayer, group_layers
+
+from .helpers import pclr_lm_step
 
 VOCAB = 128
 
@@ -32,12 +33,7 @@ def _task(model, t: int, batches, train: bool = True) -> None:
     if train:
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-2)
         for batch in batches:
-            ids = batch["input_ids"]
-            logits = model(input_ids=ids).logits
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1)) + query_loss(model)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+            pclr_lm_step(model, model, batch["input_ids"], optimizer)
     model.end_task(t, proto, batches, integrate_epochs=0)
 
 

@@ -18,28 +18,11 @@ from peft_ext.optim import create_riemannion_optimizer
 from peft_ext.tuners.riemannion import RIEMANNION, Linear, RiemannionModel, find_adapters
 
 from .allocations import assert_no_allocation_of, record_allocations
+from .helpers import ContractMLP as MLP
 from .single_thread import single_thread  # noqa: F401  (fixture)
 from .tuner_contract import CONTRACT_CHECKS, TunerCase
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-class MLP(nn.Module):
-    """Two hidden linears and a head; ``forward(x)`` like any model PEFT wraps.
-
-    Hidden widths are 64: bitsandbytes' CPU 4-bit inference kernel (used on AVX512-BF16 machines) repacks the weight
-    in blocks of 32 output rows and 64 input columns and refuses other shapes.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin0 = nn.Linear(64, 64)
-        self.lin1 = nn.Linear(64, 64)
-        self.head = nn.Linear(64, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.lin1(torch.tanh(self.lin0(x)))))
 
 
 def _mlp_config(identity: bool) -> RiemannionConfig:

@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,35 +9,14 @@ import torch
 
 from peft_ext.tuners.splitlora.stats import choose_split, covariance_spectrum, primary_dimension
 
-ROOT = Path(__file__).resolve().parents[1]
+from .helpers import torchrun_ranks
+
 WORKER = Path(__file__).with_name("splitlora_ddp_worker.py")
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
-    if torchrun is None:
-        pytest.fail("torchrun is not installed next to this Python; it ships with torch")
-    out = tmp_path_factory.mktemp("ddp")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    # A session of its own, so a timeout can end torchrun *and* its workers (killing torchrun alone orphans them).
-    proc = subprocess.Popen(
-        [torchrun, "--standalone", "--nproc_per_node=2", str(WORKER), str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    try:
-        _, stderr = proc.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, stderr = proc.communicate()
-        pytest.fail(f"the 2-process run did not finish in 150 s:\n{stderr[-4000:]}")
-    assert proc.returncode == 0, stderr[-4000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return torchrun_ranks(WORKER, tmp_path_factory.mktemp("ddp"), pytest.fail)
 
 
 @pytest.mark.distributed

@@ -44,8 +44,7 @@ class ModelSection:
             raise ValueError(f"`max_length` must be >= 2, got {self.max_length}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"`dropout` must be in [0, 1), got {self.dropout}")
-        if self.backbone.startswith((".", "/", "~")) and not Path(self.backbone).expanduser().is_dir():
-            raise ValueError(f"`backbone` {self.backbone!r} looks like a local path but no such directory exists")
+        check_local_model_path("backbone", self.backbone)
 
 
 @dataclass
@@ -183,6 +182,18 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"`{key}` must be a string, got {type(value).__name__} {value!r}")
         return value
     raise TypeError(f"unsupported annotation {tp!r} for `{key}`")  # a bug in a section class, not in the config
+
+
+def check_local_model_path(key: str, value: str) -> None:
+    """Raise ``ValueError`` naming ``key`` when the model ``value`` looks like a local path (starts with ``.``, ``/``
+    or ``~``) but no such directory exists; a hub name or a known short name passes.
+
+    Args:
+        key: The config key, for the message.
+        value: The model name or path.
+    """
+    if value.startswith((".", "/", "~")) and not Path(value).expanduser().is_dir():
+        raise ValueError(f"`{key}` {value!r} looks like a local path but no such directory exists")
 
 
 def unknown_key(key: str, prefix: str, valid: list[str]) -> ConfigError:

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from ..continual.config import ConfigError, build_section, unknown_key, unknown_value
+from ..continual import config as continual_config
+from ..continual.config import ConfigError, build_section, check_local_model_path, unknown_key, unknown_value
 from ..multimodal import experiment
 from ..multimodal.experiment import METHODS, ExperimentSettings
 from ..multimodal.missing import MISSING_TYPES
@@ -49,8 +50,7 @@ class ModelSection(ExperimentSettings):
             raise ValueError(f"`vision_width` {self.vision_width} must be a multiple of `vision_heads`")
         if self.train_limit is not None and self.train_limit < 10:
             raise ValueError(f"`train_limit` must be null or >= 10, got {self.train_limit}")
-        if self.text.startswith((".", "/", "~")) and not Path(self.text).expanduser().is_dir():
-            raise ValueError(f"`text` {self.text!r} looks like a local path but no such directory exists")
+        check_local_model_path("text", self.text)
 
 
 @dataclass
@@ -77,18 +77,14 @@ class GridSection:
 
 
 @dataclass
-class OutputSection:
-    """Where results go.
+class OutputSection(continual_config.OutputSection):
+    """Where results go: the continual run's output section with this job's default folder.
 
     Args:
         dir: Folder for results.json and results.md (created if missing).
     """
 
     dir: str = "runs/mora_emoji"
-
-    def validate(self) -> None:
-        if Path(self.dir).exists() and not Path(self.dir).is_dir():
-            raise ValueError(f"`dir` {self.dir!r} exists and is not a directory")
 
 
 @dataclass

@@ -19,17 +19,21 @@ from transformers import (
 )
 
 
+def _sizes(hidden_size: int, num_layers: int) -> dict[str, int]:
+    # every tiny model: 4 attention heads and an MLP twice the width
+    return {
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 4,
+    }
+
+
 def tiny_llama(vocab_size: int = 128, hidden_size: int = 32, num_layers: int = 2, seed: int = 0) -> LlamaForCausalLM:
     """A 2-layer Llama causal LM (q/k/v/o_proj, gate/up/down_proj) with random weights."""
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
+        vocab_size=vocab_size, num_key_value_heads=2, max_position_embeddings=128, **_sizes(hidden_size, num_layers)
     )
     return LlamaForCausalLM(config).eval()
 
@@ -40,13 +44,7 @@ def tiny_bert(
     """A 2-layer BERT sequence classifier (query/key/value, dense) with random weights."""
     torch.manual_seed(seed)
     config = BertConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        max_position_embeddings=128,
-        num_labels=num_labels,
+        vocab_size=vocab_size, max_position_embeddings=128, num_labels=num_labels, **_sizes(hidden_size, num_layers)
     )
     return BertForSequenceClassification(config).eval()
 
@@ -54,15 +52,7 @@ def tiny_bert(
 def tiny_vit(image_size: int = 16, patch_size: int = 4, hidden_size: int = 32, num_labels: int = 10, seed: int = 0):
     """A 2-layer ViT image classifier with random weights (default 16x16 RGB inputs)."""
     torch.manual_seed(seed)
-    config = ViTConfig(
-        image_size=image_size,
-        patch_size=patch_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_labels=num_labels,
-    )
+    config = ViTConfig(image_size=image_size, patch_size=patch_size, num_labels=num_labels, **_sizes(hidden_size, 2))
     return ViTForImageClassification(config).eval()
 
 

@@ -61,6 +61,31 @@ def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (1.0 - mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
 
 
+def _run_layers(
+    layers: nn.ModuleList,
+    hidden: torch.Tensor,
+    mask: torch.Tensor | None,
+    start: int,
+    prompts: MissingAwarePrompts | None,
+    pattern: torch.Tensor | None,
+    end: int | None,
+) -> torch.Tensor:
+    """Run ``layers[start:end]`` on ``hidden``, with the prompts prepended in the last ``prompts.num_layers`` layers
+    and cut off again after each; ``mask`` (the text tower's key mask) is ``None`` for the vision tower, whose layers
+    take no mask."""
+    first_prompted = len(layers) - (prompts.num_layers if prompts is not None else 0)
+    for i in range(start, len(layers) if end is None else end):
+        m = mask
+        prompted = prompts is not None and i >= first_prompted
+        if prompted:
+            hidden, m = prompts.prepend(hidden, mask, pattern, i - first_prompted)
+        out = layers[i](hidden) if m is None else layers[i](hidden, _additive_mask(m, hidden.dtype))
+        hidden = out[0] if isinstance(out, tuple) else out
+        if prompted:
+            hidden = hidden[:, prompts.length :]
+    return hidden
+
+
 class DualEncoder(nn.Module):
     """Text tower + vision tower + linear projections into a joint space (CLIP-like).
 
@@ -99,17 +124,7 @@ class DualEncoder(nn.Module):
     ) -> torch.Tensor:
         """Run text layers ``start..end-1`` (default: to the top) on ``hidden`` (the embeddings when ``start == 0``);
         prompts go into the last ``prompts.num_layers`` layers of the tower."""
-        layers = self.text_layers
-        first_prompted = len(layers) - (prompts.num_layers if prompts is not None else 0)
-        for i in range(start, len(layers) if end is None else end):
-            m = mask
-            if prompts is not None and i >= first_prompted:
-                hidden, m = prompts.prepend(hidden, mask, pattern, i - first_prompted)
-            out = layers[i](hidden, _additive_mask(m, hidden.dtype))
-            hidden = out[0] if isinstance(out, tuple) else out
-            if prompts is not None and i >= first_prompted:
-                hidden = hidden[:, prompts.length :]
-        return hidden
+        return _run_layers(self.text_layers, hidden, mask, start, prompts, pattern, end)
 
     def vision_hidden(
         self,
@@ -121,17 +136,7 @@ class DualEncoder(nn.Module):
     ) -> torch.Tensor:
         """Run vision layers ``start..end-1`` (default: to the top) on ``hidden`` (the patch embeddings when
         ``start == 0``); prompts go into the last ``prompts.num_layers`` layers of the tower."""
-        layers = self.vision_layers
-        first_prompted = len(layers) - (prompts.num_layers if prompts is not None else 0)
-        for i in range(start, len(layers) if end is None else end):
-            prompted = prompts is not None and i >= first_prompted
-            if prompted:
-                hidden, _ = prompts.prepend(hidden, None, pattern, i - first_prompted)
-            out = layers[i](hidden)
-            hidden = out[0] if isinstance(out, tuple) else out
-            if prompted:
-                hidden = hidden[:, prompts.length :]
-        return hidden
+        return _run_layers(self.vision_layers, hidden, None, start, prompts, pattern, end)
 
     def text_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.text.embeddings(input_ids=input_ids)

@@ -7,10 +7,12 @@ A new adapter type needs a config, a layer on :class:`AdapterLayer` / :class:`Ad
 from __future__ import annotations
 
 from ._common import require_linear_target, require_positive_int, validate_target_selection
+from .adapter_config import AdapterConfig
 from .adapter_layer import AdapterLayer, AdapterLinear, delta_matmul
 from .adapter_tuner import AdapterTuner
 
 __all__ = [
+    "AdapterConfig",
     "AdapterLayer",
     "AdapterLinear",
     "AdapterTuner",

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional
 
-from peft.config import PeftConfig
 from peft.utils import PeftType
+
+from ..adapter_config import AdapterConfig
 
 COMPRESS_RULES = ("index", "importance", "contribution")
 
@@ -18,7 +19,7 @@ __all__ = ["COMPRESS_RULES", "INTEGRATE_ROUTING", "PCLRConfig", "PCLRCycleConfig
 
 
 @dataclass
-class PCLRConfig(PeftConfig):
+class PCLRConfig(AdapterConfig):
     """Config of a PCLR adapter: a pool of rank-1 components per target linear, routed per sample by keys.
 
     Every target linear ``W`` gets ``y = W x + (alpha / top_k) * sum_{i in S(x)} (a_i . x) b_i + shared(x)``, where
@@ -28,6 +29,9 @@ class PCLRConfig(PeftConfig):
     static plus new never exceed ``pool_size``. A freshly created adapter is learning task 0 with
     ``ranks_schedule[0]`` new ranks. The task cycle (``PCLRModel.begin_task`` / ``end_task``, docs/task_cycle.md)
     moves ranks from new to static, compresses and integrates.
+
+    The target-selection fields (``target_modules``, ``exclude_modules``, ``modules_to_save``,
+    ``layers_to_transform``, ``layers_pattern``) are :class:`~peft_ext.tuners.AdapterConfig`'s.
 
     Args:
         pool_size: Cap on the number of ranks (static + new) per linear (public code: 256).
@@ -53,9 +57,6 @@ class PCLRConfig(PeftConfig):
         init_from_static: Initialize new ranks' ``a_i`` from the static ranks whose keys best match the new task.
         init_weights: ``True``: ``b_i = 0`` and shared ``B = 0`` (the adapter starts as the identity). ``False``:
             random ``b_i`` too (tests of merge and switching).
-        target_modules: Names (or a regex) of the ``nn.Linear`` modules to adapt.
-        exclude_modules: Names (or a regex) of modules not to adapt.
-        modules_to_save: Modules besides the adapters to train and save (e.g. a classification head).
         max_tasks: Capacity of the stored task prototypes.
     """
 
@@ -82,24 +83,11 @@ class PCLRConfig(PeftConfig):
     init_from_static: bool = field(default=True, metadata={"help": "Init new a_i from best-matching static ranks."})
     init_weights: bool = field(default=True, metadata={"help": "True: identity at init; False: random b_i."})
     max_tasks: int = field(default=64, metadata={"help": "Capacity of stored task prototypes."})
-    target_modules: Optional[Union[list[str], str]] = field(
-        default=None, metadata={"help": "Module names or a regex of the nn.Linear modules to adapt."}
-    )
-    exclude_modules: Optional[Union[list[str], str]] = field(
-        default=None, metadata={"help": "Module names or a regex of modules not to adapt."}
-    )
-    modules_to_save: Optional[list[str]] = field(
-        default=None, metadata={"help": "Modules besides the adapters to set trainable and save (e.g. a head)."}
-    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         # Looked up on the enum: register_peft_type instantiates this class before its return value exists.
         self.peft_type = PeftType.PCLR
-        if isinstance(self.target_modules, list):
-            self.target_modules = set(self.target_modules)
-        if isinstance(self.exclude_modules, list):
-            self.exclude_modules = set(self.exclude_modules)
         for name in ("pool_size", "top_k", "max_tasks"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional
 
-from peft.config import PeftConfig
 from peft.utils import PeftType
 
-from .._common import require_positive_int, validate_target_selection
+from .._common import require_positive_int
+from ..adapter_config import AdapterConfig
 
 
 @dataclass
-class RiemannionConfig(PeftConfig):
+class RiemannionConfig(AdapterConfig):
     """Config of a Riemannion adapter: the weight delta ``X - X0`` with ``X = A B^T`` a point of rank exactly ``r``.
 
     ``A`` (out x r) has orthonormal columns and ``B`` (in x r) is free; ``X0`` is the initial point, kept inside the
@@ -21,30 +21,20 @@ class RiemannionConfig(PeftConfig):
     Train it with :class:`peft_ext.optim.Riemannion` (or its SGD variant :class:`peft_ext.optim.RiemannLoRA`), which
     moves ``X`` on the manifold; ordinary optimizers would break ``A``'s orthonormality.
 
+    The target-selection fields (``target_modules``, ``exclude_modules``, ``modules_to_save``,
+    ``layers_to_transform``, ``layers_pattern``) are :class:`~peft_ext.tuners.AdapterConfig`'s.
+
     Args:
         r: Rank of the adapter; must be at most ``min(in_features, out_features)`` of every target layer.
-        target_modules: Names (or a regex) of the ``nn.Linear`` modules to adapt; defaults to LoRA's per-architecture
-            defaults when the model type is known.
-        exclude_modules: Names (or a regex) of modules not to adapt.
         init_weights: ``True`` (default): start from a random point and store it as ``X0``, so the delta is zero at
             initialization; call :func:`peft_ext.tuners.riemannion.initialize_loi` afterwards for the
             gradient-informed LOI point. ``False``: ``X0 = 0``, the delta is the random point itself (for tests).
         init_scale: Every singular value of the initial point (random or LOI). Default ``1e-2 / sqrt(r)``, the order
             of magnitude METHODS.md gives for the paper's LOI scale.
         riemannion_dropout: Dropout on the adapter's input.
-        modules_to_save: Modules besides the adapters to train and save (e.g. a classification head).
-        layers_to_transform: Layer indices to adapt (with ``layers_pattern``).
-        layers_pattern: Name of the ``nn.ModuleList`` that ``layers_to_transform`` indexes.
     """
 
     r: int = field(default=16, metadata={"help": "Rank of the adapter (exact rank of X)."})
-    target_modules: Optional[Union[list[str], str]] = field(
-        default=None,
-        metadata={"help": "Module names or a regex of the nn.Linear modules to adapt, e.g. ['q_proj', 'v_proj']."},
-    )
-    exclude_modules: Optional[Union[list[str], str]] = field(
-        default=None, metadata={"help": "Module names or a regex of modules not to adapt."}
-    )
     init_weights: bool = field(
         default=True,
         metadata={"help": "True: delta is zero at init (X0 = X). False: X0 = 0, a non-identity adapter (tests)."},
@@ -53,22 +43,12 @@ class RiemannionConfig(PeftConfig):
         default=None, metadata={"help": "Singular values of the initial point; default 1e-2 / sqrt(r)."}
     )
     riemannion_dropout: float = field(default=0.0, metadata={"help": "Dropout on the adapter input."})
-    modules_to_save: Optional[list[str]] = field(
-        default=None, metadata={"help": "Modules besides the adapters to set trainable and save (e.g. a head)."}
-    )
-    layers_to_transform: Optional[Union[list[int], int]] = field(
-        default=None, metadata={"help": "Layer indices to adapt (needs layers_pattern for unusual layouts)."}
-    )
-    layers_pattern: Optional[Union[list[str], str]] = field(
-        default=None, metadata={"help": "Name of the nn.ModuleList that layers_to_transform indexes."}
-    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         # Looked up on the enum (not a module global): register_peft_type instantiates this class to check it before
         # the registration's return value exists.
         self.peft_type = PeftType.RIEMANNION
-        validate_target_selection(self)
         require_positive_int(self, "r")
         if not isinstance(self.init_weights, bool):
             raise ValueError(f"`init_weights` must be True or False, got {self.init_weights!r}")

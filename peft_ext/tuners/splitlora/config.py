@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Union
+from typing import Literal
 
-from peft.config import PeftConfig
 from peft.utils import PeftType
 
-from .._common import require_positive_int, validate_target_selection
+from .._common import require_positive_int
+from ..adapter_config import AdapterConfig
 
 STATISTICS = ("auto", "dense", "sketch")
 INIT_SCALINGS = ("inverse_task", "constant")
 
 
 @dataclass
-class SplitLoRAConfig(PeftConfig):
+class SplitLoRAConfig(AdapterConfig):
     """Configuration of a SplitLoRA adapter (continual learning in the minor subspace; METHODS.md section 2).
 
     A SplitLoRA layer computes ``y = W x + (dW_old + B A) x``: ``A`` (``r x in``) is frozen, ``B`` (``out x r``) is
@@ -25,11 +25,11 @@ class SplitLoRAConfig(PeftConfig):
     the split ``k*`` of the running input covariance, folds ``B A`` into ``dW_old`` and draws the next task's ``A`` in
     the minor subspace. There is no ``alpha / r`` scaling, as in the authors' public code.
 
+    The target-selection fields (``target_modules``, ``exclude_modules``, ``modules_to_save``,
+    ``layers_to_transform``, ``layers_pattern``) are :class:`~peft_ext.tuners.AdapterConfig`'s.
+
     Args:
         r: Rank of each task's adapter (the paper uses 10).
-        target_modules: Names (suffixes) or a regex of the ``nn.Linear`` modules to adapt; defaults to PEFT's LoRA
-            targets for known architectures.
-        exclude_modules: Names or a regex of modules not to adapt.
         trade_off: The stability/plasticity coefficient ``a`` of ``f(j)`` (default 20, the paper's value). Larger
             values keep fewer primary directions (more plasticity).
         statistics: How the running input covariance is kept: ``"dense"`` (exact ``in x in`` sum), ``"sketch"`` (a
@@ -45,19 +45,9 @@ class SplitLoRAConfig(PeftConfig):
             continued after ``from_pretrained`` or run under DDP draws the same matrices.
         init_weights: ``True`` (default) starts ``B`` at zero, so a new adapter leaves the model unchanged. ``False``
             starts ``B`` random (for tests that need a non-trivial adapter).
-        modules_to_save: Modules besides the adapted layers that are trained and saved (e.g. a classifier head).
-        layers_to_transform: Layer indices to adapt (with ``layers_pattern``); only with a list ``target_modules``.
-        layers_pattern: Name of the layer list (e.g. ``"layer"``) that ``layers_to_transform`` indexes.
     """
 
     r: int = field(default=10, metadata={"help": "Rank of each task's adapter (the paper uses 10)."})
-    target_modules: Optional[Union[list[str], str]] = field(
-        default=None,
-        metadata={"help": "Names (suffixes) or a regex of the nn.Linear modules to adapt."},
-    )
-    exclude_modules: Optional[Union[list[str], str]] = field(
-        default=None, metadata={"help": "Names or a regex of modules not to adapt."}
-    )
     trade_off: float = field(
         default=20.0, metadata={"help": "Stability/plasticity coefficient `a` of the split objective f(j)."}
     )
@@ -75,22 +65,12 @@ class SplitLoRAConfig(PeftConfig):
     )
     seed: int = field(default=0, metadata={"help": "Seed of the frozen A draws."})
     init_weights: bool = field(default=True, metadata={"help": "Start B at zero (True) or random (False, for tests)."})
-    modules_to_save: Optional[list[str]] = field(
-        default=None, metadata={"help": "Modules besides the adapted layers to train and save (e.g. a head)."}
-    )
-    layers_to_transform: Optional[Union[list[int], int]] = field(
-        default=None, metadata={"help": "Layer indices to adapt (with layers_pattern)."}
-    )
-    layers_pattern: Optional[Union[list[str], str]] = field(
-        default=None, metadata={"help": "Name of the layer list that layers_to_transform indexes."}
-    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         # Looked up on PeftType directly (not through a module global): register_peft_type instantiates this config
         # to check the round trip before the module-level assignment of its return value exists.
         self.peft_type = PeftType.SPLITLORA
-        validate_target_selection(self)
         require_positive_int(self, "r")
         if isinstance(self.trade_off, bool) or not isinstance(self.trade_off, (int, float)):
             raise TypeError(f"`trade_off` must be a number, got {type(self.trade_off).__name__} {self.trade_off!r}")
