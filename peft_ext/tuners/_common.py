@@ -7,13 +7,16 @@ import warnings
 from collections.abc import Callable, Container, Iterable, Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from peft.utils import resolve_quantization_backend
 from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
+
+if TYPE_CHECKING:  # adapter_layer imports this module
+    from .adapter_layer import AdapterLayer
 
 __all__ = [
     "check_adapter_names_args",
@@ -136,28 +139,16 @@ def check_adapter_names_args(layer: BaseTunerLayer, x: torch.Tensor, adapter_nam
         raise ValueError("Cannot pass `adapter_names` while adapters are merged; call `unmerge_adapter()` first")
 
 
-def _merged_weight(layer: BaseTunerLayer, weight: torch.Tensor, name: str) -> torch.Tensor:
-    # Layers on the AdapterLayer skeleton may merge other than additively (their merged_weight hook).
-    hook = getattr(layer, "merged_weight", None)
-    return hook(weight, name) if hook is not None else weight + layer.get_delta_weight(name).to(weight.dtype)
-
-
-def _unmerged_weight(layer: BaseTunerLayer, weight: torch.Tensor, name: str) -> torch.Tensor:
-    hook = getattr(layer, "unmerged_weight", None)
-    return hook(weight, name) if hook is not None else weight - layer.get_delta_weight(name).to(weight.dtype)
-
-
 def merge_deltas(
-    layer: BaseTunerLayer,
+    layer: AdapterLayer,
     adapters: Container[str],
     safe_merge: bool,
     adapter_names: Optional[list[str]],
     method: str,
 ) -> None:
-    """Add each adapter's ``layer.get_delta_weight(name)`` to the base weight (adapters whose delta is additive).
+    """Write each adapter's ``layer.merged_weight(weight, name)`` (by default ``weight + delta``) into the base weight.
 
-    A layer with a ``merged_weight(weight, name)`` method (every :class:`~peft_ext.tuners.adapter_layer.AdapterLayer`)
-    computes the merged weight itself. Runs without autograd: merging is not part of a differentiable graph.
+    Runs without autograd: merging is not part of a differentiable graph.
 
     Args:
         layer: The adapter layer.
@@ -178,7 +169,7 @@ def merge_deltas(
             continue
         with torch.no_grad():
             weight = layer.get_base_weight()
-            merged = _merged_weight(layer, weight.clone() if safe_merge else weight, name)
+            merged = layer.merged_weight(weight.clone() if safe_merge else weight, name)
             if safe_merge and not torch.isfinite(merged).all():
                 raise ValueError(
                     f"Merging {method} adapter {name!r} gives non-finite weights; the adapter is broken "
@@ -188,7 +179,7 @@ def merge_deltas(
         layer.merged_adapters.append(name)
 
 
-def unmerge_deltas(layer: BaseTunerLayer, adapters: Container[str]) -> None:
+def unmerge_deltas(layer: AdapterLayer, adapters: Container[str]) -> None:
     """Subtract the merged adapters' deltas from the base weight again (the inverse of :func:`merge_deltas`)."""
     if not layer.merged:
         warnings.warn("Already unmerged. Nothing to do.", UserWarning, stacklevel=3)
@@ -197,7 +188,7 @@ def unmerge_deltas(layer: BaseTunerLayer, adapters: Container[str]) -> None:
         name = layer.merged_adapters.pop()
         if name in adapters:
             with torch.no_grad():
-                layer.set_base_weight(_unmerged_weight(layer, layer.get_base_weight(), name))
+                layer.set_base_weight(layer.unmerged_weight(layer.get_base_weight(), name))
 
 
 def validate_target_selection(config: Any) -> None:
