@@ -15,14 +15,21 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "ROW_SHARDED",
     "all_reduce_",
+    "all_reduce_over_row_shards_",
     "average_gradients",
     "broadcast_",
     "check_parameters_unchanged",
+    "check_row_sharded",
+    "full_tensor",
+    "is_row_sharded",
+    "local_part",
     "registered_parameters",
     "reject_sharded",
     "sharding_of",
     "world_size",
+    "write_full_",
 ]
 
 
@@ -139,3 +146,106 @@ def check_parameters_unchanged(
                 "this optimizer needs the whole matrices. Use DistributedDataParallel (accelerate: distributed_type "
                 "MULTI_GPU) instead; see docs/distributed.md"
             )
+
+
+# --- FSDP2 row shards ------------------------------------------------------------------------------------------------
+# FSDP2 (``fully_shard``) holds every parameter as a DTensor sharded along dim 0 (``Shard(0)``; HSDP adds
+# ``Replicate()`` mesh dimensions); its gradients have the same placements after the reduce-scatter. The optimizers
+# that support it work on the local rows (elementwise state, DCT-AdamW's row-local projection) or gather the few
+# whole tensors they need (Riemannion's (m + n) x r factors). Every other layout is refused by
+# :func:`check_row_sharded` before anything changes.
+
+#: What :func:`check_row_sharded` accepts, for messages and docs.
+ROW_SHARDED = "FSDP2 row shards (Shard(0) on every sharded mesh dimension, fully_shard's default) or Replicate()"
+
+
+def _dtensor_type() -> type | tuple:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed support
+        return ()
+    return DTensor
+
+
+def is_row_sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (an FSDP2 parameter or its gradient); :func:`check_row_sharded` vets its layout."""
+    return isinstance(t, _dtensor_type())
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this process holds: a DTensor's local shard (a view: in-place updates change the DTensor), else
+    ``t`` itself."""
+    return t.to_local() if is_row_sharded(t) else t
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every process (a DTensor is all-gathered: a collective every process must call), else
+    ``t``."""
+    return t.full_tensor() if is_row_sharded(t) else t
+
+
+@torch.no_grad()
+def write_full_(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy the whole tensor ``value`` into ``param``: for a DTensor, only this process's shard of it (sliced
+    locally, as ``fully_shard`` slices: no communication), so every process must hold the same ``value``.
+
+    Args:
+        param: The parameter (a plain tensor or a DTensor), changed in place.
+        value: Its new value, of ``param``'s (global) shape.
+    """
+    if not is_row_sharded(param):
+        param.copy_(value)
+        return
+    from torch.distributed.tensor import distribute_tensor
+
+    shard = distribute_tensor(value.detach(), param.device_mesh, param.placements, src_data_rank=None)
+    param.to_local().copy_(shard.to_local())
+
+
+def check_row_sharded(named_params: Iterable[tuple[str, torch.Tensor]], method: str, needs: str) -> None:
+    """Raise ``ValueError`` naming the first parameter whose layout ``method`` cannot use.
+
+    Accepted: whole tensors and :data:`ROW_SHARDED` DTensors. Refused: other DTensor placements (``Shard(1)``,
+    tensor parallelism, ``Partial``) and DeepSpeed ZeRO-3 partitions (flat, so neither rows nor columns are whole).
+
+    Args:
+        named_params: ``(name, parameter)`` pairs.
+        method: The optimizer's name, for the message.
+        needs: What the method computes that needs whole rows, for the message.
+    """
+    for name, p in named_params:
+        kind = sharding_of(p)
+        if kind is None:
+            continue
+        if kind == "FSDP2/DTensor":
+            placements = tuple(p.placements)
+            if all(pl.is_replicate() or pl.is_shard(0) for pl in placements):
+                continue
+            what = f"a DTensor with placements {placements} on a {p.device_mesh.ndim}-D mesh"
+            fix = "shard with fully_shard's default placement (no shard_placement_fn) or replicate the parameter"
+        else:
+            what = "a DeepSpeed ZeRO-3 shard (a flat partition of the parameter)"
+            fix = "use FSDP2 (torch.distributed.fsdp.fully_shard) or DistributedDataParallel instead of ZeRO-3"
+        raise ValueError(
+            f"{method} got `{name}` (shape {tuple(p.shape)}) as {what}; {needs} works on whole tensors and on "
+            f"{ROW_SHARDED} only. To train it, {fix}; see docs/distributed.md"
+        )
+
+
+def all_reduce_over_row_shards_(t: torch.Tensor, op: str = "sum", *, like: torch.Tensor) -> None:
+    """Reduce ``t`` in place over the processes that hold different rows of ``like`` (a row-sharded DTensor).
+
+    The sum (or max) over the mesh dimensions where ``like`` is ``Shard(0)``; replicas (``Replicate()`` dimensions)
+    hold the same rows and are left out, so nothing is counted twice. A no-op for a plain tensor.
+
+    Args:
+        t: A tensor computed from this process's rows (e.g. per-column partial sums), reduced in place.
+        op: ``"sum"`` or ``"max"``.
+        like: The parameter whose sharding defines the groups.
+    """
+    if not is_row_sharded(like):
+        return
+    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+    for dim, placement in enumerate(like.placements):
+        if placement.is_shard(0) and like.device_mesh.size(dim) > 1:
+            dist.all_reduce(t, op=reduce_op, group=like.device_mesh.get_group(dim))

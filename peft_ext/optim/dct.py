@@ -14,11 +14,16 @@ either as a matrix product or with Makhoul's FFT algorithm, and they agree to fl
 Projection side. For a gradient ``G`` of shape ``(R, C)`` the smaller dimension is compressed, as in the paper and in
 GaLore: ``R >= C`` projects from the right (``a = G Q[I]^T``, shape ``(R, r)``, back-projection ``u Q[I]``);
 ``R < C`` projects from the left (``a = Q[I] G``, shape ``(r, C)``, back-projection ``Q[I]^T u``).
+
+Row shards. The right projection transforms every row on its own, so a matrix split by rows over processes (FSDP2)
+is projected where it lives; only the column scores, one number per basis vector, must be combined (``reduce`` in
+:func:`dct_scores`). GaLore has no such split: its projector is an SVD of the whole matrix.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -27,6 +32,7 @@ __all__ = [
     "DCT_METHODS",
     "FFT_MIN_SIZE",
     "SIDES",
+    "ScoreReduce",
     "clear_dct_cache",
     "dct2",
     "dct2_fft",
@@ -207,8 +213,28 @@ def _check_norm(norm: float) -> None:
         raise ValueError(f"`norm` must be a positive number or math.inf (1 is the paper's L1 score), got {norm!r}")
 
 
+#: ``reduce(partial, op)``: combines, in place, per-basis-vector partial scores over processes (``op`` "sum" or "max").
+ScoreReduce = Callable[[torch.Tensor, str], None]
+
+
+def _reduced_norm(coeffs: torch.Tensor, norm: float, dim: int, reduce: ScoreReduce) -> torch.Tensor:
+    # the norm over rows that live on several processes: reduce the partial sums of |c|^p (the max for inf), then
+    # take the root
+    if math.isinf(norm):
+        partial = coeffs.abs().amax(dim) if coeffs.shape[dim] else coeffs.new_zeros(coeffs.shape[1 - dim])
+        reduce(partial, "max")
+        return partial
+    partial = coeffs.abs().sum(dim) if norm == 1 else coeffs.abs().pow(norm).sum(dim)
+    reduce(partial, "sum")
+    return partial if norm == 1 else partial.pow(1 / norm)
+
+
 def dct_scores(
-    grad: torch.Tensor, side: str | None = None, norm: float = 1.0, method: str = "auto"
+    grad: torch.Tensor,
+    side: str | None = None,
+    norm: float = 1.0,
+    method: str = "auto",
+    reduce: ScoreReduce | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The DCT coefficients ``S`` of a 2-D ``grad`` and one score per basis vector: the ``norm`` of its coefficients.
 
@@ -218,6 +244,9 @@ def dct_scores(
             Default: :func:`projection_side`.
         norm: Vector norm of the score (paper: 1). ``2`` ranks by captured energy; ``math.inf`` by the peak.
         method: DCT implementation, see :func:`dct2`.
+        reduce: For a ``grad`` that is this process's rows of a row-sharded matrix (``side="right"``): combines the
+            partial scores over the processes, so every process ranks the whole matrix's columns. ``None``: ``grad``
+            is the whole matrix.
 
     Returns:
         ``(S, scores)``; ``scores`` has length ``C`` (right) or ``R`` (left).
@@ -229,12 +258,22 @@ def dct_scores(
     _check_norm(norm)
     dim = 1 if side == "right" else 0
     coeffs = dct2(grad, dim=dim, method=method)
-    scores = torch.linalg.vector_norm(coeffs, ord=norm, dim=1 - dim)
+    if reduce is None:
+        scores = torch.linalg.vector_norm(coeffs, ord=norm, dim=1 - dim)
+    else:
+        if side != "right":
+            raise ValueError("scores of a row-sharded gradient need side='right' (the left DCT mixes rows)")
+        scores = _reduced_norm(coeffs, norm, 1 - dim, reduce)
     return coeffs, scores
 
 
 def dct_select(
-    grad: torch.Tensor, rank: int, side: str | None = None, norm: float = 1.0, method: str = "auto"
+    grad: torch.Tensor,
+    rank: int,
+    side: str | None = None,
+    norm: float = 1.0,
+    method: str = "auto",
+    reduce: ScoreReduce | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick the ``rank`` DCT basis vectors that score highest on ``grad``; also return ``grad`` projected onto them.
 
@@ -245,6 +284,7 @@ def dct_select(
         norm: Score norm (see :func:`dct_scores`); the paper uses L1, which favours directions where many rows
             (columns) agree over a single large entry.
         method: DCT implementation, see :func:`dct2`.
+        reduce: Combines partial scores of a row shard over processes; see :func:`dct_scores`.
 
     Returns:
         ``(indices, low_rank)``: ``indices`` (int64, length ``rank``) sorted ascending, so two selections can be
@@ -252,7 +292,7 @@ def dct_select(
         ``Q[I] G`` (left), read straight from the transform (no second product).
     """
     side = projection_side(grad.shape) if side is None else side
-    coeffs, scores = dct_scores(grad, side, norm, method)
+    coeffs, scores = dct_scores(grad, side, norm, method, reduce)
     n = scores.numel()
     if isinstance(rank, bool) or not isinstance(rank, int):
         raise TypeError(f"`rank` must be an int, got {type(rank).__name__} {rank!r}")

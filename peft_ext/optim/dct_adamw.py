@@ -25,15 +25,24 @@ import re
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from ..distributed import check_parameters_unchanged, registered_parameters, reject_sharded
+from ..distributed import (
+    all_reduce_,
+    all_reduce_over_row_shards_,
+    check_parameters_unchanged,
+    check_row_sharded,
+    is_row_sharded,
+    local_part,
+    registered_parameters,
+)
 from .adam_math import adam_direction
-from .dct import DCT_METHODS, dct_matrix, dct_select, project, project_back, projection_side
+from .dct import DCT_METHODS, SIDES, dct_matrix, dct_select, project, project_back, projection_side
 from .dct_state import (
     QUANT_BLOCKSIZES,
     load_buffer,
@@ -98,6 +107,8 @@ def _check_group(group: dict[str, Any]) -> None:
     _positive_int("update_proj_gap", group["update_proj_gap"])
     _positive_int("max_shape", group["max_shape"])
     _positive_int("min_8bit_size", group["min_8bit_size"])
+    if group.get("side", "auto") not in ("auto", *SIDES):
+        raise ValueError(f"`side` must be 'auto', 'left' or 'right', got {group['side']!r}")
     if group["dct_method"] not in DCT_METHODS:
         raise ValueError(f"`dct_method` must be one of {DCT_METHODS}, got {group['dct_method']!r}")
     norm = group["selection_norm"]
@@ -130,8 +141,15 @@ def _check_group(group: dict[str, Any]) -> None:
         if not p.is_floating_point():
             raise TypeError(f"DCTAdamW optimizes floating-point tensors, got a {p.dtype} parameter")
     names = group.get("param_names") or [f"parameter {i}" for i in range(len(group["params"]))]
-    # a shard is not the matrix whose DCT spectrum is ranked (FSDP2 / tensor parallel DTensors, DeepSpeed ZeRO-3)
-    reject_sharded(zip(names, group["params"]), "DCTAdamW", "the DCT column selection")
+    # FSDP2 row shards are projected where they live (side "right"); column shards and ZeRO-3 partitions are not
+    check_row_sharded(zip(names, group["params"]), "DCTAdamW", "the row-local DCT projection")
+    if group.get("side") == "left":
+        for name, p in zip(names, group["params"]):
+            if p.ndim == 2 and is_row_sharded(p) and any(pl.is_shard(0) for pl in p.placements):
+                raise ValueError(
+                    f"DCTAdamW: side='left' transforms over the rows of `{name}` (shape {tuple(p.shape)}), which FSDP2 "
+                    "splits across processes; use side='auto' or 'right' (each process projects its own rows)"
+                )
 
 
 class DCTAdamW(Optimizer):
@@ -209,6 +227,10 @@ class DCTAdamW(Optimizer):
         dct_method: ``"auto"`` (FFT from size :data:`~peft_ext.optim.dct.FFT_MIN_SIZE` on), ``"matmul"`` or ``"fft"``;
             all three select the same columns up to floating-point ties.
         selection_norm: Norm of the column score (paper: 1).
+        side: Which dimension is compressed: ``"auto"`` (the smaller one, as the paper; always ``"right"`` for a
+            DTensor, FSDP2's row shard, so each process projects its own rows), ``"right"`` (columns: moments
+            ``R x r``) or ``"left"`` (rows: ``r x C``; refused for row-sharded matrices). One process with
+            ``side="right"`` reproduces an FSDP2 run exactly where ``"auto"`` would pick ``"left"`` (``R < C``).
         sync_indices: Broadcast each refreshed selection from rank 0 (``r`` integers per matrix). ``None``: whenever
             ``torch.distributed`` is initialized with more than one process. DDP already gives every rank the same
             gradient, so this guards against reductions that are not bit-identical across ranks.
@@ -237,6 +259,7 @@ class DCTAdamW(Optimizer):
         min_8bit_size: int = 4096,
         dct_method: str = "auto",
         selection_norm: float = 1.0,
+        side: str = "auto",
         sync_indices: bool | None = None,
         nonfinite_grad: str = "raise",
     ) -> None:
@@ -267,6 +290,7 @@ class DCTAdamW(Optimizer):
             "min_8bit_size": min_8bit_size,
             "dct_method": dct_method,
             "selection_norm": selection_norm,
+            "side": side,
         }
         super().__init__(params, defaults)
 
@@ -300,9 +324,15 @@ class DCTAdamW(Optimizer):
         module = name.rsplit(".", 1)[0] if name is not None and "." in name else (name or "")
         if not matches_target(module, group["target_modules"]):
             return None, group["rank"]
-        side = projection_side(p.shape)
-        n = p.shape[1] if side == "right" else p.shape[0]
+        n = p.shape[1] if self._side(group, p) == "right" else p.shape[0]
         return min(group["rank"], n), group["rank"]
+
+    @staticmethod
+    def _side(group: dict[str, Any], p: torch.Tensor) -> str:
+        side = group.get("side", "auto")  # state dicts saved before `side` existed lack it
+        if side != "auto":
+            return side
+        return "right" if is_row_sharded(p) else projection_side(p.shape)
 
     def projection_plan(self) -> list[tuple[str, tuple[int, ...], int | None]]:
         """``(name, shape, rank)`` for every parameter; ``rank`` is None for parameters that get plain AdamW.
@@ -337,12 +367,20 @@ class DCTAdamW(Optimizer):
         # whole model meets in one host sync per device instead of one per parameter.
         per_device: dict[torch.device, list[torch.Tensor]] = {}
         for _, _, p in items:
-            if p.grad.numel():
-                per_device.setdefault(p.grad.device, []).append(torch.stack(torch.aminmax(p.grad.detach())).float())
-        if all(bool(torch.isfinite(torch.stack(e)).all()) for e in per_device.values()):
+            grad = local_part(p.grad)
+            if grad.numel():
+                per_device.setdefault(grad.device, []).append(torch.stack(torch.aminmax(grad.detach())).float())
+        finite = all(bool(torch.isfinite(torch.stack(e)).all()) for e in per_device.values())
+        if any(is_row_sharded(p) for _, _, p in items):
+            # every process must skip (or raise) together, though only one may hold the bad rows
+            bad = torch.tensor([0.0 if finite else 1.0], dtype=torch.float64)
+            all_reduce_([bad])
+            finite = bad.item() == 0
+        if finite:
             return True
-        group, index, p = next(item for item in items if not bool(torch.isfinite(item[2].grad).all()))
-        message = f"non-finite gradient (inf or nan) in {self._describe(group, index, p)}"
+        culprit = next((item for item in items if not bool(torch.isfinite(local_part(item[2].grad)).all())), None)
+        where = self._describe(*culprit) if culprit is not None else "another process's rows of a sharded parameter"
+        message = f"non-finite gradient (inf or nan) in {where}"
         if self.nonfinite_grad == "raise":
             raise FloatingPointError(
                 f"{message}; nothing was updated. Pass nonfinite_grad='skip' to skip such steps instead."
@@ -407,11 +445,12 @@ class DCTAdamW(Optimizer):
 
     def _adamw_step(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]) -> None:
         work = self._work_dtype(p)
+        grad, p = local_part(p.grad), local_part(p)  # elementwise: an FSDP2 shard keeps the state of its entries
         eight, bs = group["moments_8bit"], group["quant_blocksize"]
         m = load_buffer(state, "exp_avg", p.shape, "dynamic", bs, work, p.device)
         v = load_buffer(state, "exp_avg_sq", p.shape, "udynamic", bs, work, p.device)
         state["step"] += 1
-        direction = adam_direction(m, v, p.grad.to(work), group["betas"], group["eps"], state["step"])
+        direction = adam_direction(m, v, grad.to(work), group["betas"], group["eps"], state["step"])
         store_buffer(state, "exp_avg", m, eight, "dynamic", group, p.dtype)
         store_buffer(state, "exp_avg_sq", v, eight, "udynamic", group, p.dtype)
         if group["weight_decay"] != 0:
@@ -421,7 +460,10 @@ class DCTAdamW(Optimizer):
     def _dct_step(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any], sync: bool) -> None:
         work = self._work_dtype(p)
         rank = state["rank"]
-        side = projection_side(p.shape)
+        side = self._side(group, p)
+        # an FSDP2 row shard: project the local rows; only the column scores are summed over the processes
+        reduce = partial(all_reduce_over_row_shards_, like=p) if is_row_sharded(p) else None
+        grad, p = local_part(p.grad).to(work), local_part(p)
         dim = 1 if side == "right" else 0
         n = p.shape[dim]
         low_shape = (p.shape[0], rank) if side == "right" else (rank, p.shape[1])
@@ -429,7 +471,6 @@ class DCTAdamW(Optimizer):
         ages_on = group["rotate_moments"] and group["column_bias_correction"]
         q = dct_matrix(n, work, p.device)
 
-        grad = p.grad.to(work)
         if group["error_feedback"]:
             grad = grad + load_buffer(state, "error", p.shape, "linear", bs, work, p.device)
         m = load_buffer(state, "exp_avg", low_shape, "dynamic", bs, work, p.device)
@@ -441,7 +482,7 @@ class DCTAdamW(Optimizer):
             ages = torch.full((rank,), state["step"], dtype=torch.int64, device=p.device)
         old = state.get("indices")
         if old is None or state["step"] % group["update_proj_gap"] == 0:
-            indices, low = dct_select(grad, rank, side, group["selection_norm"], group["dct_method"])
+            indices, low = dct_select(grad, rank, side, group["selection_norm"], group["dct_method"], reduce)
             if sync:
                 local = indices.clone()
                 dist.broadcast(indices, src=0)

@@ -50,7 +50,16 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ..distributed import check_parameters_unchanged, registered_parameters, reject_sharded
+from ..distributed import (
+    all_reduce_,
+    check_parameters_unchanged,
+    check_row_sharded,
+    full_tensor,
+    is_row_sharded,
+    local_part,
+    registered_parameters,
+    write_full_,
+)
 from ..kernels.retraction import stack_by_shape
 from ..manifolds.fixed_rank import FixedRankPoint, TangentVector, right_basis, stack_bases
 from ..tuners.riemannion.layer import AdapterRef, find_adapters
@@ -150,12 +159,18 @@ class Riemannion(Optimizer):
             "skipped_steps": 0,
         }
         groups = self._split_groups(params, aux_lr, aux_weight_decay)
-        # the retraction (QR + SVD) and the orthonormality of A need whole factors on every process
-        reject_sharded(
+        # the retraction (QR + SVD) and the orthonormality of A need whole factors: FSDP2 row shards are gathered
+        # for every step (they are only (m + n) x r), other layouts are refused
+        check_row_sharded(
             ((self._names.get(id(p), "an unnamed parameter"), p) for g in groups for p in g["params"]),
             type(self).__name__,
             "the retraction (QR and SVD of the adapter factors)",
         )
+        for ref in self._adapters:
+            if is_row_sharded(ref.B):
+                # FSDP2 refills the unsharded B of the forward in place without bumping its version counter, so the
+                # layer's cache key cannot see the optimizer's writes: recompute B_R in every forward
+                ref.layer.cache_right_basis = False
         super().__init__(groups, defaults)
         for index, group in enumerate(self.param_groups):
             _check_group(group, index)
@@ -238,6 +253,7 @@ class Riemannion(Optimizer):
                 continue
             for A, _, Z in _triples(group):
                 ref = self._ref_of(A)
+                A, Z = full_tensor(A), full_tensor(Z)
                 gram = A.double().mT @ A.double()
                 err = (gram - torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)).abs().max().item()
                 tol = 1e-3 if A.dtype in (torch.float16, torch.bfloat16) else 1e-4
@@ -296,33 +312,41 @@ class Riemannion(Optimizer):
         if not params:
             return None
         # one host sync for the whole model; find the culprit only when something is wrong
-        if torch.stack([torch.isfinite(p.grad).all() for p in params]).all():
+        finite = torch.stack([torch.isfinite(local_part(p.grad)).all() for p in params]).all()
+        if any(is_row_sharded(p) for p in params):
+            # a shard's non-finite entry must stop every process (each holds only its rows of the gradient)
+            bad = (~finite).double().reshape(1)
+            all_reduce_([bad])
+            finite = bad.item() == 0
+        if finite:
             return None
-        p = next(p for p in params if not torch.isfinite(p.grad).all())
-        return self._describe(p)
+        p = next((p for p in params if not torch.isfinite(local_part(p.grad)).all()), None)
+        return self._describe(p) if p is not None else "another process's shard of the gradients"
 
     def _step_manifold(self, group: dict[str, Any]) -> None:
         # Adapters of the same shape are stacked and updated in one batched call (the geometry takes leading batch
         # dimensions; kernels.retraction.stack_by_shape forms the stacks).
-        rows, has_momentum, refs = [], [], []
+        rows, has_momentum, refs, params = [], [], [], []
         for A, B, Z in _triples(group):
             if B.grad is None and Z.grad is None:
                 continue  # the adapter took no part in the loss (e.g. inactive): nothing to do, like torch optimizers
-            rows.append((A, B, _grad_or_zeros(Z), _grad_or_zeros(B)))
+            # FSDP2 row shards are gathered whole (identical on every process, so every process takes the same step)
+            rows.append(tuple(full_tensor(t) for t in (A, B, _grad_or_zeros(Z), _grad_or_zeros(B))))
+            params.append((A, B))
             has_momentum.append("momentum_A" in self.state[A])
             refs.append(self._ref_by_A[id(A)])
         for indices, (A, B, grad_right, grad_left) in stack_by_shape(rows, has_momentum):
             buf = None
             if has_momentum[indices[0]]:
                 # stacked as stored (float32 or wider, or the parameter's dtype after load_state_dict's cast)
-                states = [self.state[rows[i][0]] for i in indices]
+                states = [self.state[params[i][0]] for i in indices]
                 buf = TangentVector(
                     torch.stack([s["momentum_A"] for s in states]), torch.stack([s["momentum_B"] for s in states])
                 )
             # B_R of the current point: the layer's cached basis (computed by its forward pass, or handed over by
             # the previous step) when it is in the working precision; half-precision B gets its own fp32 basis
             if B.dtype == rows[indices[0]][1].dtype:
-                B_R = stack_bases([refs[i].layer.get_right_basis(refs[i].adapter_name) for i in indices])
+                B_R = stack_bases([self._right_basis(refs[i], rows[i][1]) for i in indices])
             else:
                 B_R = right_basis(B)
             new_point, new_buf = riemannion_update(
@@ -338,10 +362,10 @@ class Riemannion(Optimizer):
                 rtol=group["rtol"],
             )
             for n, i in enumerate(indices):
-                A_param, B_param = rows[i][0], rows[i][1]
-                A_param.copy_(new_point.A[n])
-                B_param.copy_(new_point.B[n])
-                if B_param.dtype == new_point.B.dtype:
+                A_param, B_param = params[i]
+                write_full_(A_param, new_point.A[n])
+                write_full_(B_param, new_point.B[n])
+                if B_param.dtype == new_point.B.dtype and refs[i].layer.cache_right_basis:
                     # the retraction computed right_basis(B) of the new point already: the next forward uses it
                     refs[i].layer.set_right_basis(refs[i].adapter_name, new_point.B_R[n])
                 state = self.state[A_param]
@@ -350,11 +374,18 @@ class Riemannion(Optimizer):
                     # clones: a view would make torch.save write the whole stacked buffer for every adapter
                     state["momentum_A"], state["momentum_B"] = new_buf.A_dot[n].clone(), new_buf.B_dot[n].clone()
 
+    def _right_basis(self, ref: AdapterRef, B: Tensor) -> Tensor:
+        # the layer's cached basis of its B (one QR shared with the forward), or, for a gathered FSDP2 shard (whose
+        # layer recomputes it in every forward), the same deterministic QR of the whole B
+        return ref.layer.get_right_basis(ref.adapter_name) if ref.layer.cache_right_basis else right_basis(B)
+
     def _step_aux(self, group: dict[str, Any]) -> None:
-        for p in group["params"]:
-            if p.grad is None:
+        for param in group["params"]:
+            if param.grad is None:
                 continue
-            state = self.state[p]
+            state = self.state[param]
+            # elementwise, so an FSDP2 shard is updated on its own (its state is the shard's)
+            p, grad = local_part(param), local_part(param.grad)
             if not state:
                 state["step"] = 0
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -362,7 +393,7 @@ class Riemannion(Optimizer):
             state["step"] += 1
             adamw_update(
                 p,
-                p.grad,
+                grad,
                 state["exp_avg"],
                 state["exp_avg_sq"],
                 state["step"],

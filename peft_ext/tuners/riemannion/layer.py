@@ -61,6 +61,10 @@ class RiemannionLayer(AdapterLayer):
         self._riemannion_probe: Optional[tuple[str, torch.Tensor, torch.Tensor]] = None
         # B_R per adapter with the (identity, storage, version) of the B it was computed from; see _right_basis
         self._riemannion_B_R: dict[str, tuple[tuple[int, int, int], torch.Tensor]] = {}
+        #: Cache B_R between forward passes (see _right_basis). The Riemannion optimizer turns it off for FSDP2-sharded
+        #: adapters: FSDP2 refills the forward's unsharded B in place and keeps its version counter, so the cache key
+        #: could not see a new B.
+        self.cache_right_basis = True
 
     def update_layer(self, adapter_name: str, config: RiemannionConfig, inference_mode: bool = False) -> None:
         """Add (or re-create) adapter ``adapter_name`` from ``config``.
@@ -80,12 +84,15 @@ class RiemannionLayer(AdapterLayer):
         self.r[adapter_name] = r
         self._riemannion_B_R.pop(adapter_name, None)
         point = random_point(m, n, r, config.resolved_init_scale)
-        self.riemannion_A[adapter_name] = nn.Parameter(point.A)
-        self.riemannion_B[adapter_name] = nn.Parameter(point.B)
+        # QR returns column-major factors; FSDP2 (fully_shard) shards only contiguous parameters, and every later
+        # write (optimizer step, LOI, load_state_dict) copies into the parameter, keeping its layout
+        A, B = point.A.contiguous(), point.B.contiguous()
+        self.riemannion_A[adapter_name] = nn.Parameter(A)
+        self.riemannion_B[adapter_name] = nn.Parameter(B)
         self.riemannion_Z[adapter_name] = nn.Parameter(torch.zeros(m, r))
         if config.init_weights:
-            self.riemannion_X0_A[adapter_name] = point.A.clone()
-            self.riemannion_X0_B[adapter_name] = point.B.clone()
+            self.riemannion_X0_A[adapter_name] = A.clone()
+            self.riemannion_X0_B[adapter_name] = B.clone()
         else:
             self.riemannion_X0_A[adapter_name] = torch.zeros(m, r)
             self.riemannion_X0_B[adapter_name] = torch.zeros(n, r)
@@ -106,6 +113,9 @@ class RiemannionLayer(AdapterLayer):
         sides use the same basis.
         """
         B = self.riemannion_B[adapter_name]
+        if not self.cache_right_basis:
+            with torch.no_grad():
+                return right_basis(B)
         key = (id(B), B.data_ptr(), B._version)
         cached = self._riemannion_B_R.get(adapter_name)
         if cached is None or cached[0] != key or cached[1].dtype != B.dtype:

@@ -27,7 +27,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from ...distributed import all_reduce_
+from ...distributed import all_reduce_, write_full_
 from .layer import AdapterRef, find_adapters
 
 __all__ = ["LoiResult", "backprop_rsvd", "initialize_loi"]
@@ -151,8 +151,9 @@ def initialize_loi(
 
     Under ``torch.distributed`` (DDP) every process passes its own calibration batches and the probes' gradients are
     averaged over the processes, so all of them reach the same point (that of G over all batches, with each process's
-    batches weighted equally). Every process must call it, with the same number of layers and ``seed``. The base
-    weights and the adapter factors must be whole on every process (not FSDP/ZeRO-3 shards).
+    batches weighted equally). Every process must call it, with the same number of layers and ``seed``. Under FSDP2
+    (``fully_shard``) it works before or after sharding: the probes are outside the sharded parameters and each
+    process writes its rows of the new factors. DeepSpeed ZeRO-3 partitions are not supported.
 
     Args:
         model: A model with Riemannion adapters (e.g. the ``PeftModel`` from ``get_peft_model``).
@@ -249,8 +250,9 @@ def initialize_loi(
             U, S, V = svds[ref.layer_name]
             scale = init_scale if init_scale is not None else _config_init_scale(model, ref)
             A, B = U[:, :r], V[:, r:] * scale
-            ref.A.copy_(A)
-            ref.B.copy_(B)
+            # an FSDP2-sharded factor gets its rows of the point (the same on every process)
+            write_full_(ref.A, A)
+            write_full_(ref.B, B)
             ref.Z.zero_()
             ref.layer.riemannion_X0_A[ref.adapter_name].copy_(A)
             ref.layer.riemannion_X0_B[ref.adapter_name].copy_(B)

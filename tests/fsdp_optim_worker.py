@@ -1,0 +1,197 @@
+"""Worker of tests/test_fsdp_optim.py: the Riemannion and DCT-AdamW optimizers on FSDP2 shards (gloo, CPU).
+
+Run as ``torchrun --standalone --nproc_per_node=2 tests/fsdp_optim_worker.py OUT_DIR``; every rank writes
+``rank{R}.pt``. Each case is a function ``case(part, shard)``: ``shard=True`` puts the model under
+``fully_shard`` on a 2-process CPU mesh and trains on this rank's half (``part``) of every global batch; the test
+runs the same function in one process with ``part=slice(None)``, ``shard=False`` and compares. FSDP2 averages the
+gradients over the processes, so with equal halves both see the gradient of the whole batch.
+
+Cases: Riemannion adapters (LOI after sharding, then the Riemannion optimizer) on a tiny Llama; LoRA with an uneven
+row count (r = 5) + DCT-AdamW; DCT-AdamW on a plain MLP whose first weight has 45 rows (23 + 22 per rank). The
+optimizer steps are split in two halves with a save / load of every rank's own state in between (a fresh model and
+optimizer continue), so the comparison also covers an exact resume.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from peft import LoraConfig, get_peft_model
+from torch import nn
+
+from peft_ext import RiemannionConfig
+from peft_ext.distributed import full_tensor, local_part
+from peft_ext.models import tiny_llama
+from peft_ext.optim import DCTAdamW, create_riemannion_optimizer
+from peft_ext.tuners.riemannion import find_adapters, initialize_loi
+
+STEPS, ROWS, SEQ, VOCAB = 4, 8, 8, 128  # ROWS: the global batch; each of 2 ranks gets ROWS // 2
+
+
+def tokens(seed: int, n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (ROWS, SEQ), generator=g) for _ in range(n)]
+
+
+def shard_model(model: nn.Module, blocks: list[nn.Module]) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def moment_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of this process's optimizer-state tensors."""
+    return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+
+
+def reload(optimizer: torch.optim.Optimizer) -> dict:
+    """This rank's optimizer state, saved and loaded back as a checkpoint would be (weights_only)."""
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def train_resumed(
+    build: Callable[[], tuple[nn.Module, torch.optim.Optimizer]],
+    loss_of: Callable[[nn.Module, Any], torch.Tensor],
+    batches: list[Any],
+) -> tuple[nn.Module, torch.optim.Optimizer, int]:
+    """Half the steps, save this rank's parameters (its shards) and optimizer state, build afresh, load, finish.
+
+    Returns the resumed model and optimizer and the optimizer-state bytes after the first half."""
+    model, optimizer = build()
+    half = len(batches) // 2
+
+    def steps(model: nn.Module, optimizer: torch.optim.Optimizer, xs: list[Any]) -> None:
+        for x in xs:
+            optimizer.zero_grad()
+            loss_of(model, x).backward()
+            optimizer.step()
+
+    steps(model, optimizer, batches[:half])
+    saved_params = {n: local_part(p).detach().clone() for n, p in model.named_parameters()}
+    saved_buffers = {n: b.clone() for n, b in model.named_buffers()}
+    saved_state, state_bytes = reload(optimizer), moment_bytes(optimizer)
+    model, optimizer = build()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            local_part(p).copy_(saved_params[n])
+        for n, b in model.named_buffers():
+            b.copy_(saved_buffers[n])
+    optimizer.load_state_dict(saved_state)
+    steps(model, optimizer, batches[half:])
+    return model, optimizer, state_bytes
+
+
+def whole_state(model: nn.Module, keep: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+    return {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters() if keep(n)}
+
+
+def riemannion(part: slice, shard: bool) -> dict:
+    """LOI (after sharding) and Riemannion steps on a tiny Llama, every attention and MLP projection adapted."""
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = get_peft_model(tiny_llama(), RiemannionConfig(r=2, target_modules=targets))
+        if shard:
+            shard_model(model, list(model.base_model.model.model.layers))
+        initialize_loi(model, [{"input_ids": x[part], "labels": x[part]} for x in tokens(1, 2)])
+        return model, create_riemannion_optimizer(model, lr=0.05)
+
+    def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=x[part], labels=x[part]).loss
+
+    model, optimizer, state_bytes = train_resumed(build, loss_of, tokens(2, STEPS))
+    with torch.no_grad():
+        points = {
+            ref.layer_name: full_tensor(ref.A.detach()) @ full_tensor(ref.B.detach()).mT for ref in find_adapters(model)
+        }
+        logits = model(input_ids=tokens(99, 1)[0][:2]).logits  # every rank the same 2 rows
+    contiguous = all(local_part(p).is_contiguous() for p in model.parameters())
+    return {"points": points, "logits": logits, "contiguous": contiguous, "state_bytes": state_bytes}
+
+
+def lora_dct(part: slice, shard: bool) -> dict:
+    """LoRA (r = 5: A has 5 rows, 3 + 2 per rank) on a tiny Llama, trained with DCT-AdamW."""
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        config = LoraConfig(r=5, lora_alpha=10, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
+        model = get_peft_model(tiny_llama(), config)
+        if shard:
+            shard_model(model, list(model.base_model.model.model.layers))
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        # one process chooses the right projection itself; an FSDP2 shard gets it from side="auto"
+        side = "auto" if shard else "right"
+        return model, DCTAdamW(named, lr=1e-2, rank=4, error_feedback=True, side=side)
+
+    def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=x[part], labels=x[part]).loss
+
+    model, optimizer, state_bytes = train_resumed(build, loss_of, tokens(3, STEPS))
+    indices = {n: optimizer.state[p]["indices"].tolist() for n, p in model.named_parameters() if p in optimizer.state}
+    return {"state": whole_state(model, lambda n: "lora_" in n), "indices": indices, "state_bytes": state_bytes}
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(24, 45), nn.Tanh(), nn.Linear(45, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def full_dct(part: slice, shard: bool) -> dict:
+    """DCT-AdamW on a plain MLP (no PEFT): weights of 45 (uneven: 23 + 22) and 16 rows projected, the rest AdamW."""
+    gen = torch.Generator().manual_seed(5)
+    xs, ys = torch.randn(STEPS, 16, 24, generator=gen), torch.randint(0, 3, (STEPS, 16), generator=gen)
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = mlp()
+        if shard:
+            shard_model(model, [model[0], model[2]])
+        # the 16 x 45 weight is wider than tall: "auto" projects it from the left in one process
+        options = {"lr": 1e-2, "rank": 6, "target_modules": ["0", "2"], "side": "auto" if shard else "right"}
+        return model, DCTAdamW(model.named_parameters(), **options)
+
+    def loss_of(model: nn.Module, step: int) -> torch.Tensor:
+        # the 16 rows split 8 + 8; ``part`` is in units of the global batch of ROWS = 8, so scale it
+        rows = slice(None) if part == slice(None) else slice(2 * part.start, 2 * part.stop)
+        return F.cross_entropy(model(xs[step][rows]), ys[step][rows])
+
+    model, optimizer, state_bytes = train_resumed(build, loss_of, list(range(STEPS)))
+    first = model[0].weight
+    projected = optimizer.state[first]
+    return {
+        "state": whole_state(model, lambda n: True),
+        "indices": projected["indices"].tolist(),
+        "state_bytes": state_bytes,
+        "first_moment_rows": projected["exp_avg"].shape[0],
+    }
+
+
+CASES = {"riemannion": riemannion, "lora_dct": lora_dct, "full_dct": full_dct}
+
+
+def main(out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = ROWS // world
+    part = slice(rank * per_rank, (rank + 1) * per_rank)
+    results = {name: case(part, shard=True) for name, case in CASES.items()}
+    torch.save({"world": world, **results}, Path(out_dir) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

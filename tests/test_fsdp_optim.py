@@ -1,0 +1,70 @@
+"""The Riemannion and DCT-AdamW optimizers under FSDP2 (``fully_shard``): ``torchrun --nproc_per_node=2``, gloo, CPU.
+
+Two ranks, each on its half of every batch, equal one process on the whole batches to fp32 tolerance after several
+steps and a save / load of each rank's state in the middle (tests/fsdp_optim_worker.py); DCT-AdamW's moments are
+split by rows (each rank holds about half of one process's). One torchrun launch for the module.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from . import fsdp_optim_worker as worker
+from .helpers import torchrun_ranks
+from .single_thread import single_thread  # noqa: F401  (fixture)
+
+pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("single_thread")]
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return torchrun_ranks(ROOT / "tests" / "fsdp_optim_worker.py", tmp_path_factory.mktemp("fsdp"), pytest.fail)
+
+
+@pytest.fixture(scope="module")
+def single():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {name: case(slice(None), shard=False) for name, case in worker.CASES.items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_riemannion_two_shards_equal_one_process(ranks, single):
+    one = single["riemannion"]
+    for rank in ranks:
+        assert rank["world"] == 2 and rank["riemannion"]["contiguous"]
+        for layer, X in one["points"].items():
+            torch.testing.assert_close(rank["riemannion"]["points"][layer], X, **TOL, msg=layer)
+        # the points agree to 1e-6; two decoder layers on top of them round further
+        torch.testing.assert_close(rank["riemannion"]["logits"], one["logits"], rtol=1e-5, atol=1e-5)
+    # the momentum is kept whole on every rank (the factors are gathered for the step anyway)
+    assert ranks[0]["riemannion"]["state_bytes"] == ranks[1]["riemannion"]["state_bytes"] == one["state_bytes"]
+
+
+@pytest.mark.parametrize("case", ["lora_dct", "full_dct"])
+def test_dct_adamw_row_shards_equal_one_process(ranks, single, case):
+    one = single[case]
+    for rank in ranks:
+        assert rank[case]["indices"] == one["indices"], "every rank must select the columns one process selects"
+        for name, value in one["state"].items():
+            torch.testing.assert_close(rank[case]["state"][name], value, **TOL, msg=name)
+
+
+@pytest.mark.parametrize("case", ["lora_dct", "full_dct"])
+def test_dct_adamw_moments_are_split_by_rows(ranks, single, case):
+    per_rank = [rank[case]["state_bytes"] for rank in ranks]
+    whole = single[case]["state_bytes"]
+    # rows split 23 + 22 (full_dct's first weight) or 3 + 2 (LoRA A with r = 5); the column indices are replicated
+    assert abs(sum(per_rank) - whole) <= 0.05 * whole, (per_rank, whole)
+    for part in per_rank:
+        assert 0.4 * whole < part < 0.6 * whole, (part, whole)
+    if case == "full_dct":
+        assert sorted(rank[case]["first_moment_rows"] for rank in ranks) == [22, 23]
