@@ -67,8 +67,10 @@ def train_resumed(
     build: Callable[[], tuple[nn.Module, torch.optim.Optimizer]],
     loss_of: Callable[[nn.Module, Any], torch.Tensor],
     batches: list[Any],
+    resume: bool = True,
 ) -> tuple[nn.Module, torch.optim.Optimizer, int]:
-    """Half the steps, save this rank's parameters (its shards) and optimizer state, build afresh, load, finish.
+    """Half the steps, save this rank's parameters (its shards) and optimizer state, build afresh, load, finish
+    (``resume=False``: the same steps without the save / load).
 
     Returns the resumed model and optimizer and the optimizer-state bytes after the first half."""
     model, optimizer = build()
@@ -84,6 +86,9 @@ def train_resumed(
     saved_params = {n: local_part(p).detach().clone() for n, p in model.named_parameters()}
     saved_buffers = {n: b.clone() for n, b in model.named_buffers()}
     saved_state, state_bytes = reload(optimizer), moment_bytes(optimizer)
+    if not resume:
+        steps(model, optimizer, batches[half:])
+        return model, optimizer, state_bytes
     model, optimizer = build()
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -99,7 +104,7 @@ def whole_state(model: nn.Module, keep: Callable[[str], bool]) -> dict[str, torc
     return {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters() if keep(n)}
 
 
-def riemannion(part: slice, shard: bool) -> dict:
+def riemannion(part: slice, shard: bool, resume: bool = True) -> dict:
     """LOI (after sharding) and Riemannion steps on a tiny Llama, every attention and MLP projection adapted."""
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -113,7 +118,7 @@ def riemannion(part: slice, shard: bool) -> dict:
     def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return model(input_ids=x[part], labels=x[part]).loss
 
-    model, optimizer, state_bytes = train_resumed(build, loss_of, tokens(2, STEPS))
+    model, optimizer, state_bytes = train_resumed(build, loss_of, tokens(2, STEPS), resume)
     with torch.no_grad():
         points = {
             ref.layer_name: full_tensor(ref.A.detach()) @ full_tensor(ref.B.detach()).mT for ref in find_adapters(model)
@@ -149,7 +154,7 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(24, 45), nn.Tanh(), nn.Linear(45, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
-def full_dct(part: slice, shard: bool) -> dict:
+def full_dct(part: slice, shard: bool, resume: bool = True) -> dict:
     """DCT-AdamW on a plain MLP (no PEFT): weights of 45 (uneven: 23 + 22) and 16 rows projected, the rest AdamW."""
     gen = torch.Generator().manual_seed(5)
     xs, ys = torch.randn(STEPS, 16, 24, generator=gen), torch.randint(0, 3, (STEPS, 16), generator=gen)
@@ -167,7 +172,7 @@ def full_dct(part: slice, shard: bool) -> dict:
         rows = slice(None) if part == slice(None) else slice(2 * part.start, 2 * part.stop)
         return F.cross_entropy(model(xs[step][rows]), ys[step][rows])
 
-    model, optimizer, state_bytes = train_resumed(build, loss_of, list(range(STEPS)))
+    model, optimizer, state_bytes = train_resumed(build, loss_of, list(range(STEPS)), resume)
     first = model[0].weight
     projected = optimizer.state[first]
     return {
@@ -188,6 +193,8 @@ def main(out_dir: str) -> None:
     per_rank = ROWS // world
     part = slice(rank * per_rank, (rank + 1) * per_rank)
     results = {name: case(part, shard=True) for name, case in CASES.items()}
+    # the same runs without the save / load in the middle: a resumed run must continue bit for bit
+    results["uninterrupted"] = {name: CASES[name](part, shard=True, resume=False) for name in ("riemannion", "full_dct")}
     torch.save({"world": world, **results}, Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()

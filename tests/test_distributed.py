@@ -1,8 +1,8 @@
 """Riemannion (+ LOI), DCT-AdamW, SplitLoRA and PCLR under DDP: ``torchrun --nproc_per_node=2`` (gloo, CPU).
 
 After training, every parameter and buffer is bit-identical across the ranks and equal (to rounding) to one process
-on the whole batches. Also: the optimizers that need whole matrices refuse FSDP2 DTensors and DeepSpeed ZeRO
-parameters with a ``ValueError`` instead of training on shards.
+on the whole batches. Also: the optimizers refuse layouts they cannot use (DTensor column shards, DeepSpeed ZeRO)
+with a ``ValueError`` instead of training on them; FSDP2 row shards are tested in tests/test_fsdp_optim.py.
 """
 
 from __future__ import annotations
@@ -130,24 +130,28 @@ def _riemannion_model() -> nn.Module:
 
 
 @pytest.mark.distributed
-def test_dtensor_parameters_are_refused(one_process_group):
+def test_layouts_other_than_row_shards_are_refused(one_process_group):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (1,))
-    shard = nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(0)]))
-    with pytest.raises(ValueError, match=r"DCTAdamW got `w` \(shape \(8, 6\)\) as a FSDP2/DTensor shard.*Distributed"):
-        DCTAdamW([("w", shard)], rank=2)
+    columns = nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(1)]))
+    with pytest.raises(ValueError, match=r"DCTAdamW got `w` \(shape \(8, 6\)\) as a DTensor with placements "
+                       r"\(Shard\(dim=1\),\).*Shard\(0\).*fully_shard's default"):
+        DCTAdamW([("w", columns)], rank=2)
+    rows = nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(0)]))
+    DCTAdamW([("w", rows)], rank=2)  # FSDP2's layout: accepted
+    with pytest.raises(ValueError, match=r"side='left' transforms over the rows of `w`.*'auto' or 'right'"):
+        DCTAdamW([("w", rows)], rank=2, side="left")
 
     model = _riemannion_model()
     ref = next(m for n, m in model.named_modules() if n.endswith("q_proj"))
-    ref.riemannion_B["default"] = nn.Parameter(
-        distribute_tensor(ref.riemannion_B["default"].detach(), mesh, [Shard(0)])
-    )
-    with pytest.raises(
-        ValueError, match=r"Riemannion got `.*riemannion_B.default` .* FSDP2/DTensor shard.*retraction"
-    ):
+    B = ref.riemannion_B["default"]
+    ref.riemannion_B["default"] = nn.Parameter(distribute_tensor(B.detach(), mesh, [Shard(1)]))
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "riemannion_A" in n}
+    with pytest.raises(ValueError, match=r"Riemannion got `.*riemannion_B.default` .*Shard\(dim=1\).*retraction"):
         Riemannion(model)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if n in before)
 
 
 @pytest.mark.parametrize("make", ["dct", "riemannion"])

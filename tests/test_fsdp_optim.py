@@ -68,3 +68,14 @@ def test_dct_adamw_moments_are_split_by_rows(ranks, single, case):
         assert 0.4 * whole < part < 0.6 * whole, (part, whole)
     if case == "full_dct":
         assert sorted(rank[case]["first_moment_rows"] for rank in ranks) == [22, 23]
+
+
+def test_resuming_each_ranks_saved_state_continues_exactly(ranks):
+    # each rank saved its own parameter shards and optimizer state (torch.save, loaded with weights_only=True)
+    for rank in ranks:
+        straight = rank["uninterrupted"]
+        for name, value in straight["full_dct"]["state"].items():
+            assert torch.equal(rank["full_dct"]["state"][name], value), name
+        for layer, X in straight["riemannion"]["points"].items():
+            assert torch.equal(rank["riemannion"]["points"][layer], X), layer
+        assert torch.equal(rank["riemannion"]["logits"], straight["riemannion"]["logits"])
