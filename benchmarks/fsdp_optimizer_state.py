@@ -186,7 +186,7 @@ def main() -> None:
         mp.spawn(_worker, args=(2, str(Path(tmp) / "store"), tmp), nprocs=2, join=True)
         ranks = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
-    print(f"tiny Llama: hidden {HIDDEN}, {LAYERS} layers, vocab {VOCAB}; rank {RANK}; FSDP2 over 2 ranks (gloo, CPU)\n")
+    print(f"tiny Llama: hidden {HIDDEN}, {LAYERS} layers, vocab {VOCAB}; rank {RANK}; FSDP2, 2 ranks (gloo, CPU)\n")
     how = {
         "AdamW": "elementwise: each rank its rows",
         "DCT-AdamW": "DCT of each rank's own rows; only the column scores are all-reduced",
@@ -205,8 +205,10 @@ def main() -> None:
             cells += [f"fails: `{error}`", "", "", "needs the whole matrix (SVD)"]
         print("| " + " | ".join(cells) + " |")
     r1, r2 = one["riemannion"], ranks[0]["riemannion"]
-    print(f"\nRiemannion step ({r1['adapters']} adapters, r = {RANK // 2}): whole factors + gradients "
-          f"{_fmt(r2['factor_bytes'])}, gathered per rank per step {_fmt(r2['gathered_bytes'])}\n")
+    print(
+        f"\nRiemannion step ({r1['adapters']} adapters, r = {RANK // 2}): whole factors + gradients "
+        f"{_fmt(r2['factor_bytes'])}, gathered per rank per step {_fmt(r2['gathered_bytes'])}\n"
+    )
     print("| | 1 process | 2 ranks (FSDP2) |")
     print("|---|---:|---:|")
     print(f"| `step()` time (median) | {r1['step_s'] * 1e3:.1f} ms | {r2['step_s'] * 1e3:.1f} ms |")

@@ -5,6 +5,10 @@ PCLR's query prototypes, contribution scores and distillation gradients) would o
 rank's local data only, so the ranks would diverge or silently use a fraction of the data. Every helper here is a
 no-op when ``torch.distributed`` is not initialized or has one process. docs/distributed.md says which method uses
 which.
+
+The second half serves optimizers on FSDP2 row shards (DTensors): the local part, the whole tensor, writing a whole
+value back as shards, reducing per-column partial results over the processes that hold different rows, and the
+layout check that refuses everything else.
 """
 
 from __future__ import annotations

@@ -52,7 +52,9 @@ def shard_model(model: nn.Module, blocks: list[nn.Module]) -> None:
 
 def moment_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of this process's optimizer-state tensors."""
-    return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+    return sum(
+        t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)
+    )
 
 
 def reload(optimizer: torch.optim.Optimizer) -> dict:
@@ -121,7 +123,8 @@ def riemannion(part: slice, shard: bool, resume: bool = True) -> dict:
     model, optimizer, state_bytes = train_resumed(build, loss_of, tokens(2, STEPS), resume)
     with torch.no_grad():
         points = {
-            ref.layer_name: full_tensor(ref.A.detach()) @ full_tensor(ref.B.detach()).mT for ref in find_adapters(model)
+            ref.layer_name: full_tensor(ref.A.detach()) @ full_tensor(ref.B.detach()).mT
+            for ref in find_adapters(model)
         }
         logits = model(input_ids=tokens(99, 1)[0][:2]).logits  # every rank the same 2 rows
     contiguous = all(local_part(p).is_contiguous() for p in model.parameters())
@@ -194,7 +197,9 @@ def main(out_dir: str) -> None:
     part = slice(rank * per_rank, (rank + 1) * per_rank)
     results = {name: case(part, shard=True) for name, case in CASES.items()}
     # the same runs without the save / load in the middle: a resumed run must continue bit for bit
-    results["uninterrupted"] = {name: CASES[name](part, shard=True, resume=False) for name in ("riemannion", "full_dct")}
+    results["uninterrupted"] = {
+        name: CASES[name](part, shard=True, resume=False) for name in ("riemannion", "full_dct")
+    }
     torch.save({"world": world, **results}, Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()

@@ -136,8 +136,11 @@ def test_layouts_other_than_row_shards_are_refused(one_process_group):
 
     mesh = init_device_mesh("cpu", (1,))
     columns = nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(1)]))
-    with pytest.raises(ValueError, match=r"DCTAdamW got `w` \(shape \(8, 6\)\) as a DTensor with placements "
-                       r"\(Shard\(dim=1\),\).*Shard\(0\).*fully_shard's default"):
+    with pytest.raises(
+        ValueError,
+        match=r"DCTAdamW got `w` \(shape \(8, 6\)\) as a DTensor with placements "
+        r"\(Shard\(dim=1\),\).*Shard\(0\).*fully_shard's default",
+    ):
         DCTAdamW([("w", columns)], rank=2)
     rows = nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(0)]))
     DCTAdamW([("w", rows)], rank=2)  # FSDP2's layout: accepted

@@ -15,6 +15,9 @@ Against GaLore (the usual alternative), what changes for a user:
 * Data parallel: the selection is a deterministic function of the (all-reduced) gradient, and with
   ``torch.distributed`` initialized the indices are also broadcast from rank 0, so every rank applies the same
   update.
+* FSDP2 (``fully_shard``): each rank projects its own rows of a row-sharded matrix (the DCT runs along the columns)
+  and only the ``C`` column scores are all-reduced, so no gradient is gathered and the moments stay sharded (about
+  ``1 / world`` per rank). GaLore's SVD needs the whole matrix (docs/dct_adamw.md, "FSDP2").
 """
 
 from __future__ import annotations
@@ -147,8 +150,8 @@ def _check_group(group: dict[str, Any]) -> None:
         for name, p in zip(names, group["params"]):
             if p.ndim == 2 and is_row_sharded(p) and any(pl.is_shard(0) for pl in p.placements):
                 raise ValueError(
-                    f"DCTAdamW: side='left' transforms over the rows of `{name}` (shape {tuple(p.shape)}), which FSDP2 "
-                    "splits across processes; use side='auto' or 'right' (each process projects its own rows)"
+                    f"DCTAdamW: side='left' transforms over the rows of `{name}` (shape {tuple(p.shape)}), which "
+                    "FSDP2 splits across processes; use side='auto' or 'right' (each process projects its own rows)"
                 )
 
 
@@ -165,8 +168,8 @@ class DCTAdamW(Optimizer):
     When to use it: full fine-tuning or pre-training where Adam's moments dominate memory and GaLore's SVD refresh is
     too slow or its state cannot be checkpointed. When not to: tiny models (the projection saves nothing worth its
     approximation), LoRA-style adapters whose matrices already have a dimension of ``r`` (nothing to compress), or
-    FSDP/tensor-parallel or DeepSpeed ZeRO training (sharded or flattened parameters are rejected with a
-    ``ValueError``; DDP is supported, see docs/distributed.md).
+    tensor-parallel / DeepSpeed ZeRO training (column shards and flat partitions are rejected with a ``ValueError``;
+    DDP and FSDP2's row shards are supported, see docs/distributed.md).
 
     Decisions the paper leaves open, and what this implementation does:
 

@@ -106,9 +106,15 @@ class Riemannion(Optimizer):
     Raises:
         TypeError: If the model is not given.
         ValueError: On invalid hyperparameters, on non-adapter parameters in a ``"manifold": True`` group, on split
-            adapters, on adapters that are off the manifold (``A`` not orthonormal or ``Z`` nonzero), and on sharded
-            parameters (FSDP2 DTensors, DeepSpeed ZeRO-3; ``step`` also refuses parameters that DeepSpeed ZeRO
-            replaced with flat partitions): use DistributedDataParallel (docs/distributed.md).
+            adapters, on adapters that are off the manifold (``A`` not orthonormal or ``Z`` nonzero), and on layouts
+            it cannot use (DTensor placements other than FSDP2's ``Shard(0)`` / ``Replicate()``, DeepSpeed ZeRO-3;
+            ``step`` also refuses parameters that DeepSpeed ZeRO replaced with flat partitions): use FSDP2 or DDP
+            (docs/distributed.md).
+
+    FSDP2 (``fully_shard``): every step all-gathers each adapter's ``A``, ``B`` and the gradients of ``Z`` and ``B``
+    (``(m + n) x r`` each), runs the step above on the whole factors identically on every process and writes back
+    each process's rows. The momentum is kept whole on every process (the same there); the AdamW state is the
+    shard's.
     """
 
     def __init__(
