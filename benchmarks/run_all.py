@@ -110,6 +110,15 @@ ENTRIES: tuple[Entry, ...] = (
         "rank, step time; one epoch of fine-tuning (docs/dct_adamw.md has the full run).",
     ),
     Entry(
+        "fsdp_state",
+        "Optimizer state per rank under FSDP2 (2 ranks) and Riemannion's gather cost",
+        ("benchmarks/fsdp_optimizer_state.py", "--json", "runs/benchmarks/fsdp_state.json"),
+        2,
+        "Full fine-tuning of a tiny Llama (hidden 256) sharded with fully_shard over 2 gloo processes on CPU: AdamW, "
+        "DCT-AdamW and GaLore-AdamW state per rank against one process; Riemannion's optimizer step with its per-step "
+        "gathers (docs/dct_adamw.md, docs/riemannion.md).",
+    ),
+    Entry(
         "mora",
         "MoRA with missing modalities (emoji image-text pairs)",
         (
