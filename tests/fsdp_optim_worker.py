@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -189,6 +190,32 @@ def full_dct(part: slice, shard: bool, resume: bool = True) -> dict:
 CASES = {"riemannion": riemannion, "lora_dct": lora_dct, "full_dct": full_dct}
 
 
+def nonfinite_on_one_rank(rank: int) -> dict:
+    """A NaN in rank 1's rows of one gradient: with ``skip`` every rank must skip the step (or all would diverge)."""
+    skipped = {}
+    model = mlp()
+    shard_model(model, [model[0], model[2]])
+    dct = DCTAdamW(model.named_parameters(), lr=1e-2, rank=4, nonfinite_grad="skip")
+    peft_model = get_peft_model(tiny_llama(num_layers=1), RiemannionConfig(r=2, target_modules=["q_proj"]))
+    shard_model(peft_model, list(peft_model.base_model.model.model.layers))
+    riem = create_riemannion_optimizer(peft_model, lr=0.05, nonfinite="skip")
+    for label, net, optimizer, loss in (
+        ("dct", model, dct, lambda: model(torch.randn(4, 24)).sum()),
+        ("riemannion", peft_model, riem, lambda: peft_model(input_ids=tokens(0, 1)[0], labels=tokens(0, 1)[0]).loss),
+    ):
+        before = [local_part(p).detach().clone() for p in net.parameters()]
+        loss().backward()
+        if rank == 1:
+            grad = next(local_part(p.grad) for p in net.parameters() if p.grad is not None and p.ndim == 2)
+            grad.view(-1)[0] = float("nan")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            optimizer.step()
+        unchanged = all(torch.equal(local_part(p).detach(), b) for p, b in zip(net.parameters(), before))
+        skipped[label] = {"unchanged": unchanged, "skipped": int(optimizer.skipped_steps)}
+    return skipped
+
+
 def main(out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -200,6 +227,7 @@ def main(out_dir: str) -> None:
     results["uninterrupted"] = {
         name: CASES[name](part, shard=True, resume=False) for name in ("riemannion", "full_dct")
     }
+    results["nonfinite"] = nonfinite_on_one_rank(rank)
     torch.save({"world": world, **results}, Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()

@@ -79,3 +79,10 @@ def test_resuming_each_ranks_saved_state_continues_exactly(ranks):
         for layer, X in straight["riemannion"]["points"].items():
             assert torch.equal(rank["riemannion"]["points"][layer], X), layer
         assert torch.equal(rank["riemannion"]["logits"], straight["riemannion"]["logits"])
+
+
+def test_a_nonfinite_gradient_on_one_rank_skips_the_step_everywhere(ranks):
+    # only rank 1's rows hold the NaN; rank 0 must skip too, or the shards of one step would be half applied
+    for rank in ranks:
+        for optimizer in ("dct", "riemannion"):
+            assert rank["nonfinite"][optimizer] == {"unchanged": True, "skipped": 1}, (optimizer, rank["nonfinite"])
