@@ -150,6 +150,9 @@ def test_layouts_other_than_row_shards_are_refused(one_process_group):
     model = _riemannion_model()
     ref = next(m for n, m in model.named_modules() if n.endswith("q_proj"))
     B = ref.riemannion_B["default"]
+    ref.riemannion_B["default"] = nn.Parameter(distribute_tensor(B.detach(), mesh, [Shard(0)]))
+    Riemannion(model)  # FSDP2's layout: accepted; the layer stops caching B_R (FSDP2 refills B behind its version)
+    assert ref.cache_right_basis is False
     ref.riemannion_B["default"] = nn.Parameter(distribute_tensor(B.detach(), mesh, [Shard(1)]))
     before = {n: p.detach().clone() for n, p in model.named_parameters() if "riemannion_A" in n}
     with pytest.raises(ValueError, match=r"Riemannion got `.*riemannion_B.default` .*Shard\(dim=1\).*retraction"):

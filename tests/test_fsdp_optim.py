@@ -11,6 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from peft import get_peft_model
+
+from peft_ext import RiemannionConfig
+from peft_ext.models import tiny_llama
+from peft_ext.tuners.riemannion import find_adapters
 
 from . import fsdp_optim_worker as worker
 from .helpers import torchrun_ranks
@@ -86,3 +91,26 @@ def test_a_nonfinite_gradient_on_one_rank_skips_the_step_everywhere(ranks):
     for rank in ranks:
         for optimizer in ("dct", "riemannion"):
             assert rank["nonfinite"][optimizer] == {"unchanged": True, "skipped": 1}, (optimizer, rank["nonfinite"])
+
+
+def test_without_the_cache_the_forward_sees_a_b_changed_behind_its_version_counter():
+    # what FSDP2 does to the forward's unsharded B: same tensor, new values, same version (and often the same address)
+    model = get_peft_model(tiny_llama(num_layers=1), RiemannionConfig(r=2, target_modules=["q_proj"]))
+    ref = find_adapters(model)[0]
+    ids = torch.randint(0, 128, (1, 6))
+    for cache, fresh in ((True, False), (False, True)):
+        ref.layer.cache_right_basis = cache
+        model(input_ids=ids)
+        stale = ref.layer.get_right_basis("default") if cache else None
+        ref.B.data.copy_(torch.randn_like(ref.B))  # .data: the version counter does not move
+        seen = {}
+        hook = ref.layer.register_forward_hook(
+            lambda layer, *_, seen=seen: seen.update(B_R=layer.get_right_basis("default"))
+        )
+        model(input_ids=ids)
+        hook.remove()
+        expected = torch.linalg.qr(ref.B.detach()).Q
+        matches = torch.allclose(seen["B_R"].abs(), expected.abs(), atol=1e-5)
+        assert matches is fresh, (cache, matches)
+        if cache:
+            assert torch.equal(seen["B_R"], stale)
