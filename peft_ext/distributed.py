@@ -22,6 +22,7 @@ __all__ = [
     "ROW_SHARDED",
     "all_reduce_",
     "all_reduce_over_row_shards_",
+    "all_shards_agree",
     "average_gradients",
     "broadcast_",
     "check_parameters_unchanged",
@@ -234,6 +235,23 @@ def check_row_sharded(named_params: Iterable[tuple[str, torch.Tensor]], method: 
             f"{method} got `{name}` (shape {tuple(p.shape)}) as {what}; {needs} works on whole tensors and on "
             f"{ROW_SHARDED} only. To train it, {fix}; see docs/distributed.md"
         )
+
+
+def all_shards_agree(flag: bool, params: Iterable[torch.Tensor]) -> bool:
+    """``flag`` and-ed over the processes when any of ``params`` is a DTensor shard (else ``flag`` itself).
+
+    A check of local rows (e.g. "every gradient entry is finite") must reach the same verdict on every process, or
+    some would step and others skip.
+
+    Args:
+        flag: This process's verdict.
+        params: The parameters it is about; every process must pass the same ones (a collective may run).
+    """
+    if not any(is_row_sharded(p) for p in params):
+        return flag
+    failed = torch.tensor([0.0 if flag else 1.0], dtype=torch.float64)
+    all_reduce_([failed])
+    return failed.item() == 0
 
 
 def all_reduce_over_row_shards_(t: torch.Tensor, op: str = "sum", *, like: torch.Tensor) -> None:

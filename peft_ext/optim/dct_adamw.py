@@ -36,8 +36,8 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from ..distributed import (
-    all_reduce_,
     all_reduce_over_row_shards_,
+    all_shards_agree,
     check_parameters_unchanged,
     check_row_sharded,
     is_row_sharded,
@@ -374,12 +374,8 @@ class DCTAdamW(Optimizer):
             if grad.numel():
                 per_device.setdefault(grad.device, []).append(torch.stack(torch.aminmax(grad.detach())).float())
         finite = all(bool(torch.isfinite(torch.stack(e)).all()) for e in per_device.values())
-        if any(is_row_sharded(p) for _, _, p in items):
-            # every process must skip (or raise) together, though only one may hold the bad rows
-            bad = torch.tensor([0.0 if finite else 1.0], dtype=torch.float64)
-            all_reduce_([bad])
-            finite = bad.item() == 0
-        if finite:
+        # every process must skip (or raise) together, though only one may hold the bad rows
+        if all_shards_agree(finite, [p for _, _, p in items]):
             return True
         culprit = next((item for item in items if not bool(torch.isfinite(local_part(item[2].grad)).all())), None)
         where = self._describe(*culprit) if culprit is not None else "another process's rows of a sharded parameter"

@@ -51,7 +51,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ..distributed import (
-    all_reduce_,
+    all_shards_agree,
     check_parameters_unchanged,
     check_row_sharded,
     full_tensor,
@@ -318,13 +318,9 @@ class Riemannion(Optimizer):
         if not params:
             return None
         # one host sync for the whole model; find the culprit only when something is wrong
-        finite = torch.stack([torch.isfinite(local_part(p.grad)).all() for p in params]).all()
-        if any(is_row_sharded(p) for p in params):
-            # a shard's non-finite entry must stop every process (each holds only its rows of the gradient)
-            bad = (~finite).double().reshape(1)
-            all_reduce_([bad])
-            finite = bad.item() == 0
-        if finite:
+        finite = bool(torch.stack([torch.isfinite(local_part(p.grad)).all() for p in params]).all())
+        # a shard's non-finite entry must stop every process (each holds only its rows of the gradient)
+        if all_shards_agree(finite, params):
             return None
         p = next((p for p in params if not torch.isfinite(local_part(p.grad)).all()), None)
         return self._describe(p) if p is not None else "another process's shard of the gradients"
