@@ -22,8 +22,11 @@ from peft_ext.models import tiny_llama, tiny_qwen2
 from peft_ext.tuners.pclr import default_query, group_layers, routed_as
 from peft_ext.tuners.pclr.router import forward_arguments
 
+from .single_thread import single_thread  # noqa: F401  (fixture)
 from .test_dct_integration import args as trainer_args
 from .tuner_contract import quantize_linears
+
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models; see tests/single_thread.py
 
 VOCAB = 128
 PAD = 0
@@ -241,9 +244,7 @@ def _lm_data(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
         start, step, length = (int(v) for v in torch.randint(1, 9, (3,), generator=gen))
         prompts.append((start + step * torch.arange(max(length, 4))) % (VOCAB - 1) + 1)
     ids, mask = _left_pad(prompts)
-    return [
-        {"input_ids": i, "attention_mask": m, "labels": i.masked_fill(m == 0, -100)} for i, m in zip(ids, mask)
-    ]
+    return [{"input_ids": i, "attention_mask": m, "labels": i.masked_fill(m == 0, -100)} for i, m in zip(ids, mask)]
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -73,8 +73,8 @@ class PCLRModel(AdapterTuner):
     Use it through PEFT: ``get_peft_model(model, PCLRConfig(target_modules=[...]))``. Each forward pass computes one
     query per sample (by default the normalized masked mean of the input token embeddings) in a pre-hook on the
     wrapped model; every layer group then routes each sample to its own top-K ranks. In generation the query of the
-    prompt is kept for the decoding steps (:class:`~.router.RoutingState`; docs/pclr.md). Train the current task's ranks
-    with any optimizer, adding :meth:`query_loss` to the loss so the keys learn; run the task cycle with
+    prompt is kept for the decoding steps (:class:`~.router.RoutingState`; docs/pclr.md). Train the current task's
+    ranks with any optimizer, adding :meth:`query_loss` to the loss so the keys learn; run the task cycle with
     :meth:`begin_task` / :meth:`end_task` (docs/task_cycle.md).
 
     Merging is exact only while routing is static (``top_k`` covers every active rank and prototypes exclude none);
