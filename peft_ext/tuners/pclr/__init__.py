@@ -36,6 +36,7 @@ from .router import (
     allowed_by_prototype,
     default_query,
     find_input_embeddings,
+    forward_arguments,
     query_key_loss,
     select_top_k,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "distill_loss",
     "find_input_embeddings",
     "fold_new_ranks",
+    "forward_arguments",
     "group_layers",
     "importance_scores",
     "integrate",

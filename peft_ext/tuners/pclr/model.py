@@ -19,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
@@ -44,7 +45,7 @@ __all__ = ["PCLRModel"]
 
 
 class _QueryHook:
-    """Forward pre-hook on the wrapped model: computes the routing query once per forward pass.
+    """Forward pre-hook on the wrapped model: chooses the routing query once per forward pass.
 
     A small object rather than a closure so that ``copy.deepcopy`` of the model re-points it at the copied state.
     """
@@ -56,13 +57,24 @@ class _QueryHook:
         self.state.begin(module, args, kwargs)
 
 
+class _CacheHook:
+    """Forward hook on the wrapped model: a KV cache the forward returns keeps its query (hand-written decoding)."""
+
+    def __init__(self, state: RoutingState) -> None:
+        self.state = state
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.state.end(output)
+
+
 class PCLRModel(AdapterTuner):
     """PCLR adapters (a capped, keyed LoRA rank pool; METHODS.md section 3) on a model's linear layers.
 
     Use it through PEFT: ``get_peft_model(model, PCLRConfig(target_modules=[...]))``. Each forward pass computes one
     query per sample (by default the normalized masked mean of the input token embeddings) in a pre-hook on the
-    wrapped model; every layer group then routes each sample to its own top-K ranks. Train the current task's ranks
-    with any optimizer, adding :meth:`query_loss` to the loss so the keys learn; run the task cycle with
+    wrapped model; every layer group then routes each sample to its own top-K ranks. In generation the query of the
+    prompt is kept for the decoding steps (:class:`~.router.RoutingState`; docs/pclr.md). Train the current task's
+    ranks with any optimizer, adding :meth:`query_loss` to the loss so the keys learn; run the task cycle with
     :meth:`begin_task` / :meth:`end_task` (docs/task_cycle.md).
 
     Merging is exact only while routing is static (``top_k`` covers every active rank and prototypes exclude none);
@@ -86,7 +98,15 @@ class PCLRModel(AdapterTuner):
             state = RoutingState()
             self.__dict__["_pclr_routing"] = state
             self.model.register_forward_pre_hook(_QueryHook(state), with_kwargs=True)
+            self.model.register_forward_hook(_CacheHook(state))
         return state
+
+    @contextmanager
+    def _enable_peft_forward_hooks(self, *args: Any, **kwargs: Any) -> Iterator[None]:
+        # PeftModel.forward and PeftModel.generate both run inside this context: one routing session per call, so
+        # every forward pass of one generate call routes by the prompt's query (with or without the KV cache).
+        with self._routing_state().session(), super()._enable_peft_forward_hooks(*args, **kwargs):
+            yield
 
     @property
     def routing_state(self) -> RoutingState:

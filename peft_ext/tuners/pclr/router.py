@@ -1,15 +1,23 @@
-"""PCLR routing: one query per sample and forward pass, hard top-K selection per layer group, the query-key loss.
+"""PCLR routing: one query per sample and prompt, hard top-K selection per layer group, the query-key loss.
 
 METHODS.md section 3: the query is the L2-normalized mean of the input token embeddings (attention-mask aware), each
 rank has a key, the score is ``cos(q, k_i)``, the top-K ranks get a hard gate of 1, and the keys learn only through
 ``1 - cos(q, k)`` over the selected keys. The public code selects once per batch; here every sample has its own
 selection, so a mixed batch of tasks routes each sample as if it ran alone.
+
+The paper routes an instruction by its prompt. In generation the model runs once per new token, so the query of a
+sequence is computed at its prefill and kept for its decoding steps (:meth:`RoutingState.begin`; docs/pclr.md,
+"Routing at inference / generation").
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+import functools
+import inspect
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
@@ -22,6 +30,7 @@ __all__ = [
     "allowed_by_prototype",
     "default_query",
     "find_input_embeddings",
+    "forward_arguments",
     "query_key_loss",
     "select_top_k",
 ]
@@ -45,18 +54,66 @@ def find_input_embeddings(model: nn.Module) -> Optional[nn.Embedding]:
     return None
 
 
+@functools.lru_cache(maxsize=64)
+def _function_signature(function: Callable[..., Any]) -> Optional[inspect.Signature]:
+    # keyed by the class's forward function (never by a bound method, which would keep its model alive)
+    try:
+        return inspect.signature(function)
+    except (TypeError, ValueError):
+        return None
+
+
+def forward_arguments(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Every argument of a call ``model(*args, **kwargs)`` by name: positional arguments are bound to the parameter
+    names of ``model.forward`` (``inspect.signature(...).bind_partial``), a ``**kwargs`` parameter is flattened, extra
+    positional arguments (``*args``) have no name and are left out.
+
+    Falls back to ``kwargs`` alone when the call does not fit the signature (the forward will raise its own error).
+
+    Args:
+        model: The called module.
+        args: Positional arguments of the call.
+        kwargs: Keyword arguments of the call.
+    """
+    if not args:
+        return dict(kwargs)
+    forward = model.forward
+    function = getattr(forward, "__func__", None)
+    if function is not None and getattr(forward, "__self__", None) is model:
+        signature, call_args = _function_signature(function), (model, *args)
+    else:  # an instance-level forward (e.g. accelerate's hooks): not cached, it may hold its module
+        signature, call_args = _function_signature.__wrapped__(forward), args
+    if signature is None:
+        return dict(kwargs)
+    try:
+        bound = signature.bind_partial(*call_args, **kwargs)
+    except TypeError:
+        return dict(kwargs)
+    named: dict[str, Any] = {}
+    for i, (name, value) in enumerate(bound.arguments.items()):
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        elif kind is not inspect.Parameter.VAR_POSITIONAL and not (i == 0 and call_args[0] is model):
+            named[name] = value
+    return named
+
+
 def default_query(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Optional[torch.Tensor]:
     """The public code's query: the L2-normalized masked mean of the input token embeddings, shape (batch, d).
 
-    Uses ``inputs_embeds`` if given, else embeds ``input_ids`` (keyword or first positional argument) with the
-    model's input embedding. A model without token inputs (e.g. an MLP on features) gets the normalized mean of its
-    first floating-point input over all but the batch dimension's leading axes, i.e. the features themselves. Pass a
-    custom ``query_fn`` to :func:`peft_ext.tuners.pclr.set_query_fn` for anything else (e.g. a vision CLS feature).
+    Reads the arguments by name (the routing state binds positional arguments to the forward's parameter names, see
+    :func:`forward_arguments`): ``inputs_embeds`` if given, else ``input_ids`` embedded with the model's input
+    embedding (an integer tensor passed first positionally counts as ``input_ids`` too), averaged over the tokens
+    that ``attention_mask`` marks (left or right padding alike). A model without token inputs (e.g. an MLP on
+    features) gets the normalized mean of its first floating-point argument (in the forward's parameter order; 3-D
+    inputs are averaged over their middle axis, others flattened per sample). Pass a custom ``query_fn`` to
+    :meth:`PCLRModel.set_query_fn` for anything else (e.g. a vision CLS feature).
 
     Args:
         model: The wrapped (base) model.
-        args: Positional arguments of its forward.
-        kwargs: Keyword arguments of its forward.
+        args: Positional arguments of its forward, as passed.
+        kwargs: Every argument of its forward by name.
     """
     embeds = kwargs.get("inputs_embeds")
     ids = kwargs.get("input_ids")
@@ -72,7 +129,8 @@ def default_query(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Opti
         with torch.no_grad():
             embeds = embedding(ids)
     if embeds is None:
-        features = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+        candidates = [v for name, v in kwargs.items() if name != "attention_mask"] + list(args)
+        features = next((v for v in candidates if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
         if features is None:
             return None
         embeds = features.detach() if features.dim() == 3 else features.detach().reshape(features.shape[0], 1, -1)
@@ -152,12 +210,47 @@ def query_key_loss(
     return ((1.0 - cos) * gates.to(cos.dtype)).sum() / gates.sum().clamp_min(1.0)
 
 
-class RoutingState:
-    """What one forward pass shares between the PCLR layers of a model: the query, selections, query losses.
+def _cache_argument(arguments: Mapping[str, Any]) -> Optional[Any]:
+    # transformers >= 5 names the KV cache `cache`, earlier versions `past_key_values`; only Cache objects (with
+    # get_seq_length) are tracked, legacy tuple caches are not
+    for name in ("cache", "past_key_values"):
+        value = arguments.get(name)
+        if value is not None and callable(getattr(value, "get_seq_length", None)):
+            return value
+    return None
 
-    The PCLR tuner resets it in a forward pre-hook on the wrapped model (so the query is computed once per forward
-    however many layers there are), and the first layer of a group to run computes the group's selection for the
-    batch, which the group's other linears reuse.
+
+def _rows(arguments: dict[str, Any]) -> Optional[int]:
+    for name in ("input_ids", "inputs_embeds"):
+        if isinstance(arguments.get(name), torch.Tensor):
+            return arguments[name].shape[0]
+    return None
+
+
+class _Session:
+    """One prompt's routing: the query of the first forward pass inside :meth:`RoutingState.session`."""
+
+    def __init__(self) -> None:
+        self.query: Optional[torch.Tensor] = None
+
+
+class RoutingState:
+    """What the PCLR layers of a model share: the query of the current forward, selections, query losses.
+
+    The PCLR tuner calls :meth:`begin` in a forward pre-hook on the wrapped model (so the query is computed once per
+    forward however many layers there are), and the first layer of a group to run computes the group's selection for
+    the batch, which the group's other linears reuse.
+
+    Which query a forward routes by (docs/pclr.md, "Routing at inference / generation"):
+
+    1. inside a :meth:`session` whose first forward already ran: that forward's query. ``PeftModel.forward`` and
+       ``PeftModel.generate`` each run in a session, so every step of one ``generate`` call routes by the prompt
+       (its first forward), with or without the KV cache;
+    2. else, a forward that continues a non-empty KV cache (``cache`` / ``past_key_values``) whose prefill this
+       state saw: the query of that prefill (a hand-written decoding loop, or ``generate`` of the base model);
+    3. else (training, a new prompt, an empty cache): ``query_fn`` of this forward's arguments.
+
+    A kept query is only reused for a forward with the same number of sequences (``ValueError`` otherwise).
 
     Args:
         query_fn: Computes the query from the model's forward arguments (default :func:`default_query`).
@@ -171,19 +264,95 @@ class RoutingState:
         self.owners: dict[tuple[str, str], nn.Module] = {}
         # Called by every PCLR layer with (layer, adapter, x, A, B, indices, gates) when set (contribution scores).
         self.recorder: Optional[Callable[..., None]] = None
+        self._session: Optional[_Session] = None
+        # id(cache) -> (weak reference to the cache, the query of its prefill); keyed by identity because caches
+        # are neither hashable by content nor guaranteed to keep a default hash
+        self._cache_queries: dict[int, tuple[weakref.ref, Optional[torch.Tensor]]] = {}
+
+    @contextmanager
+    def session(self) -> Iterator[None]:
+        """Route every forward pass inside the block by the query of its first one (one prompt's generation).
+
+        ``PeftModel.forward`` and ``PeftModel.generate`` open one per call; open it yourself around a decoding loop
+        that calls the base model without a KV cache. A session inside a session joins the outer one.
+        """
+        if self._session is not None:
+            yield
+            return
+        self._session = _Session()
+        try:
+            yield
+        finally:
+            self._session = None
+
+    def _kept_query(self, cache: Optional[Any]) -> tuple[Optional[torch.Tensor], str]:
+        if self._session is not None and self._session.query is not None:
+            return self._session.query, "the first forward pass of this call (its prompt)"
+        # An empty cache starts a new prompt (generate resets a reused static cache). get_seq_length is what the
+        # model's own forward reads to place the new tokens, so asking it here adds no device synchronization.
+        if cache is not None and cache.get_seq_length() > 0:
+            entry = self._cache_queries.get(id(cache))
+            if entry is not None and entry[0]() is cache:
+                return entry[1], "the prefill of this KV cache (its prompt)"
+        return None, ""
+
+    def remember_cache(self, cache: Any, query: Optional[torch.Tensor]) -> None:
+        """Keep ``query`` for the forward passes that continue ``cache`` (a transformers ``Cache``).
+
+        Args:
+            cache: The KV cache object a forward pass filled.
+            query: The query of the prompt in it.
+        """
+        self._cache_queries = {k: v for k, v in self._cache_queries.items() if v[0]() is not None}
+        self._cache_queries[id(cache)] = (weakref.ref(cache), query)
 
     def begin(self, model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        """Start a forward pass: compute the query, forget the previous pass's selections and losses."""
+        """Start a forward pass: choose its query (see the class docstring), forget the previous pass's selections
+        and losses.
+
+        Args:
+            model: The wrapped model being called.
+            args: Its positional arguments.
+            kwargs: Its keyword arguments.
+        """
         self.selections = {}
         self.losses = []
-        self.query = self.query_fn(model, args, kwargs)
+        arguments = forward_arguments(model, args, kwargs)
+        cache = _cache_argument(arguments)
+        query, source = self._kept_query(cache)
+        if query is not None:
+            rows = _rows(arguments)
+            if rows is not None and rows != query.shape[0]:
+                raise ValueError(
+                    f"PCLR routes this forward pass by the query of {source}, computed for {query.shape[0]} "
+                    f"sequences, but the forward passes {rows}; start a new generate call (or a new KV cache) for "
+                    "a new batch of prompts"
+                )
+        else:
+            query = self.query_fn(model, args, arguments)
+        if self._session is not None and self._session.query is None:
+            self._session.query = query
+        if cache is not None:
+            self.remember_cache(cache, query)
+        self.query = query
+
+    def end(self, output: Any) -> None:
+        """Finish a forward pass: a KV cache it returns keeps this pass's query for its continuation.
+
+        Args:
+            output: The wrapped model's output (a ``ModelOutput`` with ``cache`` / ``past_key_values``, or anything).
+        """
+        if isinstance(output, Mapping):  # transformers' ModelOutput is one
+            cache = _cache_argument(output)
+            if cache is not None:
+                self.remember_cache(cache, self.query)
 
     def require_query(self, batch: Optional[int] = None) -> torch.Tensor:
         """The query of this forward pass; ``batch`` (if given) must equal its number of rows."""
         if self.query is None:
             raise ValueError(
                 "PCLR layers need a routing query: call the whole model (its forward computes the query), or set "
-                "one with peft_ext.tuners.pclr.set_query_fn"
+                "one with model.base_model.set_query_fn"
             )
         if batch is not None and self.query.shape[0] != batch:
             raise ValueError(
