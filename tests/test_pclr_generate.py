@@ -18,6 +18,7 @@ from torch import nn
 from transformers import Trainer
 
 from peft_ext import PCLRConfig
+from peft_ext.integrations import pclr_loss_func
 from peft_ext.models import tiny_llama, tiny_qwen2
 from peft_ext.tuners.pclr import default_query, forward_arguments, group_layers, routed_as
 
@@ -252,19 +253,13 @@ def test_causal_lm_trainer_then_generation_save_load(family, tmp_path):
     model = _model(family)
     keys = {name: p.detach().clone() for name, p in model.named_parameters() if "pclr_keys" in name}
 
-    def loss_fn(outputs, labels, num_items_in_batch=None):
-        # Trainer's compute_loss_func: the causal-LM loss plus PCLR's query-key loss (what trains the keys)
-        logits, target = outputs.logits[:, :-1], labels[:, 1:]
-        lm = F.cross_entropy(logits.reshape(-1, VOCAB).float(), target.reshape(-1), ignore_index=-100)
-        keys = model.query_loss()  # None without gradients (evaluation): nothing to train
-        return lm if keys is None else lm + keys
-
     data = _lm_data(16, seed=8)
     trainer = Trainer(
         model=model,
         args=trainer_args(tmp_path / "run", per_device_train_batch_size=8, max_steps=6, learning_rate=1e-2),
         train_dataset=data,
-        compute_loss_func=loss_fn,
+        # the causal-LM loss plus PCLR's query-key loss (what trains the keys)
+        compute_loss_func=pclr_loss_func(model),
     )
     before = trainer.evaluate(data)["eval_loss"]
     trainer.train()
@@ -313,3 +308,25 @@ def test_4bit_base_forward_and_generation():
     assert torch.isfinite(adapted).all() and not torch.allclose(adapted, plain, atol=1e-3)
     cached = _generate(model, ids, mask)
     assert torch.equal(cached, _generate(model, ids, mask, use_cache=False))
+
+
+def test_pclr_loss_func_is_the_model_loss_plus_the_query_key_loss():
+    model = _model("llama").train()
+    batch = _lm_data(4, seed=11)
+    ids = torch.stack([b["input_ids"] for b in batch])
+    mask = torch.stack([b["attention_mask"] for b in batch])
+    labels = torch.stack([b["labels"] for b in batch])
+    loss_func = pclr_loss_func(model)
+    # the reference: transformers' own causal-LM loss of the same forward (labels shifted inside the model)
+    total = loss_func(model(input_ids=ids, attention_mask=mask, labels=labels), labels)
+    outputs = model(input_ids=ids, attention_mask=mask, labels=labels)  # the same forward again
+    keys = model.query_loss()
+    assert keys is not None and keys.item() > 0
+    torch.testing.assert_close(total, outputs.loss + keys)
+    with torch.no_grad():  # evaluation: no key gradient, the task loss alone
+        outputs = model(input_ids=ids, attention_mask=mask, labels=labels)
+        torch.testing.assert_close(loss_func(outputs, labels), outputs.loss)
+    with pytest.raises(ValueError, match=r"cannot infer the task loss.*task_loss="):
+        loss_func(outputs, labels[:, :3])
+    with pytest.raises(TypeError, match="PCLR"):
+        pclr_loss_func(tiny_llama())

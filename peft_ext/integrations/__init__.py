@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .continual_trainer import ContinualTrainer, run_continual_with_trainer
+from .pclr_loss import pclr_loss_func
 from .trainer import optimizer_for_trainer, optimizer_from_args, parse_optim_args
 
 __all__ = [
@@ -10,5 +11,6 @@ __all__ = [
     "optimizer_for_trainer",
     "optimizer_from_args",
     "parse_optim_args",
+    "pclr_loss_func",
     "run_continual_with_trainer",
 ]
