@@ -9,20 +9,27 @@ which.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 __all__ = [
     "all_reduce_",
     "average_gradients",
     "broadcast_",
     "check_parameters_unchanged",
+    "full_tensor",
+    "gathered_parameters",
+    "is_dtensor",
     "registered_parameters",
+    "reject_zero3",
     "reject_sharded",
     "sharding_of",
     "world_size",
+    "write_full_",
 ]
 
 
@@ -65,9 +72,11 @@ def average_gradients(params: Iterable[torch.Tensor]) -> None:
     """Average the gradients of ``params`` over the processes, as DDP's reducer would.
 
     For training steps that do not go through the DDP wrapper (PCLR's distillation). A parameter without a gradient on
-    every process keeps ``grad=None``; one with a gradient on some processes only gets zeros for the others.
+    every process keeps ``grad=None``; one with a gradient on some processes only gets zeros for the others. FSDP2
+    (DTensor) parameters are skipped: their gradients are already averaged shards.
     """
-    params = list(params)
+    # FSDP2 reduce-scatters (averages) the gradients of its DTensor parameters in the backward already
+    params = [p for p in params if not is_dtensor(p)]
     if world_size() == 1 or not params:
         return
     present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
@@ -138,4 +147,122 @@ def check_parameters_unchanged(
                 f"{len(shapes)}); DeepSpeed ZeRO does this (it flattens parameters into per-process partitions), but "
                 "this optimizer needs the whole matrices. Use DistributedDataParallel (accelerate: distributed_type "
                 "MULTI_GPU) instead; see docs/distributed.md"
+            )
+
+
+# -- FSDP2 (DTensor) parameters: whole-tensor reads and writes ------------------------------------------------------
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` (a tensor or parameter) is a DTensor, e.g. an FSDP2 shard outside the forward."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed support
+        return False
+    return isinstance(t, DTensor) or isinstance(getattr(t, "data", None), DTensor)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole value of ``t``: gathered from the processes' shards for a DTensor, ``t`` itself otherwise.
+
+    Under FSDP2 an adapter parameter is a DTensor shard between forward passes (every process holds some rows); the
+    task cycle's decisions (SplitLoRA's fold, PCLR's rank compaction and scores) need every row. Collective for a
+    DTensor: every process must call it, in the same order.
+    """
+    if not is_dtensor(t):
+        return t
+    return t.detach().full_tensor()
+
+
+@torch.no_grad()
+def write_full_(t: torch.Tensor, value: torch.Tensor) -> None:
+    """Set ``t`` to the whole tensor ``value`` in place: for a DTensor, each process writes its own shard of it.
+
+    Args:
+        t: A plain tensor, or a DTensor (every process passes the same ``value``; no communication happens).
+        value: The new whole value, of ``t``'s full shape (``t`` itself, as :func:`full_tensor` returns it for a
+            plain tensor: nothing to do).
+    """
+    if value is t:
+        return
+    if not is_dtensor(t):
+        t.copy_(value)
+        return
+    from torch.distributed.tensor import distribute_tensor
+
+    local = distribute_tensor(value.to(t.dtype), t.device_mesh, t.placements, src_data_rank=None)
+    t.copy_(local)
+
+
+def _fsdp_module_type() -> type | tuple:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed support
+        return ()
+    return FSDPModule
+
+
+@contextmanager
+def gathered_parameters(module: nn.Module) -> Iterator[None]:
+    """Run the block with the whole values of the DTensor parameters of ``module`` that no FSDP2 unit unshards.
+
+    A method that calls a submodule of a sharded model directly (PCLR's query embeds the prompt with the input
+    embedding; its cycle runs forward passes through the tuner, below the ``PeftModel``) skips the forward hooks of
+    the FSDP2 units above that submodule: their parameters (the root's embedding, final norm, head) would stay
+    shards. Units inside ``module`` still unshard themselves; only the rest is all-gathered, once, and put back
+    unchanged after the block. Collective when there is something to gather. The gathered parameters must be frozen
+    (a gradient would reach the temporary copy, not the shard).
+
+    Args:
+        module: The module the block calls into.
+
+    Raises:
+        ValueError: If a parameter to gather is trainable.
+    """
+    fsdp = _fsdp_module_type()
+    units = [name for name, m in module.named_modules() if fsdp and isinstance(m, fsdp)]
+    todo: list[tuple[str, nn.Module, str, nn.Parameter]] = []
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        if any(unit == "" or prefix == unit or prefix.startswith(unit + ".") for unit in units):
+            continue  # that unit's own forward hooks unshard it
+        todo += [(prefix, m, name, p) for name, p in m._parameters.items() if p is not None and is_dtensor(p)]
+    for prefix, _, name, p in todo:
+        if p.requires_grad:
+            raise ValueError(
+                f"`{prefix + '.' if prefix else ''}{name}` is a trainable FSDP2 shard outside every fully_shard unit "
+                f"inside {type(module).__name__}; its gradient would be lost. Apply fully_shard to the module "
+                "holding it (e.g. each decoder layer) or keep it frozen"
+            )
+    whole: dict[int, nn.Parameter] = {}
+    for _, m, name, p in todo:
+        if id(p) not in whole:  # tied weights: gathered once, swapped in everywhere
+            whole[id(p)] = nn.Parameter(full_tensor(p), requires_grad=False)
+        m._parameters[name] = whole[id(p)]
+    try:
+        yield
+    finally:
+        for _, m, name, p in todo:
+            m._parameters[name] = p
+
+
+def reject_zero3(named_params: Iterable[tuple[str, torch.Tensor]], method: str) -> None:
+    """Raise ``ValueError`` naming the first DeepSpeed ZeRO-3 partition: ``method`` reads and writes whole tensors.
+
+    ZeRO-3 gathers a parameter only inside the forward of the module holding it; between forward passes the
+    parameter is an empty or flat partition (its real shape is ``ds_shape``), so a task cycle that folds, compacts or
+    re-initializes adapter tensors there would read and write partitions. FSDP2 keeps DTensor shards whose whole value
+    can be read and written (:func:`full_tensor`, :func:`write_full_`), which the cycles do.
+
+    Args:
+        named_params: ``(name, parameter)`` pairs to check.
+        method: What refuses, for the message (e.g. ``"SplitLoRA end_task"``).
+    """
+    for name, p in named_params:
+        if sharding_of(p) == "DeepSpeed ZeRO-3":
+            shape = tuple(getattr(p, "ds_shape", p.shape))
+            raise ValueError(
+                f"{method} got `{name}` (shape {shape}) as a DeepSpeed ZeRO-3 partition, but it reads and writes the "
+                "whole adapter tensors between forward passes, which ZeRO-3 does not keep. Train with "
+                "DistributedDataParallel (torchrun; accelerate distributed_type MULTI_GPU) or FSDP2 (fully_shard; "
+                "accelerate distributed_type FSDP with fsdp_version 2); see docs/distributed.md"
             )

@@ -1,0 +1,197 @@
+"""Worker of tests/test_fsdp2.py: LoRA, SplitLoRA and PCLR task cycles under FSDP2 (``fully_shard``, gloo, CPU).
+
+Run as ``torchrun --standalone --nproc_per_node=2 tests/fsdp2_worker.py OUT_DIR`` (or through
+``accelerate launch --config_file tests/accelerate_fsdp2.yaml tests/fsdp2_worker.py OUT_DIR``, which shards the
+model itself). Every rank trains on its own half of each global batch and writes ``rank{R}.pt``; the test runs the
+same functions in one process on the whole batches (``part=slice(None)``, no sharding) and compares.
+
+The model is a tiny Llama with every attention and MLP projection adapted; each decoder layer is its own FSDP2
+unit and the ``PeftModel`` is the root (what accelerate's transformer auto-wrap does), so the adapters' parameters
+are DTensor shards outside the forward and the task cycle (statistics, split, compression, distillation) runs on
+them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from peft import LoraConfig, get_peft_model
+from torch import nn
+
+from peft_ext import PCLRConfig, SplitLoRAConfig
+from peft_ext.distributed import full_tensor, is_dtensor
+from peft_ext.models import tiny_llama
+from tests.helpers import pclr_lm_step
+
+STEPS, ROWS, SEQ, VOCAB = 3, 8, 8, 128  # ROWS: the global batch; each of 2 ranks gets ROWS // 2
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+Shard = Callable[[nn.Module], nn.Module]
+
+
+def tokens(seed: int, n: int, low: int = 0, high: int = VOCAB) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(low, high, (ROWS, SEQ), generator=g) for _ in range(n)]
+
+
+def probe() -> torch.Tensor:
+    return tokens(99, 1)[0][:2]
+
+
+def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=ids).logits
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def train(model: nn.Module, batches: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+    for ids in batches:
+        loss = lm_loss(model, ids)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def adamw(model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters (DTensor shards under FSDP2), a fresh one per task as the cycle asks."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+
+def finish(model: nn.Module, prefix: str, record: dict) -> dict:
+    """Every adapter tensor as a whole tensor (gathered from the shards), the logits on a probe batch, and which
+    adapter parameters were DTensor shards."""
+    sharded = [n for n, p in model.named_parameters() if prefix in n and is_dtensor(p)]
+    state = {n: full_tensor(t).detach().clone() for n, t in model.state_dict().items() if prefix in n}
+    with torch.no_grad():
+        logits = model(input_ids=probe()).logits
+    return {**record, "sharded": sharded, "state": state, "logits": logits}
+
+
+def lora(part: slice, shard: Shard) -> dict:
+    """PEFT's own LoRA on every projection: the baseline FSDP2 is known to handle."""
+    model = shard(get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=TARGETS, init_lora_weights=False)))
+    train(model, [x[part] for x in tokens(1, STEPS)], adamw(model))
+    return finish(model, "lora_", {})
+
+
+def splitlora(part: slice, shard: Shard) -> dict:
+    """Two SplitLoRA tasks: begin_task, AdamW, statistics on this part, end_task (split, fold, next A)."""
+    config = SplitLoRAConfig(r=2, target_modules=TARGETS, trade_off=3.0, dense_max_features=64)
+    model = shard(get_peft_model(tiny_llama(), config))
+    splits = []
+    for task in range(2):
+        model.begin_task()
+        data = [x[part] for x in tokens(10 + task, STEPS, low=40 * task, high=40 * task + 60)]
+        train(model, data, adamw(model))
+        with torch.no_grad(), model.collect_statistics():
+            for ids in data:
+                model(input_ids=ids)
+        splits.append({key: (s.k_star, s.primary) for key, s in model.end_task().items()})
+    return finish(model, "splitlora_", {"splits": splits})
+
+
+def pclr(part: slice, shard: Shard, rank: int = 0) -> dict:
+    """Two PCLR tasks: prototype, begin_task, training with the query loss, end_task with contribution compression
+    and distillation (input routing after task 0, task routing after task 1), fold, next task.
+
+    SGD, for training and in place of the distillation's AdamW: the distillation drives the loss of old tasks' routing
+    towards zero, where gradient entries are rounding noise (1e-5 relative to each other in one process and two);
+    Adam divides by their root mean square and turns the noise into steps of about ``lr``, so with Adam one process
+    and two agree only to the order of ``lr``. With SGD they agree to rounding; AdamW on FSDP2 shards is what the
+    LoRA and SplitLoRA cases train with.
+    """
+    config = PCLRConfig(
+        target_modules=TARGETS,
+        pool_size=16,
+        ranks_schedule=[6],
+        top_k=4,
+        alpha=4.0,
+        shared_r=2,
+        compress_schedule=[0.25],
+        compress_rule="contribution",
+    )
+    model = shard(get_peft_model(tiny_llama(), config))
+    record = {"prototypes": []}
+    for task in range(2):
+        batches = [{"input_ids": x[part]} for x in tokens(20 + task, STEPS, low=50 * task, high=50 * task + 70)]
+        proto = model.query_prototype(batches)
+        record["prototypes"].append(proto)
+        torch.manual_seed(100 + task + 1000 * rank)  # the ranks' generators differ: begin_task must broadcast
+        model.begin_task(task, proto)
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        for batch in batches:
+            pclr_lm_step(model, model, batch["input_ids"], optimizer)
+        routing = "input" if task == 0 else "tasks"
+        generator = torch.Generator().manual_seed(7 + 1000 * rank)
+        with mock.patch.object(torch.optim, "AdamW", _sgd):
+            result = model.end_task(
+                task, proto, batches, integrate_lr=0.5, integrate_routing=routing, generator=generator
+            )
+        record[f"draws{task}"] = result.task_draws
+        record[f"task_state{task}"] = model.task_state()
+    return finish(model, "pclr_", record)
+
+
+def _sgd(params, lr: float, **_: object) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=lr)
+
+
+CASES = {"lora": lora, "splitlora": splitlora, "pclr": pclr}
+
+
+def fsdp2(mesh) -> Shard:
+    """Each decoder layer its own FSDP2 unit, the PeftModel the root (what accelerate's transformer auto-wrap does)."""
+    from torch.distributed.fsdp import fully_shard
+
+    def shard(model: nn.Module) -> nn.Module:
+        for layer in model.base_model.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    return shard
+
+
+def accelerate_fsdp2() -> Shard:
+    """Sharding by ``Accelerator.prepare`` under ``accelerate launch --config_file tests/accelerate_fsdp2.yaml``."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator()
+
+    def shard(model: nn.Module) -> nn.Module:
+        # accelerate's FSDP2 wants the optimizer with the model; the cycle builds its own per task afterwards
+        placeholder = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+        return accelerator.prepare(model, placeholder)[0]
+
+    return shard
+
+
+def main(out_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = ROWS // world
+    part = slice(rank * per_rank, (rank + 1) * per_rank)
+    # accelerate's launcher sets ACCELERATE_USE_FSDP; the process group (gloo) is already up when it looks
+    by_accelerate = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    shard = accelerate_fsdp2() if by_accelerate else fsdp2(init_device_mesh("cpu", (world,)))
+    only = os.environ.get("FSDP2_CASES")
+    record = {"world": world, "accelerate": by_accelerate}
+    for name, case in CASES.items():
+        if only and name not in only.split(","):
+            continue
+        record[name] = case(part, shard, rank) if name == "pclr" else case(part, shard)
+    torch.save(record, Path(out_dir) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
