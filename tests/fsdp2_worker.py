@@ -157,16 +157,39 @@ def fsdp2(mesh) -> Shard:
     return shard
 
 
-def accelerate_fsdp2() -> Shard:
-    """Sharding by ``Accelerator.prepare`` under ``accelerate launch --config_file tests/accelerate_fsdp2.yaml``."""
-    from accelerate import Accelerator
+def accelerate_fsdp2(rank: int) -> Shard:
+    """accelerate's own FSDP2 preparation, as ``accelerate launch --config_file tests/accelerate_fsdp2.yaml`` sets it.
 
-    accelerator = Accelerator()
+    accelerate (1.15) turns FSDP on only for GPU-type setups: on CPUs ``Accelerator().prepare`` would leave the model
+    whole. So the worker runs what ``prepare`` runs for FSDP2, ``fsdp2_prepare_model`` with the
+    ``FullyShardedDataParallelPlugin`` that the launcher's environment configures (version 2, the decoder layers as
+    units), on a minimal stand-in for the Accelerator. On GPUs: ``model, optimizer = Accelerator().prepare(model,
+    optimizer)``.
+    """
+    from types import SimpleNamespace
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    plugin = FullyShardedDataParallelPlugin()
+    if plugin.fsdp_version != 2:
+        raise ValueError(f"tests/accelerate_fsdp2.yaml should configure FSDP2, the launcher set {plugin.fsdp_version}")
+    accelerator = SimpleNamespace(
+        state=SimpleNamespace(fsdp_plugin=plugin),
+        torch_device_mesh=None,
+        parallelism_config=None,
+        device=torch.device("cpu"),
+        is_main_process=rank == 0,
+        mixed_precision="no",
+    )
 
     def shard(model: nn.Module) -> nn.Module:
-        # accelerate's FSDP2 wants the optimizer with the model; the cycle builds its own per task afterwards
-        placeholder = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
-        return accelerator.prepare(model, placeholder)[0]
+        model = fsdp2_prepare_model(accelerator, model)
+        # accelerate makes the input embedding a unit of its own; the root's first forward must come before a call
+        # of that unit alone (PCLR's query_prototype embeds the prompt), or FSDP2 takes the embedding for the root
+        with torch.no_grad():
+            model(input_ids=probe())
+        return model
 
     return shard
 
@@ -179,9 +202,9 @@ def main(out_dir: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     per_rank = ROWS // world
     part = slice(rank * per_rank, (rank + 1) * per_rank)
-    # accelerate's launcher sets ACCELERATE_USE_FSDP; the process group (gloo) is already up when it looks
+    # accelerate's launcher exports the config file's FSDP settings (ACCELERATE_USE_FSDP, FSDP_VERSION, ...)
     by_accelerate = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-    shard = accelerate_fsdp2() if by_accelerate else fsdp2(init_device_mesh("cpu", (world,)))
+    shard = accelerate_fsdp2(rank) if by_accelerate else fsdp2(init_device_mesh("cpu", (world,)))
     only = os.environ.get("FSDP2_CASES")
     record = {"world": world, "accelerate": by_accelerate}
     for name, case in CASES.items():
