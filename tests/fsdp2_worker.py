@@ -17,7 +17,6 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -25,23 +24,13 @@ import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from peft_ext import PCLRConfig, SplitLoRAConfig
+from peft_ext import SplitLoRAConfig
 from peft_ext.distributed import full_tensor, is_dtensor
 from peft_ext.models import tiny_llama
-from tests.helpers import pclr_lm_step
+from tests.distributed_worker import ROWS, STEPS, pclr_config, pclr_cycle, probe, tokens
 
-STEPS, ROWS, SEQ, VOCAB = 3, 8, 8, 128  # ROWS: the global batch; each of 2 ranks gets ROWS // 2
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 Shard = Callable[[nn.Module], nn.Module]
-
-
-def tokens(seed: int, n: int, low: int = 0, high: int = VOCAB) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(low, high, (ROWS, SEQ), generator=g) for _ in range(n)]
-
-
-def probe() -> torch.Tensor:
-    return tokens(99, 1)[0][:2]
 
 
 def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -96,8 +85,9 @@ def splitlora(part: slice, shard: Shard) -> dict:
 
 
 def pclr(part: slice, shard: Shard, rank: int = 0) -> dict:
-    """Two PCLR tasks: prototype, begin_task, training with the query loss, end_task with contribution compression
-    and distillation (input routing after task 0, task routing after task 1), fold, next task.
+    """Two PCLR tasks, the DDP worker's cycle (:func:`tests.distributed_worker.pclr_cycle`): prototype, begin_task,
+    training with the query loss, end_task with contribution compression and distillation (input routing after task
+    0, task routing after task 1), fold, next task.
 
     SGD, for training and in place of the distillation's AdamW: the distillation drives the loss of old tasks' routing
     towards zero, where gradient entries are rounding noise (1e-5 relative to each other in one process and two);
@@ -105,40 +95,8 @@ def pclr(part: slice, shard: Shard, rank: int = 0) -> dict:
     and two agree only to the order of ``lr``. With SGD they agree to rounding; AdamW on FSDP2 shards is what the
     LoRA and SplitLoRA cases train with.
     """
-    config = PCLRConfig(
-        target_modules=TARGETS,
-        pool_size=16,
-        ranks_schedule=[6],
-        top_k=4,
-        alpha=4.0,
-        shared_r=2,
-        compress_schedule=[0.25],
-        compress_rule="contribution",
-    )
-    model = shard(get_peft_model(tiny_llama(), config))
-    record = {"prototypes": []}
-    for task in range(2):
-        batches = [{"input_ids": x[part]} for x in tokens(20 + task, STEPS, low=50 * task, high=50 * task + 70)]
-        proto = model.query_prototype(batches)
-        record["prototypes"].append(proto)
-        torch.manual_seed(100 + task + 1000 * rank)  # the ranks' generators differ: begin_task must broadcast
-        model.begin_task(task, proto)
-        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        for batch in batches:
-            pclr_lm_step(model, model, batch["input_ids"], optimizer)
-        routing = "input" if task == 0 else "tasks"
-        generator = torch.Generator().manual_seed(7 + 1000 * rank)
-        with mock.patch.object(torch.optim, "AdamW", _sgd):
-            result = model.end_task(
-                task, proto, batches, integrate_lr=0.5, integrate_routing=routing, generator=generator
-            )
-        record[f"draws{task}"] = result.task_draws
-        record[f"task_state{task}"] = model.task_state()
-    return finish(model, "pclr_", record)
-
-
-def _sgd(params, lr: float, **_: object) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=lr)
+    model = shard(get_peft_model(tiny_llama(), pclr_config(TARGETS)))
+    return finish(model, "pclr_", pclr_cycle(model, model, part, rank, lr=1e-2))
 
 
 CASES = {"lora": lora, "splitlora": splitlora, "pclr": pclr}

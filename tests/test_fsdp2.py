@@ -10,7 +10,6 @@ DeepSpeed ZeRO-3 partitions.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from peft_ext.distributed import full_tensor, gathered_parameters, is_dtensor, w
 from peft_ext.models import tiny_llama
 
 from . import fsdp2_worker as worker
-from .helpers import launcher, run_launcher, torchrun_ranks
+from .helpers import opt_in_accelerate, run_launcher, torchrun_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "fsdp2_worker.py"
@@ -91,12 +90,7 @@ def test_cycle_decisions_are_those_of_one_process(ranks, single):
 
 @pytest.mark.distributed
 def test_accelerate_fsdp2_config_runs_the_pclr_cycle(tmp_path, single, monkeypatch):
-    accelerate = launcher("accelerate")
-    if accelerate is None:
-        pytest.skip("accelerate is not installed; `accelerate launch` is optional")
-    pytest.importorskip("accelerate")
-    if os.environ.get("PEFT_EXT_ACCELERATE_TEST") != "1":
-        pytest.skip("launches the PCLR case again (~25 s); set PEFT_EXT_ACCELERATE_TEST=1 (docs/distributed.md)")
+    accelerate = opt_in_accelerate("launches the PCLR case again (~40 s)")
     monkeypatch.setenv("FSDP2_CASES", "pclr")
     config = ROOT / "tests" / "accelerate_fsdp2.yaml"
     run_launcher([accelerate, "launch", "--config_file", str(config), str(WORKER), str(tmp_path)])
