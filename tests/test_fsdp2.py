@@ -20,6 +20,7 @@ from peft import get_peft_model
 from peft_ext import PCLRConfig, SplitLoRAConfig
 from peft_ext.distributed import full_tensor, gathered_parameters, is_dtensor, write_full_
 from peft_ext.models import tiny_llama
+from peft_ext.tuners.pclr import PCLRLayer
 
 from . import fsdp2_worker as worker
 from .helpers import opt_in_accelerate, run_launcher, torchrun_ranks
@@ -147,6 +148,39 @@ def test_gathered_parameters_swaps_in_whole_frozen_parameters_and_refuses_traina
         with gathered_parameters(embedding):
             pass
     assert embedding.weight is sharded
+
+
+def test_pclr_pool_writes_on_dtensor_parameters_equal_plain_ones(one_process_mesh):
+    # the importance rule, rank drops, folding and begin_task's writes, on DTensor stores (no forward pass needed)
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    config = PCLRConfig(
+        target_modules=["q_proj", "v_proj"],
+        pool_size=8,
+        ranks_schedule=[4],
+        top_k=2,
+        shared_r=2,
+        compress_schedule=[0.5],
+        compress_rule="importance",
+        init_weights=False,
+    )
+    models = [get_peft_model(tiny_llama(), config) for _ in range(2)]
+    for module in models[1].modules():
+        if isinstance(module, PCLRLayer):
+            for store in (module.pclr_A, module.pclr_B, module.pclr_keys, module.pclr_shared_A, module.pclr_shared_B):
+                for name, p in store.items():
+                    store[name] = torch.nn.Parameter(distribute_tensor(p.detach(), one_process_mesh, [Shard(0)]))
+    proto = torch.nn.functional.normalize(torch.arange(32.0), dim=0)
+    for model in models:
+        torch.manual_seed(0)
+        model.end_task(0, proto)  # drops 2 of 4 ranks by importance, folds the rest
+        model.begin_task(1, proto)
+    plain, sharded = ({n: full_tensor(t) for n, t in m.state_dict().items() if "pclr_" in n} for m in models)
+    assert any(is_dtensor(p) for p in models[1].parameters())
+    assert models[0].task_state() == models[1].task_state()
+    assert models[0].task_state()["model.layers.0"] == {"static": 2, "new": 4, "prototypes": 1, "task": 1}
+    for name, value in plain.items():
+        assert torch.equal(sharded[name], value), name
 
 
 # -- DeepSpeed ZeRO-3 partitions: the task cycles refuse them ----------------------------------------------------

@@ -20,6 +20,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any, Optional
 
 import torch
@@ -327,8 +328,9 @@ class PCLRModel(AdapterTuner):
         n_drop = max(n_drop, n_active + config.ranks_for_task(task_id + 1) - config.pool_size)
         result = None
         if n_drop > 0:
-            # the cycle's forward passes call this tuner, below an FSDP2 root on the PeftModel: gather the root's part
-            with gathered_parameters(self):
+            # the cycle's forward passes (on `batches`) call this tuner, below an FSDP2 root on the PeftModel: gather
+            # the root's own parameters for them
+            with gathered_parameters(self) if batches else nullcontext():
                 result = self._compress_and_integrate(adapter, n_drop, batches, settings, forward, mask, generator)
         fold_new_ranks(self, adapter)
         pull_keys_to_prototypes(self, adapter, settings.key_pull_threshold, settings.key_pull_strength)
