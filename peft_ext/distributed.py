@@ -9,6 +9,7 @@ which.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -153,13 +154,19 @@ def check_parameters_unchanged(
 # -- FSDP2 (DTensor) parameters: whole-tensor reads and writes ------------------------------------------------------
 
 
-def is_dtensor(t: object) -> bool:
-    """Whether ``t`` (a tensor or parameter) is a DTensor, e.g. an FSDP2 shard outside the forward."""
+@functools.cache
+def _dtensor_type() -> type | tuple:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch built without distributed support
-        return False
-    return isinstance(t, DTensor) or isinstance(getattr(t, "data", None), DTensor)
+        return ()
+    return DTensor
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` (a tensor or parameter) is a DTensor, e.g. an FSDP2 shard outside the forward."""
+    dtensor = _dtensor_type()
+    return isinstance(t, dtensor) or isinstance(getattr(t, "data", None), dtensor)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -194,6 +201,7 @@ def write_full_(t: torch.Tensor, value: torch.Tensor) -> None:
     t.copy_(local)
 
 
+@functools.cache
 def _fsdp_module_type() -> type | tuple:
     try:
         from torch.distributed.fsdp import FSDPModule

@@ -84,7 +84,8 @@ class RankPoolStore:
         return self.pclr_A_static[adapter_name][:n_s], self.pclr_B_static[adapter_name][:n_s]
 
     def new_ranks(self, adapter_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views ``(A, B)`` of the active new (trainable) ranks: (N_n x in) and (N_n x out), no copy."""
+        """Views ``(A, B)`` of the active new (trainable) ranks: (N_n x in) and (N_n x out), no copy (a gathered copy
+        for FSDP2 DTensor stores, between forward passes)."""
         n_n = self.pclr_host_counts[adapter_name][N_NEW]
         # outside the forward an FSDP2 store is a DTensor shard: the whole store then (a copy, not a view)
         return full_tensor(self.pclr_A[adapter_name])[:n_n], full_tensor(self.pclr_B[adapter_name])[:n_n]
