@@ -10,6 +10,7 @@ which.
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -155,17 +156,18 @@ def check_parameters_unchanged(
 
 
 @functools.cache
-def _dtensor_type() -> type | tuple:
+def _optional_type(module: str, name: str) -> type | tuple:
+    """The class ``module.name``, or ``()`` (which ``isinstance`` matches nothing with) when torch is built without
+    distributed support."""
     try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed support
+        return getattr(importlib.import_module(module), name)
+    except ImportError:
         return ()
-    return DTensor
 
 
 def is_dtensor(t: object) -> bool:
     """Whether ``t`` (a tensor or parameter) is a DTensor, e.g. an FSDP2 shard outside the forward."""
-    dtensor = _dtensor_type()
+    dtensor = _optional_type("torch.distributed.tensor", "DTensor")
     return isinstance(t, dtensor) or isinstance(getattr(t, "data", None), dtensor)
 
 
@@ -201,15 +203,6 @@ def write_full_(t: torch.Tensor, value: torch.Tensor) -> None:
     t.copy_(local)
 
 
-@functools.cache
-def _fsdp_module_type() -> type | tuple:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch built without distributed support
-        return ()
-    return FSDPModule
-
-
 @contextmanager
 def gathered_parameters(module: nn.Module) -> Iterator[None]:
     """Run the block with the whole values of the DTensor parameters of ``module`` that no FSDP2 unit unshards.
@@ -227,7 +220,7 @@ def gathered_parameters(module: nn.Module) -> Iterator[None]:
     Raises:
         ValueError: If a parameter to gather is trainable.
     """
-    fsdp = _fsdp_module_type()
+    fsdp = _optional_type("torch.distributed.fsdp", "FSDPModule")
     units = [name for name, m in module.named_modules() if fsdp and isinstance(m, fsdp)]
     todo: list[tuple[str, nn.Module, str, nn.Parameter]] = []
     for prefix, m in module.named_modules(remove_duplicate=False):

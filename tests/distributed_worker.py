@@ -167,12 +167,18 @@ def _sgd(params, lr: float, **_: object) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=lr)
 
 
-def main(out_dir: str) -> None:
+def join() -> tuple[int, int, slice]:
+    """Join the gloo process group (one thread per process); returns this rank, the world size and this rank's rows
+    of every global batch."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     per_rank = ROWS // world
-    part = slice(rank * per_rank, (rank + 1) * per_rank)
+    return rank, world, slice(rank * per_rank, (rank + 1) * per_rank)
+
+
+def main(out_dir: str) -> None:
+    rank, world, part = join()
     wrappers: list[nn.Module] = []
 
     def wrap(model: nn.Module) -> nn.Module:

@@ -27,7 +27,7 @@ from torch import nn
 from peft_ext import SplitLoRAConfig
 from peft_ext.distributed import full_tensor, is_dtensor
 from peft_ext.models import tiny_llama
-from tests.distributed_worker import ROWS, STEPS, pclr_config, pclr_cycle, probe, tokens
+from tests.distributed_worker import STEPS, join, pclr_config, pclr_cycle, probe, tokens
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 Shard = Callable[[nn.Module], nn.Module]
@@ -155,11 +155,7 @@ def accelerate_fsdp2(rank: int) -> Shard:
 def main(out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    per_rank = ROWS // world
-    part = slice(rank * per_rank, (rank + 1) * per_rank)
+    rank, world, part = join()
     # accelerate's launcher exports the config file's FSDP settings (ACCELERATE_USE_FSDP, FSDP_VERSION, ...)
     by_accelerate = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     shard = accelerate_fsdp2(rank) if by_accelerate else fsdp2(init_device_mesh("cpu", (world,)))
