@@ -13,10 +13,14 @@ layout check that refuses everything else.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import functools
+import importlib
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 __all__ = [
     "ROW_SHARDED",
@@ -28,9 +32,12 @@ __all__ = [
     "check_parameters_unchanged",
     "check_row_sharded",
     "full_tensor",
+    "gathered_parameters",
+    "is_dtensor",
     "is_row_sharded",
     "local_part",
     "registered_parameters",
+    "reject_zero3",
     "reject_sharded",
     "sharding_of",
     "world_size",
@@ -77,9 +84,11 @@ def average_gradients(params: Iterable[torch.Tensor]) -> None:
     """Average the gradients of ``params`` over the processes, as DDP's reducer would.
 
     For training steps that do not go through the DDP wrapper (PCLR's distillation). A parameter without a gradient on
-    every process keeps ``grad=None``; one with a gradient on some processes only gets zeros for the others.
+    every process keeps ``grad=None``; one with a gradient on some processes only gets zeros for the others. FSDP2
+    (DTensor) parameters are skipped: their gradients are already averaged shards.
     """
-    params = list(params)
+    # FSDP2 reduce-scatters (averages) the gradients of its DTensor parameters in the backward already
+    params = [p for p in params if not is_dtensor(p)]
     if world_size() == 1 or not params:
         return
     present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
@@ -153,6 +162,123 @@ def check_parameters_unchanged(
             )
 
 
+# -- FSDP2 (DTensor) parameters: whole-tensor reads and writes ------------------------------------------------------
+
+
+@functools.cache
+def _optional_type(module: str, name: str) -> type | tuple:
+    """The class ``module.name``, or ``()`` (which ``isinstance`` matches nothing with) when torch is built without
+    distributed support."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError:
+        return ()
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` (a tensor or parameter) is a DTensor, e.g. an FSDP2 shard outside the forward."""
+    dtensor = _optional_type("torch.distributed.tensor", "DTensor")
+    return isinstance(t, dtensor) or isinstance(getattr(t, "data", None), dtensor)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole value of ``t``: gathered from the processes' shards for a DTensor, ``t`` itself otherwise.
+
+    Under FSDP2 an adapter parameter is a DTensor shard between forward passes (every process holds some rows); the
+    task cycle's decisions (SplitLoRA's fold, PCLR's rank compaction and scores) need every row. Collective for a
+    DTensor: every process must call it, in the same order.
+    """
+    if not is_dtensor(t):
+        return t
+    return t.detach().full_tensor()
+
+
+@torch.no_grad()
+def write_full_(t: torch.Tensor, value: torch.Tensor) -> None:
+    """Set ``t`` to the whole tensor ``value`` in place: for a DTensor, each process writes its own shard of it.
+
+    Args:
+        t: A plain tensor, or a DTensor (every process passes the same ``value``; no communication happens).
+        value: The new whole value, of ``t``'s full shape (``t`` itself, as :func:`full_tensor` returns it for a
+            plain tensor: nothing to do).
+    """
+    if value is t:
+        return
+    if not is_dtensor(t):
+        t.copy_(value)
+        return
+    from torch.distributed.tensor import distribute_tensor
+
+    local = distribute_tensor(value.to(t.dtype), t.device_mesh, t.placements, src_data_rank=None)
+    t.copy_(local)
+
+
+@contextmanager
+def gathered_parameters(module: nn.Module) -> Iterator[None]:
+    """Run the block with the whole values of the DTensor parameters of ``module`` that no FSDP2 unit unshards.
+
+    A method that calls a submodule of a sharded model directly (PCLR's query embeds the prompt with the input
+    embedding; its cycle runs forward passes through the tuner, below the ``PeftModel``) skips the forward hooks of
+    the FSDP2 units above that submodule: their parameters (the root's embedding, final norm, head) would stay
+    shards. Units inside ``module`` still unshard themselves; only the rest is all-gathered, once, and put back
+    unchanged after the block. Collective when there is something to gather. The gathered parameters must be frozen
+    (a gradient would reach the temporary copy, not the shard).
+
+    Args:
+        module: The module the block calls into.
+
+    Raises:
+        ValueError: If a parameter to gather is trainable.
+    """
+    fsdp = _optional_type("torch.distributed.fsdp", "FSDPModule")
+    units = [name for name, m in module.named_modules() if fsdp and isinstance(m, fsdp)]
+    todo: list[tuple[str, nn.Module, str, nn.Parameter]] = []
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        if any(unit == "" or prefix == unit or prefix.startswith(unit + ".") for unit in units):
+            continue  # that unit's own forward hooks unshard it
+        todo += [(prefix, m, name, p) for name, p in m._parameters.items() if p is not None and is_dtensor(p)]
+    for prefix, _, name, p in todo:
+        if p.requires_grad:
+            raise ValueError(
+                f"`{prefix + '.' if prefix else ''}{name}` is a trainable FSDP2 shard outside every fully_shard unit "
+                f"inside {type(module).__name__}; its gradient would be lost. Apply fully_shard to the module "
+                "holding it (e.g. each decoder layer) or keep it frozen"
+            )
+    whole: dict[int, nn.Parameter] = {}
+    for _, m, name, p in todo:
+        if id(p) not in whole:  # tied weights: gathered once, swapped in everywhere
+            whole[id(p)] = nn.Parameter(full_tensor(p), requires_grad=False)
+        m._parameters[name] = whole[id(p)]
+    try:
+        yield
+    finally:
+        for _, m, name, p in todo:
+            m._parameters[name] = p
+
+
+def reject_zero3(named_params: Iterable[tuple[str, torch.Tensor]], method: str) -> None:
+    """Raise ``ValueError`` naming the first DeepSpeed ZeRO-3 partition: ``method`` reads and writes whole tensors.
+
+    ZeRO-3 gathers a parameter only inside the forward of the module holding it; between forward passes the
+    parameter is an empty or flat partition (its real shape is ``ds_shape``), so a task cycle that folds, compacts or
+    re-initializes adapter tensors there would read and write partitions. FSDP2 keeps DTensor shards whose whole value
+    can be read and written (:func:`full_tensor`, :func:`write_full_`), which the cycles do.
+
+    Args:
+        named_params: ``(name, parameter)`` pairs to check.
+        method: What refuses, for the message (e.g. ``"SplitLoRA end_task"``).
+    """
+    for name, p in named_params:
+        if sharding_of(p) == "DeepSpeed ZeRO-3":
+            shape = tuple(getattr(p, "ds_shape", p.shape))
+            raise ValueError(
+                f"{method} got `{name}` (shape {shape}) as a DeepSpeed ZeRO-3 partition, but it reads and writes the "
+                "whole adapter tensors between forward passes, which ZeRO-3 does not keep. Train with "
+                "DistributedDataParallel (torchrun; accelerate distributed_type MULTI_GPU) or FSDP2 (fully_shard; "
+                "accelerate distributed_type FSDP with fsdp_version 2); see docs/distributed.md"
+            )
+
+
 # --- FSDP2 row shards ------------------------------------------------------------------------------------------------
 # FSDP2 (``fully_shard``) holds every parameter as a DTensor sharded along dim 0 (``Shard(0)``; HSDP adds
 # ``Replicate()`` mesh dimensions); its gradients have the same placements after the reduce-scatter. The optimizers
@@ -164,47 +290,15 @@ def check_parameters_unchanged(
 ROW_SHARDED = "FSDP2 row shards (Shard(0) on every sharded mesh dimension, fully_shard's default) or Replicate()"
 
 
-def _dtensor_type() -> type | tuple:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed support
-        return ()
-    return DTensor
-
-
 def is_row_sharded(t: torch.Tensor) -> bool:
     """Whether ``t`` is a DTensor (an FSDP2 parameter or its gradient); :func:`check_row_sharded` vets its layout."""
-    return isinstance(t, _dtensor_type())
+    return is_dtensor(t)
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:
     """The tensor this process holds: a DTensor's local shard (a view: in-place updates change the DTensor), else
     ``t`` itself."""
     return t.to_local() if is_row_sharded(t) else t
-
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor on every process (a DTensor is all-gathered: a collective every process must call), else
-    ``t``."""
-    return t.full_tensor() if is_row_sharded(t) else t
-
-
-@torch.no_grad()
-def write_full_(param: torch.Tensor, value: torch.Tensor) -> None:
-    """Copy the whole tensor ``value`` into ``param``: for a DTensor, only this process's shard of it (sliced
-    locally, as ``fully_shard`` slices: no communication), so every process must hold the same ``value``.
-
-    Args:
-        param: The parameter (a plain tensor or a DTensor), changed in place.
-        value: Its new value, of ``param``'s (global) shape.
-    """
-    if not is_row_sharded(param):
-        param.copy_(value)
-        return
-    from torch.distributed.tensor import distribute_tensor
-
-    shard = distribute_tensor(value.detach(), param.device_mesh, param.placements, src_data_rank=None)
-    param.to_local().copy_(shard.to_local())
 
 
 def check_row_sharded(named_params: Iterable[tuple[str, torch.Tensor]], method: str, needs: str) -> None:

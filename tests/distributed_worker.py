@@ -115,11 +115,10 @@ def splitlora(part: slice, wrap: Wrap) -> dict:
     return {"splits": splits, "state": _adapter_state(model, "splitlora_"), "logits": logits}
 
 
-def pclr(part: slice, wrap: Wrap, rank: int = 0) -> dict:
-    """Two PCLR tasks on a tiny Llama: prototype, begin_task, train, end_task with contribution compression and
-    integration (input routing after task 0, task routing after task 1)."""
-    config = PCLRConfig(
-        target_modules=["q_proj", "v_proj"],
+def pclr_config(targets: list[str]) -> PCLRConfig:
+    """The PCLR adapter of the distributed tests: 6 ranks per task, a quarter compressed by contribution."""
+    return PCLRConfig(
+        target_modules=targets,
         pool_size=16,
         ranks_schedule=[6],
         top_k=4,
@@ -128,8 +127,12 @@ def pclr(part: slice, wrap: Wrap, rank: int = 0) -> dict:
         compress_schedule=[0.25],
         compress_rule="contribution",
     )
-    model = get_peft_model(tiny_llama(hidden_size=64), config)
-    net = wrap(model)
+
+
+def pclr_cycle(model: nn.Module, net: nn.Module, part: slice, rank: int, lr: float) -> dict:
+    """Two PCLR tasks: prototype, begin_task, SGD steps of ``net`` (the model or its wrapper) at ``lr``, end_task with
+    contribution compression and integration (input routing after task 0, task routing after task 1; its AdamW
+    swapped for SGD). Returns the prototypes, task draws and task states."""
     record = {"prototypes": []}
     for task in range(2):
         batches = [{"input_ids": x[part]} for x in tokens(20 + task, STEPS, low=50 * task, high=50 * task + 70)]
@@ -137,7 +140,7 @@ def pclr(part: slice, wrap: Wrap, rank: int = 0) -> dict:
         record["prototypes"].append(proto)
         torch.manual_seed(100 + task + 1000 * rank)  # the ranks' generators differ: begin_task must broadcast
         model.begin_task(task, proto)
-        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
         for batch in batches:
             pclr_lm_step(net, model, batch["input_ids"], optimizer)
         routing = "input" if task == 0 else "tasks"
@@ -147,6 +150,14 @@ def pclr(part: slice, wrap: Wrap, rank: int = 0) -> dict:
                 task, proto, batches, integrate_lr=0.5, integrate_routing=routing, generator=generator
             )
         record[f"draws{task}"] = result.task_draws
+        record[f"task_state{task}"] = model.task_state()
+    return record
+
+
+def pclr(part: slice, wrap: Wrap, rank: int = 0) -> dict:
+    """Two PCLR tasks on a tiny Llama (:func:`pclr_cycle`)."""
+    model = get_peft_model(tiny_llama(hidden_size=64), pclr_config(["q_proj", "v_proj"]))
+    record = pclr_cycle(model, wrap(model), part, rank, lr=0.5)
     with torch.no_grad():
         record.update(state=_adapter_state(model, "pclr_"), logits=model(input_ids=probe()).logits)
     return record
@@ -156,12 +167,18 @@ def _sgd(params, lr: float, **_: object) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=lr)
 
 
-def main(out_dir: str) -> None:
+def join() -> tuple[int, int, slice]:
+    """Join the gloo process group (one thread per process); returns this rank, the world size and this rank's rows
+    of every global batch."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     per_rank = ROWS // world
-    part = slice(rank * per_rank, (rank + 1) * per_rank)
+    return rank, world, slice(rank * per_rank, (rank + 1) * per_rank)
+
+
+def main(out_dir: str) -> None:
+    rank, world, part = join()
     wrappers: list[nn.Module] = []
 
     def wrap(model: nn.Module) -> nn.Module:

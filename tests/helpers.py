@@ -141,6 +141,18 @@ def launcher(name: str) -> str | None:
     return shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
 
 
+def opt_in_accelerate(cost: str) -> str:
+    """The ``accelerate`` launcher for an opt-in test; skips unless accelerate is installed and
+    ``PEFT_EXT_ACCELERATE_TEST=1`` (``cost``: what the run costs, for the skip message)."""
+    accelerate = launcher("accelerate")
+    if accelerate is None:
+        pytest.skip("accelerate is not installed; `accelerate launch` is optional")
+    pytest.importorskip("accelerate")
+    if os.environ.get("PEFT_EXT_ACCELERATE_TEST") != "1":
+        pytest.skip(f"{cost}; set PEFT_EXT_ACCELERATE_TEST=1 (docs/distributed.md)")
+    return accelerate
+
+
 def run_launcher(cmd: list[str], timeout: float = 150) -> None:
     """Run the multi-process launch ``cmd`` from the repository root; fail the test if it fails or outlives
     ``timeout`` seconds."""

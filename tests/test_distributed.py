@@ -7,7 +7,6 @@ with a ``ValueError`` instead of training on them; FSDP2 row shards are tested i
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from peft_ext.models import tiny_llama
 from peft_ext.optim import DCTAdamW, Riemannion, create_riemannion_optimizer
 
 from . import distributed_worker as worker
-from .helpers import launcher, run_launcher, torchrun_ranks
+from .helpers import opt_in_accelerate, run_launcher, torchrun_ranks
 from .single_thread import single_thread  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,12 +84,7 @@ def test_selections_splits_prototypes_and_draws_are_global(ranks, single):
 
 @pytest.mark.distributed
 def test_accelerate_launch_runs_the_same_worker(tmp_path):
-    accelerate = launcher("accelerate")
-    if accelerate is None:
-        pytest.skip("accelerate is not installed; `accelerate launch` is optional")
-    pytest.importorskip("accelerate")
-    if os.environ.get("PEFT_EXT_ACCELERATE_TEST") != "1":
-        pytest.skip("runs the whole worker again (~20 s); set PEFT_EXT_ACCELERATE_TEST=1 (docs/distributed.md)")
+    accelerate = opt_in_accelerate("runs the whole worker again (~20 s)")
     config = ROOT / "tests" / "accelerate_cpu.yaml"
     run_launcher(
         [

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...distributed import all_reduce_
+from ...distributed import all_reduce_, gathered_parameters
 from .layer import N_PROTOS
 from .pool import group_layers, pclr_tuner
 
@@ -42,12 +42,14 @@ def query_prototype(model: nn.Module, batches: Sequence[Batch]) -> torch.Tensor:
     tuner = pclr_tuner(model)
     state = tuner.routing_state
     total: Optional[torch.Tensor] = None
-    for batch in batches:
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
-        q = state.query_fn(tuner.model, (), inputs)
-        if q is None:
-            raise ValueError("the query function returned None for a batch; cannot compute a task prototype")
-        total = q.sum(0) if total is None else total + q.sum(0)
+    # no forward pass runs, so no FSDP2 unit unshards what the query reads (the root's input embedding): gather it
+    with gathered_parameters(tuner.model):
+        for batch in batches:
+            inputs = {k: v for k, v in batch.items() if k != "labels"}
+            q = state.query_fn(tuner.model, (), inputs)
+            if q is None:
+                raise ValueError("the query function returned None for a batch; cannot compute a task prototype")
+            total = q.sum(0) if total is None else total + q.sum(0)
     if total is None:
         raise ValueError("`batches` is empty; a task prototype needs at least one batch")
     all_reduce_([total])

@@ -20,7 +20,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Optional
 
 import torch
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from torch import nn
 
-from ...distributed import broadcast_
+from ...distributed import broadcast_, gathered_parameters, reject_zero3
 from .._cycle import resolve_cycle_adapter
 from ..adapter_tuner import AdapterTuner
 from .config import PCLRConfig, PCLRCycleConfig
@@ -189,6 +189,19 @@ class PCLRModel(AdapterTuner):
         """
         return query_prototype(self, batches)
 
+    def _reject_zero3(self, adapter: str, method: str) -> None:
+        # the cycle writes rows of the pool's parameters (new ranks, keys) and reads them whole: a ZeRO-3 partition is
+        # neither (FSDP2 shards are gathered and written back instead)
+        names = ("pclr_A", "pclr_B", "pclr_keys", "pclr_shared_A", "pclr_shared_B")
+        named = (
+            (f"{key}.{name}.{adapter}", getattr(layer, name)[adapter])
+            for key, layer in self.model.named_modules()
+            if isinstance(layer, PCLRLayer)
+            for name in names
+            if adapter in getattr(layer, name)
+        )
+        reject_zero3(named, f"PCLR {method}")
+
     @staticmethod
     def _cycle(cycle: Optional[PCLRCycleConfig], overrides: dict[str, Any]) -> PCLRCycleConfig:
         cycle = cycle if cycle is not None else PCLRCycleConfig()
@@ -230,6 +243,7 @@ class PCLRModel(AdapterTuner):
             The number of new ranks.
         """
         adapter = self._resolve_adapter(adapter_name)
+        self._reject_zero3(adapter, "begin_task")
         key_noise = self._cycle(cycle, overrides).key_noise
         config = self.peft_config[adapter]
         groups = group_layers(self, adapter)
@@ -262,6 +276,9 @@ class PCLRModel(AdapterTuner):
             device = owner.pclr_keys[adapter].device
             noise = torch.randn(count, dim, device=device) * key_noise
             keys = F.normalize(proto.to(device) + noise, dim=-1)
+            # drawn from each process's generator: rank 0's draw for all, before it is written (under FSDP2 each
+            # process then writes its own shard of the same values)
+            broadcast_([keys])
             for layer in layers:
                 A_static = layer.static_ranks(adapter)[0]
                 A = torch.randn(count, A_static.shape[1], device=A_static.device) / math.sqrt(A_static.shape[1])
@@ -270,15 +287,8 @@ class PCLRModel(AdapterTuner):
                     # a second time; with b_i = 0 the model's function is unchanged when the task starts (LoRA's
                     # init).
                     A[: len(source)] = A_static[source]
+                broadcast_([A])
                 layer.begin_new_ranks(adapter, task_id, A, keys if layer is owner else None)
-        trainable = [
-            store[adapter]
-            for layers in groups.values()
-            for layer in layers
-            for store in (layer.pclr_keys, layer.pclr_A, layer.pclr_B)
-            if adapter in store
-        ]
-        broadcast_(trainable)
         return count
 
     def end_task(
@@ -318,6 +328,7 @@ class PCLRModel(AdapterTuner):
         """
         settings = self._cycle(cycle, overrides)
         adapter = self._resolve_adapter(adapter_name)
+        self._reject_zero3(adapter, "end_task")
         config = self.peft_config[adapter]
         if config.compress_rule == "contribution" and not batches:
             raise ValueError("compress_rule='contribution' measures the ranks on the task's data: pass `batches`")
@@ -336,7 +347,10 @@ class PCLRModel(AdapterTuner):
         n_drop = max(n_drop, n_active + config.ranks_for_task(task_id + 1) - config.pool_size)
         result = None
         if n_drop > 0:
-            result = self._compress_and_integrate(adapter, n_drop, batches, settings, forward, mask, generator)
+            # the cycle's forward passes (on `batches`) call this tuner, below an FSDP2 root on the PeftModel: gather
+            # the root's own parameters for them
+            with gathered_parameters(self) if batches else nullcontext():
+                result = self._compress_and_integrate(adapter, n_drop, batches, settings, forward, mask, generator)
         fold_new_ranks(self, adapter)
         pull_keys_to_prototypes(self, adapter, settings.key_pull_threshold, settings.key_pull_strength)
         for layers in groups.values():

@@ -18,11 +18,22 @@ import torch
 from peft.tuners._buffer_dict import BufferDict
 from torch import nn
 
+from ...distributed import full_tensor, write_full_
+
 __all__ = ["N_NEW", "N_PROTOS", "N_STATIC", "TASK", "RankPoolStore"]
 
 # Slots of pclr_counts.
 N_STATIC, N_NEW, N_PROTOS, TASK = 0, 1, 2, 3
 _COUNT_SLOTS = {"static": N_STATIC, "new": N_NEW, "protos": N_PROTOS, "task": TASK}
+
+
+@torch.no_grad()
+def write_rows_(store: torch.Tensor, rows: torch.Tensor) -> None:
+    """``store[:len(rows)] = rows`` (cast to the store's dtype); for an FSDP2 (DTensor) store each process writes the
+    part of ``rows`` that falls in its own shard."""
+    whole = full_tensor(store)
+    whole[: rows.shape[0]] = rows.to(whole.dtype)
+    write_full_(store, whole)
 
 
 class RankPoolStore:
@@ -73,9 +84,11 @@ class RankPoolStore:
         return self.pclr_A_static[adapter_name][:n_s], self.pclr_B_static[adapter_name][:n_s]
 
     def new_ranks(self, adapter_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views ``(A, B)`` of the active new (trainable) ranks: (N_n x in) and (N_n x out), no copy."""
+        """Views ``(A, B)`` of the active new (trainable) ranks: (N_n x in) and (N_n x out), no copy (a gathered copy
+        for FSDP2 DTensor stores, between forward passes)."""
         n_n = self.pclr_host_counts[adapter_name][N_NEW]
-        return self.pclr_A[adapter_name][:n_n], self.pclr_B[adapter_name][:n_n]
+        # outside the forward an FSDP2 store is a DTensor shard: the whole store then (a copy, not a view)
+        return full_tensor(self.pclr_A[adapter_name])[:n_n], full_tensor(self.pclr_B[adapter_name])[:n_n]
 
     def pool(self, adapter_name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """A copy of the active ranks ``(A, B)``: (N x in) and (N x out), static rows first; gradients reach the new
@@ -87,7 +100,9 @@ class RankPoolStore:
         """The active keys (N x d) of this layer's group, static first."""
         owner = self.group_owner(adapter_name)
         n_s, n_n = owner.counts(adapter_name)[:2]
-        return torch.cat([owner.pclr_keys_static[adapter_name][:n_s], owner.pclr_keys[adapter_name][:n_n]])
+        return torch.cat(
+            [owner.pclr_keys_static[adapter_name][:n_s], full_tensor(owner.pclr_keys[adapter_name])[:n_n]]
+        )
 
     def static_keys(self, adapter_name: str) -> torch.Tensor:
         """A view of the group's active static keys (N_s x d), no copy."""
@@ -128,11 +143,11 @@ class RankPoolStore:
         if owner:
             store = self.pclr_keys[adapter_name]
             store.zero_()
-            store[:count] = keys.to(store.dtype)
+            write_rows_(store, keys)
         store_A, store_B = self.pclr_A[adapter_name], self.pclr_B[adapter_name]
         store_A.zero_()
         store_B.zero_()
-        store_A[:count] = A.to(store_A.dtype)
+        write_rows_(store_A, A)
         tags = self.pclr_rank_task[adapter_name]
         tags[cap:] = -1
         tags[cap : cap + count] = task_id
@@ -156,9 +171,9 @@ class RankPoolStore:
         keep_new = keep[n_s:].nonzero().flatten().tolist()
         for static, new in self._pairs(adapter_name):
             for store, kept_rows in ((static, keep_static), (new, keep_new)):
-                kept = store[kept_rows].clone()
+                kept = full_tensor(store)[kept_rows].clone()
                 store.zero_()
-                store[: len(kept_rows)] = kept
+                write_rows_(store, kept)
         cap = self.pclr_A_static[adapter_name].shape[0]
         tags = self.pclr_rank_task[adapter_name]
         static_tags, new_tags = tags[:cap][keep_static].clone(), tags[cap:][keep_new].clone()
@@ -175,7 +190,7 @@ class RankPoolStore:
         if n_s + n_n > cap:
             raise ValueError(f"folding {n_n} new ranks into {n_s} static ones exceeds pool_size={cap}")
         for static, new in self._pairs(adapter_name):
-            static[n_s : n_s + n_n] = new[:n_n].to(static.dtype)
+            static[n_s : n_s + n_n] = full_tensor(new)[:n_n].to(static.dtype)
             new.zero_()
         tags = self.pclr_rank_task[adapter_name]
         tags[n_s : n_s + n_n] = tags[cap : cap + n_n].clone()

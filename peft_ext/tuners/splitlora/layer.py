@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from peft.tuners._buffer_dict import BufferDict
 from torch import nn
 
+from ...distributed import full_tensor
 from ..adapter_layer import AdapterLayer, AdapterLinear
 from .config import SplitLoRAConfig
 from .stats import (
@@ -311,7 +312,8 @@ class SplitLoRALayer(AdapterLayer):
         Raises:
             ValueError: If ``B`` has non-finite values; nothing is changed then.
         """
-        b = self.splitlora_B[adapter_name]
+        param = self.splitlora_B[adapter_name]
+        b = full_tensor(param)  # FSDP2: B is a DTensor shard here; the fold needs all of its rows
         a = self.splitlora_A[adapter_name]
         if not bool(torch.isfinite(b).all()):
             # Folding would spread the non-finite values into dW_old and so into every earlier task's output.
@@ -332,7 +334,7 @@ class SplitLoRALayer(AdapterLayer):
                     old_b, old_a = old_b[:, :0].contiguous(), old_a[:0].contiguous()
                 self.splitlora_old_B[adapter_name] = old_b
                 self.splitlora_old_A[adapter_name] = old_a
-        b.zero_()
+        param.zero_()  # elementwise: each FSDP2 process zeroes its own shard
 
     @torch.no_grad()
     def advance_task(self, adapter_name: str, group: Any = None) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from peft.config import PeftConfig
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, get_quantization_kwargs
 from torch import nn
 
+from ...distributed import reject_zero3
 from .._cycle import resolve_cycle_adapter
 from ..adapter_tuner import AdapterTuner
 from .config import SplitLoRAConfig
@@ -192,6 +193,12 @@ class SplitLoRAModel(AdapterTuner):
             )
         return layers
 
+    @staticmethod
+    def _reject_zero3(layers: list[tuple[str, SplitLoRALayer]], method: str) -> None:
+        # end_task folds the whole B into dW_old: a ZeRO-3 partition is not B (FSDP2 shards are gathered instead)
+        named = ((f"{key}.splitlora_B.{name}", b) for key, layer in layers for name, b in layer.splitlora_B.items())
+        reject_zero3(named, f"SplitLoRA {method}")
+
     def finished_tasks(self, adapter_name: str | None = None) -> int:
         """Number of tasks finished with ``end_task`` (the 0-based index of the task in progress).
 
@@ -215,6 +222,7 @@ class SplitLoRAModel(AdapterTuner):
         """
         name = self._resolve_adapter(adapter_name)
         layers = self._lifecycle_layers(name)
+        self._reject_zero3(layers, "begin_task")
         if self.peft_config[name].inference_mode:
             raise ValueError(
                 f"adapter {name!r} was loaded for inference; load it with "
@@ -283,6 +291,7 @@ class SplitLoRAModel(AdapterTuner):
         """
         name = self._resolve_adapter(adapter_name)
         layers = self._lifecycle_layers(name)
+        self._reject_zero3(layers, "end_task")
         task_index = self.finished_tasks(name)
         for _, layer in layers:
             layer.finish_statistics(name, process_group)

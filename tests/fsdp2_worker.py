@@ -1,0 +1,174 @@
+"""Worker of tests/test_fsdp2.py: LoRA, SplitLoRA and PCLR task cycles under FSDP2 (``fully_shard``, gloo, CPU).
+
+Run as ``torchrun --standalone --nproc_per_node=2 tests/fsdp2_worker.py OUT_DIR`` (or through
+``accelerate launch --config_file tests/accelerate_fsdp2.yaml tests/fsdp2_worker.py OUT_DIR``, which shards the
+model itself). Every rank trains on its own half of each global batch and writes ``rank{R}.pt``; the test runs the
+same functions in one process on the whole batches (``part=slice(None)``, no sharding) and compares.
+
+The model is a tiny Llama with every attention and MLP projection adapted; each decoder layer is its own FSDP2
+unit and the ``PeftModel`` is the root (what accelerate's transformer auto-wrap does), so the adapters' parameters
+are DTensor shards outside the forward and the task cycle (statistics, split, compression, distillation) runs on
+them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from peft import LoraConfig, get_peft_model
+from torch import nn
+
+from peft_ext import SplitLoRAConfig
+from peft_ext.distributed import full_tensor, is_dtensor
+from peft_ext.models import tiny_llama
+from tests.distributed_worker import STEPS, join, pclr_config, pclr_cycle, probe, tokens
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+Shard = Callable[[nn.Module], nn.Module]
+
+
+def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=ids).logits
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def train(model: nn.Module, batches: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+    for ids in batches:
+        loss = lm_loss(model, ids)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def adamw(model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters (DTensor shards under FSDP2), a fresh one per task as the cycle asks."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+
+def finish(model: nn.Module, prefix: str, record: dict) -> dict:
+    """Every adapter tensor as a whole tensor (gathered from the shards), the logits on a probe batch, and which
+    adapter parameters were DTensor shards."""
+    sharded = [n for n, p in model.named_parameters() if prefix in n and is_dtensor(p)]
+    state = {n: full_tensor(t).detach().clone() for n, t in model.state_dict().items() if prefix in n}
+    with torch.no_grad():
+        logits = model(input_ids=probe()).logits
+    return {**record, "sharded": sharded, "state": state, "logits": logits}
+
+
+def lora(part: slice, shard: Shard) -> dict:
+    """PEFT's own LoRA on every projection: the baseline FSDP2 is known to handle."""
+    model = shard(get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=TARGETS, init_lora_weights=False)))
+    train(model, [x[part] for x in tokens(1, STEPS)], adamw(model))
+    return finish(model, "lora_", {})
+
+
+def splitlora(part: slice, shard: Shard) -> dict:
+    """Two SplitLoRA tasks: begin_task, AdamW, statistics on this part, end_task (split, fold, next A)."""
+    config = SplitLoRAConfig(r=2, target_modules=TARGETS, trade_off=3.0, dense_max_features=64)
+    model = shard(get_peft_model(tiny_llama(), config))
+    splits = []
+    for task in range(2):
+        model.begin_task()
+        data = [x[part] for x in tokens(10 + task, STEPS, low=40 * task, high=40 * task + 60)]
+        train(model, data, adamw(model))
+        with torch.no_grad(), model.collect_statistics():
+            for ids in data:
+                model(input_ids=ids)
+        splits.append({key: (s.k_star, s.primary) for key, s in model.end_task().items()})
+    return finish(model, "splitlora_", {"splits": splits})
+
+
+def pclr(part: slice, shard: Shard, rank: int = 0) -> dict:
+    """Two PCLR tasks, the DDP worker's cycle (:func:`tests.distributed_worker.pclr_cycle`): prototype, begin_task,
+    training with the query loss, end_task with contribution compression and distillation (input routing after task
+    0, task routing after task 1), fold, next task.
+
+    SGD, for training and in place of the distillation's AdamW: the distillation drives the loss of old tasks' routing
+    towards zero, where gradient entries are rounding noise (1e-5 relative to each other in one process and two);
+    Adam divides by their root mean square and turns the noise into steps of about ``lr``, so with Adam one process
+    and two agree only to the order of ``lr``. With SGD they agree to rounding; AdamW on FSDP2 shards is what the
+    LoRA and SplitLoRA cases train with.
+    """
+    model = shard(get_peft_model(tiny_llama(), pclr_config(TARGETS)))
+    return finish(model, "pclr_", pclr_cycle(model, model, part, rank, lr=1e-2))
+
+
+CASES = {"lora": lora, "splitlora": splitlora, "pclr": pclr}
+
+
+def fsdp2(mesh) -> Shard:
+    """Each decoder layer its own FSDP2 unit, the PeftModel the root (what accelerate's transformer auto-wrap does)."""
+    from torch.distributed.fsdp import fully_shard
+
+    def shard(model: nn.Module) -> nn.Module:
+        for layer in model.base_model.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    return shard
+
+
+def accelerate_fsdp2(rank: int) -> Shard:
+    """accelerate's own FSDP2 preparation, as ``accelerate launch --config_file tests/accelerate_fsdp2.yaml`` sets it.
+
+    accelerate (1.15) turns FSDP on only for GPU-type setups: on CPUs ``Accelerator().prepare`` would leave the model
+    whole. So the worker runs what ``prepare`` runs for FSDP2, ``fsdp2_prepare_model`` with the
+    ``FullyShardedDataParallelPlugin`` that the launcher's environment configures (version 2, the decoder layers as
+    units), on a minimal stand-in for the Accelerator. On GPUs: ``model, optimizer = Accelerator().prepare(model,
+    optimizer)``.
+    """
+    from types import SimpleNamespace
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    plugin = FullyShardedDataParallelPlugin()
+    if plugin.fsdp_version != 2:
+        raise ValueError(f"tests/accelerate_fsdp2.yaml should configure FSDP2, the launcher set {plugin.fsdp_version}")
+    accelerator = SimpleNamespace(
+        state=SimpleNamespace(fsdp_plugin=plugin),
+        torch_device_mesh=None,
+        parallelism_config=None,
+        device=torch.device("cpu"),
+        is_main_process=rank == 0,
+        mixed_precision="no",
+    )
+
+    def shard(model: nn.Module) -> nn.Module:
+        model = fsdp2_prepare_model(accelerator, model)
+        # accelerate makes the input embedding a unit of its own; the root's first forward must come before a call
+        # of that unit alone (PCLR's query_prototype embeds the prompt), or FSDP2 takes the embedding for the root
+        with torch.no_grad():
+            model(input_ids=probe())
+        return model
+
+    return shard
+
+
+def main(out_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, world, part = join()
+    # accelerate's launcher exports the config file's FSDP settings (ACCELERATE_USE_FSDP, FSDP_VERSION, ...)
+    by_accelerate = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    shard = accelerate_fsdp2(rank) if by_accelerate else fsdp2(init_device_mesh("cpu", (world,)))
+    only = os.environ.get("FSDP2_CASES")
+    record = {"world": world, "accelerate": by_accelerate}
+    for name, case in CASES.items():
+        if only and name not in only.split(","):
+            continue
+        record[name] = case(part, shard, rank) if name == "pclr" else case(part, shard)
+    torch.save(record, Path(out_dir) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,219 @@
+"""LoRA, SplitLoRA and PCLR task cycles under FSDP2 (``fully_shard``): ``torchrun --nproc_per_node=2`` (gloo, CPU).
+
+Two ranks, each on half of every global batch, with every decoder layer an FSDP2 unit and the adapters' parameters
+DTensor shards between forward passes, end with the same whole adapter tensors on both ranks, equal (to rounding)
+to one process on the whole batches: the statistics, splits and folds of SplitLoRA, and the prototypes, begin_task
+draws, contribution scores, rank drops, distillation and folds of PCLR. One torchrun launch runs every case
+(tests/fsdp2_worker.py). Also: the DTensor helpers of peft_ext.distributed, and the task cycles' refusal of
+DeepSpeed ZeRO-3 partitions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from peft import get_peft_model
+
+from peft_ext import PCLRConfig, SplitLoRAConfig
+from peft_ext.distributed import full_tensor, gathered_parameters, is_dtensor, write_full_
+from peft_ext.models import tiny_llama
+from peft_ext.tuners.pclr import PCLRLayer
+
+from . import fsdp2_worker as worker
+from .helpers import opt_in_accelerate, run_launcher, torchrun_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "fsdp2_worker.py"
+CASES = tuple(worker.CASES)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return torchrun_ranks(WORKER, tmp_path_factory.mktemp("fsdp2"), pytest.fail)
+
+
+def _one_process(names) -> dict:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {name: worker.CASES[name](slice(None), lambda model: model) for name in names}
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def single():
+    return _one_process(CASES)
+
+
+def _assert_matches(got: dict, want: dict, case: str) -> None:
+    assert got["state"].keys() == want["state"].keys() and want["state"], case
+    for name, value in want["state"].items():
+        torch.testing.assert_close(got["state"][name], value, rtol=1e-4, atol=1e-5, msg=f"{case}: {name}")
+    torch.testing.assert_close(got["logits"], want["logits"], rtol=1e-4, atol=1e-5, msg=case)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", CASES)
+def test_adapters_are_fsdp2_shards_and_ranks_end_identical(ranks, single, case):
+    zero, one = ranks[0][case], ranks[1][case]
+    assert ranks[0]["world"] == 2 and not ranks[0]["accelerate"]
+    # the run really trained DTensor shards (one process: plain tensors)
+    assert zero["sharded"] and zero["sharded"] == one["sharded"], case
+    assert not single[case]["sharded"]
+    for name, value in zero["state"].items():
+        assert torch.equal(value, one["state"][name]), (case, name)
+    assert torch.equal(zero["logits"], one["logits"])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", CASES)
+def test_two_ranks_equal_one_process_on_the_global_batch(ranks, single, case):
+    for rank in ranks:
+        _assert_matches(rank[case], single[case], case)
+
+
+@pytest.mark.distributed
+def test_cycle_decisions_are_those_of_one_process(ranks, single):
+    for rank in ranks:
+        assert rank["splitlora"]["splits"] == single["splitlora"]["splits"]
+        for key in ("draws0", "draws1", "task_state0", "task_state1"):
+            assert rank["pclr"][key] == single["pclr"][key], key
+        for got, want in zip(rank["pclr"]["prototypes"], single["pclr"]["prototypes"]):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    # the cycle did what it is scheduled to: task 0 compressed (6 -> 4 static ranks), task 1 distilled over tasks
+    assert single["pclr"]["task_state0"]["model.layers.0"]["static"] == 4
+    assert sum(single["pclr"]["draws1"]) == worker.STEPS
+
+
+@pytest.mark.distributed
+def test_accelerate_fsdp2_config_runs_the_pclr_cycle(tmp_path, single, monkeypatch):
+    accelerate = opt_in_accelerate("launches the PCLR case again (~40 s)")
+    monkeypatch.setenv("FSDP2_CASES", "pclr")
+    config = ROOT / "tests" / "accelerate_fsdp2.yaml"
+    run_launcher([accelerate, "launch", "--config_file", str(config), str(WORKER), str(tmp_path)])
+    zero, one = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    assert zero["world"] == 2 and zero["accelerate"] and zero["pclr"]["sharded"]
+    for name, value in zero["pclr"]["state"].items():
+        assert torch.equal(value, one["pclr"]["state"][name]), name
+    _assert_matches(zero["pclr"], single["pclr"], "pclr")
+
+
+# -- the DTensor helpers, on a 1-process mesh ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def one_process_mesh(tmp_path):
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_full_tensor_and_write_full_on_dtensor_and_plain(one_process_mesh):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    value = torch.randn(6, 4)
+    shard = torch.nn.Parameter(distribute_tensor(value.clone(), one_process_mesh, [Shard(0)]))
+    assert is_dtensor(shard) and not is_dtensor(value)
+    assert torch.equal(full_tensor(shard), value) and full_tensor(value) is value
+    write_full_(shard, value * 2)
+    assert is_dtensor(shard) and torch.equal(full_tensor(shard), value * 2)
+    plain = torch.zeros(6, 4)
+    write_full_(plain, value)
+    assert torch.equal(plain, value)
+
+
+def test_gathered_parameters_swaps_in_whole_frozen_parameters_and_refuses_trainable(one_process_mesh):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    embedding = torch.nn.Embedding(10, 4)
+    weight = embedding.weight.detach().clone()
+    sharded = torch.nn.Parameter(distribute_tensor(weight, one_process_mesh, [Shard(0)]), requires_grad=False)
+    embedding.weight = sharded
+    ids = torch.tensor([[1, 7, 3]])
+    with gathered_parameters(embedding):
+        assert torch.equal(embedding(ids), weight[ids])
+    assert embedding.weight is sharded
+    sharded.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"`weight` is a trainable FSDP2 shard outside every fully_shard unit"):
+        with gathered_parameters(embedding):
+            pass
+    assert embedding.weight is sharded
+
+
+def test_pclr_pool_writes_on_dtensor_parameters_equal_plain_ones(one_process_mesh):
+    # the importance rule, rank drops, folding and begin_task's writes, on DTensor stores (no forward pass needed)
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    config = PCLRConfig(
+        target_modules=["q_proj", "v_proj"],
+        pool_size=8,
+        ranks_schedule=[4],
+        top_k=2,
+        shared_r=2,
+        compress_schedule=[0.5],
+        compress_rule="importance",
+        init_weights=False,
+    )
+    models = [get_peft_model(tiny_llama(), config) for _ in range(2)]
+    for module in models[1].modules():
+        if isinstance(module, PCLRLayer):
+            for store in (module.pclr_A, module.pclr_B, module.pclr_keys, module.pclr_shared_A, module.pclr_shared_B):
+                for name, p in store.items():
+                    store[name] = torch.nn.Parameter(distribute_tensor(p.detach(), one_process_mesh, [Shard(0)]))
+    proto = torch.nn.functional.normalize(torch.arange(32.0), dim=0)
+    for model in models:
+        torch.manual_seed(0)
+        model.end_task(0, proto)  # drops 2 of 4 ranks by importance, folds the rest
+        model.begin_task(1, proto)
+    plain, sharded = ({n: full_tensor(t) for n, t in m.state_dict().items() if "pclr_" in n} for m in models)
+    assert any(is_dtensor(p) for p in models[1].parameters())
+    assert models[0].task_state() == models[1].task_state()
+    assert models[0].task_state()["model.layers.0"] == {"static": 2, "new": 4, "prototypes": 1, "task": 1}
+    for name, value in plain.items():
+        assert torch.equal(sharded[name], value), name
+
+
+# -- DeepSpeed ZeRO-3 partitions: the task cycles refuse them ----------------------------------------------------
+
+
+def _zero3(model, fragment: str) -> str:
+    name, p = next((n, p) for n, p in model.named_parameters() if fragment in n)
+    p.ds_id, p.ds_shape = 5, p.shape  # what DeepSpeed ZeRO-3 puts on a partitioned parameter
+    return name
+
+
+def test_splitlora_cycle_refuses_zero3_partitions():
+    model = get_peft_model(tiny_llama(), SplitLoRAConfig(r=2, target_modules=["q_proj"]))
+    _zero3(model, "splitlora_B")
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    for call in (model.begin_task, model.end_task):
+        with pytest.raises(
+            ValueError,
+            match=r"SplitLoRA \w+ got `model\.layers\.0\.self_attn\.q_proj\.splitlora_B\.default` \(shape \(32, 2\)\) "
+            r"as a DeepSpeed ZeRO-3 partition.*DistributedDataParallel.*FSDP2",
+        ):
+            call()
+    assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
+
+
+def test_pclr_cycle_refuses_zero3_partitions():
+    config = PCLRConfig(target_modules=["q_proj"], pool_size=8, ranks_schedule=[2], top_k=2)
+    model = get_peft_model(tiny_llama(), config)
+    _zero3(model, "pclr_keys")
+    proto = torch.nn.functional.normalize(torch.ones(32), dim=0)
+    match = r"PCLR {} got `model\.layers\.0\.self_attn\.q_proj\.pclr_keys\.default` .* ZeRO-3 partition.*FSDP2"
+    with pytest.raises(ValueError, match=match.format("begin_task")):
+        model.begin_task(0, proto)
+    with pytest.raises(ValueError, match=match.format("end_task")):
+        model.end_task(0, proto)
+    assert model.task_state()["model.layers.0"] == {"static": 0, "new": 2, "prototypes": 0, "task": 0}
