@@ -38,7 +38,6 @@ __all__ = [
     "local_part",
     "registered_parameters",
     "reject_zero3",
-    "reject_sharded",
     "sharding_of",
     "world_size",
     "write_full_",
@@ -115,25 +114,6 @@ def sharding_of(p: torch.Tensor) -> str | None:
     if hasattr(p, "ds_id") or hasattr(p, "ds_numel"):
         return "DeepSpeed ZeRO-3"
     return None
-
-
-def reject_sharded(named_params: Iterable[tuple[str, torch.Tensor]], optimizer: str, needs: str) -> None:
-    """Raise ``ValueError`` naming the first parameter that is a shard: ``optimizer`` needs whole matrices.
-
-    Args:
-        named_params: ``(name, parameter)`` pairs.
-        optimizer: The optimizer's name, for the message.
-        needs: What the optimizer computes from the whole matrix, for the message.
-    """
-    for name, p in named_params:
-        kind = sharding_of(p)
-        if kind is not None:
-            raise ValueError(
-                f"{optimizer} got `{name}` (shape {tuple(p.shape)}) as a {kind} shard, but {needs} needs the whole "
-                "matrix on every process. Train with DistributedDataParallel (torchrun, or accelerate with "
-                "distributed_type MULTI_GPU), which keeps parameters whole; see "
-                "docs/distributed.md"
-            )
 
 
 def registered_parameters(param_groups: Sequence[dict]) -> list[list[tuple[int, ...]]]:
