@@ -53,7 +53,7 @@ from torch.optim import Optimizer
 from ..distributed import check_parameters_unchanged, registered_parameters, reject_sharded
 from ..kernels.retraction import stack_by_shape
 from ..manifolds.fixed_rank import FixedRankPoint, TangentVector, right_basis, stack_bases
-from ..precision import compute_dtype, is_half
+from ..precision import check_dtypes, compute_dtype, is_half
 from ..tuners.riemannion.layer import AdapterRef, find_adapters
 from .adam_math import adamw_update
 from .riemannion_math import riemannion_update
@@ -100,7 +100,7 @@ class Riemannion(Optimizer):
         rtol: Rank threshold of the orthogonalization (default ``max(m, n) * eps``).
 
     Raises:
-        TypeError: If the model is not given.
+        TypeError: If the model is not given, or a parameter's dtype is not float32, bfloat16, float16 or float64.
         ValueError: On invalid hyperparameters, on non-adapter parameters in a ``"manifold": True`` group, on split
             adapters, on adapters that are off the manifold (``A`` not orthonormal or ``Z`` nonzero), and on sharded
             parameters (FSDP2 DTensors, DeepSpeed ZeRO-3; ``step`` also refuses parameters that DeepSpeed ZeRO
@@ -155,6 +155,8 @@ class Riemannion(Optimizer):
             "skipped_steps": 0,
         }
         groups = self._split_groups(params, aux_lr, aux_weight_decay)
+        named = [(self._names.get(id(p), "an unnamed parameter"), p) for g in groups for p in g["params"]]
+        check_dtypes(named, type(self).__name__)
         # the retraction (QR + SVD) and the orthonormality of A need whole factors on every process
         reject_sharded(
             ((self._names.get(id(p), "an unnamed parameter"), p) for g in groups for p in g["params"]),
