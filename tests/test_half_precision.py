@@ -10,6 +10,8 @@ from peft import get_peft_model
 from torch import nn
 
 from peft_ext import RiemannionConfig, SplitLoRAConfig
+from peft_ext.kernels import retract
+from peft_ext.manifolds import FixedRankPoint, TangentVector, ortho_lowrank, proju, random_point, right_basis, to_dense
 from peft_ext.optim import DCTAdamW, create_riemannion_optimizer
 from peft_ext.tuners.riemannion import find_adapters, initialize_loi
 
@@ -27,6 +29,27 @@ def _eps(dtype: torch.dtype) -> float:
 def _orthonormality_error(A: torch.Tensor) -> float:
     A = A.detach().double()
     return (A.mT @ A - torch.eye(A.shape[1], dtype=A.dtype)).abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_fixed_rank_geometry_in_half_precision(dtype):
+    """QR / SVD / Cholesky of half-precision factors run in float32 (CPU has no half kernels for them) and return the
+    input's dtype; the results are float32's rounded."""
+    point = random_point(40, 24, 3, generator=torch.Generator().manual_seed(0))
+    step = proju(point, torch.randn(40, 2) * 0.1, torch.randn(24, 2) * 0.1)
+    half = FixedRankPoint.from_factors(point.A.to(dtype), point.B.to(dtype))
+    assert half.B_R.dtype == dtype and _orthonormality_error(half.B_R) <= 2 * _eps(dtype)
+    assert torch.allclose(half.B_R.float(), point.B_R, atol=4 * _eps(dtype))
+    U, V = ortho_lowrank(point.A, point.B)
+    U_h, V_h = ortho_lowrank(half.A, half.B)
+    assert U_h.dtype == V_h.dtype == dtype
+    assert torch.allclose((U_h.float() @ V_h.float().T), U @ V.T, atol=8 * _eps(dtype))
+    half_step = TangentVector(step.A_dot.to(dtype), step.B_dot.to(dtype))
+    expected = to_dense(retract(point, step, 0.9, method="qr"))
+    for method in ("qr", "cholqr2"):
+        new = retract(half, half_step, 0.9, method=method)
+        assert new.A.dtype == new.B.dtype == dtype and _orthonormality_error(new.A) <= 2 * _eps(dtype)
+        assert (to_dense(new).float() - expected).norm() <= 4 * _eps(dtype) * expected.norm()
 
 
 def _teacher_task() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -72,6 +95,8 @@ def test_riemannion_optimizer_on_half_adapters(dtype, autocast):
     assert _orthonormality_error(ref.A) <= (2 * _eps(want) if want != torch.float32 else 1e-5)
     state = optimizer.state[ref.A]
     assert state["momentum_A"].dtype == state["momentum_B"].dtype == torch.float32
+    # the layer's cached B_R (float32 QR, cast) is the basis of the stored B, as a fresh computation gives it
+    assert torch.equal(ref.layer.get_right_basis(ref.adapter_name), right_basis(ref.B.detach()))
     assert losses[-1] < 0.7 * losses[0]
     assert abs(losses[-1] - reference[-1]) <= 0.01 * reference[-1], (losses[-1], reference[-1])
 
@@ -169,6 +194,14 @@ def test_splitlora_cycle_on_a_bf16_model_keeps_float32_statistics():
     assert layer.splitlora_old_B["default"].dtype == layer.splitlora_A["default"].dtype == torch.bfloat16
     # folding B A into the bf16 old factors is exact (they are stacked, not summed)
     assert torch.equal(model(x), before)
+    # model.to casts every floating buffer, the running sums included: the next end_task restores their dtypes
+    model.to(torch.bfloat16)
+    assert layer.splitlora_energy["default"].dtype == torch.bfloat16
+    with torch.no_grad(), model.base_model.collect_statistics():
+        model(x)
+    model.base_model.end_task()
+    assert layer.splitlora_cov["default"].dtype == torch.float32
+    assert layer.splitlora_energy["default"].dtype == torch.float64
 
 
 # -- bad input -------------------------------------------------------------------------------------------------------
