@@ -4,6 +4,8 @@ forward, merge, training and 4-bit bases in half precision)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from peft import get_peft_model
@@ -99,6 +101,38 @@ def test_riemannion_optimizer_on_half_adapters(dtype, autocast):
     assert torch.equal(ref.layer.get_right_basis(ref.adapter_name), right_basis(ref.B.detach()))
     assert losses[-1] < 0.7 * losses[0]
     assert abs(losses[-1] - reference[-1]) <= 0.01 * reference[-1], (losses[-1], reference[-1])
+
+
+def test_riemannion_resumes_half_precision_runs_exactly():
+    """load_state_dict keeps the float32 momentum and AdamW moments of bf16 parameters (torch would cast them to
+    bf16), so a resumed run equals the uninterrupted one."""
+
+    def build():
+        base, x, y = _teacher_task()
+        config = RiemannionConfig(r=2, target_modules=["0"], modules_to_save=["2"])
+        model = get_peft_model(base.to(torch.bfloat16), config, autocast_adapter_dtype=False)
+        return model, create_riemannion_optimizer(model, lr=0.05), x.to(torch.bfloat16), y
+
+    def step(model, optimizer, x, y):
+        optimizer.zero_grad()
+        (model(x).float() - y).pow(2).mean().backward()
+        optimizer.step()
+
+    model, optimizer, x, y = build()
+    for _ in range(2):
+        step(model, optimizer, x, y)
+    saved = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
+    resumed, resumed_optimizer, _, _ = build()
+    resumed.load_state_dict(saved[0])
+    resumed_optimizer.load_state_dict(saved[1])
+    dtypes = {
+        key: value.dtype for state in resumed_optimizer.state.values() for key, value in state.items() if key != "step"
+    }
+    assert dtypes and set(dtypes.values()) == {torch.float32}, dtypes
+    step(model, optimizer, x, y)
+    step(resumed, resumed_optimizer, x, y)
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
 
 
 def test_riemannion_aux_adamw_keeps_float32_moments_for_half_parameters():

@@ -322,7 +322,7 @@ class Riemannion(Optimizer):
         for indices, (A, B, grad_right, grad_left) in stack_by_shape(rows, has_momentum):
             buf = None
             if has_momentum[indices[0]]:
-                # stacked as stored (float32 or wider, or the parameter's dtype after load_state_dict's cast)
+                # stacked as stored (float32 or wider; load_state_dict keeps the saved dtype)
                 states = [self.state[rows[i][0]] for i in indices]
                 buf = TangentVector(
                     torch.stack([s["momentum_A"] for s in states]), torch.stack([s["momentum_B"] for s in states])
@@ -358,6 +358,24 @@ class Riemannion(Optimizer):
                     # clones: a view would make torch.save write the whole stacked buffer for every adapter
                     state["momentum_A"], state["momentum_B"] = new_buf.A_dot[n].clone(), new_buf.B_dot[n].clone()
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by ``state_dict()``, keeping the saved dtypes of floating state.
+
+        ``torch.optim.Optimizer`` casts every floating state tensor to its parameter's dtype; the float32 momentum and
+        AdamW moments of bfloat16 / float16 parameters are put back from the saved tensors, so a resumed run continues
+        exactly.
+
+        Args:
+            state_dict: What ``state_dict()`` returned (after ``torch.load(..., weights_only=True)`` too).
+        """
+        super().load_state_dict(state_dict)
+        saved_ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for pid, p in zip(saved_ids, params):
+            for key, value in state_dict["state"].get(pid, {}).items():
+                if isinstance(value, Tensor) and self.state[p][key].dtype != value.dtype:
+                    self.state[p][key] = value.to(device=p.device, copy=True)
+
     def _step_aux(self, group: dict[str, Any]) -> None:
         for p in group["params"]:
             if p.grad is None:
@@ -370,9 +388,6 @@ class Riemannion(Optimizer):
                     p, dtype=compute_dtype(p.dtype), memory_format=torch.preserve_format
                 )
                 state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"], memory_format=torch.preserve_format)
-            elif state["exp_avg"].dtype != compute_dtype(p.dtype):  # load_state_dict casts state to the param dtype
-                state["exp_avg"] = state["exp_avg"].to(compute_dtype(p.dtype))
-                state["exp_avg_sq"] = state["exp_avg_sq"].to(compute_dtype(p.dtype))
             state["step"] += 1
             adamw_update(
                 p,
