@@ -45,20 +45,21 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in HALF_DTYPES else dtype
 
 
-def check_dtypes(params: Iterable[tuple[str, torch.Tensor]], owner: str) -> None:
+def check_dtypes(params: Iterable[tuple[str | int, torch.Tensor]], owner: str) -> None:
     """Raise ``TypeError`` naming the first parameter whose dtype is not in :data:`SUPPORTED_DTYPES`.
 
     Called before anything is changed (a forward, a merge, an optimizer's construction), so a refused model is left
     as it was.
 
     Args:
-        params: ``(name, tensor)`` pairs.
+        params: ``(name, tensor)`` pairs; an int name is the parameter's position in its group (unnamed parameters).
         owner: The adapter type or optimizer, for the message.
     """
     for name, p in params:
         if p.dtype not in SUPPORTED_DTYPES:
+            where = f"parameter {name} of its group" if isinstance(name, int) else f"parameter {name!r}"
             valid = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
             raise TypeError(
-                f"{owner}: parameter {name!r} has dtype {p.dtype}; {owner} works with {valid} tensors. Cast it (or "
-                "the model) to one of them, e.g. model.to(torch.bfloat16)"
+                f"{owner}: {where} has dtype {p.dtype}; {owner} works with floating-point tensors of dtype {valid}. "
+                "Cast it (or the model) to one of them, e.g. model.to(torch.bfloat16)"
             )

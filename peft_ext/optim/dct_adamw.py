@@ -127,8 +127,8 @@ def _check_group(group: dict[str, Any]) -> None:
                 "`target_modules` selects parameters by name, but the parameters came without names: pass "
                 "`model.named_parameters()` (or param groups of (name, parameter) pairs), not `model.parameters()`"
             )
+    check_dtypes(zip(group.get("param_names") or range(len(group["params"])), group["params"]), "DCTAdamW")
     names = group.get("param_names") or [f"parameter {i}" for i in range(len(group["params"]))]
-    check_dtypes(zip(names, group["params"]), "DCTAdamW")
     # a shard is not the matrix whose DCT spectrum is ranked (FSDP2 / tensor parallel DTensors, DeepSpeed ZeRO-3)
     reject_sharded(zip(names, group["params"]), "DCTAdamW", "the DCT column selection")
 
