@@ -62,6 +62,7 @@ from ..distributed import (
 )
 from ..kernels.retraction import stack_by_shape
 from ..manifolds.fixed_rank import FixedRankPoint, TangentVector, right_basis, stack_bases
+from ..precision import check_dtypes, compute_dtype, is_half
 from ..tuners.riemannion.layer import AdapterRef, find_adapters
 from .adam_math import adamw_update
 from .riemannion_math import riemannion_update
@@ -80,6 +81,10 @@ class Riemannion(Optimizer):
     ``momentum_A`` (m x r) and ``momentum_B`` (n x r), kept in float32 or wider; per AdamW parameter: ``step``,
     ``exp_avg``, ``exp_avg_sq``. Only tensors and numbers, so ``state_dict()`` loads with
     ``torch.load(weights_only=True)``.
+
+    Half precision: bfloat16 / float16 adapters are stepped in float32 (QR, SVD and the momentum in float32) and the
+    new factors rounded into their dtype, so ``A`` is orthonormal to that dtype's precision; AdamW moments of
+    bfloat16 / float16 parameters are float32.
 
     Parameter groups: every group given is split into a manifold group (the Riemannion adapters in it, in module
     order) and an AdamW group (everything else), so a scheduler scales both. A group may set ``"manifold": True`` to
@@ -104,7 +109,7 @@ class Riemannion(Optimizer):
         rtol: Rank threshold of the orthogonalization (default ``max(m, n) * eps``).
 
     Raises:
-        TypeError: If the model is not given.
+        TypeError: If the model is not given, or a parameter's dtype is not float32, bfloat16, float16 or float64.
         ValueError: On invalid hyperparameters, on non-adapter parameters in a ``"manifold": True`` group, on split
             adapters, on adapters that are off the manifold (``A`` not orthonormal or ``Z`` nonzero), and on layouts
             it cannot use (DTensor placements other than FSDP2's ``Shard(0)`` / ``Replicate()``, DeepSpeed ZeRO-3;
@@ -165,6 +170,8 @@ class Riemannion(Optimizer):
             "skipped_steps": 0,
         }
         groups = self._split_groups(params, aux_lr, aux_weight_decay)
+        named = [(self._names.get(id(p), "an unnamed parameter"), p) for g in groups for p in g["params"]]
+        check_dtypes(named, type(self).__name__)
         # the retraction (QR + SVD) and the orthonormality of A need whole factors: FSDP2 row shards are gathered
         # for every step (they are only (m + n) x r), other layouts are refused
         check_row_sharded(
@@ -262,7 +269,8 @@ class Riemannion(Optimizer):
                 A, Z = full_tensor(A), full_tensor(Z)
                 gram = A.double().mT @ A.double()
                 err = (gram - torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)).abs().max().item()
-                tol = 1e-3 if A.dtype in (torch.float16, torch.bfloat16) else 1e-4
+                # rounding an orthonormal A to half precision moves A^T A by at most eps(dtype) (+ eps^2 / 4)
+                tol = 2 * torch.finfo(A.dtype).eps if is_half(A.dtype) else 1e-4
                 if err > tol:
                     raise ValueError(
                         f"{ref}: riemannion_A is not orthonormal (max |A^T A - I| = {err:.1e} > {tol}); it was "
@@ -340,7 +348,7 @@ class Riemannion(Optimizer):
         for indices, (A, B, grad_right, grad_left) in stack_by_shape(rows, has_momentum):
             buf = None
             if has_momentum[indices[0]]:
-                # stacked as stored (float32 or wider, or the parameter's dtype after load_state_dict's cast)
+                # stacked as stored (float32 or wider; load_state_dict keeps the saved dtype)
                 states = [self.state[params[i][0]] for i in indices]
                 buf = TangentVector(
                     torch.stack([s["momentum_A"] for s in states]), torch.stack([s["momentum_B"] for s in states])
@@ -381,6 +389,24 @@ class Riemannion(Optimizer):
         # layer recomputes it in every forward), the same deterministic QR of the whole B
         return ref.layer.get_right_basis(ref.adapter_name) if ref.layer.cache_right_basis else right_basis(B)
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by ``state_dict()``, keeping the saved dtypes of floating state.
+
+        ``torch.optim.Optimizer`` casts every floating state tensor to its parameter's dtype; the float32 momentum and
+        AdamW moments of bfloat16 / float16 parameters are put back from the saved tensors, so a resumed run continues
+        exactly.
+
+        Args:
+            state_dict: What ``state_dict()`` returned (after ``torch.load(..., weights_only=True)`` too).
+        """
+        super().load_state_dict(state_dict)
+        saved_ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for pid, p in zip(saved_ids, params):
+            for key, value in state_dict["state"].get(pid, {}).items():
+                if isinstance(value, Tensor) and self.state[p][key].dtype != value.dtype:
+                    self.state[p][key] = value.to(device=p.device, copy=True)
+
     def _step_aux(self, group: dict[str, Any]) -> None:
         for param in group["params"]:
             if param.grad is None:
@@ -390,8 +416,11 @@ class Riemannion(Optimizer):
             p, grad = local_part(param), local_part(param.grad)
             if not state:
                 state["step"] = 0
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                # float32 moments for half-precision parameters: a float16 second moment underflows to 0
+                state["exp_avg"] = torch.zeros_like(
+                    p, dtype=compute_dtype(p.dtype), memory_format=torch.preserve_format
+                )
+                state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"], memory_format=torch.preserve_format)
             state["step"] += 1
             adamw_update(
                 p,
