@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .text import SentenceClassifier, load_text_classifier, minilm_path, resolve_backbone
-from .tiny import tiny_bert, tiny_clip, tiny_llama, tiny_vit
+from .tiny import tiny_bert, tiny_clip, tiny_llama, tiny_qwen2, tiny_vit
 
 __all__ = [
     "SentenceClassifier",
@@ -13,5 +13,6 @@ __all__ = [
     "tiny_bert",
     "tiny_clip",
     "tiny_llama",
+    "tiny_qwen2",
     "tiny_vit",
 ]
