@@ -15,6 +15,11 @@ functions at the end are the textbook m x n definitions, kept only as references
 
 The :class:`FixedRankManifold` object speaks geoopt's vocabulary (``proju``, ``egrad2rgrad``, ``retr``, ``transp``,
 ``inner``) so optimizers can be written against it the way geoopt's optimizers are written against its manifolds.
+
+Half precision: the functions that factor (:func:`right_basis`, :func:`ortho_lowrank`, :func:`retr`,
+:func:`random_point` and the dense references) take bfloat16 / float16 factors, compute in float32 and return the
+input's dtype (:func:`peft_ext.precision.compute_dtype`); CPU QR and SVD kernels do not exist in half precision. The
+other functions are products and keep the input's dtype. Float32 and float64 inputs are computed as they are.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from ..precision import is_half
 
 __all__ = [
     "FixedRankManifold",
@@ -37,6 +44,7 @@ __all__ = [
     "proju",
     "proju_dense",
     "random_point",
+    "reorthonormalize",
     "retr",
     "retr_dense",
     "right_basis",
@@ -65,8 +73,11 @@ def right_basis(B: Tensor) -> Tensor:
     stacked bases must equal, bit for bit, what each layer computes for its own ``B``.
 
     Args:
-        B: The right factor of a point, shape (n, r) or (..., n, r).
+        B: The right factor of a point, shape (n, r) or (..., n, r); half precision is factored in float32 and the
+            basis is returned in ``B``'s dtype.
     """
+    if is_half(B.dtype):
+        return right_basis(B.float()).to(B.dtype)
     if B.ndim == 2 or B.numel() == 0:
         return _qr(B)[0]
     flat = B.reshape(-1, *B.shape[-2:])
@@ -163,9 +174,29 @@ def random_point(
     """
     if not 1 <= r <= min(m, n):
         raise ValueError(f"rank r must be in [1, min(m, n)] = [1, {min(m, n)}], got r={r} for an {m} x {n} matrix")
+    if is_half(dtype):
+        point = random_point(m, n, r, scale, generator=generator)
+        return FixedRankPoint.from_factors(point.A.to(dtype), point.B.to(dtype))
     A = _qr(torch.randn(m, r, generator=generator, dtype=dtype))[0]
     B = _qr(torch.randn(n, r, generator=generator, dtype=dtype))[0] * scale
     return FixedRankPoint.from_factors(A, B)
+
+
+def reorthonormalize(A: Tensor, B: Tensor) -> FixedRankPoint:
+    """The point ``A B^T`` refactored so that ``A`` is orthonormal to working precision: ``A = Q R``, ``B <- B R^T``.
+
+    For factors that were orthonormal only to a lower precision (e.g. rounded to bfloat16 and upcast again). Half
+    precision factors are refactored in float32 and returned in their dtype.
+
+    Args:
+        A: Left factor, shape (..., m, r), nearly orthonormal columns.
+        B: Right factor, shape (..., n, r).
+    """
+    if is_half(A.dtype):
+        point = reorthonormalize(A.float(), B.float())
+        return FixedRankPoint.from_factors(point.A.to(A.dtype), point.B.to(B.dtype))
+    Q, R = _qr(A)
+    return FixedRankPoint.from_factors(Q, B @ R.mT)
 
 
 def to_dense(x: FixedRankPoint) -> Tensor:
@@ -252,8 +283,12 @@ def ortho_lowrank(U: Tensor, V: Tensor, rtol: float | None = None) -> tuple[Tens
             ``max(m, n) * eps(dtype)``, the usual numerical-rank threshold of the tall QRs.
 
     Returns:
-        ``(U_o, V_o)`` with ``U_o V_o^T`` the orthogonalized matrix; the zero matrix maps to zero.
+        ``(U_o, V_o)`` with ``U_o V_o^T`` the orthogonalized matrix; the zero matrix maps to zero. Half-precision
+        factors are orthogonalized in float32 and returned in their dtype.
     """
+    if is_half(U.dtype):
+        U_o, V_o = ortho_lowrank(U.float(), V.float(), rtol)
+        return U_o.to(U.dtype), V_o.to(V.dtype)
     Q_L, T_L = _qr(U)
     Q_R, T_R = _qr(V)
     P, S, Qh = torch.linalg.svd(T_L @ T_R.mT, full_matrices=False)
@@ -290,8 +325,12 @@ def retr(x: FixedRankPoint, u: TangentVector, x_scale: float = 1.0) -> FixedRank
         x_scale: Factor applied to ``X`` before adding ``u``.
 
     Returns:
-        The new point ``(A_new, B_new)`` with ``A_new`` orthonormal and ``B_new = Q_R V S``.
+        The new point ``(A_new, B_new)`` with ``A_new`` orthonormal and ``B_new = Q_R V S``. Half-precision points
+        are retracted in float32 and returned in their dtype (``A_new`` then orthonormal to that precision).
     """
+    if is_half(x.A.dtype):
+        new = retr(_to_dtype(x, torch.float32), TangentVector(u.A_dot.float(), u.B_dot.float()), x_scale)
+        return FixedRankPoint.from_factors(new.A.to(x.A.dtype), new.B.to(x.B.dtype))
     r = x.rank
     Q_L, T_L = _qr(torch.cat([u.A_dot, x.A], dim=-1))
     Q_R, T_R = _qr(torch.cat([x.B_R, x.B * x_scale + u.B_dot], dim=-1))
@@ -299,6 +338,10 @@ def retr(x: FixedRankPoint, u: TangentVector, x_scale: float = 1.0) -> FixedRank
     A_new = Q_L @ P[..., :r]
     B_new = (Q_R @ Qh[..., :r, :].mT) * S[..., :r].unsqueeze(-2)
     return FixedRankPoint.from_factors(A_new, B_new)
+
+
+def _to_dtype(x: FixedRankPoint, dtype: torch.dtype) -> FixedRankPoint:
+    return FixedRankPoint(x.A.to(dtype), x.B.to(dtype), x.B_R.to(dtype))
 
 
 def inner(x: FixedRankPoint, u: TangentVector, v: TangentVector | None = None) -> Tensor:
@@ -384,6 +427,8 @@ def retr_dense(Y: Tensor, r: int) -> Tensor:
         Y: The matrix.
         r: Target rank.
     """
+    if is_half(Y.dtype):
+        return retr_dense(Y.float(), r).to(Y.dtype)
     U, S, Vh = torch.linalg.svd(Y, full_matrices=False)
     return (U[:, :r] * S[:r]) @ Vh[:r]
 
@@ -395,6 +440,8 @@ def ortho_dense(Y: Tensor, rtol: float | None = None) -> Tensor:
         Y: The matrix.
         rtol: Relative threshold below which singular values count as zero (default ``max(m, n) * eps``).
     """
+    if is_half(Y.dtype):
+        return ortho_dense(Y.float(), rtol).to(Y.dtype)
     U, S, Vh = torch.linalg.svd(Y, full_matrices=False)
     if rtol is None:
         rtol = max(Y.shape) * torch.finfo(S.dtype).eps

@@ -53,6 +53,7 @@ from torch.optim import Optimizer
 from ..distributed import check_parameters_unchanged, registered_parameters, reject_sharded
 from ..kernels.retraction import stack_by_shape
 from ..manifolds.fixed_rank import FixedRankPoint, TangentVector, right_basis, stack_bases
+from ..precision import is_half
 from ..tuners.riemannion.layer import AdapterRef, find_adapters
 from .adam_math import adamw_update
 from .riemannion_math import riemannion_update
@@ -240,7 +241,8 @@ class Riemannion(Optimizer):
                 ref = self._ref_of(A)
                 gram = A.double().mT @ A.double()
                 err = (gram - torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)).abs().max().item()
-                tol = 1e-3 if A.dtype in (torch.float16, torch.bfloat16) else 1e-4
+                # rounding an orthonormal A to half precision moves A^T A by at most eps(dtype) (+ eps^2 / 4)
+                tol = 2 * torch.finfo(A.dtype).eps if is_half(A.dtype) else 1e-4
                 if err > tol:
                     raise ValueError(
                         f"{ref}: riemannion_A is not orthonormal (max |A^T A - I| = {err:.1e} > {tol}); it was "

@@ -26,7 +26,7 @@ import torch
 from peft.tuners._buffer_dict import BufferDict
 from torch import nn
 
-from ...manifolds.fixed_rank import random_point, right_basis
+from ...manifolds.fixed_rank import random_point, reorthonormalize, right_basis
 from ..adapter_layer import AdapterLayer, AdapterLinear, delta_matmul
 from .config import RiemannionConfig
 
@@ -93,6 +93,28 @@ class RiemannionLayer(AdapterLayer):
         self.riemannion_dropout[adapter_name] = nn.Dropout(p=dropout) if dropout > 0 else nn.Identity()
         self._move_adapter_to_device_of_base_layer(adapter_name)
         self.set_adapter(self.active_adapters, inference_mode=inference_mode)
+
+    @torch.no_grad()
+    def reorthonormalize(self, adapter_name: str) -> None:
+        """Make ``A`` orthonormal to the precision of its dtype again, keeping the point ``X = A B^T``.
+
+        PEFT creates an adapter in the base layer's dtype and upcasts it to float32 afterwards
+        (``autocast_adapter_dtype=True``); on a bfloat16 / float16 base that leaves ``A`` orthonormal only to half
+        precision (``|A^T A - I|`` about 1e-3), too far off the manifold for float32 steps. The tuner calls this after
+        the upcast. ``X0`` follows when it is the point itself (``init_weights=True``), so the delta stays zero.
+
+        Args:
+            adapter_name: The adapter.
+        """
+        A, B = self.riemannion_A[adapter_name], self.riemannion_B[adapter_name]
+        X0_A, X0_B = self.riemannion_X0_A[adapter_name], self.riemannion_X0_B[adapter_name]
+        at_start = torch.equal(A, X0_A) and torch.equal(B, X0_B)
+        point = reorthonormalize(A, B)
+        A.copy_(point.A)
+        B.copy_(point.B)
+        if at_start:
+            X0_A.copy_(point.A)
+            X0_B.copy_(point.B)
 
     # -- the delta in factored form ---------------------------------------------------------------------------------
 
