@@ -50,6 +50,8 @@ class RiemannionModel(AdapterTuner):
         for layer in self.adapter_layers():
             if not layer.carries_adapter(adapter_name):
                 continue
-            base_dtype = getattr(layer.get_base_layer().weight, "dtype", None)
+            # PEFT's own notion of the base dtype, the one the adapter was created in: a bitsandbytes 4-bit layer's
+            # compute dtype (its weight is uint8), else the weight's dtype
+            _, base_dtype = layer._get_base_layer_device_and_dtype(layer.get_base_layer())
             if base_dtype is not None and is_half(base_dtype) and not is_half(layer.riemannion_A[adapter_name].dtype):
                 layer.reorthonormalize(adapter_name)
