@@ -69,7 +69,7 @@ CASE = TunerCase(
 )
 
 
-_SLOW_CHECKS = ("check_bnb_8bit", "check_bnb_4bit")
+_SLOW_CHECKS = ("check_bnb_8bit", "check_bnb_4bit", "check_bnb_4bit_bf16")
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,11 @@ the contract that PEFT's own tuners satisfy:
 - merge / unmerge / ``merge_and_unload`` equal the unmerged adapter; safe merge refuses non-finite weights;
 - ``disable_adapter`` gives the base model; several adapters switch; ``delete_adapter`` removes one;
 - mixed-adapter batches (``adapter_names=`` in forward) equal per-adapter forwards, row by row;
-- bitsandbytes 8-bit and 4-bit base layers: forward, backward, a training step, save/load and merge.
+- bitsandbytes 8-bit and 4-bit base layers: forward, backward, a training step, save/load and merge;
+- half precision (PEFT's own fp16 / bf16 tuner tests, made quantitative): the adapter's effect in a float16 /
+  bfloat16 model matches float32 with and without ``autocast_adapter_dtype``, whose meaning is PEFT's (True: the
+  adapter's trainable weights are float32; False: they take the base's dtype); merging in half precision equals the
+  unmerged output; training steps in half precision without autocast; a 4-bit base with bfloat16 compute.
 
 Use it from a test module::
 
@@ -68,23 +72,37 @@ class TunerCase:
     atol: float = 1e-5
 
 
-def _out(case: TunerCase, model: nn.Module, **kwargs: Any) -> torch.Tensor:
+def _inputs(case: TunerCase, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    inputs = case.make_inputs()
+    if dtype is None:
+        return inputs
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+
+
+def _out(case: TunerCase, model: nn.Module, dtype: torch.dtype | None = None, **kwargs: Any) -> torch.Tensor:
     with torch.no_grad():
-        return case.output(model(**case.make_inputs(), **kwargs)).float()
+        return case.output(model(**_inputs(case, dtype), **kwargs)).float()
 
 
-def _peft(case: TunerCase, identity: bool, base: nn.Module | None = None) -> PeftModel:
+def _peft(case: TunerCase, identity: bool, base: nn.Module | None = None, **kwargs: Any) -> PeftModel:
     torch.manual_seed(1)
-    return get_peft_model(base if base is not None else case.make_model(), case.make_config(identity))
+    return get_peft_model(base if base is not None else case.make_model(), case.make_config(identity), **kwargs)
 
 
-def _train_steps(case: TunerCase, model: nn.Module, steps: int = 2) -> None:
+def _train_steps(case: TunerCase, model: nn.Module, steps: int = 2, dtype: torch.dtype | None = None) -> None:
     model.train()
     optimizer = case.make_optimizer(model)
+    if dtype == torch.float16:
+        # torch.optim.AdamW keeps float16 moments for float16 parameters: g^2 underflows to 0 and its eps=1e-8 is 0
+        # in float16 too, so the step is 0/0. Pure-fp16 AdamW needs eps >= 1e-4 (peft-ext's optimizers keep float32
+        # moments instead, for which a larger eps changes nothing here).
+        for group in optimizer.param_groups:
+            if "eps" in group:
+                group["eps"] = max(group["eps"], 1e-4)
     for _ in range(steps):
         optimizer.zero_grad()
         # a loss that depends on every output: the squared output moves every adapter that is used
-        out = case.output(model(**case.make_inputs()))
+        out = case.output(model(**_inputs(case, dtype)))
         out.float().pow(2).mean().backward()
         optimizer.step()
     model.eval()
@@ -246,13 +264,16 @@ def check_mixed_adapter_batch(case: TunerCase, tmp_path: Path) -> None:
         _out(case, model, adapter_names=["nope"] * rows)
 
 
-def quantize_linears(model: nn.Module, bits: int, names: tuple[str, ...]) -> nn.Module:
+def quantize_linears(
+    model: nn.Module, bits: int, names: tuple[str, ...], compute_dtype: torch.dtype = torch.float32
+) -> nn.Module:
     """Replace the ``nn.Linear`` modules whose names end with one of ``names`` by bitsandbytes layers, in place.
 
     Args:
         model: The model.
-        bits: 8 (``Linear8bitLt``, int8 weights) or 4 (``Linear4bit``, NF4 weights, float32 compute).
+        bits: 8 (``Linear8bitLt``, int8 weights) or 4 (``Linear4bit``, NF4 weights).
         names: Module-name suffixes to quantize.
+        compute_dtype: The 4-bit layers' compute dtype (``bnb_4bit_compute_dtype``).
     """
     import bitsandbytes as bnb
 
@@ -268,7 +289,7 @@ def quantize_linears(model: nn.Module, bits: int, names: tuple[str, ...]) -> nn.
             q = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=has_bias, has_fp16_weights=False)
         else:
             q = bnb.nn.Linear4bit(
-                linear.in_features, linear.out_features, bias=has_bias, compute_dtype=torch.float32, quant_type="nf4"
+                linear.in_features, linear.out_features, bias=has_bias, compute_dtype=compute_dtype, quant_type="nf4"
             )
         q.load_state_dict(linear.state_dict())
         q = q.to("cpu")  # quantizes the weights (bitsandbytes quantizes on the first device move)
@@ -332,6 +353,130 @@ def check_bnb_4bit(case: TunerCase, tmp_path: Path) -> None:
     _check_bnb(case, tmp_path, bits=4)
 
 
+# -- half precision ------------------------------------------------------------------------------------------------
+
+HALF = (torch.float16, torch.bfloat16)
+# Relative error allowed in an adapter's effect computed in half precision, on top of the noise floor below.
+HALF_RTOL = {torch.float16: 0.05, torch.bfloat16: 0.2}
+
+
+def _half_peft(case: TunerCase, dtype: torch.dtype, autocast: bool, identity: bool = False) -> PeftModel:
+    # the base is built first: make_model may seed the global RNG, and the adapters' init must equal _peft's
+    return _peft(case, identity, base=case.make_model().to(dtype), autocast_adapter_dtype=autocast)
+
+
+def _assert_effect_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, noise: float, what: str) -> None:
+    """``|actual - expected| <= rtol |expected| + 2 noise``, where ``noise`` is how far the base model's own output
+    moves under the same change of precision or quantization: an adapter's effect is only comparable above it."""
+    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
+    err, size = (actual - expected).norm().item(), expected.norm().item()
+    assert err <= rtol * size + 2 * noise, f"{what}: error {err:.3g} > {rtol} * {size:.3g} + 2 * noise {noise:.3g}"
+
+
+def _base_noise(case: TunerCase, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """The base model's output in ``dtype`` and its distance to the float32 output."""
+    base = _out(case, case.make_model().to(dtype).eval(), dtype)
+    return base, (base - _out(case, case.make_model().eval())).norm().item()
+
+
+def adapter_weight_dtypes(model: nn.Module, prefix: str) -> dict[str, torch.dtype]:
+    """The dtype of every floating adapter parameter (``prefix`` in the name) of ``model``.
+
+    Args:
+        model: The PEFT model.
+        prefix: The adapter parameters' name prefix.
+    """
+    return {n: p.dtype for n, p in model.named_parameters() if prefix in n and p.is_floating_point()}
+
+
+def check_half_forward(case: TunerCase, tmp_path: Path) -> None:
+    """fp16 / bf16 models, with and without autocast_adapter_dtype: adapter dtypes follow PEFT's rule, and the
+    adapter changes the output as it does in float32 (visibly so at least in float16)."""
+    effect32 = _out(case, _peft(case, identity=False, base=case.make_model()).eval()) - _out(case, case.make_model())
+    for dtype in HALF:
+        base, noise = _base_noise(case, dtype)
+        if dtype == torch.float16:
+            assert effect32.norm() > 4 * noise, "the case's adapter effect is within float16 noise: nothing is tested"
+        for autocast in (True, False):
+            model = _half_peft(case, dtype, autocast).eval()
+            dtypes = adapter_weight_dtypes(model, case.prefix)
+            assert dtypes, "no adapter parameters"
+            want = torch.float32 if autocast else dtype
+            wrong = {n: d for n, d in dtypes.items() if d != want}
+            assert not wrong, f"autocast_adapter_dtype={autocast} on a {dtype} model: want {want}, got {wrong}"
+            effect = _out(case, model, dtype) - base
+            _assert_effect_close(effect, effect32, HALF_RTOL[dtype], noise, f"effect, {dtype}, autocast={autocast}")
+
+
+def check_half_merge(case: TunerCase, tmp_path: Path) -> None:
+    """Merging into a half-precision base: merged output equals the unmerged adapter's; unmerge restores the base
+    weights (to the rounding of one add and subtract); merge_and_unload matches."""
+    for dtype, autocast in ((torch.float16, True), (torch.bfloat16, False)):
+        model = _half_peft(case, dtype, autocast).eval()
+        base, noise = _base_noise(case, dtype)
+        adapted = _out(case, model, dtype)
+        weights = _base_weights(model, case.prefix)
+        model.merge_adapter()
+        what = f"{dtype}, autocast={autocast}"
+        noise *= 2  # the merged weight W + delta is rounded to the half dtype once more
+        _assert_effect_close(_out(case, model, dtype), adapted, 0, noise, f"merged, {what}")
+        model.unmerge_adapter()
+        for key, value in _base_weights(model, case.prefix).items():
+            assert value.dtype == weights[key].dtype, f"unmerge changed the dtype of {key}"
+            if value.is_floating_point():
+                torch.testing.assert_close(value, weights[key], atol=4 * torch.finfo(dtype).eps, rtol=0.02)
+        merged = model.merge_and_unload()
+        _assert_effect_close(_out(case, merged, dtype), adapted, 0, noise, f"merge_and_unload, {what}")
+
+
+def check_half_training(case: TunerCase, tmp_path: Path) -> None:
+    """Training steps (the case's optimizer) on fp16 / bf16 adapters without autocast: the adapters train, keep
+    their dtype and stay finite; the base weights do not change."""
+    for dtype in HALF:
+        model = _half_peft(case, dtype, autocast=False, identity=True)
+        dtypes = adapter_weight_dtypes(model, case.prefix)
+        base_before = {k: v for k, v in _base_weights(model, case.prefix).items() if "modules_to_save" not in k}
+        before = _adapter_state(model, case.prefix)
+        _train_steps(case, model, dtype=dtype)
+        assert adapter_weight_dtypes(model, case.prefix) == dtypes, "training changed an adapter's dtype"
+        after = _adapter_state(model, case.prefix)
+        assert all(torch.isfinite(v).all() for v in after.values() if v.is_floating_point()), f"non-finite, {dtype}"
+        assert any(not torch.equal(before[k], after[k]) for k in before), f"adapters did not train in {dtype}"
+        base_after = _base_weights(model, case.prefix)
+        for key, value in base_before.items():
+            assert torch.equal(value, base_after[key]), f"training in {dtype} changed the frozen {key}"
+
+
+def check_bnb_4bit_bf16(case: TunerCase, tmp_path: Path) -> None:
+    """A QLoRA-style base: bf16 model whose adapted linears are bitsandbytes NF4 with bf16 compute. Forward,
+    backward and a training step; the adapter's effect matches the same adapter on the dequantized bf16 base."""
+    pytest.importorskip("bitsandbytes")
+    bf16 = torch.bfloat16
+    names = case.quantize or tuple(case.make_config(True).target_modules)
+    base_model = quantize_linears(case.make_model().to(bf16), 4, names, bf16).eval()
+    base = _out(case, base_model, bf16)
+    model = _peft(case, identity=False, base=base_model)
+    dtypes = adapter_weight_dtypes(model, case.prefix)
+    assert dtypes and all(d == torch.float32 for d in dtypes.values()), f"autocast keeps float32 adapters: {dtypes}"
+    model.eval()
+    adapted = _out(case, model, bf16)
+    reference = _peft(case, identity=False, base=case.make_model().to(bf16)).eval()
+    base_ref = _out(case, case.make_model().to(bf16).eval(), bf16)
+    # the NF4 base differs from the bf16 one by its quantization error, which the adapter's input inherits
+    noise = (base - base_ref).norm().item()
+    _assert_effect_close(adapted - base, _out(case, reference, bf16) - base_ref, 0.2, noise, "effect on a 4-bit base")
+    _train_steps(case, model, steps=1, dtype=bf16)
+    trained = _out(case, model, bf16)
+    assert torch.isfinite(trained).all() and not _close(trained, adapted, case.atol), "the training step did nothing"
+
+
+HALF_PRECISION_CHECKS: tuple[Callable[[TunerCase, Path], None], ...] = (
+    check_half_forward,
+    check_half_merge,
+    check_half_training,
+    check_bnb_4bit_bf16,
+)
+
 CONTRACT_CHECKS: tuple[Callable[[TunerCase, Path], None], ...] = (
     check_identity_at_init,
     check_only_adapter_params_trainable,
@@ -344,4 +489,5 @@ CONTRACT_CHECKS: tuple[Callable[[TunerCase, Path], None], ...] = (
     check_mixed_adapter_batch,
     check_bnb_8bit,
     check_bnb_4bit,
+    *HALF_PRECISION_CHECKS,
 )

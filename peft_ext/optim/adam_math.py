@@ -90,14 +90,31 @@ def adamw_update(
     Args:
         param: The parameter (updated in place).
         grad: Its gradient.
-        exp_avg: First moment (updated in place).
-        exp_avg_sq: Second moment (updated in place).
+        exp_avg: First moment (updated in place). When it is wider than ``param`` (float32 moments of a
+            bfloat16 / float16 parameter) the step is computed in the moments' dtype and rounded into ``param``.
+        exp_avg_sq: Second moment (updated in place), the dtype of ``exp_avg``.
         step: The step number, counting from 1.
         lr: Learning rate.
         betas: Moment coefficients.
         eps: Denominator term.
         weight_decay: Decoupled weight decay.
     """
+    if param.dtype != exp_avg.dtype:
+        # half-precision parameter, float32 moments: the step is taken on a float32 copy and rounded once
+        work = param.to(exp_avg.dtype)
+        adamw_update(
+            work,
+            grad.to(exp_avg.dtype),
+            exp_avg,
+            exp_avg_sq,
+            step,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+        )
+        param.copy_(work)
+        return
     param.mul_(1 - lr * weight_decay)
     denom, bias1 = adam_moments(exp_avg, exp_avg_sq, grad, betas, eps, step)
     param.addcdiv_(exp_avg, denom, value=-lr / bias1)

@@ -53,7 +53,7 @@ from torch.optim import Optimizer
 from ..distributed import check_parameters_unchanged, registered_parameters, reject_sharded
 from ..kernels.retraction import stack_by_shape
 from ..manifolds.fixed_rank import FixedRankPoint, TangentVector, right_basis, stack_bases
-from ..precision import is_half
+from ..precision import compute_dtype, is_half
 from ..tuners.riemannion.layer import AdapterRef, find_adapters
 from .adam_math import adamw_update
 from .riemannion_math import riemannion_update
@@ -72,6 +72,10 @@ class Riemannion(Optimizer):
     ``momentum_A`` (m x r) and ``momentum_B`` (n x r), kept in float32 or wider; per AdamW parameter: ``step``,
     ``exp_avg``, ``exp_avg_sq``. Only tensors and numbers, so ``state_dict()`` loads with
     ``torch.load(weights_only=True)``.
+
+    Half precision: bfloat16 / float16 adapters are stepped in float32 (QR, SVD and the momentum in float32) and the
+    new factors rounded into their dtype, so ``A`` is orthonormal to that dtype's precision; AdamW moments of
+    bfloat16 / float16 parameters are float32.
 
     Parameter groups: every group given is split into a manifold group (the Riemannion adapters in it, in module
     order) and an AdamW group (everything else), so a scheduler scales both. A group may set ``"manifold": True`` to
@@ -359,8 +363,14 @@ class Riemannion(Optimizer):
             state = self.state[p]
             if not state:
                 state["step"] = 0
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                # float32 moments for half-precision parameters: a float16 second moment underflows to 0
+                state["exp_avg"] = torch.zeros_like(
+                    p, dtype=compute_dtype(p.dtype), memory_format=torch.preserve_format
+                )
+                state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"], memory_format=torch.preserve_format)
+            elif state["exp_avg"].dtype != compute_dtype(p.dtype):  # load_state_dict casts state to the param dtype
+                state["exp_avg"] = state["exp_avg"].to(compute_dtype(p.dtype))
+                state["exp_avg_sq"] = state["exp_avg_sq"].to(compute_dtype(p.dtype))
             state["step"] += 1
             adamw_update(
                 p,

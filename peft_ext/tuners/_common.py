@@ -161,6 +161,7 @@ def merge_deltas(
     adapter_names = check_adapters_to_merge(layer, adapter_names)
     if not adapter_names:
         return
+    layer.check_adapter_dtypes(adapter_names)
     backend = layer.quantization_backend
     if backend is not None and not backend.supports_merge:
         raise TypeError(f"Cannot merge into a {backend.backend_name} base layer: it cannot be dequantized")

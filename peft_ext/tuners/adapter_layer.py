@@ -20,7 +20,10 @@ What the base owns:
   CPU repacking is switched off, and the base output is cloned where the backend needs it before adding to it.
 - **Dtypes**: the input is cast to :meth:`AdapterLayer.adapter_dtype` before :meth:`AdapterLayer.adapter_output`
   and each adapter's output is cast back to the base output's dtype; :func:`delta_matmul` computes half-precision
-  deltas on CPU in float32.
+  deltas on CPU in float32. Adapter parameters of a dtype no adapter computes in (e.g. float8, complex) are refused
+  with a ``TypeError`` before a forward or a merge (:func:`peft_ext.precision.check_adapter_dtypes`).
+  ``autocast_adapter_dtype`` means what it means in PEFT (:meth:`AdapterLayer.after_adapter_cast` is the hook for
+  adapters whose state needs more than PEFT's cast).
 - ``repr`` (``"<prefix>.Linear(...)"``) and ``extra_repr`` (the quantization backend, if any).
 
 The hooks a tuner's layer provides (subclass :class:`AdapterLayer` for the state, and make the concrete class
@@ -37,8 +40,9 @@ The hooks a tuner's layer provides (subclass :class:`AdapterLayer` for the state
 - :meth:`AdapterLayer.get_delta_weight` ``(adapter_name)``: the adapter's weight delta (``out x in``), for merging.
 - optional: :meth:`AdapterLayer.adapter_dtype` (default: the dtype of the adapter's entry in
   ``adapter_dict_name``; ``None`` leaves the input as it is), :meth:`AdapterLayer.after_forward` (default: the
-  result unchanged), and :meth:`AdapterLayer.merged_weight` / :meth:`AdapterLayer.unmerged_weight` for adapters whose
-  merge is not ``W + delta`` (default: add / subtract :meth:`AdapterLayer.get_delta_weight`).
+  result unchanged), :meth:`AdapterLayer.after_adapter_cast` (default: nothing), and
+  :meth:`AdapterLayer.merged_weight` / :meth:`AdapterLayer.unmerged_weight` for adapters whose merge is not
+  ``W + delta`` (default: add / subtract :meth:`AdapterLayer.get_delta_weight`).
 
 Adapters whose composition is not a sum of per-adapter deltas (MoRA merges several adapters jointly) override
 ``merge`` / ``unmerge`` on their concrete class and keep the rest.
@@ -53,6 +57,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features
 from peft.utils import quantization_extra_repr, resolve_quantization_backend
 from torch import nn
 
+from ..precision import SUPPORTED_ADAPTER_DTYPES, check_adapter_dtypes
 from ._common import check_adapter_names_args, disable_bnb_cpu_repacking, merge_deltas, unmerge_deltas
 
 __all__ = ["AdapterLayer", "AdapterLinear", "delta_matmul"]
@@ -150,6 +155,39 @@ class AdapterLayer(BaseTunerLayer):
         """
         return getattr(self, self.adapter_dict_name)[adapter_name].dtype
 
+    def after_adapter_cast(self, adapter_name: str, autocast_adapter_dtype: bool) -> None:
+        """Runs after PEFT's ``_cast_adapter_dtype`` for each new or loaded adapter; nothing by default.
+
+        PEFT creates an adapter in the base layer's dtype (:meth:`base_dtype`) and, with ``autocast_adapter_dtype``
+        (its default), upcasts its bfloat16 / float16 parameters and buffers to float32. Layers whose state is not
+        created that way (statistics kept in float32, factors that must stay orthonormal) finish the job here.
+
+        Args:
+            adapter_name: The adapter.
+            autocast_adapter_dtype: The flag ``get_peft_model`` / ``load_adapter`` got.
+        """
+
+    def base_dtype(self) -> Optional[torch.dtype]:
+        """The base layer's dtype as PEFT sees it: its weight's, or a bitsandbytes 4-bit layer's compute dtype."""
+        return self._get_base_layer_device_and_dtype(self.get_base_layer())[1]
+
+    def check_adapter_dtypes(self, adapter_names: list[str]) -> None:
+        """Raise ``TypeError`` if a parameter of one of ``adapter_names`` has a dtype adapters cannot compute in.
+
+        Args:
+            adapter_names: The adapters about to be used.
+        """
+        check_adapter_dtypes(
+            (
+                (f"{attr}.{name}", params[name])
+                for attr in self.adapter_layer_names
+                if isinstance(params := getattr(self, attr, None), nn.ParameterDict)
+                for name in adapter_names
+                if name in params
+            ),
+            self.method_name,
+        )
+
     def after_forward(self, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
         """Last step of every forward pass (adapters enabled, disabled, merged or mixed); the result by default.
 
@@ -189,6 +227,8 @@ class AdapterLayer(BaseTunerLayer):
         """
         dtype = self.adapter_dtype(adapter_name)
         if dtype is not None:
+            if dtype not in SUPPORTED_ADAPTER_DTYPES:
+                self.check_adapter_dtypes([adapter_name])  # raises, naming the parameter
             x = self._cast_input_dtype(x, dtype)
         return self.adapter_output(x, adapter_name, rows=rows)
 

@@ -108,6 +108,19 @@ class AdapterTuner(BaseTuner):
             new_module.requires_grad_(False)
         self._replace_module(parent, target_name, new_module, target)
 
+    def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
+        """PEFT's cast (``autocast_adapter_dtype``: bfloat16 / float16 adapter weights upcast to float32, else left
+        in the base's dtype), then each layer's :meth:`~.adapter_layer.AdapterLayer.after_adapter_cast`.
+
+        Args:
+            adapter_name: The adapter just created or loaded.
+            autocast_adapter_dtype: Upcast half-precision adapters to float32 (PEFT's default).
+        """
+        super()._cast_adapter_dtype(adapter_name, autocast_adapter_dtype=autocast_adapter_dtype)
+        for layer in self.adapter_layers():
+            if layer.carries_adapter(adapter_name):
+                layer.after_adapter_cast(adapter_name, autocast_adapter_dtype)
+
     def adapter_layers(self) -> list[AdapterLayer]:
         """Every layer of this tuner's type in the model, in module order."""
         return [module for module in self.model.modules() if isinstance(module, self.tuner_layer_cls)]

@@ -9,6 +9,7 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
+from ...precision import is_half
 from .._common import require_linear_target
 from ..adapter_tuner import AdapterTuner
 from .config import MoRAConfig
@@ -177,6 +178,28 @@ class MoRAModel(AdapterTuner):
             (width,) = widths
             factor = torch.randn(width, config.r, device=device) * std
             container[adapter_name][target.pair_key] = nn.Parameter(factor, requires_grad=trainable)
+
+    def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
+        """PEFT's cast of the layers' parameters, then the shared factors (which live on the tuner, where PEFT's cast
+        does not look) take the same dtype: with ``autocast_adapter_dtype=False`` on a bfloat16 / float16 base, that
+        dtype. The composed delta is computed in float32 either way (:meth:`~.layer.MoRALayer.get_delta_weight`).
+
+        Args:
+            adapter_name: The adapter.
+            autocast_adapter_dtype: Upcast half-precision adapters to float32 (PEFT's default).
+        """
+        super()._cast_adapter_dtype(adapter_name, autocast_adapter_dtype=autocast_adapter_dtype)
+        layers = [layer for layer in self.adapter_layers() if layer.carries_adapter(adapter_name)]
+        if not layers:
+            return
+        dtype = layers[0].mora_spec_A[adapter_name].dtype
+        if not is_half(dtype):
+            return
+        shared = self._shared()
+        for container in (shared.text, shared.vision):
+            factors = container[adapter_name]
+            for key, factor in factors.items():
+                factors[key] = nn.Parameter(factor.data.to(dtype), requires_grad=factor.requires_grad)
 
     def _prepare_target(self, peft_config: MoRAConfig, adapter_name: str, target: nn.Module, current_key: str) -> None:
         base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target

@@ -30,6 +30,7 @@ from peft.tuners._buffer_dict import BufferDict
 from torch import nn
 
 from ...kernels import rank_pool_gather
+from ...precision import is_half
 from ..adapter_layer import AdapterLayer, AdapterLinear
 from .config import PCLRConfig
 from .router import RoutingState, allowed_by_prototype, query_key_loss, select_top_k
@@ -151,6 +152,19 @@ class PCLRLayer(AdapterLayer, RankPoolStore):
             self.pclr_prototypes[adapter_name] = torch.zeros(config.max_tasks, query_dim)
         self._move_adapter_to_device_of_base_layer(adapter_name)
         self.set_adapter(self.active_adapters, inference_mode=inference_mode)
+
+    def after_adapter_cast(self, adapter_name: str, autocast_adapter_dtype: bool) -> None:
+        """Task prototypes stay float32 on a half-precision base: they are means over a task's queries, compared by
+        cosine similarity, where bfloat16's three significant digits could flip near ties. Ranks, keys and static
+        pools follow PEFT's ``autocast_adapter_dtype`` like LoRA's weights.
+
+        Args:
+            adapter_name: The adapter.
+            autocast_adapter_dtype: The flag PEFT's cast got.
+        """
+        protos = self.pclr_prototypes
+        if adapter_name in protos and is_half(protos[adapter_name].dtype):
+            protos[adapter_name] = protos[adapter_name].float()
 
     def selection(self, adapter_name: str, batch: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """This forward pass's per-sample ``(indices, gates)`` for the group (computed once per group and pass).

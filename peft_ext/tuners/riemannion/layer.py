@@ -27,6 +27,7 @@ from peft.tuners._buffer_dict import BufferDict
 from torch import nn
 
 from ...manifolds.fixed_rank import random_point, reorthonormalize, right_basis
+from ...precision import is_half
 from ..adapter_layer import AdapterLayer, AdapterLinear, delta_matmul
 from .config import RiemannionConfig
 
@@ -94,14 +95,26 @@ class RiemannionLayer(AdapterLayer):
         self._move_adapter_to_device_of_base_layer(adapter_name)
         self.set_adapter(self.active_adapters, inference_mode=inference_mode)
 
+    def after_adapter_cast(self, adapter_name: str, autocast_adapter_dtype: bool) -> None:
+        """Re-orthonormalize ``A`` in float32 when PEFT upcast an adapter created in a half-precision base's dtype.
+
+        Args:
+            adapter_name: The adapter.
+            autocast_adapter_dtype: The flag PEFT's cast got.
+        """
+        base_dtype = self.base_dtype()
+        if base_dtype is not None and is_half(base_dtype) and not is_half(self.riemannion_A[adapter_name].dtype):
+            self.reorthonormalize(adapter_name)
+
     @torch.no_grad()
     def reorthonormalize(self, adapter_name: str) -> None:
         """Make ``A`` orthonormal to the precision of its dtype again, keeping the point ``X = A B^T``.
 
         PEFT creates an adapter in the base layer's dtype and upcasts it to float32 afterwards
         (``autocast_adapter_dtype=True``); on a bfloat16 / float16 base that leaves ``A`` orthonormal only to half
-        precision (``|A^T A - I|`` about 1e-3), too far off the manifold for float32 steps. The tuner calls this after
-        the upcast. ``X0`` follows when it is the point itself (``init_weights=True``), so the delta stays zero.
+        precision (``|A^T A - I|`` about 1e-3), too far off the manifold for float32 steps;
+        :meth:`after_adapter_cast` calls this after the upcast. ``X0`` follows when it is the point itself
+        (``init_weights=True``), so the delta stays zero.
 
         Args:
             adapter_name: The adapter.

@@ -5,7 +5,6 @@ from __future__ import annotations
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from torch import nn
 
-from ...precision import is_half
 from ..adapter_tuner import AdapterTuner
 from .config import RiemannionConfig
 from .layer import Linear, RiemannionLayer
@@ -37,21 +36,3 @@ class RiemannionModel(AdapterTuner):
         self, peft_config: RiemannionConfig, adapter_name: str, target: nn.Module, current_key: str
     ) -> nn.Module:
         return Linear(target, adapter_name, peft_config)
-
-    def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
-        """PEFT's cast (half-precision adapters upcast to float32 when ``autocast_adapter_dtype``), then ``A`` made
-        orthonormal in float32 again where the upcast adapter had been created in a half-precision base's dtype.
-
-        Args:
-            adapter_name: The adapter.
-            autocast_adapter_dtype: Upcast bfloat16 / float16 adapters to float32 (PEFT's default).
-        """
-        super()._cast_adapter_dtype(adapter_name, autocast_adapter_dtype)
-        for layer in self.adapter_layers():
-            if not layer.carries_adapter(adapter_name):
-                continue
-            # PEFT's own notion of the base dtype, the one the adapter was created in: a bitsandbytes 4-bit layer's
-            # compute dtype (its weight is uint8), else the weight's dtype
-            _, base_dtype = layer._get_base_layer_device_and_dtype(layer.get_base_layer())
-            if base_dtype is not None and is_half(base_dtype) and not is_half(layer.riemannion_A[adapter_name].dtype):
-                layer.reorthonormalize(adapter_name)

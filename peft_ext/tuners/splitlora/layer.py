@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from peft.tuners._buffer_dict import BufferDict
 from torch import nn
 
+from ...precision import is_half
 from ..adapter_layer import AdapterLayer, AdapterLinear
 from .config import SplitLoRAConfig
 from .stats import (
@@ -53,6 +54,10 @@ class SplitLoRALayer(AdapterLayer):
 
     The statistics of the task in progress are held apart (``_splitlora_pending``, not saved) until ``end_task``:
     under DDP only that increment is all-reduced, never the already-global running sums.
+
+    Half precision: the delta's factors (:attr:`weight_names`) are float32, or the base's bfloat16 / float16 with
+    ``autocast_adapter_dtype=False``; the statistics (covariance or sketch, energy, sketch error) are float32 (float64
+    on a float64 base) always, and their eigendecompositions run in float64 (:mod:`.stats`).
     """
 
     method_name = "SplitLoRA"
@@ -72,6 +77,14 @@ class SplitLoRALayer(AdapterLayer):
         "splitlora_primary",
         "r",
         "splitlora_config",
+    )
+    #: The delta's factors: float32, or the base's dtype with ``autocast_adapter_dtype=False``.
+    weight_names: tuple[str, ...] = (
+        "splitlora_B",
+        "splitlora_A",
+        "splitlora_old_A",
+        "splitlora_old_B",
+        "splitlora_old_dense",
     )
     #: Buffers whose shape changes as tasks finish; loading resizes them to the checkpoint's shapes first.
     resizable_buffer_names: tuple[str, ...] = ("splitlora_old_A", "splitlora_old_B", "splitlora_old_dense")
@@ -98,8 +111,9 @@ class SplitLoRALayer(AdapterLayer):
     # --- creation ------------------------------------------------------------------------------------------------
 
     def _adapter_dtype(self) -> torch.dtype:
-        # Adapters and statistics stay in float32 (float64 for float64 bases) whatever the base dtype: PEFT's
-        # autocast_adapter_dtype does the same for LoRA, and bf16 running sums would lose small eigen-directions.
+        # Adapters are created, and statistics kept, in float32 (float64 for float64 bases) whatever the base dtype:
+        # bf16 running sums would lose small eigen-directions. With autocast_adapter_dtype=False the delta's factors
+        # then take the base's half dtype (after_adapter_cast); the statistics never do.
         weight = getattr(self.get_base_layer(), "weight", None)
         if weight is not None and weight.dtype == torch.float64:
             return torch.float64
@@ -148,6 +162,25 @@ class SplitLoRALayer(AdapterLayer):
         self.splitlora_primary[adapter_name] = torch.zeros((), dtype=torch.int64, device=device)
         self._splitlora_pending.pop(adapter_name, None)
         self.set_adapter(self.active_adapters)
+
+    def after_adapter_cast(self, adapter_name: str, autocast_adapter_dtype: bool) -> None:
+        """PEFT's ``autocast_adapter_dtype=False`` on a bfloat16 / float16 base: the delta's factors (``B``, ``A``,
+        the finished tasks' factors or dense delta) take the base's dtype. The statistics stay float32 either way.
+
+        Args:
+            adapter_name: The adapter.
+            autocast_adapter_dtype: The flag PEFT's cast got; ``True`` leaves the float32 factors as they are.
+        """
+        base_dtype = self.base_dtype()
+        if autocast_adapter_dtype or base_dtype is None or not is_half(base_dtype):
+            return
+        for attr in self.weight_names:
+            container = getattr(self, attr)
+            value = container[adapter_name]
+            if isinstance(value, nn.Parameter):
+                container[adapter_name] = nn.Parameter(value.data.to(base_dtype), requires_grad=value.requires_grad)
+            else:
+                container[adapter_name] = value.to(base_dtype)
 
     def delete_adapter(self, adapter_name: str) -> None:
         self._splitlora_pending.pop(adapter_name, None)
@@ -254,9 +287,13 @@ class SplitLoRALayer(AdapterLayer):
         self.splitlora_tokens[adapter_name] += pending["tokens"]
         self.splitlora_energy[adapter_name] += pending["energy"]
         if "cov" in pending:
-            self.splitlora_cov[adapter_name] += pending["cov"]
+            cov = self.splitlora_cov[adapter_name]
+            if cov.dtype != pending["cov"].dtype:  # model.to(torch.bfloat16) cast the running sum too: undo that
+                cov = self.splitlora_cov[adapter_name] = cov.to(pending["cov"].dtype)
+            cov += pending["cov"]
         else:
-            stacked = torch.cat([self.splitlora_sketch[adapter_name], pending["sketch"]])
+            running = self.splitlora_sketch[adapter_name].to(pending["sketch"].dtype)
+            stacked = torch.cat([running, pending["sketch"]])
             sketch, delta = fd_compress(stacked, self.splitlora_sketch[adapter_name].shape[0])
             self.splitlora_sketch[adapter_name] = sketch
             self.splitlora_sketch_error[adapter_name] += pending["error"] + delta
