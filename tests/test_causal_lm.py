@@ -330,3 +330,46 @@ def test_bnb_4bit_base_trains_and_generates(family, method, saved_bases):
     assert torch.equal(generated, greedy(model, use_cache=False))
     with model.disable_adapter():
         assert not torch.equal(generated, greedy(model)), "the adapter does not change generation (test is vacuous)"
+
+
+@pytest.mark.parametrize("method", ["riemannion", "splitlora"])
+@pytest.mark.usefixtures("single_thread")
+def test_generate_with_one_adapter_per_row_equals_each_adapter_alone(method):
+    """``generate(adapter_names=[...])`` routes every decoding step (prefill and cached steps) to the row's adapter."""
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_llama(), adapter_config(method, identity=False))
+    torch.manual_seed(1)
+    model.add_adapter("other", adapter_config(method, identity=False))
+    model.eval()
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": PAD}
+    with torch.no_grad():
+        mixed = model.generate(**prompts(), adapter_names=["default", "other"], **kwargs)
+        alone = {}
+        for name in ("default", "other"):
+            model.set_adapter(name)
+            alone[name] = model.generate(**prompts(), **kwargs)
+    assert not torch.equal(alone["default"], alone["other"]), "the two adapters generate alike (test is vacuous)"
+    assert torch.equal(mixed[0], alone["default"][0]) and torch.equal(mixed[1], alone["other"][1])
+
+
+@pytest.mark.parametrize("method", ["riemannion", "splitlora"])
+@pytest.mark.usefixtures("single_thread")
+def test_gradient_checkpointing_gives_the_same_gradients(method):
+    """Trainer's ``gradient_checkpointing=True`` path (PEFT's input-grad hook, reentrant recomputation): the
+    recomputed forward (Riemannion's cached right basis included) gives the loss and gradients of a plain pass."""
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_llama(), adapter_config(method, identity=False)).train()
+    batch = left_pad(sequences(8, seed=0))
+    plain = model(**batch).loss
+    plain.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.enable_input_require_grads()
+    checkpointed = model(**batch).loss
+    checkpointed.backward()
+    assert torch.equal(checkpointed, plain)
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            assert param.grad is not None, name
+            torch.testing.assert_close(param.grad, expected[name], atol=1e-7, rtol=1e-5)
