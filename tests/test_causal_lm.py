@@ -4,7 +4,8 @@ Each case targets every attention and MLP projection, trains with ``transformers
 (the method's own optimizer; SplitLoRA runs a full task cycle so its frozen old delta is non-zero too), and then
 checks what generation needs: a left-padded row gives the logits of the row alone, greedy ``generate()`` with the KV
 cache equals ``generate(use_cache=False)``, merged equals unmerged, and a save / load round trip is exact. The
-bitsandbytes 4-bit base (bf16 compute) and the bf16 model run a training step and generation.
+bitsandbytes 4-bit base (bf16 compute) and the bf16 model run a training step and generation; per-row adapters in
+``generate(adapter_names=...)`` and gradient checkpointing are checked for the two peft-ext adapter types.
 """
 
 from __future__ import annotations
