@@ -365,7 +365,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(method):
     plain.backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     model.zero_grad()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
     model.enable_input_require_grads()
     checkpointed = model(**batch).loss
     checkpointed.backward()
