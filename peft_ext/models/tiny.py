@@ -41,10 +41,8 @@ def tiny_llama(vocab_size: int = 128, hidden_size: int = 32, num_layers: int = 2
 
 
 def tiny_qwen2(vocab_size: int = 128, hidden_size: int = 32, num_layers: int = 2, seed: int = 0) -> Qwen2ForCausalLM:
-    """A 2-layer Qwen2 causal LM with random weights: Llama's module names, but biases on q/k/v_proj.
-
-    The second decoder family of the causal-LM tests (the biases exercise adapters on biased projections).
-    """
+    """A 2-layer Qwen2 causal LM (q/k/v_proj with biases, o_proj, gate/up/down_proj) with random weights: a second
+    decoder family beside :func:`tiny_llama`."""
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=vocab_size, num_key_value_heads=2, max_position_embeddings=128, **_sizes(hidden_size, num_layers)
