@@ -17,14 +17,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch import nn
 
-__all__ = ["HALF_DTYPES", "SUPPORTED_ADAPTER_DTYPES", "check_adapter_dtypes", "compute_dtype", "is_half"]
+__all__ = ["HALF_DTYPES", "SUPPORTED_DTYPES", "check_dtypes", "compute_dtype", "is_half"]
 
 #: The half-precision floating dtypes.
 HALF_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
-#: The dtypes an adapter's trainable parameters may have.
-SUPPORTED_ADAPTER_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+#: The dtypes adapters and peft-ext's optimizers compute in (float8 and complex dtypes have no kernels for their
+#: matmuls and decompositions, and integer tensors cannot be trained).
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def is_half(dtype: torch.dtype) -> bool:
@@ -45,19 +45,21 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in HALF_DTYPES else dtype
 
 
-def check_adapter_dtypes(params: Iterable[tuple[str, nn.Parameter]], method: str) -> None:
-    """Raise ``TypeError`` naming the first parameter whose dtype an adapter of ``method`` cannot train in.
+def check_dtypes(params: Iterable[tuple[str | int, torch.Tensor]], owner: str) -> None:
+    """Raise ``TypeError`` naming the first parameter whose dtype is not in :data:`SUPPORTED_DTYPES`.
 
-    Called before anything is changed (a forward, a step, a merge), so a refused model is left as it was.
+    Called before anything is changed (a forward, a merge, an optimizer's construction), so a refused model is left
+    as it was.
 
     Args:
-        params: ``(name, parameter)`` pairs of the adapter's trainable parameters.
-        method: The adapter type or optimizer, for the message.
+        params: ``(name, tensor)`` pairs; an int name is the parameter's position in its group (unnamed parameters).
+        owner: The adapter type or optimizer, for the message.
     """
     for name, p in params:
-        if p.dtype not in SUPPORTED_ADAPTER_DTYPES:
-            valid = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_ADAPTER_DTYPES)
+        if p.dtype not in SUPPORTED_DTYPES:
+            where = f"parameter {name} of its group" if isinstance(name, int) else f"parameter {name!r}"
+            valid = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
             raise TypeError(
-                f"{method}: parameter {name!r} has dtype {p.dtype}; {method} works with {valid} adapters. Cast the "
-                "adapter (or the model) to one of them, e.g. model.to(torch.bfloat16)"
+                f"{owner}: {where} has dtype {p.dtype}; {owner} works with floating-point tensors of dtype {valid}. "
+                "Cast it (or the model) to one of them, e.g. model.to(torch.bfloat16)"
             )

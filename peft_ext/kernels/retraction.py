@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from ..manifolds.fixed_rank import FixedRankPoint, TangentVector, retr
+from ..precision import is_half
 from .dispatch import RetractionKernels, kernel_mode, load_retraction_kernels
 
 __all__ = ["batched_retraction", "cholesky_qr2", "choose_retraction", "retract", "stack_by_shape"]
@@ -136,10 +137,16 @@ def retract(point: FixedRankPoint, u: TangentVector, x_scale: float = 1.0, metho
         point: The points, factors of shape (..., m, r) and (..., n, r).
         u: Tangent vectors at them (already scaled by the step size).
         x_scale: Factor on ``X`` (decoupled weight decay).
-        method: ``"auto"``, ``"qr"``, ``"cholqr2"`` or ``"triton"``; see the module docstring.
+        method: ``"auto"``, ``"qr"``, ``"cholqr2"`` or ``"triton"``; see the module docstring. Half-precision
+            points are retracted in float32 and returned in their dtype.
     """
     if method not in _METHODS:
         raise ValueError(f"`method` must be one of {_METHODS}, got {method!r}")
+    if is_half(point.A.dtype):
+        # Cholesky and SVD need float32: half-precision points are retracted there and rounded back
+        wide = FixedRankPoint(point.A.float(), point.B.float(), point.B_R.float())
+        new = retract(wide, TangentVector(u.A_dot.float(), u.B_dot.float()), x_scale, method)
+        return FixedRankPoint.from_factors(new.A.to(point.A.dtype), new.B.to(point.B.dtype))
     if method == "auto":
         method = choose_retraction(point.A)
     if method == "qr":

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from ..distributed import check_parameters_unchanged, registered_parameters, reject_sharded
+from ..precision import check_dtypes, compute_dtype
 from .adam_math import adam_direction
 from .dct import DCT_METHODS, dct_matrix, dct_select, project, project_back, projection_side
 from .dct_state import (
@@ -126,9 +127,7 @@ def _check_group(group: dict[str, Any]) -> None:
                 "`target_modules` selects parameters by name, but the parameters came without names: pass "
                 "`model.named_parameters()` (or param groups of (name, parameter) pairs), not `model.parameters()`"
             )
-    for p in group["params"]:
-        if not p.is_floating_point():
-            raise TypeError(f"DCTAdamW optimizes floating-point tensors, got a {p.dtype} parameter")
+    check_dtypes(zip(group.get("param_names") or range(len(group["params"])), group["params"]), "DCTAdamW")
     names = group.get("param_names") or [f"parameter {i}" for i in range(len(group["params"]))]
     # a shard is not the matrix whose DCT spectrum is ranked (FSDP2 / tensor parallel DTensors, DeepSpeed ZeRO-3)
     reject_sharded(zip(names, group["params"]), "DCTAdamW", "the DCT column selection")
@@ -149,6 +148,10 @@ class DCTAdamW(Optimizer):
     approximation), LoRA-style adapters whose matrices already have a dimension of ``r`` (nothing to compress), or
     FSDP/tensor-parallel or DeepSpeed ZeRO training (sharded or flattened parameters are rejected with a
     ``ValueError``; DDP is supported, see docs/distributed.md).
+
+    Half precision: bfloat16 / float16 parameters are stepped in float32 (the DCT, Adam's arithmetic and the update,
+    rounded into the parameter once); their moments are stored in float32, the error-feedback buffer (as large as the
+    parameter) in the parameter's dtype.
 
     Decisions the paper leaves open, and what this implementation does:
 
@@ -402,8 +405,20 @@ class DCTAdamW(Optimizer):
     @staticmethod
     def _work_dtype(p: torch.Tensor) -> torch.dtype:
         # Half-precision parameters are updated in fp32 arithmetic (stored back in their own dtype), as the DCT and
-        # the sqrt/div of Adam lose too much in bf16.
-        return torch.float64 if p.dtype == torch.float64 else torch.float32
+        # the sqrt/div of Adam lose too much in bf16; their moments are kept in fp32 too (a float16 second moment
+        # underflows).
+        return compute_dtype(p.dtype)
+
+    @staticmethod
+    def _apply_update(p: torch.Tensor, update: torch.Tensor, alpha: float, decay: float) -> None:
+        """``p <- p (1 - decay) + alpha * update``; a half-precision ``p`` is updated in ``update``'s dtype and
+        rounded once (decay and step rounded separately would lose small steps twice)."""
+        target = p if p.dtype == update.dtype else p.to(update.dtype)
+        if decay != 0:
+            target.mul_(1 - decay)
+        target.add_(update, alpha=alpha)
+        if target is not p:
+            p.copy_(target)
 
     def _adamw_step(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]) -> None:
         work = self._work_dtype(p)
@@ -412,11 +427,9 @@ class DCTAdamW(Optimizer):
         v = load_buffer(state, "exp_avg_sq", p.shape, "udynamic", bs, work, p.device)
         state["step"] += 1
         direction = adam_direction(m, v, p.grad.to(work), group["betas"], group["eps"], state["step"])
-        store_buffer(state, "exp_avg", m, eight, "dynamic", group, p.dtype)
-        store_buffer(state, "exp_avg_sq", v, eight, "udynamic", group, p.dtype)
-        if group["weight_decay"] != 0:
-            p.mul_(1 - group["lr"] * group["weight_decay"])
-        p.add_(direction.to(p.dtype), alpha=-group["lr"])
+        store_buffer(state, "exp_avg", m, eight, "dynamic", group, work)
+        store_buffer(state, "exp_avg_sq", v, eight, "udynamic", group, work)
+        self._apply_update(p, direction, -group["lr"], group["lr"] * group["weight_decay"])
 
     def _dct_step(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any], sync: bool) -> None:
         work = self._work_dtype(p)
@@ -470,12 +483,10 @@ class DCTAdamW(Optimizer):
             state.pop("column_step", None)
             step = state["step"]
         direction = adam_direction(m, v, low, group["betas"], group["eps"], step)
-        store_buffer(state, "exp_avg", m, group["moments_8bit"], "dynamic", group, p.dtype)
-        store_buffer(state, "exp_avg_sq", v, group["moments_8bit"], "udynamic", group, p.dtype)
-
-        if group["weight_decay"] != 0:
-            p.mul_(1 - group["lr"] * group["weight_decay"])
-        p.add_(project_back(direction, basis, side).to(p.dtype), alpha=-group["lr"] * group["scale"])
+        store_buffer(state, "exp_avg", m, group["moments_8bit"], "dynamic", group, work)
+        store_buffer(state, "exp_avg_sq", v, group["moments_8bit"], "udynamic", group, work)
+        update = project_back(direction, basis, side)
+        self._apply_update(p, update, -group["lr"] * group["scale"], group["lr"] * group["weight_decay"])
 
     # ------------------------------------------------------------------------------------------------------------
     # checkpointing

@@ -53,7 +53,7 @@ from torch.optim import Optimizer
 from ..distributed import check_parameters_unchanged, registered_parameters, reject_sharded
 from ..kernels.retraction import stack_by_shape
 from ..manifolds.fixed_rank import FixedRankPoint, TangentVector, right_basis, stack_bases
-from ..precision import compute_dtype, is_half
+from ..precision import check_dtypes, compute_dtype, is_half
 from ..tuners.riemannion.layer import AdapterRef, find_adapters
 from .adam_math import adamw_update
 from .riemannion_math import riemannion_update
@@ -100,7 +100,7 @@ class Riemannion(Optimizer):
         rtol: Rank threshold of the orthogonalization (default ``max(m, n) * eps``).
 
     Raises:
-        TypeError: If the model is not given.
+        TypeError: If the model is not given, or a parameter's dtype is not float32, bfloat16, float16 or float64.
         ValueError: On invalid hyperparameters, on non-adapter parameters in a ``"manifold": True`` group, on split
             adapters, on adapters that are off the manifold (``A`` not orthonormal or ``Z`` nonzero), and on sharded
             parameters (FSDP2 DTensors, DeepSpeed ZeRO-3; ``step`` also refuses parameters that DeepSpeed ZeRO
@@ -155,6 +155,8 @@ class Riemannion(Optimizer):
             "skipped_steps": 0,
         }
         groups = self._split_groups(params, aux_lr, aux_weight_decay)
+        named = [(self._names.get(id(p), "an unnamed parameter"), p) for g in groups for p in g["params"]]
+        check_dtypes(named, type(self).__name__)
         # the retraction (QR + SVD) and the orthonormality of A need whole factors on every process
         reject_sharded(
             ((self._names.get(id(p), "an unnamed parameter"), p) for g in groups for p in g["params"]),
@@ -320,7 +322,7 @@ class Riemannion(Optimizer):
         for indices, (A, B, grad_right, grad_left) in stack_by_shape(rows, has_momentum):
             buf = None
             if has_momentum[indices[0]]:
-                # stacked as stored (float32 or wider, or the parameter's dtype after load_state_dict's cast)
+                # stacked as stored (float32 or wider; load_state_dict keeps the saved dtype)
                 states = [self.state[rows[i][0]] for i in indices]
                 buf = TangentVector(
                     torch.stack([s["momentum_A"] for s in states]), torch.stack([s["momentum_B"] for s in states])
@@ -356,6 +358,24 @@ class Riemannion(Optimizer):
                     # clones: a view would make torch.save write the whole stacked buffer for every adapter
                     state["momentum_A"], state["momentum_B"] = new_buf.A_dot[n].clone(), new_buf.B_dot[n].clone()
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by ``state_dict()``, keeping the saved dtypes of floating state.
+
+        ``torch.optim.Optimizer`` casts every floating state tensor to its parameter's dtype; the float32 momentum and
+        AdamW moments of bfloat16 / float16 parameters are put back from the saved tensors, so a resumed run continues
+        exactly.
+
+        Args:
+            state_dict: What ``state_dict()`` returned (after ``torch.load(..., weights_only=True)`` too).
+        """
+        super().load_state_dict(state_dict)
+        saved_ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for pid, p in zip(saved_ids, params):
+            for key, value in state_dict["state"].get(pid, {}).items():
+                if isinstance(value, Tensor) and self.state[p][key].dtype != value.dtype:
+                    self.state[p][key] = value.to(device=p.device, copy=True)
+
     def _step_aux(self, group: dict[str, Any]) -> None:
         for p in group["params"]:
             if p.grad is None:
@@ -368,9 +388,6 @@ class Riemannion(Optimizer):
                     p, dtype=compute_dtype(p.dtype), memory_format=torch.preserve_format
                 )
                 state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"], memory_format=torch.preserve_format)
-            elif state["exp_avg"].dtype != compute_dtype(p.dtype):  # load_state_dict casts state to the param dtype
-                state["exp_avg"] = state["exp_avg"].to(compute_dtype(p.dtype))
-                state["exp_avg_sq"] = state["exp_avg_sq"].to(compute_dtype(p.dtype))
             state["step"] += 1
             adamw_update(
                 p,

@@ -21,7 +21,7 @@ What the base owns:
 - **Dtypes**: the input is cast to :meth:`AdapterLayer.adapter_dtype` before :meth:`AdapterLayer.adapter_output`
   and each adapter's output is cast back to the base output's dtype; :func:`delta_matmul` computes half-precision
   deltas on CPU in float32. Adapter parameters of a dtype no adapter computes in (e.g. float8, complex) are refused
-  with a ``TypeError`` before a forward or a merge (:func:`peft_ext.precision.check_adapter_dtypes`).
+  with a ``TypeError`` before a forward or a merge (:func:`peft_ext.precision.check_dtypes`).
   ``autocast_adapter_dtype`` means what it means in PEFT (:meth:`AdapterLayer.after_adapter_cast` is the hook for
   adapters whose state needs more than PEFT's cast).
 - ``repr`` (``"<prefix>.Linear(...)"``) and ``extra_repr`` (the quantization backend, if any).
@@ -57,7 +57,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features
 from peft.utils import quantization_extra_repr, resolve_quantization_backend
 from torch import nn
 
-from ..precision import SUPPORTED_ADAPTER_DTYPES, check_adapter_dtypes
+from ..precision import SUPPORTED_DTYPES, check_dtypes
 from ._common import check_adapter_names_args, disable_bnb_cpu_repacking, merge_deltas, unmerge_deltas
 
 __all__ = ["AdapterLayer", "AdapterLinear", "delta_matmul"]
@@ -177,7 +177,7 @@ class AdapterLayer(BaseTunerLayer):
         Args:
             adapter_names: The adapters about to be used.
         """
-        check_adapter_dtypes(
+        check_dtypes(
             (
                 (f"{attr}.{name}", params[name])
                 for attr in self.adapter_layer_names
@@ -227,7 +227,7 @@ class AdapterLayer(BaseTunerLayer):
         """
         dtype = self.adapter_dtype(adapter_name)
         if dtype is not None:
-            if dtype not in SUPPORTED_ADAPTER_DTYPES:
+            if dtype not in SUPPORTED_DTYPES:
                 self.check_adapter_dtypes([adapter_name])  # raises, naming the parameter
             x = self._cast_input_dtype(x, dtype)
         return self.adapter_output(x, adapter_name, rows=rows)

@@ -110,7 +110,8 @@ class AdapterTuner(BaseTuner):
 
     def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
         """PEFT's cast (``autocast_adapter_dtype``: bfloat16 / float16 adapter weights upcast to float32, else left
-        in the base's dtype), then each layer's :meth:`~.adapter_layer.AdapterLayer.after_adapter_cast`.
+        in the base's dtype), then each layer's :meth:`~.adapter_layer.AdapterLayer.after_adapter_cast`; adapters of a
+        dtype no adapter computes in (float8, complex) are refused with a ``TypeError``.
 
         Args:
             adapter_name: The adapter just created or loaded.
@@ -120,6 +121,8 @@ class AdapterTuner(BaseTuner):
         for layer in self.adapter_layers():
             if layer.carries_adapter(adapter_name):
                 layer.after_adapter_cast(adapter_name, autocast_adapter_dtype)
+                # e.g. a float8 base with autocast_adapter_dtype=False: refused here, not at the first forward
+                layer.check_adapter_dtypes([adapter_name])
 
     def adapter_layers(self) -> list[AdapterLayer]:
         """Every layer of this tuner's type in the model, in module order."""

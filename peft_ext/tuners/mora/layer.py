@@ -217,6 +217,7 @@ class Linear(AdapterLinear, MoRALayer):
         adapter_names = [n for n in check_adapters_to_merge(self, adapter_names) if n in self.mora_spec_A]
         if not adapter_names:
             return
+        self.check_adapter_dtypes(adapter_names)
         if self.quantization_backend is not None and not self.quantization_backend.supports_merge:
             raise TypeError(
                 f"Cannot merge into a {self.quantization_backend.backend_name} base layer: it cannot be dequantized"

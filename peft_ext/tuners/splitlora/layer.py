@@ -284,13 +284,16 @@ class SplitLoRALayer(AdapterLayer):
                 parts = [torch.empty_like(pending["sketch"]) for _ in range(dist.get_world_size(group))]
                 dist.all_gather(parts, pending["sketch"].contiguous(), group=group)
                 pending["sketch"] = torch.cat(parts)
+        # model.to(torch.bfloat16) casts these running sums too: back to their working dtypes before adding to them
+        sums = (("splitlora_energy", "energy"), ("splitlora_cov", "cov"), ("splitlora_sketch_error", "error"))
+        for attr, key in sums:
+            container = getattr(self, attr)
+            if key in pending and container[adapter_name].dtype != pending[key].dtype:
+                container[adapter_name] = container[adapter_name].to(pending[key].dtype)
         self.splitlora_tokens[adapter_name] += pending["tokens"]
         self.splitlora_energy[adapter_name] += pending["energy"]
         if "cov" in pending:
-            cov = self.splitlora_cov[adapter_name]
-            if cov.dtype != pending["cov"].dtype:  # model.to(torch.bfloat16) cast the running sum too: undo that
-                cov = self.splitlora_cov[adapter_name] = cov.to(pending["cov"].dtype)
-            cov += pending["cov"]
+            self.splitlora_cov[adapter_name] += pending["cov"]
         else:
             running = self.splitlora_sketch[adapter_name].to(pending["sketch"].dtype)
             stacked = torch.cat([running, pending["sketch"]])
