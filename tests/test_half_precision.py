@@ -11,10 +11,12 @@ import torch
 from peft import get_peft_model
 from torch import nn
 
-from peft_ext import RiemannionConfig, SplitLoRAConfig
+from peft_ext import PCLRConfig, RiemannionConfig, SplitLoRAConfig
 from peft_ext.kernels import retract
 from peft_ext.manifolds import FixedRankPoint, TangentVector, ortho_lowrank, proju, random_point, right_basis, to_dense
+from peft_ext.models import tiny_llama
 from peft_ext.optim import DCTAdamW, create_riemannion_optimizer
+from peft_ext.tuners.pclr import PCLRLayer
 from peft_ext.tuners.riemannion import find_adapters, initialize_loi
 
 from .single_thread import single_thread  # noqa: F401  (fixture)
@@ -236,6 +238,17 @@ def test_splitlora_cycle_on_a_bf16_model_keeps_float32_statistics():
     model.base_model.end_task()
     assert layer.splitlora_cov["default"].dtype == torch.float32
     assert layer.splitlora_energy["default"].dtype == torch.float64
+
+
+def test_pclr_prototypes_stay_float32_without_autocast():
+    model = tiny_llama(vocab_size=64, hidden_size=32).to(torch.bfloat16)
+    config = PCLRConfig(target_modules=["q_proj", "v_proj"], pool_size=8, ranks_schedule=[4], top_k=2)
+    model = get_peft_model(model, config, autocast_adapter_dtype=False)
+    owners = [m for m in model.modules() if isinstance(m, PCLRLayer) and m.owns_keys("default")]
+    assert owners
+    for layer in owners:
+        assert layer.pclr_prototypes["default"].dtype == torch.float32
+        assert layer.pclr_A["default"].dtype == layer.pclr_keys["default"].dtype == torch.bfloat16
 
 
 # -- bad input -------------------------------------------------------------------------------------------------------

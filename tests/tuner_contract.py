@@ -390,8 +390,9 @@ def adapter_weight_dtypes(model: nn.Module, prefix: str) -> dict[str, torch.dtyp
 
 
 def check_half_forward(case: TunerCase, tmp_path: Path) -> None:
-    """fp16 / bf16 models, with and without autocast_adapter_dtype: adapter dtypes follow PEFT's rule, and the
-    adapter changes the output as it does in float32 (visibly so at least in float16)."""
+    """fp16 / bf16 models, with and without autocast_adapter_dtype, and float32 PEFT models cast with ``.to``:
+    adapter dtypes follow PEFT's rule, and the adapter changes the output as it does in float32 (visibly so at least
+    in float16)."""
     effect32 = _out(case, _peft(case, identity=False, base=case.make_model()).eval()) - _out(case, case.make_model())
     for dtype in HALF:
         base, noise = _base_noise(case, dtype)
@@ -406,6 +407,11 @@ def check_half_forward(case: TunerCase, tmp_path: Path) -> None:
             assert not wrong, f"autocast_adapter_dtype={autocast} on a {dtype} model: want {want}, got {wrong}"
             effect = _out(case, model, dtype) - base
             _assert_effect_close(effect, effect32, HALF_RTOL[dtype], noise, f"effect, {dtype}, autocast={autocast}")
+        # a float32 PEFT model cast afterwards (model.to(dtype)): everything is in dtype, the adapter included
+        model = _peft(case, identity=False, base=case.make_model()).to(dtype).eval()
+        assert set(adapter_weight_dtypes(model, case.prefix).values()) == {dtype}
+        effect = _out(case, model, dtype) - base
+        _assert_effect_close(effect, effect32, HALF_RTOL[dtype], noise, f"effect, float32 model cast to {dtype}")
 
 
 def check_half_merge(case: TunerCase, tmp_path: Path) -> None:

@@ -154,9 +154,9 @@ class PCLRLayer(AdapterLayer, RankPoolStore):
         self.set_adapter(self.active_adapters, inference_mode=inference_mode)
 
     def after_adapter_cast(self, adapter_name: str, autocast_adapter_dtype: bool) -> None:
-        """Task prototypes stay float32 on a half-precision base: they are means over a task's queries, compared by
-        cosine similarity, where bfloat16's three significant digits could flip near ties. Ranks, keys and static
-        pools follow PEFT's ``autocast_adapter_dtype`` like LoRA's weights.
+        """Task prototypes stay float32 on a half-precision base: each is a task's mean query, kept for the rest of
+        the task sequence, and bfloat16 would round it to three significant digits once and for all. Ranks, keys and
+        static pools follow PEFT's ``autocast_adapter_dtype`` like LoRA's weights.
 
         Args:
             adapter_name: The adapter.

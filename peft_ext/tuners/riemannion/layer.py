@@ -138,7 +138,8 @@ class RiemannionLayer(AdapterLayer):
         and LOI), so the QR is cached under B's identity, storage pointer and autograd version counter, which every
         in-place update of the parameter (optimizer steps, ``load_state_dict``) bumps; writes through ``B.data``
         bypass the counter and are not supported. The optimizer computes the same deterministic QR itself, so both
-        sides use the same basis.
+        sides use the same basis. A bfloat16 / float16 ``B`` is factored in float32 and its basis cast to ``B``'s
+        dtype (:func:`~peft_ext.manifolds.fixed_rank.right_basis`).
         """
         B = self.riemannion_B[adapter_name]
         key = (id(B), B.data_ptr(), B._version)
