@@ -9,6 +9,7 @@ from peft_ext.models import (
     tiny_bert,
     tiny_clip,
     tiny_llama,
+    tiny_qwen2,
     tiny_vit,
 )
 
@@ -21,6 +22,10 @@ def test_tiny_factories_have_the_real_module_names_and_run():
     llama = tiny_llama()
     assert {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"} <= _names(llama)
     assert llama(torch.randint(0, 128, (2, 5))).logits.shape == (2, 5, 128)
+    qwen2 = tiny_qwen2()
+    assert {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"} <= _names(qwen2)
+    assert qwen2.model.layers[0].self_attn.q_proj.bias is not None  # unlike Llama's
+    assert qwen2(torch.randint(0, 128, (2, 5))).logits.shape == (2, 5, 128)
     bert = tiny_bert(num_labels=3)
     assert {"query", "key", "value", "dense"} <= _names(bert)
     assert bert(torch.randint(0, 128, (2, 5))).logits.shape == (2, 3)
@@ -33,9 +38,10 @@ def test_tiny_factories_have_the_real_module_names_and_run():
 
 
 def test_tiny_factories_are_seeded():
-    a, b, c = tiny_llama(seed=1), tiny_llama(seed=1), tiny_llama(seed=2)
-    pa, pb, pc = (dict(m.named_parameters())["model.layers.0.self_attn.q_proj.weight"] for m in (a, b, c))
-    assert torch.equal(pa, pb) and not torch.equal(pa, pc)
+    for factory in (tiny_llama, tiny_qwen2):
+        a, b, c = factory(seed=1), factory(seed=1), factory(seed=2)
+        pa, pb, pc = (dict(m.named_parameters())["model.layers.0.self_attn.q_proj.weight"] for m in (a, b, c))
+        assert torch.equal(pa, pb) and not torch.equal(pa, pc)
 
 
 def test_resolve_backbone_keeps_hub_ids_and_paths():

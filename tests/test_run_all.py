@@ -31,7 +31,7 @@ def run_all(tmp_path, monkeypatch):
         "sys.exit(int(sys.argv[1]))\n"
     )
     entries = (
-        module.Entry("good", "A good benchmark", (str(script), "0"), 1, "What it compares."),
+        module.Entry("good", "A good benchmark", (str(script), "0"), 1, "What it compares.", "figures/good.png"),
         module.Entry("broken", "A failing benchmark", (str(script), "3"), 1, "Fails on purpose."),
         module.Entry("missing", "Never run", (str(script), "0"), 1, "Not selected."),
     )
@@ -56,6 +56,7 @@ def test_main_runs_the_selected_entries_keeps_logs_and_writes_the_report(run_all
     assert (run_all.LOGS / "good.log").is_file() and not (run_all.LOGS / "good.log.tmp").exists()
     text = report.read_text()
     assert "## A good benchmark" in text and "| ours | 51.0 |" in text
+    assert "![A good benchmark](figures/good.png)" in text and text.count("![") == 1  # only the entry with a figure
     assert "- target: ours - theirs = +2.0 points (>= +1.0): met" in text
     assert "| good | target: step time 1.3x (<= 1.15x): NOT met |" in text  # the summary table
     assert "Run: exit 3" in text  # the failing entry's exit status is in its section
