@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from peft_ext import RiemannionConfig
@@ -136,10 +137,6 @@ def bf16_base(args: argparse.Namespace, state: dict[str, torch.Tensor] | None) -
 
 def with_adapter(method: str, base: nn.Module, lr: float, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The bf16 PEFT model of ``method`` (adapters in bf16 too) and its optimizer."""
-    # imported after peft_ext: importing peft first from this folder makes transformers probe the optional `kernels`
-    # package, find benchmarks/kernels.py instead, and fail on a circular import
-    from peft import LoraConfig, get_peft_model
-
     torch.manual_seed(seed)
     if method == "riemannion":
         config = RiemannionConfig(r=RANK, target_modules=TARGETS)

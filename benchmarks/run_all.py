@@ -147,7 +147,7 @@ ENTRIES: tuple[Entry, ...] = (
     Entry(
         "kernels",
         "Kernels: rank-pool gather and batched retraction (torch reference paths on CPU)",
-        ("benchmarks/kernels.py",),
+        ("benchmarks/kernel_speed.py",),
         1,
         "On CPU only the reference paths run; GPU figures need benchmarks/gpu_check.sh on a CUDA machine.",
     ),

@@ -2,8 +2,8 @@
 
 Run (CPU: small sizes by default, under a minute on 2 shared cores; CUDA: the issue's sizes)::
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/kernels.py            # CPU: torch references only
-    python benchmarks/kernels.py --device cuda                          # GPU: adds the Triton kernels
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/kernel_speed.py            # CPU: torch references only
+    python benchmarks/kernel_speed.py --device cuda                          # GPU: adds the Triton kernels
 
 Prints two tables.
 
