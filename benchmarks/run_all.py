@@ -169,7 +169,7 @@ ENTRIES: tuple[Entry, ...] = (
         "trainable count includes its zero gradient probe Z (no optimizer state). This CPU has no bf16 matrix "
         "instructions, so the step times are CPU-only figures (bf16 products run about 10x slower than fp32 here). "
         "60 steps is a budget-matched comparison, not a converged one: the validation curves are still falling at the "
-        "end (figure), and the three methods are within one standard deviation of each other.",
+        "end (figure), and the three methods end within 0.013 nats / byte of each other.",
         "figures/causal_lm_bf16.png",
     ),
 )
