@@ -22,10 +22,6 @@ Against GaLore (the usual alternative), what changes for a user:
 
 from __future__ import annotations
 
-import math
-import os
-import re
-import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
@@ -39,119 +35,22 @@ from ..distributed import (
     all_reduce_over_row_shards_,
     all_shards_agree,
     check_parameters_unchanged,
-    check_row_sharded,
     is_row_sharded,
     local_part,
     registered_parameters,
 )
-from ..precision import check_dtypes, compute_dtype
+from ..precision import compute_dtype
 from .adam_math import adam_direction
-from .dct import DCT_METHODS, SIDES, dct_matrix, dct_select, project, project_back, projection_side
+from .dct import dct_matrix, dct_select, project, project_back, projection_side
+from .dct_checks import NONFINITE_POLICIES, caller_stacklevel, check_group, matches_target
 from .dct_state import (
-    QUANT_BLOCKSIZES,
     load_buffer,
     rotate_selected,
     store_buffer,
 )
+from .saved_state import restore_saved_dtypes
 
 __all__ = ["NONFINITE_POLICIES", "DCTAdamW", "matches_target"]
-
-NONFINITE_POLICIES = ("raise", "skip")
-
-
-def matches_target(module_name: str, target_modules: str | Sequence[str] | None) -> bool:
-    """Whether ``module_name`` is selected by ``target_modules``.
-
-    ``None`` selects everything. A string is a regular expression that must match the whole module name (as in
-    PEFT). A list selects a module when one of its entries is a run of whole dotted components of the name:
-    ``"query"`` matches ``encoder.layer.0.attention.self.query`` and, under PEFT, that module's
-    ``query.lora_A.default``, but not ``query_proj``.
-    """
-    if target_modules is None:
-        return True
-    if isinstance(target_modules, str):
-        return re.fullmatch(target_modules, module_name) is not None
-    padded = f".{module_name}."
-    return any(f".{t}." in padded for t in target_modules)
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"`{name}` must be a positive integer, got {value}")
-    return value
-
-
-def _caller_stacklevel() -> int:
-    """``stacklevel`` that makes a warning point at the code that called ``step()``.
-
-    ``step`` runs under torch's profiling and ``no_grad`` wrappers, whose depth differs between torch versions, so
-    the frames of this module and of torch are counted instead of hard-coded.
-    """
-    torch_dir = os.path.dirname(torch.__file__)
-    frame, level = sys._getframe(1), 1
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if filename != __file__ and not filename.startswith(torch_dir):
-            break
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def _check_group(group: dict[str, Any]) -> None:
-    for key in ("lr", "eps", "weight_decay", "scale"):
-        value = group[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"`{key}` must be a finite number >= 0, got {value!r}")
-    betas = group["betas"]
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"`betas` must be a pair of numbers in [0, 1), got {betas!r}")
-    _positive_int("rank", group["rank"])
-    _positive_int("update_proj_gap", group["update_proj_gap"])
-    _positive_int("max_shape", group["max_shape"])
-    _positive_int("min_8bit_size", group["min_8bit_size"])
-    if group.get("side", "auto") not in ("auto", *SIDES):
-        raise ValueError(f"`side` must be 'auto', 'left' or 'right', got {group['side']!r}")
-    if group["dct_method"] not in DCT_METHODS:
-        raise ValueError(f"`dct_method` must be one of {DCT_METHODS}, got {group['dct_method']!r}")
-    norm = group["selection_norm"]
-    if isinstance(norm, bool) or not isinstance(norm, (int, float)) or not norm > 0:
-        raise ValueError(f"`selection_norm` must be a positive number or math.inf (paper: 1), got {norm!r}")
-    if group["quant_blocksize"] not in QUANT_BLOCKSIZES:
-        raise ValueError(f"`quant_blocksize` must be one of {QUANT_BLOCKSIZES}, got {group['quant_blocksize']!r}")
-    for key in ("rotate_moments", "column_bias_correction", "error_feedback", "moments_8bit", "error_feedback_8bit"):
-        if not isinstance(group[key], bool):
-            raise TypeError(f"`{key}` must be True or False, got {group[key]!r}")
-    if group["error_feedback_8bit"] and not group["error_feedback"]:
-        raise ValueError("`error_feedback_8bit=True` needs `error_feedback=True` (there is no buffer to quantize)")
-    targets = group["target_modules"]
-    if targets is not None:
-        if isinstance(targets, str):
-            try:
-                re.compile(targets)
-            except re.error as err:
-                raise ValueError(f"`target_modules` {targets!r} is not a valid regular expression: {err}") from None
-        elif not isinstance(targets, (list, tuple)) or not all(isinstance(t, str) and t for t in targets):
-            raise TypeError(f"`target_modules` must be None, a regex string or a list of names, got {targets!r}")
-        elif not targets:
-            raise ValueError("`target_modules` is an empty list; use None to project every eligible matrix")
-        if "param_names" not in group:
-            raise TypeError(
-                "`target_modules` selects parameters by name, but the parameters came without names: pass "
-                "`model.named_parameters()` (or param groups of (name, parameter) pairs), not `model.parameters()`"
-            )
-    check_dtypes(zip(group.get("param_names") or range(len(group["params"])), group["params"]), "DCTAdamW")
-    names = group.get("param_names") or [f"parameter {i}" for i in range(len(group["params"]))]
-    # FSDP2 row shards are projected where they live (side "right"); column shards and ZeRO-3 partitions are not
-    check_row_sharded(zip(names, group["params"]), "DCTAdamW", "the row-local DCT projection")
-    if group.get("side") == "left":
-        for name, p in zip(names, group["params"]):
-            if p.ndim == 2 and is_row_sharded(p) and any(pl.is_shard(0) for pl in p.placements):
-                raise ValueError(
-                    f"DCTAdamW: side='left' transforms over the rows of `{name}` (shape {tuple(p.shape)}), which "
-                    "FSDP2 splits across processes; use side='auto' or 'right' (each process projects its own rows)"
-                )
 
 
 class DCTAdamW(Optimizer):
@@ -303,7 +202,7 @@ class DCTAdamW(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         try:
-            _check_group(self.param_groups[-1])
+            check_group(self.param_groups[-1])
         except (TypeError, ValueError):
             self.param_groups.pop()  # a rejected group must not stay behind in a live optimizer
             raise
@@ -388,7 +287,7 @@ class DCTAdamW(Optimizer):
                 f"{message}; nothing was updated. Pass nonfinite_grad='skip' to skip such steps instead."
             )
         warnings.warn(
-            f"{message}; skipping this optimizer step (no parameter or state changed)", stacklevel=_caller_stacklevel()
+            f"{message}; skipping this optimizer step (no parameter or state changed)", stacklevel=caller_stacklevel()
         )
         self.skipped_steps += 1
         return False
@@ -435,7 +334,7 @@ class DCTAdamW(Optimizer):
                 + "; ".join(clamped)
                 + ". Clamped to that dimension: these matrices get Adam in the full DCT basis with no memory saving; "
                 "exclude them through `target_modules` to give them plain AdamW.",
-                stacklevel=_caller_stacklevel(),
+                stacklevel=caller_stacklevel(),
             )
         return loss
 
@@ -539,12 +438,4 @@ class DCTAdamW(Optimizer):
         their saved dtype afterwards, so a bf16 model keeps exact indices and scales.
         """
         super().load_state_dict(state_dict)
-        saved_ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
-        params = [p for group in self.param_groups for p in group["params"]]
-        for pid, p in zip(saved_ids, params):
-            saved = state_dict["state"].get(pid)
-            if not saved:
-                continue
-            for key, value in saved.items():
-                if isinstance(value, torch.Tensor) and self.state[p][key].dtype != value.dtype:
-                    self.state[p][key] = value.to(device=p.device, copy=True)
+        restore_saved_dtypes(self, state_dict)

@@ -66,6 +66,7 @@ from ..precision import check_dtypes, compute_dtype, is_half
 from ..tuners.riemannion.layer import AdapterRef, find_adapters
 from .adam_math import adamw_update
 from .riemannion_math import riemannion_update
+from .saved_state import restore_saved_dtypes
 
 __all__ = ["RiemannLoRA", "Riemannion", "create_riemannion_optimizer"]
 
@@ -400,12 +401,7 @@ class Riemannion(Optimizer):
             state_dict: What ``state_dict()`` returned (after ``torch.load(..., weights_only=True)`` too).
         """
         super().load_state_dict(state_dict)
-        saved_ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
-        params = [p for group in self.param_groups for p in group["params"]]
-        for pid, p in zip(saved_ids, params):
-            for key, value in state_dict["state"].get(pid, {}).items():
-                if isinstance(value, Tensor) and self.state[p][key].dtype != value.dtype:
-                    self.state[p][key] = value.to(device=p.device, copy=True)
+        restore_saved_dtypes(self, state_dict)
 
     def _step_aux(self, group: dict[str, Any]) -> None:
         for param in group["params"]:
