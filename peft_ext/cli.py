@@ -42,8 +42,16 @@ def _method_names(config) -> list[str]:
     return [m if isinstance(m, str) else m.name for m in config.methods]
 
 
-def _cmd_check(args: argparse.Namespace) -> int:
+def _load_and_preflight(args: argparse.Namespace):
+    from peft_ext.jobs.preflight import preflight
+
     config = _load(args)
+    preflight(config)
+    return config
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    config = _load_and_preflight(args)
     names = _method_names(config)
     print(f"{args.config}: valid ({len(names)} methods: {', '.join(names)})")
     return 0
@@ -52,7 +60,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from peft_ext.jobs import run_job_config
 
-    run_job_config(_load(args), progress=not args.no_progress)
+    run_job_config(_load_and_preflight(args), progress=not args.no_progress, debug=args.debug)
     return 0
 
 
@@ -74,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         if name == "run":
             p.add_argument("--no-progress", action="store_true", help="no progress bars")
+        p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub.add_parser("list", help="list registered adapter types, optimizers and continual methods")
     return parser
 
@@ -87,6 +96,21 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"peft-ext: config error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("peft-ext: interrupted; the results of the methods that finished are on disk", file=sys.stderr)
+        return 130
+    except Exception as err:
+        from peft_ext.jobs.errors import JobFailed, one_line
+
+        if isinstance(err, JobFailed):
+            for line in str(err).splitlines():
+                print(f"peft-ext: {line}", file=sys.stderr)
+            print(f"peft-ext: the other methods' results are in {err.out_dir}", file=sys.stderr)
+            return 1
+        if getattr(args, "debug", False):
+            raise
+        print(f"peft-ext: error: {one_line(err)} (run with --debug for the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -377,6 +377,8 @@ def _list_index(items: list, part: str, where: str) -> int:
 def read_config(path: str | Path, overrides: list[str] | None = None) -> Any:
     """Read a YAML config file and apply ``key=value`` overrides; no validation yet."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config path {str(path)!r} is a directory, expected a YAML file")
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:

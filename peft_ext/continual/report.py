@@ -109,11 +109,26 @@ def plot_accuracy_matrices(results: Sequence[MethodResult], path: str | Path, ti
 
 
 def save_results(
-    results: Sequence[MethodResult], out_dir: str | Path, meta: dict[str, Any], task_names: Sequence[str]
+    results: Sequence[MethodResult],
+    out_dir: str | Path,
+    meta: dict[str, Any],
+    task_names: Sequence[str],
+    failures: Sequence[dict[str, str]] = (),
 ) -> dict[str, Path]:
-    """Write ``results.json``, ``results.md`` and ``accuracy_matrix.png`` into ``out_dir``; return their paths."""
+    """Write ``results.json``, ``results.md`` and ``accuracy_matrix.png`` into ``out_dir``; return their paths.
+
+    Args:
+        results: The finished methods (the heatmap is written only when there is at least one).
+        out_dir: The output folder (created if missing).
+        meta: Run metadata stored under ``meta`` in the JSON.
+        task_names: The tasks, in order (row labels).
+        failures: Methods that failed, each ``{"method", "label", "error"}``: stored under ``failed`` in the JSON
+            and listed in the markdown, so a failed method is recorded next to the finished ones.
+    """
     out = Path(out_dir)
     payload = {"meta": meta, "tasks": list(task_names), "results": [r.to_dict() for r in results]}
+    if failures:
+        payload["failed"] = [dict(f) for f in failures]
     paths = {"json": out / "results.json", "markdown": out / "results.md", "png": out / "accuracy_matrix.png"}
 
     def write_json(tmp: str) -> None:
@@ -123,11 +138,14 @@ def save_results(
     md = [f"# {meta.get('name', 'continual run')}", "", metrics_table(results), ""]
     for r in results:
         md += [f"## {r.label}", "", matrix_table(r, task_names), ""]
+    if failures:
+        md += ["## failed", ""] + [f"- {f['label']}: {f['error']}" for f in failures] + [""]
 
     def write_md(tmp: str) -> None:
         Path(tmp).write_text("\n".join(md))
 
     _atomic_write(paths["json"], write_json)
     _atomic_write(paths["markdown"], write_md)
-    plot_accuracy_matrices(results, paths["png"], title=str(meta.get("name", "")))
+    if results:
+        plot_accuracy_matrices(results, paths["png"], title=str(meta.get("name", "")))
     return paths

@@ -10,9 +10,11 @@ from __future__ import annotations
 from typing import Any, Union
 
 from ..continual.config import RunConfig, config_from_dict, read_config, unknown_value
+from .errors import JobFailed
 from .multimodal import MissingModalityConfig, missing_modality_config_from_dict
+from .preflight import check_finite
 
-__all__ = ["JOBS", "load_job_config", "run_job_config"]
+__all__ = ["JOBS", "JobFailed", "load_job_config", "run_job_config"]
 
 JOBS = ("continual", "missing_modality")
 
@@ -29,6 +31,7 @@ def load_job_config(path: str, overrides: list[str] | None = None) -> Union[RunC
         :class:`~peft_ext.jobs.multimodal.MissingModalityConfig` (``job: missing_modality``).
     """
     data = read_config(path, overrides)
+    check_finite(data)
     job = data.pop("job", "continual") if isinstance(data, dict) else "continual"
     if job not in JOBS:
         raise unknown_value("job", job, list(JOBS))
@@ -37,12 +40,18 @@ def load_job_config(path: str, overrides: list[str] | None = None) -> Union[RunC
     return config_from_dict(data)
 
 
-def run_job_config(config: Union[RunConfig, MissingModalityConfig], progress: bool = True) -> Any:
+def run_job_config(
+    config: Union[RunConfig, MissingModalityConfig], progress: bool = True, debug: bool = False
+) -> Any:
     """Run the job ``config`` describes; return its results.
 
     Args:
         config: A config from :func:`load_job_config`.
         progress: Show progress bars (continual jobs).
+        debug: Print the traceback of a failed method (continual jobs).
+
+    Raises:
+        JobFailed: Some methods failed (the others' results are on disk).
     """
     if isinstance(config, MissingModalityConfig):
         from .multimodal import run_missing_modality_job
@@ -52,4 +61,4 @@ def run_job_config(config: Union[RunConfig, MissingModalityConfig], progress: bo
 
     if not progress:
         config.train.progress = False
-    return run_job(config)
+    return run_job(config, debug=debug)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import platform
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ from ..continual.methods import get_continual_method
 from ..continual.report import matrix_table, metrics_table, save_results
 from ..continual.runner import run_sequence
 from ..data.tasks import TaskSequence
+from .errors import JobFailed, one_line
 
 
 def build_sequence(config: RunConfig) -> TaskSequence:
@@ -36,8 +38,20 @@ def build_sequence(config: RunConfig) -> TaskSequence:
     raise ValueError(f"unknown dataset {data.dataset!r}")  # unreachable: the config's Literal type checks it
 
 
-def run_job(config: RunConfig, echo: Callable[[str], Any] = print) -> list[MethodResult]:
-    """Run every method of ``config`` on the same sequence and backbone; write results; return them."""
+def run_job(config: RunConfig, echo: Callable[[str], Any] = print, debug: bool = False) -> list[MethodResult]:
+    """Run every method of ``config`` on the same sequence and backbone; write results; return them.
+
+    The results files are rewritten after each method, so they always hold every method finished so far. A method
+    that raises is recorded (under ``failed`` in the results) and the next one runs.
+
+    Args:
+        config: The validated run config.
+        echo: Where progress lines go.
+        debug: Print the traceback of a failed method (stderr).
+
+    Raises:
+        JobFailed: After every method ran, when at least one failed.
+    """
     from ..data.collate import TextCollator
     from ..models import load_text_classifier
 
@@ -54,27 +68,44 @@ def run_job(config: RunConfig, echo: Callable[[str], Any] = print) -> list[Metho
         config.model.backbone, sequence.num_classes, config.model.dropout, seed=config.train.seed
     )
     collate = TextCollator(tokenizer, config.model.max_length)
-    results = []
-    for entry in config.methods:
-        method = get_continual_method(entry.name)(entry.options)
-        echo(f"\n[peft-ext] method {method.label}")
-        result = run_sequence(sequence, method, base, collate, config.train)
-        echo(matrix_table(result))
-        results.append(result)
-    wall = time.perf_counter() - start
+    task_names = [t.name for t in sequence.tasks]
     meta = {
         "name": config.name,
         "sequence": sequence.name,
         "protocol": sequence.protocol,
         "sequence_meta": sequence.meta,
         "backbone": config.model.backbone,
-        "wall_seconds": round(wall, 1),
+        "wall_seconds": 0.0,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "machine": platform.machine(),
     }
-    paths = save_results(results, config.output.dir, meta, [t.name for t in sequence.tasks])
+    results: list[MethodResult] = []
+    failures: list[dict[str, str]] = []
+    paths: dict[str, Any] = {}
+    for entry in config.methods:
+        label = entry.name
+        try:
+            method = get_continual_method(entry.name)(entry.options)
+            label = method.label
+            echo(f"\n[peft-ext] method {label}")
+            result = run_sequence(sequence, method, base, collate, config.train)
+        except Exception as err:  # a failed method is recorded and the others still run
+            if debug:
+                traceback.print_exc()
+            failures.append({"method": entry.name, "label": label, "error": one_line(err)})
+            echo(f"[peft-ext] method {label} failed: {one_line(err)}")
+        else:
+            echo(matrix_table(result))
+            results.append(result)
+        # Written after every method, so the report on disk always holds every method finished so far.
+        meta["wall_seconds"] = round(time.perf_counter() - start, 1)
+        paths = save_results(results, config.output.dir, meta, task_names, failures)
+    wall = time.perf_counter() - start
     echo(f"\n[peft-ext] metrics (percent), {len(sequence)} tasks, wall time {wall:.0f} s\n")
     echo(metrics_table(results))
-    echo(f"\n[peft-ext] wrote {paths['json']}, {paths['markdown']}, {paths['png']}")
+    written = [paths["json"], paths["markdown"]] + ([paths["png"]] if results else [])
+    echo(f"\n[peft-ext] wrote {', '.join(str(p) for p in written)}")
+    if failures:
+        raise JobFailed(failures, config.output.dir)
     return results

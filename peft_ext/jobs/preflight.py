@@ -1,0 +1,194 @@
+"""What ``peft-ext check`` (and ``run``, before any training) verifies beyond the config's own validation: finite
+numbers everywhere, a writable output folder, the data constraints, a resolvable backbone, and each method's adapter
+against the backbone's structure (built on the meta device: no weights are read or allocated).
+
+Every check raises one :class:`~peft_ext.continual.config.ConfigError` naming the key and the value.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..continual.config import ConfigError, RunConfig, unknown_value
+
+__all__ = [
+    "check_adapters",
+    "check_backbone",
+    "check_data",
+    "check_finite",
+    "check_output_dir",
+    "preflight",
+]
+
+#: Methods whose per-task ``A`` is drawn from an input-width covariance, so ``r`` must not exceed the input width.
+INPUT_WIDTH_RANK_METHODS = ("splitlora", "inflora")
+
+
+def check_finite(data: Any, key: str = "") -> None:
+    """Raise ``ConfigError`` naming the first non-finite number (``inf``, ``nan``) anywhere in a parsed config.
+
+    Args:
+        data: The parsed YAML document (after ``--set`` overrides).
+        key: Dotted path of ``data`` (for the message); entries of ``methods`` are named by their ``name``, as
+            ``--set`` addresses them.
+    """
+    if isinstance(data, float) and not math.isfinite(data):
+        raise ConfigError(f"`{key}` must be a finite number, got {data}")
+    if isinstance(data, dict):
+        for k, v in data.items():
+            check_finite(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(data, list):
+        for i, v in enumerate(data):
+            name = v.get("name") if isinstance(v, dict) and key == "methods" else None
+            check_finite(v, f"{key}.{name if isinstance(name, str) else i}")
+
+
+def check_output_dir(path: str, key: str = "output.dir") -> None:
+    """Raise ``ConfigError`` unless results can be written under ``path``: no part of it is a file, and a probe file
+    can be created in it (or, when it does not exist yet, in its nearest existing parent). Creates nothing that
+    stays.
+
+    Args:
+        path: The output folder.
+        key: The config key, for the message.
+    """
+    target = Path(path).expanduser()
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"`{key}` {path!r} cannot be created: {str(existing)!r} is a file, not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".peft-ext-probe.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise ConfigError(f"`{key}` {path!r} is not writable ({str(existing)!r}: {err.strerror})") from None
+
+
+def check_data(config: RunConfig) -> None:
+    """Raise ``ConfigError`` when the ``data`` section asks for classes the data set does not have: an unknown
+    ``data.classes`` name, or more classes than the data set has at the per-class caps (``data.n_tasks``)."""
+    from ..data.wordnet import LEXNAMES, wordnet_task_sequence
+
+    data = config.data
+    for i, name in enumerate(data.classes or []):
+        if name not in LEXNAMES:
+            raise unknown_value(f"data.classes[{i}]", name, list(LEXNAMES))
+    try:
+        wordnet_task_sequence(
+            n_tasks=data.n_tasks,
+            classes_per_task=data.classes_per_task,
+            seed=data.seed,
+            train_per_class=data.train_per_class,
+            test_per_class=data.test_per_class,
+            protocol=data.protocol,
+            supersenses=data.classes,
+        )
+    except ValueError as err:
+        raise ConfigError(
+            f"`data` (n_tasks={data.n_tasks}, classes_per_task={data.classes_per_task}): {err}"
+        ) from None
+
+
+def _offline() -> bool:
+    return any(
+        os.environ.get(k, "").lower() in ("1", "true", "yes", "on") for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
+
+
+def check_backbone(name: str, key: str = "model.backbone") -> Any:
+    """Resolve the backbone's config without loading weights; return the ``transformers`` config.
+
+    Raises ``ConfigError`` naming the model id when it cannot be resolved: offline and not in the local cache (say
+    so), or any other reason (one line).
+
+    Args:
+        name: The backbone name, hub id or local directory.
+        key: The config key, for the message.
+    """
+    from transformers import AutoConfig
+
+    from ..models import resolve_backbone
+
+    try:
+        return AutoConfig.from_pretrained(resolve_backbone(name))
+    except Exception as err:  # noqa: BLE001 - any failure to resolve is reported as one line naming the model
+        if _offline() and not Path(name).expanduser().is_dir():
+            raise ConfigError(
+                f"`{key}` {name!r} is not in the local Hugging Face cache and the hub is offline (HF_HUB_OFFLINE): "
+                f"download it once with network access, or give a local model directory"
+            ) from None
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ConfigError(f"`{key}` {name!r} cannot be loaded: {first}") from None
+
+
+def _targets_and_rank(options: Any) -> tuple[Any, Any]:
+    adapter = getattr(options, "adapter", None)
+    source = adapter if adapter is not None and hasattr(adapter, "target_modules") else options
+    return getattr(source, "target_modules", None), getattr(source, "r", None)
+
+
+def _matches(name: str, targets: Any) -> bool:
+    # PEFT's rule: a string is a regex the whole module name must match; a list matches a name equal to an entry or
+    # ending with "." + an entry.
+    if isinstance(targets, str):
+        return re.fullmatch(targets, name) is not None
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def check_adapters(config: RunConfig, model_config: Any) -> None:
+    """Raise ``ConfigError`` when a method's ``target_modules`` match no linear layer of the backbone, or (for the
+    methods of :data:`INPUT_WIDTH_RANK_METHODS`) its ``r`` is above a matched layer's input width.
+
+    The backbone is built on the meta device from ``model_config``: no weights are read or allocated.
+
+    Args:
+        config: The validated run config.
+        model_config: The backbone's ``transformers`` config (:func:`check_backbone`).
+    """
+    import torch
+    from torch import nn
+    from transformers import AutoModel
+
+    with torch.device("meta"):
+        encoder = AutoModel.from_config(model_config)
+    # The job wraps the encoder as ``SentenceClassifier.encoder``: names as PEFT will see them.
+    linears = {f"encoder.{n}": m for n, m in encoder.named_modules() if isinstance(m, nn.Linear)}
+    for entry in config.methods:
+        targets, r = _targets_and_rank(entry.options)
+        if not targets or targets == "all-linear":
+            continue
+        where = f"methods.{entry.name}"
+        matched = {n: m for n, m in linears.items() if _matches(n, targets)}
+        if not matched:
+            some = sorted({n.rsplit(".", 1)[-1] for n in linears})
+            raise ConfigError(
+                f"`{where}` target_modules {targets!r} match no linear layer of {config.model.backbone!r}; "
+                f"its linear layers end in {some}"
+            )
+        if entry.name in INPUT_WIDTH_RANK_METHODS and isinstance(r, int):
+            width = min(m.in_features for m in matched.values())
+            if r > width:
+                raise ConfigError(
+                    f"`{where}` r={r} is above the input width {width} of the layers target_modules match "
+                    f"in {config.model.backbone!r}; use r <= {width}"
+                )
+
+
+def preflight(config: Any) -> None:
+    """Everything knowable before training, for any job's config: the output folder, and for continual jobs the data,
+    the backbone and each method's adapter against the backbone's structure.
+
+    Args:
+        config: A config from :func:`peft_ext.jobs.load_job_config`.
+    """
+    check_output_dir(config.output.dir)
+    if isinstance(config, RunConfig):
+        check_data(config)
+        check_adapters(config, check_backbone(config.model.backbone))

@@ -1,0 +1,97 @@
+"""`peft-ext check` (and `run`, before any training) catches what `run` would otherwise fail on late: non-finite
+numbers, an unwritable output folder, impossible data, an unresolvable backbone, adapters that do not fit the
+backbone. Each is one line naming the key and the value, exit status 2, and no work started."""
+
+import pytest
+
+from peft_ext.cli import main
+
+from .helpers import job_config, save_tiny_bert
+
+
+@pytest.fixture(scope="module")
+def tiny_backbone(tmp_path_factory):
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny-bert"), num_layers=1, seed=0)
+
+
+@pytest.fixture
+def cfg(tmp_path, tiny_backbone):
+    def edit(data: dict) -> None:
+        data["model"]["backbone"] = str(tiny_backbone)
+        data["data"].update(n_tasks=2, classes_per_task=2, train_per_class=4, test_per_class=2)
+
+    return job_config(tmp_path, "quickstart", edit)
+
+
+def _error(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("peft-ext: config error: "), err
+    return err[0]
+
+
+def test_valid_config_passes(cfg, capsys):
+    assert main(["check", str(cfg)]) == 0
+    assert "valid (8 methods" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "value"),
+    [
+        ("methods.seq_lora.lr=.inf", "methods.seq_lora.lr", "inf"),
+        ("methods.splitlora.weight_decay=.nan", "methods.splitlora.weight_decay", "nan"),
+        ("train.max_grad_norm=.nan", "train.max_grad_norm", "nan"),
+        ("methods.pclr.adapter.alpha=-.inf", "methods.pclr.adapter.alpha", "-inf"),
+    ],
+)
+def test_non_finite_numbers_are_named(cfg, capsys, tmp_path, override, key, value):
+    line = _error(capsys, ["check", str(cfg), "--set", override])
+    assert f"`{key}` must be a finite number, got {value}" in line
+    _error(capsys, ["run", str(cfg), "--no-progress", "--set", override])
+    assert not (tmp_path / "out").exists()
+
+
+def test_output_dir_under_a_file(cfg, capsys, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    line = _error(capsys, ["check", str(cfg), "--set", f"output.dir={tmp_path / 'afile' / 'sub' / 'out'}"])
+    assert "`output.dir`" in line and "afile" in line and "is a file, not a directory" in line
+
+
+def test_output_dir_probe_write_failure_is_named(cfg, capsys, tmp_path, monkeypatch):
+    # A read-only folder is writable for root (tests may run as root), so the probe's refusal is simulated.
+    import tempfile
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    line = _error(capsys, ["check", str(cfg)])
+    assert "`output.dir`" in line and "is not writable" in line and "Permission denied" in line
+
+
+def test_data_constraints(cfg, capsys):
+    line = _error(capsys, ["check", str(cfg), "--set", "data.n_tasks=50"])
+    assert "`data` (n_tasks=50, classes_per_task=2)" in line and "100 classes needed" in line
+    classes = "[noun.state, noun.time, adv.all, noun.persn]"
+    line = _error(capsys, ["check", str(cfg), "--set", f"data.classes={classes}"])
+    assert "`data.classes[3]`" in line and "'noun.persn'" in line and "did you mean `noun.person`" in line
+
+
+def test_unresolvable_backbone_offline_names_the_model(cfg, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    line = _error(capsys, ["check", str(cfg), "--set", "model.backbone=nobody/no-such-model-xyz"])
+    assert "`model.backbone` 'nobody/no-such-model-xyz' is not in the local Hugging Face cache" in line
+
+
+def test_adapter_dry_build(cfg, capsys, tmp_path):
+    line = _error(capsys, ["check", str(cfg), "--set", "methods.splitlora.adapter.r=40"])
+    assert "`methods.splitlora` r=40 is above the input width 32" in line
+    line = _error(capsys, ["check", str(cfg), "--set", "methods.seq_lora.adapter.target_modules=[nope]"])
+    assert "`methods.seq_lora` target_modules" in line and "nope" in line and "match no linear layer" in line
+    _error(capsys, ["run", str(cfg), "--no-progress", "--set", "methods.inflora.r=33"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_config_path_is_a_directory(capsys, tmp_path):
+    line = _error(capsys, ["check", str(tmp_path)])
+    assert "is a directory, expected a YAML file" in line
