@@ -6,6 +6,7 @@ A config's top-level ``job`` key picks the job: ``continual`` (the default) or `
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 
@@ -60,7 +61,17 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from peft_ext.jobs import run_job_config
 
-    run_job_config(_load_and_preflight(args), progress=not args.no_progress, debug=args.debug)
+    config = _load_and_preflight(args)
+    try:
+        run_job_config(config, progress=not args.no_progress, debug=args.debug, resume=args.resume)
+    except KeyboardInterrupt:
+        command = ["peft-ext", "run", args.config, *(f"--set={s}" for s in args.set), "--resume"]
+        print(
+            f"\npeft-ext: interrupted; the methods that finished are in {config.output.dir}. Resume with:\n"
+            f"  {shlex.join(command)}",
+            file=sys.stderr,
+        )
+        return 130
     return 0
 
 
@@ -82,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
         )
         if name == "run":
             p.add_argument("--no-progress", action="store_true", help="no progress bars")
+            p.add_argument(
+                "--resume",
+                action="store_true",
+                help="continue an interrupted run of the same config: keep the methods it finished",
+            )
         p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub.add_parser("list", help="list registered adapter types, optimizers and continual methods")
     return parser

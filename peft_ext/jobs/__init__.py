@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Union
 
-from ..continual.config import RunConfig, config_from_dict, read_config, unknown_value
+from ..continual.config import ConfigError, RunConfig, config_from_dict, read_config, unknown_value
 from .errors import JobFailed
 from .multimodal import MissingModalityConfig, missing_modality_config_from_dict
 from .preflight import check_finite
@@ -41,7 +41,7 @@ def load_job_config(path: str, overrides: list[str] | None = None) -> Union[RunC
 
 
 def run_job_config(
-    config: Union[RunConfig, MissingModalityConfig], progress: bool = True, debug: bool = False
+    config: Union[RunConfig, MissingModalityConfig], progress: bool = True, debug: bool = False, resume: bool = False
 ) -> Any:
     """Run the job ``config`` describes; return its results.
 
@@ -49,6 +49,7 @@ def run_job_config(
         config: A config from :func:`load_job_config`.
         progress: Show progress bars (continual jobs).
         debug: Print the traceback of a failed method (continual jobs).
+        resume: Continue an interrupted continual job from the methods it finished (``--resume``).
 
     Raises:
         JobFailed: Some methods failed (the others' results are on disk).
@@ -56,9 +57,11 @@ def run_job_config(
     if isinstance(config, MissingModalityConfig):
         from .multimodal import run_missing_modality_job
 
+        if resume:
+            raise ConfigError("--resume is supported for continual jobs only; the missing_modality job starts over")
         return run_missing_modality_job(config)
     from .continual import run_job
 
     if not progress:
         config.train.progress = False
-    return run_job(config, debug=debug)
+    return run_job(config, debug=debug, resume=resume)

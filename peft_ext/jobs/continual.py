@@ -18,6 +18,7 @@ from ..continual.report import matrix_table, metrics_table, save_results
 from ..continual.runner import run_sequence
 from ..data.tasks import TaskSequence
 from .errors import JobFailed, one_line
+from .resume import config_hash, finished_results
 
 
 def build_sequence(config: RunConfig) -> TaskSequence:
@@ -38,7 +39,9 @@ def build_sequence(config: RunConfig) -> TaskSequence:
     raise ValueError(f"unknown dataset {data.dataset!r}")  # unreachable: the config's Literal type checks it
 
 
-def run_job(config: RunConfig, echo: Callable[[str], Any] = print, debug: bool = False) -> list[MethodResult]:
+def run_job(
+    config: RunConfig, echo: Callable[[str], Any] = print, debug: bool = False, resume: bool = False
+) -> list[MethodResult]:
     """Run every method of ``config`` on the same sequence and backbone; write results; return them.
 
     The results files are rewritten after each method, so they always hold every method finished so far. A method
@@ -48,14 +51,19 @@ def run_job(config: RunConfig, echo: Callable[[str], Any] = print, debug: bool =
         config: The validated run config.
         echo: Where progress lines go.
         debug: Print the traceback of a failed method (stderr).
+        resume: Keep the methods an earlier run of the same config finished (its ``results.json`` in
+            ``output.dir``) and run only the others (:mod:`peft_ext.jobs.resume`).
 
     Raises:
         JobFailed: After every method ran, when at least one failed.
+        ConfigError: ``resume`` with no results, or results of a different config, in ``output.dir``.
     """
     from ..data.collate import TextCollator
     from ..models import load_text_classifier
 
     start = time.perf_counter()
+    fingerprint = config_hash(config)
+    done = {(r.method, r.label): r for r in finished_results(config, fingerprint)} if resume else {}
     sequence = build_sequence(config)
     echo(
         f"[peft-ext] {config.name}: {sequence.name} ({sequence.protocol}), {len(sequence)} tasks, "
@@ -79,6 +87,7 @@ def run_job(config: RunConfig, echo: Callable[[str], Any] = print, debug: bool =
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "machine": platform.machine(),
+        "config_hash": fingerprint,
     }
     results: list[MethodResult] = []
     failures: list[dict[str, str]] = []
@@ -88,8 +97,12 @@ def run_job(config: RunConfig, echo: Callable[[str], Any] = print, debug: bool =
         try:
             method = get_continual_method(entry.name)(entry.options)
             label = method.label
-            echo(f"\n[peft-ext] method {label}")
-            result = run_sequence(sequence, method, base, collate, config.train)
+            if (method.name, label) in done:
+                echo(f"\n[peft-ext] method {label}: finished in the run being resumed")
+                result = done[(method.name, label)]
+            else:
+                echo(f"\n[peft-ext] method {label}")
+                result = run_sequence(sequence, method, base, collate, config.train)
         except Exception as err:  # a failed method is recorded and the others still run
             if debug:
                 traceback.print_exc()
