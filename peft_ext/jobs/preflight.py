@@ -74,22 +74,15 @@ def check_output_dir(path: str, key: str = "output.dir") -> None:
 def check_data(config: RunConfig) -> None:
     """Raise ``ConfigError`` when the ``data`` section asks for classes the data set does not have: an unknown
     ``data.classes`` name, or more classes than the data set has at the per-class caps (``data.n_tasks``)."""
-    from ..data.wordnet import LEXNAMES, wordnet_task_sequence
+    from ..data.wordnet import LEXNAMES
+    from .continual import build_sequence
 
     data = config.data
     for i, name in enumerate(data.classes or []):
         if name not in LEXNAMES:
             raise unknown_value(f"data.classes[{i}]", name, list(LEXNAMES))
     try:
-        wordnet_task_sequence(
-            n_tasks=data.n_tasks,
-            classes_per_task=data.classes_per_task,
-            seed=data.seed,
-            train_per_class=data.train_per_class,
-            test_per_class=data.test_per_class,
-            protocol=data.protocol,
-            supersenses=data.classes,
-        )
+        build_sequence(config)
     except ValueError as err:
         raise ConfigError(
             f"`data` (n_tasks={data.n_tasks}, classes_per_task={data.classes_per_task}): {err}"
