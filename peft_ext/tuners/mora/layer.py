@@ -48,9 +48,10 @@ def refuse_shards(named: Iterable[tuple[str, torch.Tensor]], action: str, fix: s
         kind = sharding_of(p)
         if kind is not None:
             shape = tuple(getattr(p, "ds_shape", p.shape))
+            article = "an" if kind.startswith("FSDP") else "a"
             raise ValueError(
-                f"MoRA {action} got `{name}` (shape {shape}) as a {kind} shard, but it needs the whole tensor. {fix}; "
-                "see docs/distributed.md"
+                f"MoRA {action} got `{name}` (shape {shape}) as {article} {kind} shard, but it needs the whole "
+                f"tensor. {fix}; see docs/distributed.md"
             )
 
 
@@ -279,7 +280,7 @@ class Linear(AdapterLinear, MoRALayer):
         adapter_names = [n for n in check_adapters_to_merge(self, adapter_names) if n in self.mora_spec_A]
         if not adapter_names:
             return
-        self._refuse_sharded_merge(adapter_names, "merge")
+        self.refuse_sharded(adapter_names, "merge")
         self.check_adapter_dtypes(adapter_names)
         if self.quantization_backend is not None and not self.quantization_backend.supports_merge:
             raise TypeError(
@@ -303,7 +304,14 @@ class Linear(AdapterLinear, MoRALayer):
         self._mora_merge_scales.append(scales)
         self.merged_adapters.extend(adapter_names)
 
-    def _refuse_sharded_merge(self, adapter_names: list[str], action: str) -> None:
+    def refuse_sharded(self, adapter_names: list[str], action: str) -> None:
+        """Raise ``ValueError`` if the base weight, or a parameter of ``adapter_names`` (shared factors included), is
+        an FSDP2 or ZeRO-3 shard: merging and unmerging read and write whole weights.
+
+        Args:
+            adapter_names: The adapters about to be merged or unmerged.
+            action: ``"merge"`` or ``"unmerge"``, for the message.
+        """
         named = [("base_layer.weight", self.get_base_layer().weight)]
         for name in adapter_names:
             named += [(f"{attr}.{name}", getattr(self, attr)[name]) for attr in self.adapter_layer_names]
@@ -326,7 +334,7 @@ class Linear(AdapterLinear, MoRALayer):
         if not self.merged:
             warnings.warn("Already unmerged. Nothing to do.", UserWarning, stacklevel=2)
             return
-        self._refuse_sharded_merge(sorted({n for scales in self._mora_merge_scales for n in scales}), "unmerge")
+        self.refuse_sharded(sorted({n for scales in self._mora_merge_scales for n in scales}), "unmerge")
         while self._mora_merge_scales:
             scales = self._mora_merge_scales.pop()
             weight = self.get_base_weight()
