@@ -110,8 +110,9 @@ class SharedFactors:
             self.named(adapter_name, pair_key),
             "layer forward",
             "The shared factors live on the tuner: under FSDP2 call the sharded root model itself (e.g. "
-            "model(input_ids=..., pixel_values=...)) so its unit gathers them, not a tower or layer alone; DeepSpeed "
-            "ZeRO-3 does not gather them for the layers at all, train with DistributedDataParallel or FSDP2",
+            "model(input_ids=..., pixel_values=...)) so its unit gathers them, or register a tower's method with "
+            "torch.distributed.fsdp.register_fsdp_forward_method(model, 'get_text_features'); DeepSpeed ZeRO-3 does "
+            "not gather them for the layers at all, train with DistributedDataParallel or FSDP2",
         )
 
 
