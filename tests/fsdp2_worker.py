@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 from torch import nn
-from torch.distributed.fsdp import register_fsdp_forward_method
+from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from peft_ext import SplitLoRAConfig
 from peft_ext.distributed import full_tensor, is_dtensor
@@ -124,12 +124,16 @@ def mora(part: slice, shard: Shard) -> dict:
         loss.backward()
         optimizer.step()
     probe_batch = {k: v[:2] for k, v in clip_batches(1, seed=99)[0].items()}
+    record = finish(model, "mora_", {}, inputs=probe_batch)  # first: it records which parameters are shards
     # one tower alone: a method other than forward must run the root's FSDP2 hooks to gather the shared factors (and
-    # the root's embedding); a no-op for an unsharded model
+    # the root's embedding); a no-op for an unsharded model. The root keeps its parameters whole after finish's
+    # no-grad forward (fully_shard does not reshard the root after forward): reshard, so the call has to gather.
+    if isinstance(model, FSDPModule):
+        model.reshard()
     register_fsdp_forward_method(model, "get_text_features")
     with torch.no_grad():
-        text = model.get_text_features(input_ids=probe_batch["input_ids"]).pooler_output
-    return finish(model, "mora_", {"text_features": text}, inputs=probe_batch)
+        record["text_features"] = model.get_text_features(input_ids=probe_batch["input_ids"]).pooler_output
+    return record
 
 
 CASES = {"lora": lora, "splitlora": splitlora, "pclr": pclr, "mora": mora}
