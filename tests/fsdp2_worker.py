@@ -162,7 +162,9 @@ def accelerate_fsdp2(rank: int) -> Shard:
     whole. So the worker runs what ``prepare`` runs for FSDP2, ``fsdp2_prepare_model`` with the
     ``FullyShardedDataParallelPlugin`` that the launcher's environment configures (version 2, the decoder layers as
     units), on a minimal stand-in for the Accelerator. On GPUs: ``model, optimizer = Accelerator().prepare(model,
-    optimizer)``.
+    optimizer)``. tests/accelerate_fsdp2.yaml wraps ``LlamaDecoderLayer``s, and its test runs the PCLR case only
+    (``FSDP2_CASES=pclr``); the MoRA case (a CLIP, whose scalar ``logit_scale`` fully_shard must ignore) runs under
+    torchrun.
     """
     from types import SimpleNamespace
 
