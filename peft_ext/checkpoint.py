@@ -20,6 +20,8 @@ from typing import Any
 
 from torch import nn
 
+from .fileperm import follow_umask
+
 __all__ = ["save_pretrained_atomic", "verify_checkpoint"]
 
 CONFIG_NAME = "adapter_config.json"
@@ -48,6 +50,8 @@ def save_pretrained_atomic(model: nn.Module, save_directory: str | os.PathLike, 
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         model.save_pretrained(tmp, **kwargs)
+        # mkdtemp made the directory 0700; give it (and all inside) the modes plain save_pretrained would.
+        follow_umask(tmp, recursive=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
+from pathlib import Path
 
 import pytest
 import torch
 from peft import PeftModel, get_peft_model
 
-from peft_ext import PCLRConfig, RiemannionConfig, SplitLoRAConfig, save_pretrained_atomic, verify_checkpoint
+from peft_ext import PCLRConfig, RiemannionConfig, SplitLoRAConfig, fileperm, save_pretrained_atomic, verify_checkpoint
+from peft_ext.continual.engine import MethodResult
+from peft_ext.continual.report import save_results
 from peft_ext.models import tiny_bert
 
 CONFIGS = {
@@ -85,3 +90,51 @@ def test_verify_walks_several_adapters(tmp_path):
     model.save_pretrained(tmp_path / "ckpt")
     found = verify_checkpoint(tmp_path / "ckpt")
     assert sorted(found.values()) == ["RIEMANNION", "RIEMANNION"] and any(k.endswith("second") for k in found)
+
+
+@pytest.fixture
+def umask():
+    """Set the process umask for one test and restore it afterwards."""
+    old = os.umask(0o022)
+    yield lambda mask: os.umask(mask)
+    os.umask(old)
+
+
+def _modes(root: Path) -> dict[str, int]:
+    out = {".": stat.S_IMODE(root.stat().st_mode)}
+    out.update({str(p.relative_to(root)): stat.S_IMODE(p.stat().st_mode) for p in root.rglob("*")})
+    return out
+
+
+@pytest.mark.parametrize("mask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700)])
+def test_atomic_save_and_results_follow_the_umask(mask, file_mode, dir_mode, tmp_path, umask):
+    umask(mask)
+    assert fileperm.current_umask() == mask
+    model = get_peft_model(tiny_bert(), CONFIGS["riemannion"]())
+    model.add_adapter("second", CONFIGS["riemannion"]())
+    atomic = _modes(save_pretrained_atomic(model, tmp_path / "atomic"))
+    model.save_pretrained(tmp_path / "plain")
+    plain = _modes(tmp_path / "plain")
+    assert atomic.keys() == plain.keys()
+    # Directories and the config get the modes of plain save_pretrained; safetensors writes its file through a
+    # private temporary (0600 whatever the umask), which the atomic save corrects to what the umask asks for.
+    assert {k: m for k, m in atomic.items() if "safetensors" not in k} == {
+        k: m for k, m in plain.items() if "safetensors" not in k
+    }
+    dirs = {".", "second"}
+    assert atomic == {k: dir_mode if k in dirs else file_mode for k in atomic}
+    result = MethodResult("m", "m", [[0.5, None], [0.4, 0.6]], {"final_acc": 0.5}, 10, 100, 1.0, 0.5, [1.0, 0.9])
+    paths = save_results([result], tmp_path / "results", {"name": "x"}, ["a", "b"])
+    assert {k: stat.S_IMODE(p.stat().st_mode) for k, p in paths.items()} == dict.fromkeys(paths, file_mode)
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == sorted(p.name for p in paths.values())
+
+
+def test_umask_read_without_proc(umask, monkeypatch):
+    umask(0o027)
+
+    def no_proc(*args, **kwargs):
+        raise OSError("no /proc here")
+
+    monkeypatch.setattr(fileperm, "open", no_proc, raising=False)
+    assert fileperm.current_umask() == 0o027
+    assert os.umask(0o027) == 0o027, "the fallback restores the umask it read"
