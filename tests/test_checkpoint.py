@@ -9,12 +9,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import PeftModel, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
 
-from peft_ext import PCLRConfig, RiemannionConfig, SplitLoRAConfig, fileperm, save_pretrained_atomic, verify_checkpoint
+from peft_ext import (
+    MoRAConfig,
+    PCLRConfig,
+    RiemannionConfig,
+    SplitLoRAConfig,
+    fileperm,
+    save_pretrained_atomic,
+    verify_checkpoint,
+)
 from peft_ext.continual.engine import MethodResult
 from peft_ext.continual.report import save_results
-from peft_ext.models import tiny_bert
+from peft_ext.models import tiny_bert, tiny_clip
 
 CONFIGS = {
     "riemannion": lambda: RiemannionConfig(r=4, target_modules=["query", "value"]),
@@ -138,3 +146,52 @@ def test_umask_read_without_proc(umask, monkeypatch):
     monkeypatch.setattr(fileperm, "open", no_proc, raising=False)
     assert fileperm.current_umask() == 0o027
     assert os.umask(0o027) == 0o027, "the fallback restores the umask it read"
+
+
+def _edit_config(path: Path, **changes) -> None:
+    config_path = path / "adapter_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **changes}))
+
+
+def test_verify_passes_every_adapter_type_and_a_grown_splitlora(tmp_path):
+    mora = get_peft_model(tiny_clip(text_hidden=32, vision_hidden=48), MoRAConfig(r=2))
+    mora.save_pretrained(tmp_path / "mora")
+    assert verify_checkpoint(tmp_path / "mora") == {str(tmp_path / "mora"): "MORA"}
+    lora = get_peft_model(tiny_bert(), LoraConfig(r=3, target_modules=["query"], modules_to_save=["classifier"]))
+    lora.save_pretrained(tmp_path / "lora")
+    assert verify_checkpoint(tmp_path / "lora") == {str(tmp_path / "lora"): "LORA"}
+    # After a finished task SplitLoRA's folded factors have grown past r: still a valid checkpoint.
+    split = get_peft_model(tiny_bert(), CONFIGS["splitlora"]())
+    with split.base_model.collect_statistics():
+        split.train()(input_ids=torch.randint(0, 100, (2, 5)))
+    split.base_model.end_task()
+    split.save_pretrained(tmp_path / "split")
+    verify_checkpoint(tmp_path / "split")
+
+
+@pytest.mark.parametrize(
+    "name, changes, message",
+    [
+        ("splitlora", {"peft_type": "RIEMANNION"}, r"splitlora_A' is a SPLITLORA tensor .* peft_type 'RIEMANNION'"),
+        ("riemannion", {"peft_type": "SPLITLORA"}, r"riemannion_A' is a RIEMANNION tensor .* 'SPLITLORA'"),
+        ("splitlora", {"r": 8}, r"splitlora_A' has shape \(4, 32\), but the config's r=8 gives \(8, 32\)"),
+        ("riemannion", {"r": 8}, r"riemannion_A' has shape \(32, 4\), but the config's r=8 gives \(32, 8\)"),
+        ("pclr", {"pool_size": 16}, r"pclr_A_static' has shape \(8, 32\), but the config's pool_size=16 gives \(16,"),
+    ],
+)
+def test_verify_catches_weights_that_do_not_match_the_config(name, changes, message, tmp_path):
+    path = tmp_path / "ckpt"
+    get_peft_model(tiny_bert(), CONFIGS[name]()).save_pretrained(path)
+    verify_checkpoint(path)
+    _edit_config(path, **changes)
+    with pytest.raises(ValueError, match=message) as err:
+        verify_checkpoint(path)
+    assert str(path / "adapter_model.safetensors") in str(err.value)
+
+
+def test_verify_catches_a_config_of_a_type_without_tensors(tmp_path):
+    path = tmp_path / "ckpt"
+    get_peft_model(tiny_bert(), LoraConfig(r=4, target_modules=["query"])).save_pretrained(path)
+    _edit_config(path, peft_type="MORA")
+    with pytest.raises(ValueError, match=r"lora_A.weight' is a ADALORA or LORA tensor .* peft_type 'MORA'"):
+        verify_checkpoint(path)
