@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from torch import nn
 
 from .fileperm import follow_umask
 
-__all__ = ["save_pretrained_atomic", "verify_checkpoint"]
+__all__ = ["check_tensors_against_config", "loading_hint", "save_pretrained_atomic", "verify_checkpoint"]
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -122,6 +123,27 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, str]:
         check_tensors_against_config(config, shapes, weights)
         found[str(folder)] = peft_type
     return found
+
+
+def loading_hint(peft_types: Iterable[str]) -> str | None:
+    """What a process must do to load adapters of these types, if any of them is peft-ext's; else ``None``.
+
+    PEFT finds an adapter type's config and model classes in tables that ``import peft_ext`` fills. A process that
+    calls ``PeftModel.from_pretrained`` without that import sees only PEFT's own types and fails with a bare
+    ``KeyError: 'SPLITLORA'`` (the type name), which does not say what is missing.
+
+    Args:
+        peft_types: ``peft_type`` values, e.g. the values :func:`verify_checkpoint` returns.
+    """
+    from .registry import registered_peft_types
+
+    ours = sorted({str(t) for t in peft_types} & {str(m.value) for m in registered_peft_types().values()})
+    if not ours:
+        return None
+    return (
+        f"{', '.join(ours)} is a peft-ext adapter type: run `import peft_ext` before `PeftModel.from_pretrained(...)` "
+        f"in the process that loads it (without the import PEFT raises KeyError: {ours[0]!r})"
+    )
 
 
 # Per adapter type: (tensor name, dimension, config field): that dimension of every saved tensor so named must equal

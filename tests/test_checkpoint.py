@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,9 +22,12 @@ from peft_ext import (
     save_pretrained_atomic,
     verify_checkpoint,
 )
+from peft_ext.cli import main as cli_main
 from peft_ext.continual.engine import MethodResult
 from peft_ext.continual.report import save_results
 from peft_ext.models import tiny_bert, tiny_clip
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CONFIGS = {
     "riemannion": lambda: RiemannionConfig(r=4, target_modules=["query", "value"]),
@@ -195,3 +200,51 @@ def test_verify_catches_a_config_of_a_type_without_tensors(tmp_path):
     _edit_config(path, peft_type="MORA")
     with pytest.raises(ValueError, match=r"lora_A.weight' is a ADALORA or LORA tensor .* peft_type 'MORA'"):
         verify_checkpoint(path)
+
+
+LOAD_SCRIPT = """
+import sys
+from peft import PeftModel
+from transformers import AutoModelForSequenceClassification
+
+base, ckpt = sys.argv[1:]
+try:
+    PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(base), ckpt)
+except KeyError as err:
+    print("without import:", repr(err))
+import peft_ext
+model = PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(base), ckpt)
+print("with import: loaded", type(model.peft_config["default"]).__name__)
+"""
+
+
+def test_loading_in_a_fresh_process_needs_import_peft_ext(tmp_path):
+    """PEFT's own behaviour without the import (documented in the README's troubleshooting section), then the fix."""
+    base = tmp_path / "base"
+    tiny_bert().save_pretrained(base)
+    save_pretrained_atomic(get_peft_model(tiny_bert(), CONFIGS["splitlora"]()), tmp_path / "ckpt")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", LOAD_SCRIPT, str(base), str(tmp_path / "ckpt")], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-2:] == [
+        "without import: KeyError('SPLITLORA')",
+        "with import: loaded SplitLoRAConfig",
+    ]
+
+
+def test_cli_verify_reports_and_says_how_to_load(tmp_path, capsys):
+    path = save_pretrained_atomic(get_peft_model(tiny_bert(), CONFIGS["pclr"]()), tmp_path / "ckpt")
+    assert cli_main(["verify", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"{path}: PCLR adapter, complete and consistent with its config" in out
+    assert "to load: PCLR is a peft-ext adapter type: run `import peft_ext` before `PeftModel.from_pretrained" in out
+    _edit_config(path, r=99, pool_size=4)
+    assert cli_main(["verify", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pool_size=4 gives (4, 32)" in err
+    lora = tmp_path / "lora"
+    get_peft_model(tiny_bert(), LoraConfig(r=2, target_modules=["query"])).save_pretrained(lora)
+    assert cli_main(["verify", str(lora)]) == 0
+    assert "to load" not in capsys.readouterr().out, "PEFT's own types need no hint"
