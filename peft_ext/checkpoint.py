@@ -212,8 +212,8 @@ def check_tensors_against_config(
             value = config.get(field)
             if name not in parts or not isinstance(value, int) or len(shape) <= abs(dim) - (dim < 0):
                 continue
-            if peft_type == "LORA" and config.get("rank_pattern"):
-                continue  # per-module ranks: not fixed by `r` alone
+            if peft_type == "LORA" and (config.get("rank_pattern") or config.get("target_parameters")):
+                continue  # per-module ranks, or expert parameters with r per expert: not fixed by `r` alone
             if shape[dim] != value:
                 expected = list(shape)
                 expected[dim] = value

@@ -165,12 +165,18 @@ def test_verify_passes_every_adapter_type_and_a_grown_splitlora(tmp_path):
     lora = get_peft_model(tiny_bert(), LoraConfig(r=3, target_modules=["query"], modules_to_save=["classifier"]))
     lora.save_pretrained(tmp_path / "lora")
     assert verify_checkpoint(tmp_path / "lora") == {str(tmp_path / "lora"): "LORA"}
-    # After a finished task SplitLoRA's folded factors have grown past r: still a valid checkpoint.
+    # After two finished tasks SplitLoRA's folded factors have grown to 2r rows: still a valid checkpoint.
     split = get_peft_model(tiny_bert(), CONFIGS["splitlora"]())
-    with split.base_model.collect_statistics():
-        split.train()(input_ids=torch.randint(0, 100, (2, 5)))
-    split.base_model.end_task()
+    for _ in range(2):
+        with split.base_model.collect_statistics():
+            split.train()(input_ids=torch.randint(0, 100, (2, 5)))
+        with torch.no_grad():
+            for name, param in split.named_parameters():
+                if "splitlora_B" in name:
+                    param.normal_()  # a trained B: with the zero init there would be nothing to fold
+        split.base_model.end_task()
     split.save_pretrained(tmp_path / "split")
+    assert (8, 32) in {tuple(v.shape) for k, v in split.state_dict().items() if "splitlora_old_A" in k}
     verify_checkpoint(tmp_path / "split")
 
 
