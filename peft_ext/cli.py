@@ -56,6 +56,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from peft_ext.checkpoint import loading_hint, verify_checkpoint
+
+    try:
+        found = verify_checkpoint(args.checkpoint)
+    except ValueError as err:
+        print(f"peft-ext: checkpoint error: {err}", file=sys.stderr)
+        return 2
+    for folder, peft_type in found.items():
+        print(f"{folder}: {peft_type} adapter, complete and consistent with its config")
+    hint = loading_hint(found.values())
+    if hint:
+        print(f"to load: {hint}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="peft-ext", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -75,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "run":
             p.add_argument("--no-progress", action="store_true", help="no progress bars")
     sub.add_parser("list", help="list registered adapter types, optimizers and continual methods")
+    verify = sub.add_parser("verify", help="check a saved adapter checkpoint directory and say how to load it")
+    verify.add_argument("checkpoint", help="the directory save_pretrained wrote")
     return parser
 
 
@@ -83,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     from peft_ext.continual.config import ConfigError
 
     try:
-        return {"run": _cmd_run, "check": _cmd_check, "list": _cmd_list}[args.command](args)
+        return {"run": _cmd_run, "check": _cmd_check, "list": _cmd_list, "verify": _cmd_verify}[args.command](args)
     except ConfigError as err:
         print(f"peft-ext: config error: {err}", file=sys.stderr)
         return 2
