@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from peft_ext_cli import main
 
 sys.exit(main())

@@ -5,7 +5,8 @@
 error that names neither the file nor the cause. :func:`save_pretrained_atomic` writes into a temporary sibling
 directory and renames it into place, so ``path`` holds either the previous checkpoint or the complete new one.
 :func:`verify_checkpoint` reads a checkpoint directory without building a model and raises a ``ValueError`` that
-names the file and what is wrong (missing, unreadable config, unknown adapter type, truncated or corrupt weights).
+names the file and what is wrong (missing, unreadable config, unknown adapter type, truncated or corrupt weights,
+tensors that do not match the config: another adapter type's names, a rank or pool size other than the config's).
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ import os
 import shutil
 import tempfile
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-__all__ = ["save_pretrained_atomic", "verify_checkpoint"]
+from .fileperm import follow_umask
+
+__all__ = ["check_tensors_against_config", "loading_hint", "save_pretrained_atomic", "verify_checkpoint"]
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -48,6 +52,8 @@ def save_pretrained_atomic(model: nn.Module, save_directory: str | os.PathLike, 
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         model.save_pretrained(tmp, **kwargs)
+        # mkdtemp made the directory 0700; give it (and all inside) the modes plain save_pretrained would.
+        follow_umask(tmp, recursive=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -73,7 +79,9 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, str]:
 
     Checks, for the directory and each adapter sub-directory: ``adapter_config.json`` exists and is a JSON object
     whose ``peft_type`` is registered with PEFT (import ``peft_ext`` first for its types), and the weights file exists
-    and is readable to its end (a truncated or corrupt safetensors file is reported with its size).
+    and is readable to its end (a truncated or corrupt safetensors file is reported with its size), and the saved
+    tensors match the config (:func:`check_tensors_against_config`: names of the config's adapter type, ranks and
+    pool sizes as the config states).
 
     Args:
         path: The directory ``save_pretrained`` wrote.
@@ -109,8 +117,131 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, str]:
             raise ValueError(f"{folder} has no adapter weights ({' or '.join(WEIGHTS_NAMES)})")
         if weights.suffix == ".safetensors":
             _check_safetensors(weights)
+            shapes = _safetensors_shapes(weights)
+        else:
+            shapes = _torch_shapes(weights)
+        check_tensors_against_config(config, shapes, weights)
         found[str(folder)] = peft_type
     return found
+
+
+def loading_hint(peft_types: Iterable[str]) -> str | None:
+    """What a process must do to load adapters of these types, if any of them is peft-ext's; else ``None``.
+
+    PEFT finds an adapter type's config and model classes in tables that ``import peft_ext`` fills. A process that
+    calls ``PeftModel.from_pretrained`` without that import sees only PEFT's own types and fails with a bare
+    ``KeyError: 'SPLITLORA'`` (the type name), which does not say what is missing.
+
+    Args:
+        peft_types: ``peft_type`` values, e.g. the values :func:`verify_checkpoint` returns.
+    """
+    from .registry import registered_peft_types
+
+    ours = sorted({str(t) for t in peft_types} & {str(m.value) for m in registered_peft_types().values()})
+    if not ours:
+        return None
+    return (
+        f"{', '.join(ours)} is a peft-ext adapter type: run `import peft_ext` before `PeftModel.from_pretrained(...)` "
+        f"in the process that loads it (without the import PEFT raises KeyError: {ours[0]!r})"
+    )
+
+
+# Per adapter type: (tensor name, dimension, config field): that dimension of every saved tensor so named must equal
+# the config value. Only sizes the config fixes for the whole life of the adapter are listed: SplitLoRA's folded
+# factors and PCLR's trainable ranks grow task by task, so their sizes are not checked against the config.
+RANK_DIMS: dict[str, tuple[tuple[str, int, str], ...]] = {
+    "RIEMANNION": tuple((f"riemannion_{n}", -1, "r") for n in ("A", "B", "X0_A", "X0_B", "Z")),
+    "SPLITLORA": (("splitlora_A", 0, "r"), ("splitlora_B", 1, "r")),
+    "PCLR": (
+        ("pclr_A_static", 0, "pool_size"),
+        ("pclr_B_static", 0, "pool_size"),
+        ("pclr_keys_static", 0, "pool_size"),
+        ("pclr_shared_A", 0, "shared_r"),
+        ("pclr_shared_B", 1, "shared_r"),
+    ),
+    "MORA": (
+        ("mora_spec_A", 0, "r"),
+        ("mora_spec_B", 1, "r"),
+        ("mora_shared_text", -1, "r"),
+        ("mora_shared_vision", -1, "r"),
+    ),
+    "LORA": (("lora_A", 0, "r"), ("lora_B", 1, "r")),
+}
+
+
+def check_tensors_against_config(
+    config: dict[str, Any], shapes: dict[str, tuple[int, ...]], weights: str | os.PathLike
+) -> None:
+    """Check saved tensor names and sizes against an adapter config; raise a ``ValueError`` naming the mismatch.
+
+    Without building a model: every tensor named after an adapter type (its PEFT prefix, e.g. ``splitlora_``) must
+    belong to the config's ``peft_type``, at least one must, and the dimensions the config fixes (ranks, pool sizes;
+    :data:`RANK_DIMS`) must equal the config's values. Catches a config whose ``peft_type`` or ``r`` was edited or
+    that belongs to other weights.
+
+    Args:
+        config: The parsed ``adapter_config.json``.
+        shapes: ``{tensor name: shape}`` as saved.
+        weights: The weights file, for the message.
+    """
+    from peft.mapping import PEFT_TYPE_TO_PREFIX_MAPPING
+
+    peft_type = str(config["peft_type"])
+    prefixes = {str(getattr(t, "value", t)): p for t, p in PEFT_TYPE_TO_PREFIX_MAPPING.items()}
+    own = prefixes.get(peft_type)
+    owners: dict[str, list[str]] = {}  # prefix -> adapter types (LoRA and AdaLoRA share "lora_")
+    for t, p in sorted(prefixes.items()):
+        owners.setdefault(p, []).append(t)
+    # Longest prefix first, so that e.g. "lora_" never claims a tensor of a type whose prefix ends in "lora_".
+    by_length = sorted(owners, key=len, reverse=True)
+    matched = 0
+    for key, shape in sorted(shapes.items()):
+        parts = key.split(".")
+        owner = next(((p, part) for part in parts for p in by_length if part.startswith(p)), None)
+        if owner is None:
+            continue  # modules_to_save copies and other non-adapter tensors
+        prefix, part = owner
+        if own is not None and prefix != own and not part.startswith(own):
+            raise ValueError(
+                f"{weights}: tensor {key!r} is a {' or '.join(owners[prefix])} tensor (name starts with {prefix!r}), "
+                f"but the config says "
+                f"peft_type {peft_type!r} (tensors named {own!r}...): the config does not belong to these weights"
+            )
+        matched += 1
+        for name, dim, field in RANK_DIMS.get(peft_type, ()):
+            value = config.get(field)
+            if name not in parts or not isinstance(value, int) or len(shape) <= abs(dim) - (dim < 0):
+                continue
+            if peft_type == "LORA" and (config.get("rank_pattern") or config.get("target_parameters")):
+                continue  # per-module ranks, or expert parameters with r per expert: not fixed by `r` alone
+            if shape[dim] != value:
+                expected = list(shape)
+                expected[dim] = value
+                raise ValueError(
+                    f"{weights}: tensor {key!r} has shape {tuple(shape)}, but the config's {field}={value} gives "
+                    f"{tuple(expected)}: the weights were saved with a different {field} than the config states"
+                )
+    if own is not None and shapes and matched == 0:
+        raise ValueError(
+            f"{weights} holds no tensor named {own!r}... although the config says peft_type {peft_type!r}: "
+            "the config does not belong to these weights"
+        )
+
+
+def _safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    with path.open("rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return {k: tuple(info["shape"]) for k, info in header.items() if k != "__metadata__"}
+
+
+def _torch_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    import torch
+
+    try:
+        state = torch.load(path, map_location="meta", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any unpickling failure means the same to the user
+        raise ValueError(f"{path} is not a readable PyTorch state dict ({err}); it must be written again") from err
+    return {k: tuple(v.shape) for k, v in state.items() if hasattr(v, "shape")}
 
 
 def _check_safetensors(path: Path) -> None:

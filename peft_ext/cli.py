@@ -1,13 +1,19 @@
-"""Command line: ``peft-ext run CONFIG.yaml [--set key=value ...]``, ``peft-ext check CONFIG``, ``peft-ext list``.
+"""Command line: ``peft-ext run CONFIG [--set key=value ...]``, ``peft-ext check CONFIG``, ``peft-ext list``.
 
-A config's top-level ``job`` key picks the job: ``continual`` (the default) or ``missing_modality``
-(:mod:`peft_ext.jobs.multimodal`, e.g. ``configs/mora_emoji.yaml``)."""
+The parser and ``peft-ext configs`` live in the light top-level module :mod:`peft_ext_cli` (``--help`` must not wait
+for torch); this module runs the commands that need the package. A config's top-level ``job`` key picks the job:
+``continual`` (the default) or ``missing_modality`` (:mod:`peft_ext.jobs.multimodal`, e.g. the config ``mora_emoji``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import shlex
 import sys
+
+from peft_ext_cli import build_parser, main
+
+__all__ = ["build_parser", "main", "run_command"]
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
@@ -75,40 +81,33 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="peft-ext", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (
-        ("run", "run a job (continual learning, or `job: missing_modality`)"),
-        ("check", "validate a config and exit"),
-    ):
-        p = sub.add_parser(name, help=help_text)
-        p.add_argument("config", help="YAML run config, e.g. configs/quickstart.yaml")
-        p.add_argument(
-            "--set",
-            action="append",
-            default=[],
-            metavar="KEY=VALUE",
-            help="override a config value (dotted path; in `methods` use the method name or index)",
-        )
-        if name == "run":
-            p.add_argument("--no-progress", action="store_true", help="no progress bars")
-            p.add_argument(
-                "--resume",
-                action="store_true",
-                help="continue an interrupted run of the same config: keep the methods it finished",
-            )
-        p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
-    sub.add_parser("list", help="list registered adapter types, optimizers and continual methods")
-    return parser
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from peft_ext.checkpoint import loading_hint, verify_checkpoint
+
+    try:
+        found = verify_checkpoint(args.checkpoint)
+    except ValueError as err:
+        print(f"peft-ext: checkpoint error: {err}", file=sys.stderr)
+        return 2
+    for folder, peft_type in found.items():
+        print(f"{folder}: {peft_type} adapter, complete and consistent with its config")
+    hint = loading_hint(found.values())
+    if hint:
+        print(f"to load: {hint}")
+    return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run_command(args: argparse.Namespace) -> int:
+    """Run a ``run``, ``check``, ``list`` or ``verify`` command parsed by :func:`peft_ext_cli.build_parser` (a
+    shipped config's name already resolved to its path); returns the exit status.
+
+    Args:
+        args: the parsed command line.
+    """
     from peft_ext.continual.config import ConfigError
 
     try:
-        return {"run": _cmd_run, "check": _cmd_check, "list": _cmd_list}[args.command](args)
+        return {"run": _cmd_run, "check": _cmd_check, "list": _cmd_list, "verify": _cmd_verify}[args.command](args)
     except ConfigError as err:
         print(f"peft-ext: config error: {err}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""Worker of tests/test_distributed.py: Riemannion (+ LOI), DCT-AdamW, SplitLoRA and PCLR under DDP (gloo, CPU).
+"""Worker of tests/test_distributed.py: Riemannion (+ LOI), DCT-AdamW, SplitLoRA, PCLR and MoRA under DDP (gloo, CPU).
 
 Run as ``torchrun --standalone --nproc_per_node=2 tests/distributed_worker.py OUT_DIR`` (or through
 ``accelerate launch --config_file tests/accelerate_cpu.yaml tests/distributed_worker.py OUT_DIR``). Every rank
@@ -29,8 +29,9 @@ from peft import get_peft_model
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from peft_ext import PCLRConfig, RiemannionConfig, SplitLoRAConfig
-from peft_ext.models import tiny_bert, tiny_llama
+from peft_ext import MoRAConfig, PCLRConfig, RiemannionConfig, SplitLoRAConfig
+from peft_ext.distributed import world_size
+from peft_ext.models import tiny_bert, tiny_clip, tiny_llama
 from peft_ext.optim import DCTAdamW, create_riemannion_optimizer
 from peft_ext.tuners.riemannion import find_adapters, initialize_loi
 from tests.helpers import pclr_lm_step
@@ -163,6 +164,70 @@ def pclr(part: slice, wrap: Wrap, rank: int = 0) -> dict:
     return record
 
 
+class _GatherRows(torch.autograd.Function):
+    """All ranks' rows of a per-rank batch tensor, in rank order; the backward sums the gradient of the whole over the
+    ranks and keeps this rank's rows (every rank computes the same global loss from the gathered rows)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x.contiguous())
+        ctx.rows = slice(dist.get_rank() * x.shape[0], (dist.get_rank() + 1) * x.shape[0])
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)
+        return grad[ctx.rows]
+
+
+def clip_loss(net: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """CLIP's symmetric contrastive loss (fixed temperature) over the global batch: the ranks' normalized embeddings
+    are gathered, so every rank's in-batch negatives are those of one process on the whole batch. Each rank's loss is
+    the global one and its gradient reaches its own rows summed over the ranks, which the data-parallel average of
+    the parameters' gradients turns into exactly the one-process gradient."""
+    out = net(**batch)
+    text, image = out.text_embeds, out.image_embeds
+    if world_size() > 1:
+        text, image = _GatherRows.apply(text), _GatherRows.apply(image)
+    logits = 10.0 * text @ image.mT
+    labels = torch.arange(logits.shape[0])
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.mT, labels)) / 2
+
+
+def clip_batches(n: int, seed: int = 30) -> list[dict[str, torch.Tensor]]:
+    """``n`` global batches of random token ids (ending in CLIP's end token, whose state is pooled) and pixels."""
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(n):
+        ids = torch.randint(3, VOCAB, (ROWS, SEQ), generator=g)
+        ids[:, -1] = 2
+        batches.append({"input_ids": ids, "pixel_values": torch.randn(ROWS, 3, 16, 16, generator=g)})
+    return batches
+
+
+def mora_model() -> nn.Module:
+    """MoRA on both towers' attention of a tiny CLIP, with a visible delta at init (every factor has a gradient)."""
+    return get_peft_model(tiny_clip(), MoRAConfig(r=2, init_weights=False))
+
+
+def mora(part: slice, wrap: Wrap) -> dict:
+    """AdamW steps of MoRA on CLIP's contrastive loss over the global batch (:func:`clip_loss`)."""
+    model = mora_model()
+    net = wrap(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for batch in clip_batches(STEPS):
+        loss = clip_loss(net, {k: v[part] for k, v in batch.items()})
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        probe_batch = {k: v[:2] for k, v in clip_batches(1, seed=99)[0].items()}
+        logits = model(**probe_batch).logits_per_image
+    return {"state": _adapter_state(model, "mora_"), "logits": logits}
+
+
 def _sgd(params, lr: float, **_: object) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=lr)
 
@@ -191,6 +256,7 @@ def main(out_dir: str) -> None:
         "dct_adamw": dct_adamw(part, wrap),
         "splitlora": splitlora(part, wrap),
         "pclr": pclr(part, wrap, rank),
+        "mora": mora(part, wrap),
     }
     torch.save(record, Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()

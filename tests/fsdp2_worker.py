@@ -1,14 +1,16 @@
-"""Worker of tests/test_fsdp2.py: LoRA, SplitLoRA and PCLR task cycles under FSDP2 (``fully_shard``, gloo, CPU).
+"""Worker of tests/test_fsdp2.py: LoRA, SplitLoRA and PCLR task cycles and MoRA under FSDP2 (``fully_shard``, gloo,
+CPU).
 
 Run as ``torchrun --standalone --nproc_per_node=2 tests/fsdp2_worker.py OUT_DIR`` (or through
 ``accelerate launch --config_file tests/accelerate_fsdp2.yaml tests/fsdp2_worker.py OUT_DIR``, which shards the
 model itself). Every rank trains on its own half of each global batch and writes ``rank{R}.pt``; the test runs the
 same functions in one process on the whole batches (``part=slice(None)``, no sharding) and compares.
 
-The model is a tiny Llama with every attention and MLP projection adapted; each decoder layer is its own FSDP2
-unit and the ``PeftModel`` is the root (what accelerate's transformer auto-wrap does), so the adapters' parameters
-are DTensor shards outside the forward and the task cycle (statistics, split, compression, distillation) runs on
-them.
+The model is a tiny Llama with every attention and MLP projection adapted (MoRA: a tiny CLIP, the attention of both
+towers); each decoder (encoder) layer is its own FSDP2 unit and the ``PeftModel`` is the root (what accelerate's
+transformer auto-wrap does), so the adapters' parameters are DTensor shards outside the forward and the task cycle
+(statistics, split, compression, distillation) runs on them. MoRA's shared factors live on the tuner, so they are
+the root's: sharded between steps, whole during the root's forward and backward.
 """
 
 from __future__ import annotations
@@ -23,11 +25,22 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from peft_ext import SplitLoRAConfig
 from peft_ext.distributed import full_tensor, is_dtensor
 from peft_ext.models import tiny_llama
-from tests.distributed_worker import STEPS, join, pclr_config, pclr_cycle, probe, tokens
+from tests.distributed_worker import (
+    STEPS,
+    clip_batches,
+    clip_loss,
+    join,
+    mora_model,
+    pclr_config,
+    pclr_cycle,
+    probe,
+    tokens,
+)
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 Shard = Callable[[nn.Module], nn.Module]
@@ -51,13 +64,14 @@ def adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
 
 
-def finish(model: nn.Module, prefix: str, record: dict) -> dict:
-    """Every adapter tensor as a whole tensor (gathered from the shards), the logits on a probe batch, and which
-    adapter parameters were DTensor shards."""
+def finish(model: nn.Module, prefix: str, record: dict, inputs: dict | None = None) -> dict:
+    """Every adapter tensor as a whole tensor (gathered from the shards), the logits on a probe batch (``inputs``,
+    default: probe token ids), and which adapter parameters were DTensor shards."""
     sharded = [n for n, p in model.named_parameters() if prefix in n and is_dtensor(p)]
     state = {n: full_tensor(t).detach().clone() for n, t in model.state_dict().items() if prefix in n}
     with torch.no_grad():
-        logits = model(input_ids=probe()).logits
+        out = model(**(inputs or {"input_ids": probe()}))
+    logits = out.logits if inputs is None else out.logits_per_image
     return {**record, "sharded": sharded, "state": state, "logits": logits}
 
 
@@ -99,17 +113,43 @@ def pclr(part: slice, shard: Shard, rank: int = 0) -> dict:
     return finish(model, "pclr_", pclr_cycle(model, model, part, rank, lr=1e-2))
 
 
-CASES = {"lora": lora, "splitlora": splitlora, "pclr": pclr}
+def mora(part: slice, shard: Shard) -> dict:
+    """MoRA on a tiny CLIP (both towers' attention, visible delta at init), AdamW on CLIP's contrastive loss over the
+    global batch (:func:`tests.distributed_worker.clip_loss` gathers the ranks' embeddings)."""
+    model = shard(mora_model())
+    optimizer = adamw(model)
+    for batch in clip_batches(STEPS):
+        loss = clip_loss(model, {k: v[part] for k, v in batch.items()})
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    probe_batch = {k: v[:2] for k, v in clip_batches(1, seed=99)[0].items()}
+    record = finish(model, "mora_", {}, inputs=probe_batch)  # first: it records which parameters are shards
+    # one tower alone: a method other than forward must run the root's FSDP2 hooks to gather the shared factors (and
+    # the root's embedding); a no-op for an unsharded model. The root keeps its parameters whole after finish's
+    # no-grad forward (fully_shard does not reshard the root after forward): reshard, so the call has to gather.
+    if isinstance(model, FSDPModule):
+        model.reshard()
+    register_fsdp_forward_method(model, "get_text_features")
+    with torch.no_grad():
+        record["text_features"] = model.get_text_features(input_ids=probe_batch["input_ids"]).pooler_output
+    return record
+
+
+CASES = {"lora": lora, "splitlora": splitlora, "pclr": pclr, "mora": mora}
 
 
 def fsdp2(mesh) -> Shard:
-    """Each decoder layer its own FSDP2 unit, the PeftModel the root (what accelerate's transformer auto-wrap does)."""
+    """Each decoder (encoder) layer its own FSDP2 unit, the PeftModel the root (what accelerate's transformer
+    auto-wrap does). Scalar parameters (CLIP's ``logit_scale``), which fully_shard refuses, stay whole on every rank
+    (``ignored_params``)."""
     from torch.distributed.fsdp import fully_shard
 
     def shard(model: nn.Module) -> nn.Module:
-        for layer in model.base_model.model.model.layers:
+        stacks = [m for name, m in model.named_modules() if name.endswith(".layers") and isinstance(m, nn.ModuleList)]
+        for layer in (layer for stack in stacks for layer in stack):
             fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        fully_shard(model, mesh=mesh, ignored_params={p for p in model.parameters() if p.dim() == 0} or None)
         return model
 
     return shard
@@ -122,7 +162,9 @@ def accelerate_fsdp2(rank: int) -> Shard:
     whole. So the worker runs what ``prepare`` runs for FSDP2, ``fsdp2_prepare_model`` with the
     ``FullyShardedDataParallelPlugin`` that the launcher's environment configures (version 2, the decoder layers as
     units), on a minimal stand-in for the Accelerator. On GPUs: ``model, optimizer = Accelerator().prepare(model,
-    optimizer)``.
+    optimizer)``. tests/accelerate_fsdp2.yaml wraps ``LlamaDecoderLayer``s, and its test runs the PCLR case only
+    (``FSDP2_CASES=pclr``); the MoRA case (a CLIP, whose scalar ``logit_scale`` fully_shard must ignore) runs under
+    torchrun.
     """
     from types import SimpleNamespace
 

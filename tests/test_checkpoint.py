@@ -3,13 +3,31 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from peft import PeftModel, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
 
-from peft_ext import PCLRConfig, RiemannionConfig, SplitLoRAConfig, save_pretrained_atomic, verify_checkpoint
-from peft_ext.models import tiny_bert
+from peft_ext import (
+    MoRAConfig,
+    PCLRConfig,
+    RiemannionConfig,
+    SplitLoRAConfig,
+    fileperm,
+    save_pretrained_atomic,
+    verify_checkpoint,
+)
+from peft_ext.cli import main as cli_main
+from peft_ext.continual.engine import MethodResult
+from peft_ext.continual.report import save_results
+from peft_ext.models import tiny_bert, tiny_clip
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CONFIGS = {
     "riemannion": lambda: RiemannionConfig(r=4, target_modules=["query", "value"]),
@@ -85,3 +103,154 @@ def test_verify_walks_several_adapters(tmp_path):
     model.save_pretrained(tmp_path / "ckpt")
     found = verify_checkpoint(tmp_path / "ckpt")
     assert sorted(found.values()) == ["RIEMANNION", "RIEMANNION"] and any(k.endswith("second") for k in found)
+
+
+@pytest.fixture
+def umask():
+    """Set the process umask for one test and restore it afterwards."""
+    old = os.umask(0o022)
+    yield lambda mask: os.umask(mask)
+    os.umask(old)
+
+
+def _modes(root: Path) -> dict[str, int]:
+    out = {".": stat.S_IMODE(root.stat().st_mode)}
+    out.update({str(p.relative_to(root)): stat.S_IMODE(p.stat().st_mode) for p in root.rglob("*")})
+    return out
+
+
+@pytest.mark.parametrize("mask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700)])
+def test_atomic_save_and_results_follow_the_umask(mask, file_mode, dir_mode, tmp_path, umask):
+    umask(mask)
+    assert fileperm.current_umask() == mask
+    model = get_peft_model(tiny_bert(), CONFIGS["riemannion"]())
+    model.add_adapter("second", CONFIGS["riemannion"]())
+    atomic = _modes(save_pretrained_atomic(model, tmp_path / "atomic"))
+    model.save_pretrained(tmp_path / "plain")
+    plain = _modes(tmp_path / "plain")
+    assert atomic.keys() == plain.keys()
+    # Directories and the config get the modes of plain save_pretrained; safetensors writes its file through a
+    # private temporary (0600 whatever the umask), which the atomic save corrects to what the umask asks for.
+    assert {k: m for k, m in atomic.items() if "safetensors" not in k} == {
+        k: m for k, m in plain.items() if "safetensors" not in k
+    }
+    dirs = {".", "second"}
+    assert atomic == {k: dir_mode if k in dirs else file_mode for k in atomic}
+    result = MethodResult("m", "m", [[0.5, None], [0.4, 0.6]], {"final_acc": 0.5}, 10, 100, 1.0, 0.5, [1.0, 0.9])
+    paths = save_results([result], tmp_path / "results", {"name": "x"}, ["a", "b"])
+    assert {k: stat.S_IMODE(p.stat().st_mode) for k, p in paths.items()} == dict.fromkeys(paths, file_mode)
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == sorted(p.name for p in paths.values())
+
+
+def test_umask_read_without_proc(umask, monkeypatch):
+    umask(0o027)
+
+    def no_proc(*args, **kwargs):
+        raise OSError("no /proc here")
+
+    monkeypatch.setattr(fileperm, "open", no_proc, raising=False)
+    assert fileperm.current_umask() == 0o027
+    assert os.umask(0o027) == 0o027, "the fallback restores the umask it read"
+
+
+def _edit_config(path: Path, **changes) -> None:
+    config_path = path / "adapter_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **changes}))
+
+
+def test_verify_passes_every_adapter_type_and_a_grown_splitlora(tmp_path):
+    mora = get_peft_model(tiny_clip(text_hidden=32, vision_hidden=48), MoRAConfig(r=2))
+    mora.save_pretrained(tmp_path / "mora")
+    assert verify_checkpoint(tmp_path / "mora") == {str(tmp_path / "mora"): "MORA"}
+    lora = get_peft_model(tiny_bert(), LoraConfig(r=3, target_modules=["query"], modules_to_save=["classifier"]))
+    lora.save_pretrained(tmp_path / "lora")
+    assert verify_checkpoint(tmp_path / "lora") == {str(tmp_path / "lora"): "LORA"}
+    # After two finished tasks SplitLoRA's folded factors have grown to 2r rows: still a valid checkpoint.
+    split = get_peft_model(tiny_bert(), CONFIGS["splitlora"]())
+    for _ in range(2):
+        with split.base_model.collect_statistics():
+            split.train()(input_ids=torch.randint(0, 100, (2, 5)))
+        with torch.no_grad():
+            for name, param in split.named_parameters():
+                if "splitlora_B" in name:
+                    param.normal_()  # a trained B: with the zero init there would be nothing to fold
+        split.base_model.end_task()
+    split.save_pretrained(tmp_path / "split")
+    assert (8, 32) in {tuple(v.shape) for k, v in split.state_dict().items() if "splitlora_old_A" in k}
+    verify_checkpoint(tmp_path / "split")
+
+
+@pytest.mark.parametrize(
+    "name, changes, message",
+    [
+        ("splitlora", {"peft_type": "RIEMANNION"}, r"splitlora_A' is a SPLITLORA tensor .* peft_type 'RIEMANNION'"),
+        ("riemannion", {"peft_type": "SPLITLORA"}, r"riemannion_A' is a RIEMANNION tensor .* 'SPLITLORA'"),
+        ("splitlora", {"r": 8}, r"splitlora_A' has shape \(4, 32\), but the config's r=8 gives \(8, 32\)"),
+        ("riemannion", {"r": 8}, r"riemannion_A' has shape \(32, 4\), but the config's r=8 gives \(32, 8\)"),
+        ("pclr", {"pool_size": 16}, r"pclr_A_static' has shape \(8, 32\), but the config's pool_size=16 gives \(16,"),
+    ],
+)
+def test_verify_catches_weights_that_do_not_match_the_config(name, changes, message, tmp_path):
+    path = tmp_path / "ckpt"
+    get_peft_model(tiny_bert(), CONFIGS[name]()).save_pretrained(path)
+    verify_checkpoint(path)
+    _edit_config(path, **changes)
+    with pytest.raises(ValueError, match=message) as err:
+        verify_checkpoint(path)
+    assert str(path / "adapter_model.safetensors") in str(err.value)
+
+
+def test_verify_catches_a_config_of_a_type_without_tensors(tmp_path):
+    path = tmp_path / "ckpt"
+    get_peft_model(tiny_bert(), LoraConfig(r=4, target_modules=["query"])).save_pretrained(path)
+    _edit_config(path, peft_type="MORA")
+    with pytest.raises(ValueError, match=r"lora_A.weight' is a ADALORA or LORA tensor .* peft_type 'MORA'"):
+        verify_checkpoint(path)
+
+
+LOAD_SCRIPT = """
+import sys
+from peft import PeftModel
+from transformers import AutoModelForSequenceClassification
+
+base, ckpt = sys.argv[1:]
+try:
+    PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(base), ckpt)
+except KeyError as err:
+    print("without import:", repr(err))
+import peft_ext
+model = PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(base), ckpt)
+print("with import: loaded", type(model.peft_config["default"]).__name__)
+"""
+
+
+def test_loading_in_a_fresh_process_needs_import_peft_ext(tmp_path):
+    """PEFT's own behaviour without the import (documented in the README's troubleshooting section), then the fix."""
+    base = tmp_path / "base"
+    tiny_bert().save_pretrained(base)
+    save_pretrained_atomic(get_peft_model(tiny_bert(), CONFIGS["splitlora"]()), tmp_path / "ckpt")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", LOAD_SCRIPT, str(base), str(tmp_path / "ckpt")], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-2:] == [
+        "without import: KeyError('SPLITLORA')",
+        "with import: loaded SplitLoRAConfig",
+    ]
+
+
+def test_cli_verify_reports_and_says_how_to_load(tmp_path, capsys):
+    path = save_pretrained_atomic(get_peft_model(tiny_bert(), CONFIGS["pclr"]()), tmp_path / "ckpt")
+    assert cli_main(["verify", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"{path}: PCLR adapter, complete and consistent with its config" in out
+    assert "to load: PCLR is a peft-ext adapter type: run `import peft_ext` before `PeftModel.from_pretrained" in out
+    _edit_config(path, r=99, pool_size=4)
+    assert cli_main(["verify", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pool_size=4 gives (4, 32)" in err
+    lora = tmp_path / "lora"
+    get_peft_model(tiny_bert(), LoraConfig(r=2, target_modules=["query"])).save_pretrained(lora)
+    assert cli_main(["verify", str(lora)]) == 0
+    assert "to load" not in capsys.readouterr().out, "PEFT's own types need no hint"

@@ -1,4 +1,4 @@
-"""Riemannion (+ LOI), DCT-AdamW, SplitLoRA and PCLR under DDP: ``torchrun --nproc_per_node=2`` (gloo, CPU).
+"""Riemannion (+ LOI), DCT-AdamW, SplitLoRA, PCLR and MoRA under DDP: ``torchrun --nproc_per_node=2`` (gloo, CPU).
 
 After training, every parameter and buffer is bit-identical across the ranks and equal (to rounding) to one process
 on the whole batches. Also: the optimizers refuse layouts they cannot use (DTensor column shards, DeepSpeed ZeRO)
@@ -24,7 +24,7 @@ from .helpers import opt_in_accelerate, run_launcher, torchrun_ranks
 from .single_thread import single_thread  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
-METHODS = ("riemannion", "dct_adamw", "splitlora", "pclr")
+METHODS = ("riemannion", "dct_adamw", "splitlora", "pclr", "mora")
 
 
 @pytest.fixture(scope="module")

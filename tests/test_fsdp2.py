@@ -1,11 +1,13 @@
-"""LoRA, SplitLoRA and PCLR task cycles under FSDP2 (``fully_shard``): ``torchrun --nproc_per_node=2`` (gloo, CPU).
+"""LoRA, SplitLoRA and PCLR task cycles and MoRA under FSDP2 (``fully_shard``): ``torchrun --nproc_per_node=2``
+(gloo, CPU).
 
 Two ranks, each on half of every global batch, with every decoder layer an FSDP2 unit and the adapters' parameters
 DTensor shards between forward passes, end with the same whole adapter tensors on both ranks, equal (to rounding)
 to one process on the whole batches: the statistics, splits and folds of SplitLoRA, and the prototypes, begin_task
 draws, contribution scores, rank drops, distillation and folds of PCLR. One torchrun launch runs every case
-(tests/fsdp2_worker.py). Also: the DTensor helpers of peft_ext.distributed, and the task cycles' refusal of
-DeepSpeed ZeRO-3 partitions.
+(tests/fsdp2_worker.py). MoRA trains CLIP's contrastive loss with its shared factors on the root unit. Also: the
+DTensor helpers of peft_ext.distributed, and the refusals of DeepSpeed ZeRO-3 partitions (task cycles, MoRA) and of
+MoRA's whole-weight operations on FSDP2 shards.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ import torch
 import torch.distributed as dist
 from peft import get_peft_model
 
-from peft_ext import PCLRConfig, SplitLoRAConfig
+from peft_ext import MoRAConfig, PCLRConfig, SplitLoRAConfig
 from peft_ext.distributed import full_tensor, gathered_parameters, is_dtensor, write_full_
-from peft_ext.models import tiny_llama
+from peft_ext.models import tiny_clip, tiny_llama
 from peft_ext.tuners.pclr import PCLRLayer
 
 from . import fsdp2_worker as worker
@@ -87,6 +89,19 @@ def test_cycle_decisions_are_those_of_one_process(ranks, single):
     # the cycle did what it is scheduled to: task 0 compressed (6 -> 4 static ranks), task 1 distilled over tasks
     assert single["pclr"]["task_state0"]["model.layers.0"]["static"] == 4
     assert sum(single["pclr"]["draws1"]) == worker.STEPS
+
+
+@pytest.mark.distributed
+def test_mora_shared_factors_are_root_shards_and_trained(ranks, single):
+    # the tuner's S_A / S_B belong to the root unit: sharded between steps, gathered for the root's forward/backward
+    shared = sorted(n for n in ranks[0]["mora"]["sharded"] if "mora_shared_" in n)
+    assert len(shared) == 4, shared  # text and vision factor of both layer pairs
+    init = worker.mora_model().state_dict()
+    for name in shared:
+        assert not torch.allclose(single["mora"]["state"][name], init[name]), name  # AdamW moved them
+    for rank in ranks:  # a tower alone, through register_fsdp_forward_method
+        got, want = rank["mora"]["text_features"], single["mora"]["text_features"]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.distributed
@@ -217,3 +232,56 @@ def test_pclr_cycle_refuses_zero3_partitions():
     with pytest.raises(ValueError, match=match.format("end_task")):
         model.end_task(0, proto)
     assert model.task_state()["model.layers.0"] == {"static": 0, "new": 2, "prototypes": 0, "task": 0}
+
+
+# -- MoRA: whole-weight operations and one-tower calls refuse shards ------------------------------------------------
+
+
+def _mora() -> torch.nn.Module:
+    return get_peft_model(tiny_clip(), MoRAConfig(r=2, init_weights=False))
+
+
+def _clip_inputs() -> dict:
+    return {"input_ids": torch.randint(3, 128, (2, 7)), "pixel_values": torch.randn(2, 3, 16, 16)}
+
+
+def test_mora_refuses_dtensor_shared_factors_and_sharded_merge(one_process_mesh):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    model = _mora()
+    factors = model.base_model.mora_shared_text["default"]
+    factors["t1_v1"] = torch.nn.Parameter(distribute_tensor(factors["t1_v1"].detach(), one_process_mesh, [Shard(0)]))
+    before = {n: full_tensor(t).clone() for n, t in model.state_dict().items()}
+    # what a tower called alone sees under FSDP2: the root unit that owns the factors did not gather them
+    with pytest.raises(
+        ValueError,
+        match=r"MoRA layer forward got `mora_shared_text\.default\.t1_v1` \(shape \(32, 2\)\) "
+        r"as an FSDP2/DTensor shard.*call the sharded root model",
+    ):
+        model.get_text_features(input_ids=_clip_inputs()["input_ids"])
+    with pytest.raises(ValueError, match=r"MoRA merge got `mora_shared_text\.default\.t1_v1`.*full_state_dict=True"):
+        model.merge_adapter()
+    assert all(torch.equal(full_tensor(t), before[n]) for n, t in model.state_dict().items())
+
+
+def test_mora_refuses_zero3_partitions_before_changing_weights():
+    model = _mora()
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    _zero3(model, "mora_shared_vision")
+    with pytest.raises(
+        ValueError,
+        match=r"`mora_shared_vision\.default\.t0_v0` \(shape \(48, 2\)\) as a DeepSpeed "
+        r"ZeRO-3 shard.*DistributedDataParallel or FSDP2",
+    ):
+        model(**_clip_inputs())
+    with pytest.raises(ValueError, match=r"MoRA merge got `mora_shared_vision\.default\.t0_v0`.*ZeRO-3"):
+        model.merge_adapter()
+    assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
+    base = tiny_clip()
+    base.text_model.encoder.layers[0].self_attn.q_proj.weight.ds_id = 5  # a zero.Init-partitioned base weight
+    with pytest.raises(
+        ValueError,
+        match=r"MoRA update_layer \(adapter 'default'\) got `base_layer\.weight`.*"
+        r"before fully_shard",
+    ):
+        get_peft_model(base, MoRAConfig(r=2))

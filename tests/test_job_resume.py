@@ -49,6 +49,7 @@ def test_sigint_then_resume_matches_an_uninterrupted_run(tmp_path, tiny_backbone
     cfg = _cfg(first, tiny_backbone)
     out = first / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env["PYTHONUNBUFFERED"] = "1"
     proc = subprocess.Popen(
         [sys.executable, "-m", "peft_ext", "run", str(cfg), "--no-progress"],
         env=env,
@@ -56,10 +57,13 @@ def test_sigint_then_resume_matches_an_uninterrupted_run(tmp_path, tiny_backbone
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 300
-    while not (out / "results.json").exists():  # the first method finished and was written
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.05)
+    seen = []
+    for line in proc.stdout:  # the first method finished and was written once the second one starts
+        seen.append(line)
+        if line.startswith(f"[peft-ext] method {METHODS[1]}"):
+            break
+    assert (out / "results.json").exists(), (seen, proc.communicate())
+    time.sleep(0.2)  # inside the second method's training
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, (stdout, stderr)

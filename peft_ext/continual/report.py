@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..fileperm import follow_umask
 from .engine import MethodResult
 
 METRIC_COLUMNS = (
@@ -52,6 +53,7 @@ def _atomic_write(path: Path, write) -> None:
     os.close(fd)
     try:
         write(tmp)
+        follow_umask(tmp)  # mkstemp made it 0600; a plain open() would follow the umask
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from transformers import AutoModel, AutoTokenizer, BertModel, PreTrainedTokenizerBase, ViTConfig, ViTModel
 
-from ..models.text import resolve_backbone
+from ..models.text import load_pretrained_quietly, resolve_backbone
 from .prompts import MissingAwarePrompts
 
 __all__ = [
@@ -179,7 +179,7 @@ def build_dual_encoder(
     """The text tower from ``text`` (``"minilm"``: the packaged offline MiniLM-L6, or a local BERT directory) and a
     randomly initialized ViT; returns ``(model, tokenizer)``."""
     path = resolve_backbone(text)
-    text_model = AutoModel.from_pretrained(path, add_pooling_layer=False)
+    text_model = load_pretrained_quietly(AutoModel, path, add_pooling_layer=False)
     if not isinstance(text_model, BertModel):
         raise ValueError(f"the text tower must be a BERT-style model (BertModel), {text!r} is {type(text_model)}")
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -17,18 +17,42 @@ zero when ``m_sh = 0``, ``m_sp = ||W||`` and ``M_B = 0``) and quantized bases ne
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 from typing import Any, Optional
 
 import torch
 from peft.tuners.tuners_utils import check_adapters_to_merge
 from torch import nn
 
+from ...distributed import sharding_of
 from ..adapter_layer import AdapterLayer, AdapterLinear
 from .config import MoRAConfig
 
-__all__ = ["MODALITIES", "Linear", "MoRALayer", "SharedFactors", "row_norm"]
+__all__ = ["MODALITIES", "Linear", "MoRALayer", "SharedFactors", "refuse_shards", "row_norm"]
 
 MODALITIES = ("text", "vision")
+
+
+def refuse_shards(named: Iterable[tuple[str, torch.Tensor]], action: str, fix: str) -> None:
+    """Raise ``ValueError`` naming the first FSDP2 (DTensor) or DeepSpeed ZeRO-3 shard among ``named``.
+
+    MoRA's merge, unmerge and magnitude init read whole weights and write whole base weights; under FSDP2 they
+    would compute on DTensor shards outside any unit's forward, under ZeRO-3 on flat partitions.
+
+    Args:
+        named: ``(name, tensor)`` pairs to check, before anything changes.
+        action: What refuses, for the message (e.g. ``"merge"``).
+        fix: What works instead, for the message.
+    """
+    for name, p in named:
+        kind = sharding_of(p)
+        if kind is not None:
+            shape = tuple(getattr(p, "ds_shape", p.shape))
+            article = "an" if kind.startswith("FSDP") else "a"
+            raise ValueError(
+                f"MoRA {action} got `{name}` (shape {shape}) as {article} {kind} shard, but it needs the whole "
+                f"tensor. {fix}; see docs/distributed.md"
+            )
 
 
 def row_norm(weight: torch.Tensor) -> torch.Tensor:
@@ -52,10 +76,44 @@ class SharedFactors:
         self.vision = vision
 
     def pair(self, adapter_name: str, pair_key: str, modality: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(own, other)``: this tower's factor and the other tower's, for one adapter and layer pair."""
+        """``(own, other)``: this tower's factor and the other tower's, for one adapter and layer pair.
+
+        Raises:
+            ValueError: If a factor is an FSDP2 (DTensor) or DeepSpeed ZeRO-3 shard when a layer reads it (see
+                :meth:`check_whole`).
+        """
         a = self.text[adapter_name][pair_key]
         b = self.vision[adapter_name][pair_key]
+        self.check_whole(adapter_name, pair_key)
         return (a, b) if modality == "text" else (b, a)
+
+    def named(self, adapter_name: str, pair_key: str) -> list[tuple[str, torch.Tensor]]:
+        """``[(name, S_A), (name, S_B)]`` of one adapter and layer pair, named as under the tuner."""
+        return [
+            (f"mora_shared_{m}.{adapter_name}.{pair_key}", c[adapter_name][pair_key])
+            for m, c in (("text", self.text), ("vision", self.vision))
+        ]
+
+    def check_whole(self, adapter_name: str, pair_key: str) -> None:
+        """Raise ``ValueError`` if a factor of the pair is a shard where a layer is about to read it.
+
+        The factors belong to the tuner, not to the layers that read them. Under FSDP2 they are the parameters of
+        the unit holding the tuner (the root ``PeftModel``), whole only during that unit's forward and backward: a
+        tower or submodule called on its own would read DTensor shards. Under DeepSpeed ZeRO-3 the tuner's modules
+        never run a forward, so nothing gathers the factors for the layers.
+
+        Args:
+            adapter_name: The adapter.
+            pair_key: The layer pair.
+        """
+        refuse_shards(
+            self.named(adapter_name, pair_key),
+            "layer forward",
+            "The shared factors live on the tuner: under FSDP2 call the sharded root model itself (e.g. "
+            "model(input_ids=..., pixel_values=...)) so its unit gathers them, or register a tower's method with "
+            "torch.distributed.fsdp.register_fsdp_forward_method(model, 'get_text_features'); DeepSpeed ZeRO-3 does "
+            "not gather them for the layers at all, train with DistributedDataParallel or FSDP2",
+        )
 
 
 class MoRALayer(AdapterLayer):
@@ -98,6 +156,12 @@ class MoRALayer(AdapterLayer):
             inference_mode: Create it frozen.
         """
         r, d = config.r, self.out_features
+        refuse_shards(
+            [("base_layer.weight", self.get_base_layer().weight)],
+            f"update_layer (adapter {adapter_name!r})",
+            "The magnitudes start at the row norms of the whole base weight: create MoRA adapters (get_peft_model, "
+            "load_adapter, add_adapter) before fully_shard / outside DeepSpeed ZeRO-3",
+        )
         own, _ = self._mora_shared.pair(adapter_name, pair_key, self.mora_modality)
         if own.shape[0] != d:
             raise ValueError(f"shared factor for pair {pair_key!r} has {own.shape[0]} rows, this layer is {d} wide")
@@ -217,6 +281,7 @@ class Linear(AdapterLinear, MoRALayer):
         adapter_names = [n for n in check_adapters_to_merge(self, adapter_names) if n in self.mora_spec_A]
         if not adapter_names:
             return
+        self.refuse_sharded(adapter_names, "merge")
         self.check_adapter_dtypes(adapter_names)
         if self.quantization_backend is not None and not self.quantization_backend.supports_merge:
             raise TypeError(
@@ -240,6 +305,26 @@ class Linear(AdapterLinear, MoRALayer):
         self._mora_merge_scales.append(scales)
         self.merged_adapters.extend(adapter_names)
 
+    def refuse_sharded(self, adapter_names: list[str], action: str) -> None:
+        """Raise ``ValueError`` if the base weight, or a parameter of ``adapter_names`` (shared factors included), is
+        an FSDP2 or ZeRO-3 shard: merging and unmerging read and write whole weights.
+
+        Args:
+            adapter_names: The adapters about to be merged or unmerged.
+            action: ``"merge"`` or ``"unmerge"``, for the message.
+        """
+        named = [("base_layer.weight", self.get_base_layer().weight)]
+        for name in adapter_names:
+            named += [(f"{attr}.{name}", getattr(self, attr)[name]) for attr in self.adapter_layer_names]
+            named += self._mora_shared.named(name, self.mora_pair[name])
+        refuse_shards(
+            named,
+            action,
+            f"To {action} a sharded model, gather its full state dict (FSDP2: torch.distributed.checkpoint.state_dict."
+            "get_model_state_dict with StateDictOptions(full_state_dict=True)), load it into an unsharded copy and "
+            f"{action} there, or {action} before fully_shard",
+        )
+
     def unmerge(self) -> None:
         """Restore the base weight: invert each merge (a per-row affine map of ``W``) with the scales it used.
 
@@ -250,6 +335,7 @@ class Linear(AdapterLinear, MoRALayer):
         if not self.merged:
             warnings.warn("Already unmerged. Nothing to do.", UserWarning, stacklevel=2)
             return
+        self.refuse_sharded(sorted({n for scales in self._mora_merge_scales for n in scales}), "unmerge")
         while self._mora_merge_scales:
             scales = self._mora_merge_scales.pop()
             weight = self.get_base_weight()

@@ -216,6 +216,13 @@ class MoRAModel(AdapterTuner):
         info = self._mora_plan[current_key]
         return Linear(target, adapter_name, info.pair_key, info.modality, self._shared(), peft_config)
 
+    def _check_merge_allowed(self) -> None:
+        # every layer is checked before the first one merges (merge_adapter, merge_and_unload), so a sharded model
+        # is refused with all its weights unchanged
+        super()._check_merge_allowed()
+        for layer in self.adapter_layers():
+            layer.refuse_sharded(list(layer.mora_spec_A.keys()), "merge")
+
     def set_adapter(self, adapter_name: str | list[str], inference_mode: bool = False) -> None:
         """Set the active adapter(s); only their shared and specific parameters require grad.
 
