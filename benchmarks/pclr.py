@@ -149,7 +149,8 @@ def routing_overhead(args: argparse.Namespace, batch: int = 32, tokens: int = 32
         f"pclr_N{args.pool_size}_K{args.top_k}": PCLRConfig(
             target_modules=["query", "value"],
             pool_size=args.pool_size,
-            ranks_schedule=[args.pool_size],
+            # one forward over a full pool: task 0 fills it (the second entry, for later tasks, must leave room)
+            ranks_schedule=[args.pool_size, max(1, args.pool_size // 2)],
             top_k=args.top_k,
             init_weights=False,
         ),

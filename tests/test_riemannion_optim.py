@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -403,12 +404,17 @@ def test_non_finite_gradient_is_skipped_when_asked():
     _loss(model, _batches(1)[0]).backward()
     model.base_model.model.head.modules_to_save["default"].bias.grad[0] = float("nan")
     before = copy.deepcopy(model.state_dict())
-    optimizer.step()
+    message = r"non-finite gradient in .*head\.modules_to_save\.default\.bias.*; skipping this optimizer step .*1 skip"
+    with pytest.warns(UserWarning, match=message) as caught:
+        optimizer.step()
+    assert len(caught) == 1 and caught[0].filename == __file__  # once, pointing at the caller of step()
     assert optimizer.skipped_steps == 1 and not optimizer.state
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     optimizer.zero_grad()
     _loss(model, _batches(1)[0]).backward()
-    optimizer.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a finite step warns nothing
+        optimizer.step()
     assert optimizer.skipped_steps == 1 and optimizer.state
 
 

@@ -42,7 +42,7 @@ from ..distributed import (
 from ..precision import compute_dtype
 from .adam_math import adam_direction
 from .dct import dct_matrix, dct_select, project, project_back, projection_side
-from .dct_checks import NONFINITE_POLICIES, caller_stacklevel, check_group, matches_target
+from .dct_checks import NONFINITE_POLICIES, caller_stacklevel, check_group, matches_target, unmatched_targets
 from .dct_state import (
     load_buffer,
     rotate_selected,
@@ -198,6 +198,9 @@ class DCTAdamW(Optimizer):
             "side": side,
         }
         super().__init__(params, defaults)
+        unmatched = unmatched_targets(self.param_groups)
+        if unmatched is not None:
+            warnings.warn(unmatched, UserWarning, stacklevel=2)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)

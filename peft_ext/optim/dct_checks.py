@@ -20,7 +20,7 @@ from ..precision import check_dtypes
 from .dct import DCT_METHODS, SIDES
 from .dct_state import QUANT_BLOCKSIZES
 
-__all__ = ["NONFINITE_POLICIES", "caller_stacklevel", "check_group", "matches_target"]
+__all__ = ["NONFINITE_POLICIES", "caller_stacklevel", "check_group", "matches_target", "unmatched_targets"]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -41,6 +41,34 @@ def matches_target(module_name: str, target_modules: str | Sequence[str] | None)
         return re.fullmatch(target_modules, module_name) is not None
     padded = f".{module_name}."
     return any(f".{t}." in padded for t in target_modules)
+
+
+def unmatched_targets(param_groups: Sequence[dict[str, Any]]) -> str | None:
+    """A warning's text when some group's ``target_modules`` selects none of its named parameters, else ``None``.
+
+    Such a group trains every parameter with plain AdamW, which is valid (so not an error) but almost always a typo.
+
+    Args:
+        param_groups: The optimizer's param groups (checked by :func:`check_group`).
+    """
+    missed, available = [], []
+    for number, group in enumerate(param_groups):
+        targets, names = group["target_modules"], group.get("param_names")
+        if targets is None or not names:
+            continue
+        modules = [name.rsplit(".", 1)[0] if "." in name else name for name in names]
+        if not any(matches_target(module, targets) for module in modules):
+            missed.append(f"{targets!r} (group {number})")
+            matrices = [m for m, p in zip(modules, group["params"]) if p.ndim == 2]
+            available += [m for m in dict.fromkeys(matrices or modules) if m not in available]
+    if not missed:
+        return None
+    shown = ", ".join(repr(m) for m in available[:5]) + (", ..." if len(available) > 5 else "")
+    return (
+        f"DCTAdamW: `target_modules` {'; '.join(missed)} matches no parameter, so every parameter there gets plain "
+        f"AdamW (no projection, no memory saving); the modules holding matrices are e.g. {shown} (a list entry "
+        "matches whole dotted components of a module's name, a string must match the whole name as a regex)"
+    )
 
 
 def positive_int(name: str, value: Any) -> int:

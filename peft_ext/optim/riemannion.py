@@ -43,6 +43,7 @@ The optimizer needs the model to know which parameters form an adapter (``A``, `
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, Optional, Union
 
@@ -65,6 +66,7 @@ from ..manifolds.fixed_rank import FixedRankPoint, TangentVector, right_basis, s
 from ..precision import check_dtypes, compute_dtype, is_half
 from ..tuners.riemannion.layer import AdapterRef, find_adapters
 from .adam_math import adamw_update
+from .dct_checks import caller_stacklevel
 from .riemannion_math import riemannion_update
 from .saved_state import restore_saved_dtypes
 
@@ -106,7 +108,8 @@ class Riemannion(Optimizer):
         aux_eps: AdamW eps.
         aux_weight_decay: AdamW weight decay (default: ``weight_decay``).
         nonfinite: On a non-finite gradient anywhere: ``"raise"`` a ``ValueError`` naming the parameter (default) or
-            ``"skip"`` the whole step (nothing changes; ``skipped_steps`` counts them, as ``GradScaler`` would).
+            ``"skip"`` the whole step with a ``UserWarning`` naming it (nothing changes; ``skipped_steps`` counts them,
+            as ``GradScaler`` would).
         rtol: Rank threshold of the orthogonalization (default ``max(m, n) * eps``).
 
     Raises:
@@ -314,6 +317,12 @@ class Riemannion(Optimizer):
                 )
             for group in self.param_groups:
                 group["skipped_steps"] += 1
+            warnings.warn(
+                f"non-finite gradient in {bad}; skipping this optimizer step (no parameter or state changed; "
+                f"{self.skipped_steps} skipped so far, see `skipped_steps`)",
+                UserWarning,
+                stacklevel=caller_stacklevel(),
+            )
             return loss
         for group in self.param_groups:
             if group["manifold"]:

@@ -15,6 +15,11 @@ COMPRESS_RULES = ("index", "importance", "contribution")
 #: How ``end_task`` routes the distillation data (see :mod:`peft_ext.tuners.pclr.distill`).
 INTEGRATE_ROUTING = ("input", "tasks")
 
+#: ``PCLRConfig.ranks_schedule`` when it is not set (paper: 64 new ranks per task, later 32).
+_DEFAULT_RANKS_SCHEDULE = [64, 64, 64, 64, 64, 32]
+#: ``PCLRConfig.top_k`` when it is not set (public code).
+_DEFAULT_TOP_K = 64
+
 __all__ = ["COMPRESS_RULES", "INTEGRATE_ROUTING", "PCLRConfig", "PCLRCycleConfig"]
 
 
@@ -35,7 +40,9 @@ class PCLRConfig(AdapterConfig):
 
     Args:
         pool_size: Cap on the number of ranks (static + new) per linear (public code: 256).
-        ranks_schedule: New ranks per task ``t`` (entry ``t``; the last entry repeats). Paper: 64, later 32.
+        ranks_schedule: New ranks per task ``t`` (entry ``t``; the last entry repeats). Paper: 64, later 32. Task 0
+            may fill the pool (entry 0 <= ``pool_size``); later tasks must leave room for at least one earlier rank
+            (the other entries, and the last one, < ``pool_size``).
         compress_schedule: Fraction of the pool dropped after task ``t`` (entry ``t``; the last entry repeats).
             Paper (8 tasks): nothing for the first tasks, then 25 %, then 12.5 %.
         compress_rule: ``"index"`` (public code: drop every s-th rank), ``"importance"`` (drop the ranks with the
@@ -44,7 +51,7 @@ class PCLRConfig(AdapterConfig):
             stored task, every task weighted equally; the default: it kept the most accuracy and forgot least in
             benchmarks/continual_wordnet.py, see docs/pclr.md). ``"contribution"`` needs the task's data: pass
             ``batches`` to ``end_task``.
-        top_k: Ranks selected per sample (public code: 64).
+        top_k: Ranks selected per sample (public code: 64); at most ``pool_size``.
         alpha: Output scale numerator; the pool's output is scaled by ``alpha / top_k``.
         shared_r: Rank of the always-on shared dense LoRA (0 disables it; public code: 32).
         shared_alpha: Scale numerator of the shared LoRA (scale ``shared_alpha / shared_r``).
@@ -62,14 +69,14 @@ class PCLRConfig(AdapterConfig):
 
     pool_size: int = field(default=256, metadata={"help": "Cap on ranks (static + new) per linear."})
     ranks_schedule: list[int] = field(
-        default_factory=lambda: [64, 64, 64, 64, 64, 32], metadata={"help": "New ranks per task; last repeats."}
+        default_factory=lambda: list(_DEFAULT_RANKS_SCHEDULE), metadata={"help": "New ranks per task; last repeats."}
     )
     compress_schedule: list[float] = field(
         default_factory=lambda: [0.0, 0.0, 0.0, 0.25, 0.125],
         metadata={"help": "Fraction of the pool dropped after each task; last repeats."},
     )
     compress_rule: str = field(default="contribution", metadata={"help": "'index', 'importance' or 'contribution'."})
-    top_k: int = field(default=64, metadata={"help": "Ranks selected per sample."})
+    top_k: int = field(default=_DEFAULT_TOP_K, metadata={"help": "Ranks selected per sample."})
     alpha: float = field(default=64.0, metadata={"help": "Pool output scale numerator (scale alpha / top_k)."})
     shared_r: int = field(default=0, metadata={"help": "Rank of the always-on shared LoRA (0: none)."})
     shared_alpha: float = field(default=16.0, metadata={"help": "Shared LoRA scale numerator."})
@@ -96,13 +103,7 @@ class PCLRConfig(AdapterConfig):
             raise ValueError(f"`shared_r` must be a non-negative integer (0 disables it), got {self.shared_r!r}")
         self.ranks_schedule = list(self.ranks_schedule)
         self.compress_schedule = list(self.compress_schedule)
-        if not self.ranks_schedule or any(
-            isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= self.pool_size for r in self.ranks_schedule
-        ):
-            raise ValueError(
-                f"`ranks_schedule` must be a non-empty list of integers in [1, pool_size={self.pool_size}], "
-                f"got {self.ranks_schedule!r}"
-            )
+        self._check_pool_fits()
         if not self.compress_schedule or any(
             not isinstance(c, (int, float)) or not 0 <= c < 1 for c in self.compress_schedule
         ):
@@ -120,6 +121,44 @@ class PCLRConfig(AdapterConfig):
         for name in ("prototype_routing", "init_from_static", "init_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}")
+
+    def _check_pool_fits(self) -> None:
+        """Refuse a ``pool_size`` / ``top_k`` / ``ranks_schedule`` combination the task cycle cannot run.
+
+        Static plus new ranks never exceed ``pool_size``, and ``end_task`` compresses the pool so the next task's
+        new ranks fit. Task 0 may fill the pool; every later task must leave room for at least one rank of the
+        earlier tasks, or ``end_task`` would have to drop them all (and route over an empty pool).
+        """
+        if self.top_k > self.pool_size:
+            top_k = f"`top_k`={self.top_k}"
+            if self.top_k == _DEFAULT_TOP_K:
+                top_k = f"the default {top_k} (used when top_k is not set)"
+            raise ValueError(
+                f"{top_k} exceeds `pool_size`={self.pool_size}: a sample selects its top_k ranks from a "
+                f"pool of at most pool_size ranks; set top_k <= {self.pool_size} or pool_size >= {self.top_k}"
+            )
+        schedule = self.ranks_schedule
+        # The user may not have written ranks_schedule at all: say it is the default and that they can set it.
+        which = "`ranks_schedule`"
+        if schedule == _DEFAULT_RANKS_SCHEDULE:
+            which = f"the default `ranks_schedule` ({_DEFAULT_RANKS_SCHEDULE}, used when not set)"
+        if not schedule or any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in schedule):
+            raise ValueError(f"`ranks_schedule` must be a non-empty list of positive integers, got {schedule!r}")
+        fit = f"set `ranks_schedule`, e.g. ranks_schedule=[{max(1, self.pool_size // 2)}]"
+        for task, ranks in enumerate(schedule):
+            if ranks > self.pool_size:
+                raise ValueError(
+                    f"{which} gives task {task} {ranks} new ranks, more than `pool_size`={self.pool_size} can hold "
+                    f"(static + new ranks never exceed pool_size); {fit} or raise pool_size to >= {max(schedule)}"
+                )
+        # the last entry repeats, so it applies to a later task even when it is the only one
+        for task, ranks in enumerate(schedule[1:] or schedule, start=1):
+            if ranks >= self.pool_size:
+                raise ValueError(
+                    f"{which} gives task {task} {ranks} new ranks, which fill `pool_size`={self.pool_size}: every "
+                    "rank of the earlier tasks would be dropped to make room (entries after the first, and the last, "
+                    f"which repeats, must be < pool_size); {fit} or raise pool_size to >= {ranks + 1}"
+                )
 
     @property
     def new_capacity(self) -> int:

@@ -37,7 +37,7 @@ from .keys import pull_keys_to_prototypes, query_prototype
 from .layer import N_NEW, N_STATIC, TASK, Linear, PCLRLayer
 from .pool import PoolSnapshot, fold_new_ranks, group_layers
 from .router import QueryFn, RoutingState, find_input_embeddings
-from .scoring import compress, contribution_scores
+from .scoring import compress, contribution_scores, drop_count
 
 Batch = dict[str, Any]
 
@@ -308,7 +308,7 @@ class PCLRModel(AdapterTuner):
         keys.
 
         The number of ranks dropped is ``round(compress_ratio_after(task_id) * active ranks)``, raised if needed so
-        the next task's new ranks fit within ``pool_size``.
+        the next task's new ranks fit within ``pool_size``, and never all of them (:func:`drop_count`).
 
         Args:
             task_id: The task that just finished training.
@@ -338,13 +338,12 @@ class PCLRModel(AdapterTuner):
             raise ValueError(f"end_task({task_id}) but the adapter is learning task {current}")
         if task_id >= config.max_tasks:
             raise ValueError(f"task {task_id} exceeds max_tasks={config.max_tasks} stored prototypes; raise max_tasks")
+        n_active = max(sum(layer.counts(adapter)[:2]) for layers in groups.values() for layer in layers)
+        n_drop = drop_count(config, task_id, n_active)
         proto = F.normalize(prototype.detach().float().flatten(), dim=0)
         for layers in groups.values():
             for layer in layers:
                 layer.store_prototype(adapter, task_id, proto)
-        n_active = max(sum(layer.counts(adapter)[:2]) for layers in groups.values() for layer in layers)
-        n_drop = round(config.compress_ratio_after(task_id) * n_active)
-        n_drop = max(n_drop, n_active + config.ranks_for_task(task_id + 1) - config.pool_size)
         result = None
         if n_drop > 0:
             # the cycle's forward passes (on `batches`) call this tuner, below an FSDP2 root on the PeftModel: gather

@@ -15,13 +15,13 @@ import torch
 from torch import nn
 
 from ...distributed import all_reduce_
-from .config import COMPRESS_RULES
+from .config import COMPRESS_RULES, PCLRConfig
 from .distill import default_forward, evaluating
 from .keys import routed_as
 from .layer import PCLRLayer
 from .pool import adapter_config, group_layers, pclr_tuner, stored_prototypes
 
-__all__ = ["compress", "contribution_scores", "importance_scores"]
+__all__ = ["compress", "contribution_scores", "drop_count", "importance_scores"]
 
 Batch = dict[str, Any]
 
@@ -102,6 +102,35 @@ def contribution_scores(
     finally:
         state.recorder = None
     return totals
+
+
+def drop_count(config: PCLRConfig, task_id: int, n_active: int) -> int:
+    """Ranks ``end_task(task_id)`` drops per group: the scheduled fraction, more if the next task would not fit.
+
+    Compression makes room for the next task's ranks (static + new never exceed ``pool_size``) but never drops
+    every rank: integration and routing need at least one. ``PCLRConfig`` refuses schedules that would need it.
+
+    Args:
+        config: The adapter's config.
+        task_id: The task that just finished.
+        n_active: Active (static + new) ranks of the fullest group.
+
+    Returns:
+        The number of ranks to drop, in ``[0, n_active - 1]`` (0 when the pool is empty).
+
+    Raises:
+        ValueError: If the next task's ranks cannot fit without dropping every rank (a config changed after its
+            checks), before anything is changed.
+    """
+    scheduled = min(round(config.compress_ratio_after(task_id) * n_active), max(n_active - 1, 0))
+    needed = n_active + config.ranks_for_task(task_id + 1) - config.pool_size
+    if n_active > 0 and needed >= n_active:
+        raise ValueError(
+            f"task {task_id + 1} needs {config.ranks_for_task(task_id + 1)} new ranks but `pool_size`="
+            f"{config.pool_size}: making room would drop all {n_active} ranks of the earlier tasks; use "
+            "`ranks_schedule` entries < pool_size after the first"
+        )
+    return max(scheduled, needed, 0)
 
 
 def _drop_indices(rule: str, n_active: int, n_drop: int, scores: Optional[torch.Tensor]) -> list[int]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Optional
 
 import torch
@@ -17,26 +16,16 @@ from ..adapter_layer import AdapterLayer, AdapterLinear
 from .config import SplitLoRAConfig
 from .stats import (
     accumulate_covariance,
-    choose_split,
-    closed_form_split,
     covariance_spectrum,
     fd_compress,
     fd_update,
     kaiming_lora_A,
-    minor_subspace_A,
-    primary_dimension,
     seeded_generator,
     sketch_spectrum,
 )
+from .task import commit_task, distributed_group, plan_task
 
 __all__ = ["Linear", "SplitLoRALayer"]
-
-
-def _distributed_group(group: Any) -> tuple[bool, Any]:
-    """Whether statistics must be all-reduced, and over which group (``None`` = the default group)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return False, None
-    return dist.get_world_size(group) > 1, group
 
 
 class SplitLoRALayer(AdapterLayer):
@@ -205,6 +194,11 @@ class SplitLoRALayer(AdapterLayer):
 
     # --- statistics ----------------------------------------------------------------------------------------------
 
+    @property
+    def seed_key(self) -> str:
+        """The module's name in the model: seeds its frozen ``A`` draws and names it in messages."""
+        return self._splitlora_seed_key
+
     def statistics_kind(self, adapter_name: str) -> str:
         """``"dense"`` or ``"sketch"``: how ``adapter_name`` keeps its running statistics here.
 
@@ -261,30 +255,52 @@ class SplitLoRALayer(AdapterLayer):
             pending["sketch"], delta = fd_update(pending["sketch"], rows)
             pending["error"] += delta
 
-    @torch.no_grad()
-    def finish_statistics(self, adapter_name: str, group: Any = None) -> None:
-        """Fold the task in progress into the running statistics; under ``torch.distributed``, all ranks' first.
+    def reduced_statistics(self, adapter_name: str, group: Any = None) -> dict[str, torch.Tensor]:
+        """The task in progress's statistics, summed over all processes under ``torch.distributed``; changes nothing.
 
-        Every rank must call this for every layer in the same order (it runs collectives).
+        Every rank must call this for every layer in the same order (it runs collectives). Under
+        ``torch.distributed`` the result is a reduced copy, so a refused ``end_task`` can be retried without counting
+        other processes' tokens twice.
 
         Args:
             adapter_name: Name of the adapter.
             group: ``torch.distributed`` process group (default: the default group, when initialized).
         """
-        pending = self._splitlora_pending.pop(adapter_name, None)
+        pending = self._splitlora_pending.get(adapter_name)
         if pending is None:
             pending = self._new_pending(adapter_name)
-        sync, group = _distributed_group(group)
-        if sync:
-            for key in ("tokens", "energy", "cov", "error"):
-                if key in pending:
-                    dist.all_reduce(pending[key], group=group)
-            if "sketch" in pending:
-                # Frequent-directions sketches merge by stacking and compressing (Ghashami et al. 2016, sec. 3):
-                # every rank gathers the same stack, so every rank computes the same merged sketch.
-                parts = [torch.empty_like(pending["sketch"]) for _ in range(dist.get_world_size(group))]
-                dist.all_gather(parts, pending["sketch"].contiguous(), group=group)
-                pending["sketch"] = torch.cat(parts)
+        sync, group = distributed_group(group)
+        if not sync:
+            return pending
+        pending = {key: value.clone() for key, value in pending.items()}
+        for key in ("tokens", "energy", "cov", "error"):
+            if key in pending:
+                dist.all_reduce(pending[key], group=group)
+        if "sketch" in pending:
+            # Frequent-directions sketches merge by stacking and compressing (Ghashami et al. 2016, sec. 3):
+            # every rank gathers the same stack, so every rank computes the same merged sketch.
+            parts = [torch.empty_like(pending["sketch"]) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, pending["sketch"].contiguous(), group=group)
+            pending["sketch"] = torch.cat(parts)
+        return pending
+
+    @torch.no_grad()
+    def add_statistics(
+        self,
+        adapter_name: str,
+        pending: dict[str, torch.Tensor],
+        sketch: Optional[torch.Tensor] = None,
+        sketch_error: Optional[torch.Tensor] = None,
+    ) -> None:
+        """Add (reduced) task statistics to the running ones and drop the task in progress's.
+
+        Args:
+            adapter_name: Name of the adapter.
+            pending: :meth:`reduced_statistics`.
+            sketch: The merged sketch when already computed (``plan_task``); default: merged here.
+            sketch_error: Its error bound, with ``sketch``.
+        """
+        self._splitlora_pending.pop(adapter_name, None)
         # model.to(torch.bfloat16) casts these running sums too: back to their working dtypes before adding to them
         sums = (("splitlora_energy", "energy"), ("splitlora_cov", "cov"), ("splitlora_sketch_error", "error"))
         for attr, key in sums:
@@ -295,12 +311,26 @@ class SplitLoRALayer(AdapterLayer):
         self.splitlora_energy[adapter_name] += pending["energy"]
         if "cov" in pending:
             self.splitlora_cov[adapter_name] += pending["cov"]
+        elif sketch is not None:
+            self.splitlora_sketch[adapter_name] = sketch
+            self.splitlora_sketch_error[adapter_name] = sketch_error
         else:
             running = self.splitlora_sketch[adapter_name].to(pending["sketch"].dtype)
             stacked = torch.cat([running, pending["sketch"]])
             sketch, delta = fd_compress(stacked, self.splitlora_sketch[adapter_name].shape[0])
             self.splitlora_sketch[adapter_name] = sketch
             self.splitlora_sketch_error[adapter_name] += pending["error"] + delta
+
+    def finish_statistics(self, adapter_name: str, group: Any = None) -> None:
+        """Fold the task in progress into the running statistics; under ``torch.distributed``, all ranks' first.
+
+        Every rank must call this for every layer in the same order (it runs collectives).
+
+        Args:
+            adapter_name: Name of the adapter.
+            group: ``torch.distributed`` process group (default: the default group, when initialized).
+        """
+        self.add_statistics(adapter_name, self.reduced_statistics(adapter_name, group))
 
     def covariance(self, adapter_name: str) -> torch.Tensor:
         """The running uncentered input covariance ``C`` (token-weighted mean over all finished tasks).
@@ -376,11 +406,11 @@ class SplitLoRALayer(AdapterLayer):
                 self.splitlora_old_A[adapter_name] = old_a
         param.zero_()  # elementwise: each FSDP2 process zeroes its own shard
 
-    @torch.no_grad()
     def advance_task(self, adapter_name: str, group: Any = None) -> dict[str, Any]:
         """Split the running statistics, fold the finished task and prepare the next task's ``A`` (METHODS.md 2).
 
-        Call :meth:`finish_statistics` first.
+        Call :meth:`finish_statistics` first. ``SplitLoRAModel.end_task`` instead plans every module
+        (:func:`~peft_ext.tuners.splitlora.task.plan_task`) before it changes any.
 
         Args:
             adapter_name: Name of the adapter.
@@ -389,54 +419,7 @@ class SplitLoRALayer(AdapterLayer):
         Returns:
             ``{"task", "k_star", "primary", "in_features"}``: what was chosen, for logs and tests.
         """
-        config = self.splitlora_config[adapter_name]
-        key = self._splitlora_seed_key
-        task_index = int(self.splitlora_tasks[adapter_name])
-        if int(self.splitlora_tokens[adapter_name]) == 0 or float(self.splitlora_energy[adapter_name]) <= 0:
-            raise ValueError(
-                f"module {key!r} saw no non-zero inputs for adapter {adapter_name!r}: run forward passes over the "
-                "task's data inside `collect_statistics()` before `end_task()`"
-            )
-        values, vectors, total = self.spectrum(adapter_name)
-        n = self.in_features
-        k_star = choose_split(values, task_index, config.trade_off, dim=n, total=total)
-        primary = primary_dimension(k_star, n)
-        if self.statistics_kind(adapter_name) == "sketch":
-            wanted = closed_form_split(values, task_index, config.trade_off, dim=n, total=total) + 1
-            if wanted >= values.numel() and values.numel() < n:
-                warnings.warn(
-                    f"SplitLoRA module {key!r}: the split keeps all {values.numel()} directions of the sketch and may "
-                    f"want more; raise `sketch_rank` (now {values.numel()}) or use statistics='dense'.",
-                    UserWarning,
-                    stacklevel=3,
-                )
-            primary = min(primary, values.numel())
-        if primary >= n:
-            warnings.warn(
-                f"SplitLoRA module {key!r}: the primary subspace fills all {n} input directions, so the next "
-                f"task's A there is zero and that module cannot learn; a larger `trade_off` (now {config.trade_off}) "
-                "keeps fewer directions.",
-                UserWarning,
-                stacklevel=3,
-            )
-        self.fold_task(adapter_name)
-        generator = seeded_generator(config.seed, key, task_index + 1)
-        a = self.splitlora_A[adapter_name]
-        reference = kaiming_lora_A(self.r[adapter_name], n, generator, torch.float64)
-        target_norm = float(torch.linalg.matrix_norm(reference))
-        if config.init_scaling == "inverse_task":
-            target_norm /= task_index + 2  # the new task has index t = task_index + 1; METHODS.md: / (t + 1)
-        new_a = minor_subspace_A(vectors[:, :primary], self.r[adapter_name], target_norm, generator, a.dtype)
-        new_a = new_a.to(a.device)
-        sync, group = _distributed_group(group)
-        if sync:
-            # The statistics are identical on every rank after the all-reduce, so every rank computes the same A;
-            # broadcasting rank 0's copy guards against eigensolvers that differ in the last bits across devices.
-            dist.broadcast(new_a, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-        self.splitlora_A[adapter_name] = new_a
-        self.splitlora_tasks[adapter_name] += 1
-        self.splitlora_primary[adapter_name].fill_(primary)
-        return {"task": task_index, "k_star": k_star, "primary": primary, "in_features": n}
+        return commit_task(self, adapter_name, plan_task(self, adapter_name, None, group))
 
     # --- the delta (the forward skeleton and merging are AdapterLinear's) ------------------------------------------
 

@@ -19,6 +19,7 @@ from .._cycle import resolve_cycle_adapter
 from ..adapter_tuner import AdapterTuner
 from .config import SplitLoRAConfig
 from .layer import Linear, SplitLoRALayer
+from .task import commit_task, plan_task
 
 __all__ = ["SplitLoRAModel", "TaskSplit"]
 
@@ -278,7 +279,10 @@ class SplitLoRAModel(AdapterTuner):
     def end_task(self, adapter_name: str | None = None, process_group: Any = None) -> dict[str, TaskSplit]:
         """Finish the task in progress in every adapted module.
 
-        Per module: add the task's statistics to the running covariance (all-reduced over ``torch.distributed``
+        All or nothing: every module is checked (finite ``B`` and statistics, some non-zero input) and its split
+        computed before any changes, so a refusal (``ValueError`` naming the module and the value) leaves every
+        module as it was and ``end_task`` can be retried. Per module: add the task's statistics to the running
+        covariance (all-reduced over ``torch.distributed``
         when it is initialized), choose ``k*``, fold ``B A`` into the frozen ``dW_old``, draw the next task's frozen
         ``A`` in the minor subspace and set ``B = 0``. The model's outputs do not change.
 
@@ -293,17 +297,20 @@ class SplitLoRAModel(AdapterTuner):
         layers = self._lifecycle_layers(name)
         self._reject_zero3(layers, "end_task")
         task_index = self.finished_tasks(name)
-        for _, layer in layers:
-            layer.finish_statistics(name, process_group)
-        empty = [key for key, layer in layers if int(layer.splitlora_tokens[name]) == 0]
+        # All-or-nothing: reduce and check every module's statistics and plan its split first, then change them all
+        # (a refusal in one module must not leave the others a task ahead or their statistics counted twice).
+        pending = [layer.reduced_statistics(name, process_group) for _, layer in layers]
+        tokens = [int(layer.splitlora_tokens[name] + p["tokens"]) for (_, layer), p in zip(layers, pending)]
+        empty = [key for (key, _), count in zip(layers, tokens) if count == 0]
         if empty:
             raise ValueError(
                 f"no statistics for adapter {name!r} on {len(empty)} module(s) (e.g. {empty[0]!r}): run forward "
                 "passes over the task's data inside `collect_statistics()` before `end_task()`"
             )
+        plans = [plan_task(layer, name, p, process_group) for (_, layer), p in zip(layers, pending)]
         result = {}
-        for key, layer in layers:
-            info = layer.advance_task(name, process_group)
+        for (key, layer), plan in zip(layers, plans):
+            info = commit_task(layer, name, plan)
             result[key] = TaskSplit(task=task_index, **{k: info[k] for k in ("k_star", "primary", "in_features")})
         return result
 
