@@ -34,7 +34,6 @@ __all__ = [
     "full_tensor",
     "gathered_parameters",
     "is_dtensor",
-    "is_row_sharded",
     "local_part",
     "registered_parameters",
     "reject_zero3",
@@ -105,11 +104,7 @@ def sharding_of(p: torch.Tensor) -> str | None:
     A DTensor (FSDP2's ``fully_shard``, tensor parallelism) is recognized by type, a ZeRO-3 parameter by the
     ``ds_id``/``ds_numel`` attributes DeepSpeed puts on it (the local tensor is then a flat partition or empty).
     """
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed support
-        DTensor = ()
-    if isinstance(p, DTensor) or isinstance(getattr(p, "data", None), DTensor):
+    if is_dtensor(p):
         return "FSDP2/DTensor"
     if hasattr(p, "ds_id") or hasattr(p, "ds_numel"):
         return "DeepSpeed ZeRO-3"
@@ -270,15 +265,10 @@ def reject_zero3(named_params: Iterable[tuple[str, torch.Tensor]], method: str) 
 ROW_SHARDED = "FSDP2 row shards (Shard(0) on every sharded mesh dimension, fully_shard's default) or Replicate()"
 
 
-def is_row_sharded(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a DTensor (an FSDP2 parameter or its gradient); :func:`check_row_sharded` vets its layout."""
-    return is_dtensor(t)
-
-
 def local_part(t: torch.Tensor) -> torch.Tensor:
     """The tensor this process holds: a DTensor's local shard (a view: in-place updates change the DTensor), else
     ``t`` itself."""
-    return t.to_local() if is_row_sharded(t) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def check_row_sharded(named_params: Iterable[tuple[str, torch.Tensor]], method: str, needs: str) -> None:
@@ -321,7 +311,7 @@ def all_shards_agree(flag: bool, params: Iterable[torch.Tensor]) -> bool:
         flag: This process's verdict.
         params: The parameters it is about; every process must pass the same ones (a collective may run).
     """
-    if not any(is_row_sharded(p) for p in params):
+    if not any(is_dtensor(p) for p in params):
         return flag
     failed = torch.tensor([0.0 if flag else 1.0], dtype=torch.float64)
     all_reduce_([failed])
@@ -339,7 +329,7 @@ def all_reduce_over_row_shards_(t: torch.Tensor, op: str = "sum", *, like: torch
         op: ``"sum"`` or ``"max"``.
         like: The parameter whose sharding defines the groups.
     """
-    if not is_row_sharded(like):
+    if not is_dtensor(like):
         return
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
     for dim, placement in enumerate(like.placements):

@@ -35,7 +35,7 @@ from ..distributed import (
     all_reduce_over_row_shards_,
     all_shards_agree,
     check_parameters_unchanged,
-    is_row_sharded,
+    is_dtensor,
     local_part,
     registered_parameters,
 )
@@ -240,7 +240,7 @@ class DCTAdamW(Optimizer):
         side = group.get("side", "auto")  # state dicts saved before `side` existed lack it
         if side != "auto":
             return side
-        return "right" if is_row_sharded(p) else projection_side(p.shape)
+        return "right" if is_dtensor(p) else projection_side(p.shape)
 
     def projection_plan(self) -> list[tuple[str, tuple[int, ...], int | None]]:
         """``(name, shape, rank)`` for every parameter; ``rank`` is None for parameters that get plain AdamW.
@@ -376,7 +376,7 @@ class DCTAdamW(Optimizer):
         rank = state["rank"]
         side = self._side(group, p)
         # an FSDP2 row shard: project the local rows; only the column scores are summed over the processes
-        reduce = partial(all_reduce_over_row_shards_, like=p) if is_row_sharded(p) else None
+        reduce = partial(all_reduce_over_row_shards_, like=p) if is_dtensor(p) else None
         grad, p = local_part(p.grad).to(work), local_part(p)
         dim = 1 if side == "right" else 0
         n = p.shape[dim]

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..distributed import check_row_sharded, is_row_sharded
+from ..distributed import check_row_sharded, is_dtensor
 from ..precision import check_dtypes
 from .dct import DCT_METHODS, SIDES
 from .dct_state import QUANT_BLOCKSIZES
@@ -144,7 +144,7 @@ def check_group(group: dict[str, Any]) -> None:
     check_row_sharded(zip(names, group["params"]), "DCTAdamW", "the row-local DCT projection")
     if group.get("side") == "left":
         for name, p in zip(names, group["params"]):
-            if p.ndim == 2 and is_row_sharded(p) and any(pl.is_shard(0) for pl in p.placements):
+            if p.ndim == 2 and is_dtensor(p) and any(pl.is_shard(0) for pl in p.placements):
                 raise ValueError(
                     f"DCTAdamW: side='left' transforms over the rows of `{name}` (shape {tuple(p.shape)}), which "
                     "FSDP2 splits across processes; use side='auto' or 'right' (each process projects its own rows)"

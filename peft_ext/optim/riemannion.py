@@ -56,7 +56,7 @@ from ..distributed import (
     check_parameters_unchanged,
     check_row_sharded,
     full_tensor,
-    is_row_sharded,
+    is_dtensor,
     local_part,
     registered_parameters,
     write_full_,
@@ -184,7 +184,7 @@ class Riemannion(Optimizer):
             "the retraction (QR and SVD of the adapter factors)",
         )
         for ref in self._adapters:
-            if is_row_sharded(ref.B):
+            if is_dtensor(ref.B):
                 # FSDP2 refills the unsharded B of the forward in place without bumping its version counter, so the
                 # layer's cache key cannot see the optimizer's writes: recompute B_R in every forward
                 ref.layer.cache_right_basis = False
