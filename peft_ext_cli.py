@@ -124,7 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(
                 "--resume",
                 action="store_true",
-                help="continue an interrupted run of the same config: keep the methods it finished",
+                help="continue an interrupted run of the same config from its last finished task",
+            )
+            p.add_argument(
+                "--overwrite",
+                action="store_true",
+                help="start over in an output dir that holds an earlier run (its files are moved aside, not deleted)",
             )
         p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub.add_parser("list", help="list registered adapter types, optimizers and continual methods")

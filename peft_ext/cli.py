@@ -69,7 +69,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     config = _load_and_preflight(args)
     try:
-        run_job_config(config, progress=not args.no_progress, debug=args.debug, resume=args.resume)
+        run_job_config(
+            config, progress=not args.no_progress, debug=args.debug, resume=args.resume, overwrite=args.overwrite
+        )
     except KeyboardInterrupt:
         command = ["peft-ext", "run", args.config, *(f"--set={s}" for s in args.set), "--resume"]
         print(

@@ -13,6 +13,7 @@ from ..continual.config import ConfigError, RunConfig, config_from_dict, read_co
 from .errors import JobFailed
 from .multimodal import MissingModalityConfig, missing_modality_config_from_dict
 from .preflight import check_finite
+from .resume import claim_output_dir
 
 __all__ = ["JOBS", "JobFailed", "load_job_config", "run_job_config"]
 
@@ -41,7 +42,11 @@ def load_job_config(path: str, overrides: list[str] | None = None) -> Union[RunC
 
 
 def run_job_config(
-    config: Union[RunConfig, MissingModalityConfig], progress: bool = True, debug: bool = False, resume: bool = False
+    config: Union[RunConfig, MissingModalityConfig],
+    progress: bool = True,
+    debug: bool = False,
+    resume: bool = False,
+    overwrite: bool = False,
 ) -> Any:
     """Run the job ``config`` describes; return its results.
 
@@ -49,11 +54,14 @@ def run_job_config(
         config: A config from :func:`load_job_config`.
         progress: Show progress bars (continual jobs).
         debug: Print the traceback of a failed method (continual jobs).
-        resume: Continue an interrupted continual job from the methods it finished (``--resume``).
+        resume: Continue an interrupted job from the work it finished (``--resume``).
+        overwrite: Start over in an ``output.dir`` that holds an earlier run, moving its files aside (``--overwrite``).
 
     Raises:
         JobFailed: Some methods failed (the others' results are on disk).
+        ConfigError: ``output.dir`` holds an earlier run and neither ``resume`` nor ``overwrite`` says what to do.
     """
+    claim_output_dir(config.output.dir, resume, overwrite)
     if isinstance(config, MissingModalityConfig):
         from .multimodal import run_missing_modality_job
 

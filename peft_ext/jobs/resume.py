@@ -1,10 +1,14 @@
-"""``peft-ext run --resume``: the config's fingerprint stored with the results, and the finished methods read back.
+"""``peft-ext run --resume`` / ``--overwrite``: the config's fingerprint stored with the results, the finished
+work read back, and an earlier run's files never replaced by accident.
 
-A continual job writes ``results.json`` after every method (:func:`peft_ext.jobs.continual.run_job`), so an
-interrupted job has every finished method on disk. Each method starts from the same seeded copy of the backbone
-(:meth:`~peft_ext.continual.engine.ContinualEngine.build`), so skipping the finished ones leaves the others' numbers
-unchanged: the resumed job ends with the report of an uninterrupted run (timings aside). A method interrupted midway
-starts again from its first task.
+A continual job writes ``results.json`` after every method and a snapshot after every task
+(:func:`peft_ext.jobs.continual.run_job`, :mod:`peft_ext.continual.progress`), so an interrupted job has every
+finished method and task on disk. Each method starts from the same seeded copy of the backbone and a resumed method
+restores the model, the method's state and the random generators of its last finished task, so the resumed job ends
+with the report of an uninterrupted run (timings aside).
+
+A job refuses an ``output.dir`` that holds an earlier run unless told what to do with it (:func:`claim_output_dir`):
+``--resume`` continues it, ``--overwrite`` moves its files into ``output.dir/replaced-<time>/`` and starts over.
 """
 
 from __future__ import annotations
@@ -12,13 +16,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 from ..continual.config import ConfigError, RunConfig
 from ..continual.engine import MethodResult
 
-__all__ = ["config_hash", "finished_results"]
+__all__ = ["EARLIER_RUN_FILES", "claim_output_dir", "config_hash", "finished_results"]
+
+# What marks an output dir as holding a run: the report, and the snapshots of unfinished methods.
+EARLIER_RUN_FILES = ("results.json", "results.md", "accuracy_matrix.png", "progress")
 
 
 def _plain(value: Any) -> Any:
@@ -26,11 +34,12 @@ def _plain(value: Any) -> Any:
     return sorted(map(str, value)) if isinstance(value, (set, frozenset)) else str(value)
 
 
-def config_hash(config: RunConfig) -> str:
-    """A fingerprint of everything that changes a job's results (the whole validated config except whether progress
-    bars show), 16 hex digits."""
+def config_hash(config: Any) -> str:
+    """A fingerprint of everything that changes a job's results (the whole validated config dataclass of any job,
+    except whether progress bars show), 16 hex digits."""
     data = dataclasses.asdict(config)
-    data["train"].pop("progress", None)
+    if isinstance(data.get("train"), dict):
+        data["train"].pop("progress", None)
     text = json.dumps(data, sort_keys=True, default=_plain)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -61,3 +70,34 @@ def finished_results(config: RunConfig, fingerprint: str) -> list[MethodResult]:
             f"{fingerprint}); run without --resume to start over, or give another `output.dir`"
         )
     return results
+
+
+def claim_output_dir(out_dir: str, resume: bool, overwrite: bool) -> None:
+    """Make ``out_dir`` ready for a job, never losing an earlier run's files.
+
+    Args:
+        out_dir: The config's ``output.dir``.
+        resume: ``--resume``: the earlier run is continued (checked later against the config's fingerprint).
+        overwrite: ``--overwrite``: the earlier run's files are moved into ``out_dir/replaced-<UTC time>/``.
+
+    Raises:
+        ConfigError: ``out_dir`` holds an earlier run and neither flag was given, or both were.
+    """
+    if resume and overwrite:
+        raise ConfigError("--resume and --overwrite exclude each other: continue the earlier run, or start over")
+    out = Path(out_dir)
+    earlier = [out / name for name in EARLIER_RUN_FILES if (out / name).exists()]
+    if resume or not earlier:
+        return
+    if not overwrite:
+        raise ConfigError(
+            f"`output.dir` {out_dir!r} holds an earlier run ({', '.join(p.name for p in earlier)}); continue it with "
+            "--resume, start over with --overwrite (its files are moved aside, not deleted), or give another "
+            "`output.dir`"
+        )
+    aside = out / time.strftime("replaced-%Y%m%d-%H%M%S", time.gmtime())
+    while aside.exists():  # two overwrites within a second
+        aside = aside.with_name(aside.name + "-1")
+    aside.mkdir()
+    for path in earlier:
+        path.rename(aside / path.name)
