@@ -256,7 +256,8 @@ class ContinualEngine:
             record: Progress so far (``RunRecord.empty(len(sequence))`` for a new run), updated in place.
         """
         method, ctx = self.method, self.ctx
-        for phase in self.phases()[record.completed :]:
+        phases = self.phases()
+        for phase in phases[record.completed :]:
             start = time.perf_counter()
             trainer.prepare(phase)
             model = method.before_task(model, phase.task_id, phase.task, ctx)
@@ -269,6 +270,8 @@ class ContinualEngine:
             record.eval_seconds += time.perf_counter() - start
             record.task_losses.append(loss)
             record.completed += 1
+            if record.completed < len(phases):
+                model = method.between_tasks(model, ctx)
             trainer.phase_done(model, phase, record)
         return model
 

@@ -199,6 +199,12 @@ class ContinualMethod:
         """Called after training task ``task_id`` and before its evaluation; may return a different model."""
         return model
 
+    def between_tasks(self, model: nn.Module, ctx: RunContext) -> nn.Module:
+        """Called after a task's evaluation when another task follows; returns the model the next ``before_task``
+        gets. End-of-task snapshots are taken of it, so it must have the structure :meth:`build` makes (a method
+        that re-wraps the model per task folds its adapter here instead of in ``before_task``)."""
+        return model
+
     def trainable_parameters(self, model: nn.Module) -> list[nn.Parameter]:
         return [p for p in model.parameters() if p.requires_grad]
 

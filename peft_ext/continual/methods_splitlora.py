@@ -212,6 +212,11 @@ class _RewrapMethod(ContinualMethod):
 
         return model.merge_and_unload() if isinstance(model, PeftModel) else model
 
+    def between_tasks(self, model: nn.Module, ctx: RunContext) -> nn.Module:
+        # Folding here rather than in the next before_task gives the same numbers, and the model a snapshot is taken
+        # of has the structure of a fresh build (the plain backbone), so a resumed run can load it.
+        return self._fold(model)
+
     def _wrap(self, backbone: nn.Module, config: Any) -> nn.Module:
         from peft import get_peft_model
 

@@ -46,7 +46,7 @@ def matrix_table(result: MethodResult, task_names: Sequence[str] | None = None) 
     return "\n".join(lines)
 
 
-def _atomic_write(path: Path, write) -> None:
+def atomic_write(path: Path, write) -> None:
     """Write through a temporary file in the same folder and rename, so no half-written file is ever left."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -106,7 +106,7 @@ def plot_accuracy_matrices(results: Sequence[MethodResult], path: str | Path, ti
     if title:
         fig.suptitle(title, fontsize=10)
     path = Path(path)
-    _atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png", bbox_inches="tight"))
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png", bbox_inches="tight"))
     return path
 
 
@@ -146,8 +146,8 @@ def save_results(
     def write_md(tmp: str) -> None:
         Path(tmp).write_text("\n".join(md))
 
-    _atomic_write(paths["json"], write_json)
-    _atomic_write(paths["markdown"], write_md)
+    atomic_write(paths["json"], write_json)
+    atomic_write(paths["markdown"], write_md)
     if results:
         plot_accuracy_matrices(results, paths["png"], title=str(meta.get("name", "")))
     return paths

@@ -21,6 +21,7 @@ from ..data.tasks import Example, TaskSequence
 from .context import Collate, RunContext, TrainConfig, lr_factor
 from .engine import ContinualEngine, MethodResult, Phase, RunRecord, TaskTrainer, trainable_parameters, training_loss
 from .methods import ContinualMethod
+from .progress import TaskProgress
 
 __all__ = ["LoopTrainer", "run_sequence", "train_examples"]
 
@@ -75,16 +76,22 @@ def train_examples(
 
 
 class LoopTrainer(TaskTrainer):
-    """Trains each phase with :func:`train_examples` (the runner's own loop)."""
+    """Trains each phase with :func:`train_examples` (the runner's own loop); saves a snapshot after each phase when
+    given a :class:`~peft_ext.continual.progress.TaskProgress`."""
 
-    def __init__(self, method: ContinualMethod, ctx: RunContext) -> None:
+    def __init__(self, method: ContinualMethod, ctx: RunContext, progress: Optional[TaskProgress] = None) -> None:
         self.method = method
         self.ctx = ctx
+        self.progress = progress
 
     def train(self, model: nn.Module, phase: Phase) -> float:
         return train_examples(
             model, self.method, phase.task.train, phase.allowed_classes, phase.task_id, self.ctx, desc=phase.desc
         )
+
+    def phase_done(self, model: nn.Module, phase: Phase, record: RunRecord) -> None:
+        if self.progress is not None:
+            self.progress.save(model, self.ctx.state, record)
 
 
 def run_sequence(
@@ -93,8 +100,13 @@ def run_sequence(
     base_model: nn.Module,
     collate: Collate,
     train: Optional[TrainConfig] = None,
+    progress: Optional[TaskProgress] = None,
 ) -> MethodResult:
     """Run ``method`` through ``sequence`` starting from a deep copy of ``base_model``.
+
+    With ``progress`` the run saves a snapshot after every task and, when ``progress`` already holds some, continues
+    after the last finished task: the model, the method's state and the random generators are restored, so the
+    result equals an uninterrupted run's (timings aside).
 
     Args:
         sequence: The tasks, in order.
@@ -103,11 +115,16 @@ def run_sequence(
             ``sequence.num_classes`` classes. It is copied, never modified.
         collate: Turns a list of examples into a batch dict with a ``labels`` tensor.
         train: Training settings (defaults: :class:`TrainConfig`).
+        progress: Where end-of-task snapshots go and a resumed run reads them (``None``: none are taken).
 
     Returns:
         The accuracy matrix, the metrics and the cost of the run.
     """
     engine = ContinualEngine(sequence, method, collate, train or TrainConfig())
+    model = engine.build(base_model)
     record = RunRecord.empty(len(sequence))
-    model = engine.run(engine.build(base_model), LoopTrainer(method, engine.ctx), record)
+    if progress is not None:
+        record = progress.record(len(sequence))
+        progress.restore(model, engine.ctx.state, record)
+    model = engine.run(model, LoopTrainer(method, engine.ctx, progress), record)
     return engine.result(model, record)

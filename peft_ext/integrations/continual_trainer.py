@@ -29,7 +29,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -52,6 +51,7 @@ from ..continual.engine import (
     training_loss,
 )
 from ..continual.methods import ContinualMethod
+from ..continual.progress import decode_state, encode_state, load_model_state, save_atomic, write_json_atomic
 from ..data.tasks import TaskSequence
 
 if TYPE_CHECKING:
@@ -62,72 +62,6 @@ __all__ = ["ContinualTrainer", "last_complete_checkpoint", "load_model_state", "
 STATE_FILE = "continual_state.json"
 MODEL_FILE = "continual_model.pt"
 END_OF_TASK_FILE = "end-of-task.pt"
-_GENERATOR_KEY = "__torch_generator_state__"
-
-
-def _atomic_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def _atomic_write_json(obj: Any, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
-
-
-def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """``model.load_state_dict(state)``, first resizing buffers whose shape grew during the sequence.
-
-    SplitLoRA's folded factors gain rows with every task; a freshly built model has the first task's shapes.
-
-    Raises:
-        ValueError: If a parameter's shape differs, or keys are missing or unexpected (the method changed the
-            model's structure after ``build``, e.g. by re-wrapping it per task).
-    """
-    current = model.state_dict()
-    for key, value in state.items():
-        if key not in current or current[key].shape == value.shape:
-            continue
-        prefix, _, leaf = key.rpartition(".")
-        module = model.get_submodule(prefix)
-        if leaf not in module._buffers:
-            raise ValueError(
-                f"cannot restore {key!r}: the parameter has shape {tuple(current[key].shape)} in the rebuilt model "
-                f"but {tuple(value.shape)} in the checkpoint"
-            )
-        module._buffers[leaf] = torch.zeros(value.shape, dtype=current[key].dtype, device=current[key].device)
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as err:
-        raise ValueError(
-            "the saved model state does not fit the model that method.build() makes (a method that re-wraps the "
-            f"model per task cannot be resumed by this driver): {err}"
-        ) from None
-
-
-def _encode(obj: Any) -> Any:
-    """Make a method's ``ctx.state`` loadable with ``weights_only=True`` (generators become their state tensor)."""
-    if isinstance(obj, torch.Generator):
-        return {_GENERATOR_KEY: obj.get_state()}
-    if isinstance(obj, dict):
-        return {k: _encode(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_encode(v) for v in obj)
-    return obj
-
-
-def _decode(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        if set(obj) == {_GENERATOR_KEY}:
-            generator = torch.Generator()
-            generator.set_state(obj[_GENERATOR_KEY])
-            return generator
-        return {k: _decode(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_decode(v) for v in obj)
-    return obj
 
 
 class ContinualTrainer(Trainer):
@@ -175,7 +109,7 @@ class ContinualTrainer(Trainer):
         path = Path(output_dir if output_dir is not None else self.args.output_dir)
         path.mkdir(parents=True, exist_ok=True)
         state = self.model.state_dict() if state_dict is None else state_dict
-        _atomic_save({k: v.detach().cpu() for k, v in state.items()}, path / MODEL_FILE)
+        save_atomic({k: v.detach().cpu() for k, v in state.items()}, path / MODEL_FILE)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Optional[nn.Module] = None) -> None:
         path = Path(resume_from_checkpoint) / MODEL_FILE
@@ -268,10 +202,10 @@ class _TrainerPhases(TaskTrainer):
         accuracies = {f"continual/acc_{phase.row}_{j}": acc for j, acc in enumerate(row)}
         self.trainer.log({"continual/task": float(phase.task_id), **accuracies})
         snapshot = {"model": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
-        snapshot["method_state"] = _encode(self.engine.ctx.state)
-        _atomic_save(snapshot, self.out / f"task-{phase.task_id}" / END_OF_TASK_FILE)
+        snapshot["method_state"] = encode_state(self.engine.ctx.state)
+        save_atomic(snapshot, self.out / f"task-{phase.task_id}" / END_OF_TASK_FILE)
         # after the snapshot: the state file never points at a missing one
-        _atomic_write_json({**self.identity, **asdict(record)}, self.out / STATE_FILE)
+        write_json_atomic({**self.identity, **asdict(record)}, self.out / STATE_FILE)
 
 
 def run_continual_with_trainer(
@@ -332,7 +266,7 @@ def run_continual_with_trainer(
         snapshot = torch.load(out / f"task-{record.completed - 1}" / END_OF_TASK_FILE, weights_only=True)
         load_model_state(model, snapshot["model"])
         engine.ctx.state.clear()
-        engine.ctx.state.update(_decode(snapshot["method_state"]))
+        engine.ctx.state.update(decode_state(snapshot["method_state"]))
 
     phases = _TrainerPhases(engine, args, callbacks, identity)
     model = engine.run(model, phases, record)

@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import platform
+import re
+import shutil
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,6 +17,7 @@ import torch
 from ..continual.config import RunConfig
 from ..continual.engine import MethodResult
 from ..continual.methods import get_continual_method
+from ..continual.progress import TaskProgress
 from ..continual.report import matrix_table, metrics_table, save_results
 from ..continual.runner import run_sequence
 from ..data.tasks import TaskSequence
@@ -39,20 +43,30 @@ def build_sequence(config: RunConfig) -> TaskSequence:
     raise ValueError(f"unknown dataset {data.dataset!r}")  # unreachable: the config's Literal type checks it
 
 
+def method_progress(config: RunConfig, index: int, name: str, label: str, fingerprint: str) -> TaskProgress:
+    """Where method ``index`` of the job keeps its end-of-task snapshots: ``output.dir/progress/{index}-{label}``."""
+    folder = f"{index:02d}-{re.sub(r'[^A-Za-z0-9_.+-]', '_', label)}"
+    identity = {"method": name, "label": label, "config_hash": fingerprint}
+    return TaskProgress(Path(config.output.dir) / "progress" / folder, identity)
+
+
 def run_job(
     config: RunConfig, echo: Callable[[str], Any] = print, debug: bool = False, resume: bool = False
 ) -> list[MethodResult]:
     """Run every method of ``config`` on the same sequence and backbone; write results; return them.
 
-    The results files are rewritten after each method, so they always hold every method finished so far. A method
-    that raises is recorded (under ``failed`` in the results) and the next one runs.
+    The results files are written before the first method and rewritten after each one, so they always hold every
+    method finished so far; while a method runs, a snapshot after each of its tasks is kept in
+    ``output.dir/progress/`` (deleted once the method's result is written). A method that raises is recorded (under
+    ``failed`` in the results, its snapshots kept) and the next one runs.
 
     Args:
         config: The validated run config.
         echo: Where progress lines go.
         debug: Print the traceback of a failed method (stderr).
         resume: Keep the methods an earlier run of the same config finished (its ``results.json`` in
-            ``output.dir``) and run only the others (:mod:`peft_ext.jobs.resume`).
+            ``output.dir``), continue an unfinished one after its last finished task, and run the others
+            (:mod:`peft_ext.jobs.resume`).
 
     Raises:
         JobFailed: After every method ran, when at least one failed.
@@ -91,9 +105,12 @@ def run_job(
     }
     results: list[MethodResult] = []
     failures: list[dict[str, str]] = []
-    paths: dict[str, Any] = {}
-    for entry in config.methods:
+    # The report exists (with the config's fingerprint) before any training, so an interruption during the first
+    # method is resumable too.
+    paths = save_results(list(done.values()), config.output.dir, meta, task_names)
+    for index, entry in enumerate(config.methods):
         label = entry.name
+        progress = finished = None
         try:
             method = get_continual_method(entry.name)(entry.options)
             label = method.label
@@ -101,8 +118,11 @@ def run_job(
                 echo(f"\n[peft-ext] method {label}: finished in the run being resumed")
                 result = done[(method.name, label)]
             else:
-                echo(f"\n[peft-ext] method {label}")
-                result = run_sequence(sequence, method, base, collate, config.train)
+                progress = method_progress(config, index, method.name, label, fingerprint)
+                record = progress.record(len(sequence))
+                resumed = f": resuming after {record.completed} finished task(s)" if record.completed else ""
+                echo(f"\n[peft-ext] method {label}{resumed}")
+                result = run_sequence(sequence, method, base, collate, config.train, progress=progress)
         except Exception as err:  # a failed method is recorded and the others still run
             if debug:
                 traceback.print_exc()
@@ -111,9 +131,15 @@ def run_job(
         else:
             echo(matrix_table(result))
             results.append(result)
+            finished = progress
         # Written after every method, so the report on disk always holds every method finished so far.
         meta["wall_seconds"] = round(time.perf_counter() - start, 1)
         paths = save_results(results, config.output.dir, meta, task_names, failures)
+        if finished is not None:
+            shutil.rmtree(finished.directory, ignore_errors=True)  # the result is written; its snapshots are done
+    progress_root = Path(config.output.dir) / "progress"
+    if progress_root.is_dir() and not any(progress_root.iterdir()):
+        progress_root.rmdir()
     wall = time.perf_counter() - start
     echo(f"\n[peft-ext] metrics (percent), {len(sequence)} tasks, wall time {wall:.0f} s\n")
     echo(metrics_table(results))
