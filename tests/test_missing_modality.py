@@ -163,9 +163,16 @@ def test_peft_ext_runs_a_missing_modality_job(tmp_path, tiny_text, capsys):
     assert params["linear_probe"] < params["lora"] < params["mora"]
     assert "| MoRA |" in (tmp_path / "out" / "results.md").read_text()
     assert len(list((tmp_path / "cache").glob("dual_*.pt"))) == 1
-    # a second run loads the cached backbone instead of pretraining again
-    assert main(["run", str(cfg), "--set", "methods=[mora]"]) == 0
+    # the output dir holds that run: a second run is refused unless told to resume or to start over
+    assert main(["run", str(cfg), "--set", "methods=[mora]"]) == 2
+    assert "holds an earlier run" in capsys.readouterr().err
+    first = (tmp_path / "out" / "results.json").read_text()
+    # --overwrite moves the first run aside, and loads the cached backbone instead of pretraining again
+    assert main(["run", str(cfg), "--set", "methods=[mora]", "--overwrite"]) == 0
     assert "loaded the pretrained dual encoder" in capsys.readouterr().out
+    (aside,) = (tmp_path / "out").glob("replaced-*")
+    assert (aside / "results.json").read_text() == first and (aside / "results.md").is_file()
+    assert {r["method"] for r in json.loads((tmp_path / "out" / "results.json").read_text())["results"]} == {"mora"}
 
 
 @pytest.mark.parametrize(
