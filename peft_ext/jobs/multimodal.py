@@ -156,7 +156,8 @@ def run_missing_modality_job(
         echo: Where progress lines go.
         debug: Print the traceback of a failed cell (stderr).
         resume: Keep the cells an earlier run of the same config finished (its ``results.json`` in ``output.dir``)
-            and run only the others (:mod:`peft_ext.jobs.resume`); the pretrained backbone comes from its cache.
+            and run only the others (:mod:`peft_ext.jobs.resume`). The pretrained backbone comes from its cache
+            (``model.cache_dir``); without one it is pretrained again, seeded, to the same weights.
 
     Raises:
         JobFailed: After every cell ran, when at least one failed.
