@@ -4,16 +4,18 @@
 umask, because a temporary file is private by design. Our atomic writers create the result in such a temporary and
 rename it into place, so without a fix the final file or checkpoint directory stays private (0600 / 0700) where a
 plain ``open`` or ``save_pretrained`` would give 0644 / 0755 under the usual umask 022. :func:`follow_umask` sets the
-mode a plain write would have given.
+mode a plain write would have given; :func:`atomic_write` does both steps for one file.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["current_umask", "follow_umask"]
+__all__ = ["atomic_write", "current_umask", "follow_umask"]
 
 _UMASK_LOCK = threading.Lock()
 
@@ -57,3 +59,25 @@ def follow_umask(path: str | os.PathLike, *, recursive: bool = False) -> None:
                 if not os.path.islink(os.path.join(folder, name)):
                     os.chmod(os.path.join(folder, name), file_mode)
     os.chmod(root, dir_mode if root.is_dir() else file_mode)
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> None:
+    """Write ``path`` through a temporary file in the same folder and rename it into place, so no half-written file
+    is ever left; the result has the mode a plain create would give (:func:`follow_umask`).
+
+    Args:
+        path: The file to (re)write; its folder is created if missing.
+        write: Called with the temporary file's path; writes the whole content there.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        follow_umask(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

@@ -1,9 +1,12 @@
 """Missing-aware prompts (the MMP baseline), the BERT + ViT dual encoder MoRA pairs, and the ``job: missing_modality``
-configs of ``peft-ext run`` (tiny sizes)."""
+configs of ``peft-ext run`` (tiny sizes): results on disk after every grid cell, a failed cell recorded while the
+others run, Ctrl-C then ``--resume`` ending with the rows of an uninterrupted run, a changed config refused."""
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +16,8 @@ from peft import get_peft_model
 
 from peft_ext import MoRAConfig
 from peft_ext.cli import main
+from peft_ext.fileperm import current_umask
+from peft_ext.multimodal import experiment
 from peft_ext.multimodal.dual_encoder import build_dual_encoder, mora_patterns
 from peft_ext.multimodal.experiment import grid_specs
 from peft_ext.multimodal.prompts import COMPLETE, IMAGE_MISSING, TEXT_MISSING, MissingAwarePrompts, missing_pattern
@@ -128,7 +133,12 @@ def test_grid_runs_rate_zero_once():
 # -- the peft-ext job -------------------------------------------------------------------------------------------------
 
 
-def _config(tmp_path: Path, tiny_text: Path) -> Path:
+def _config(
+    tmp_path: Path, tiny_text: Path, cache: Path | None = None, more: Callable[[dict], None] | None = None
+) -> Path:
+    """The shipped MoRA job at tiny sizes, written to ``tmp_path``; ``cache``: the backbone cache (default
+    ``tmp_path / "cache"``); ``more``: further edits of the config document."""
+
     def edit(data: dict) -> None:
         data["model"].update(
             text=str(tiny_text),
@@ -140,9 +150,11 @@ def _config(tmp_path: Path, tiny_text: Path) -> Path:
             train_limit=96,
             epochs=1,
             timing_batches=1,
-            cache_dir=str(tmp_path / "cache"),
+            cache_dir=str(cache or tmp_path / "cache"),
         )
         data["methods"] = ["linear_probe", "lora", "mora", "prompts"]
+        if more is not None:
+            more(data)
 
     return job_config(tmp_path, "mora_emoji", edit)
 
@@ -163,9 +175,16 @@ def test_peft_ext_runs_a_missing_modality_job(tmp_path, tiny_text, capsys):
     assert params["linear_probe"] < params["lora"] < params["mora"]
     assert "| MoRA |" in (tmp_path / "out" / "results.md").read_text()
     assert len(list((tmp_path / "cache").glob("dual_*.pt"))) == 1
-    # a second run loads the cached backbone instead of pretraining again
-    assert main(["run", str(cfg), "--set", "methods=[mora]"]) == 0
+    # the output dir holds that run: a second run is refused unless told to resume or to start over
+    assert main(["run", str(cfg), "--set", "methods=[mora]"]) == 2
+    assert "holds an earlier run" in capsys.readouterr().err
+    first = (tmp_path / "out" / "results.json").read_text()
+    # --overwrite moves the first run aside, and loads the cached backbone instead of pretraining again
+    assert main(["run", str(cfg), "--set", "methods=[mora]", "--overwrite"]) == 0
     assert "loaded the pretrained dual encoder" in capsys.readouterr().out
+    (aside,) = (tmp_path / "out").glob("replaced-*")
+    assert (aside / "results.json").read_text() == first and (aside / "results.md").is_file()
+    assert {r["method"] for r in json.loads((tmp_path / "out" / "results.json").read_text())["results"]} == {"mora"}
 
 
 @pytest.mark.parametrize(
@@ -182,3 +201,131 @@ def test_missing_modality_config_errors_exit_2(tmp_path, tiny_text, capsys, over
     cfg = _config(tmp_path, tiny_text)
     assert main(["check", str(cfg), "--set", override]) == 2
     assert message in capsys.readouterr().err
+
+
+# -- results after every grid cell, failures, --resume ----------------------------------------------------------------
+# Two cells, linear probe then LoRA, under one missing setting and one seed: the cheapest grid with a cell after the
+# one that fails or is interrupted. Every run of these tests shares one backbone cache.
+RESUME_METHODS = ["linear_probe", "lora"]
+TIMING_KEYS = {"train_s"}
+
+
+def _two_cells(data: dict) -> None:
+    data["grid"].update(rates=[0.7], kinds=["both"], seeds=[0])
+    data["methods"] = RESUME_METHODS
+
+
+@pytest.fixture(scope="module")
+def backbone_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("mm-cache")
+
+
+def _rows(out: Path) -> list[dict]:
+    """The result rows without timings (the only part an interruption may change)."""
+    rows = json.loads((out / "results.json").read_text())["results"]
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_text, backbone_cache) -> dict:
+    """An uninterrupted run (it pretrains the shared backbone cache)."""
+    cfg = _config(tmp_path_factory.mktemp("reference"), tiny_text, backbone_cache, _two_cells)
+    assert main(["run", str(cfg)]) == 0
+    out = cfg.parent / "out"
+    return {"cfg": cfg, "out": out, "rows": _rows(out)}
+
+
+def _count_cells(monkeypatch, fail_at: int | None = None, error: BaseException | None = None) -> list[tuple]:
+    """Wrap :func:`experiment.run_method`: record each cell it runs; the ``fail_at``-th call (1-based) raises
+    ``error`` instead."""
+    calls: list[tuple] = []
+    real = experiment.run_method
+
+    def run_method(prep, method, spec, seed=0):
+        calls.append((method, seed))
+        if len(calls) == fail_at:
+            raise error
+        return real(prep, method, spec, seed)
+
+    monkeypatch.setattr(experiment, "run_method", run_method)
+    return calls
+
+
+def test_reference_rows_are_written_with_the_config_hash_and_umask_modes(reference):
+    out = reference["out"]
+    assert [(r["method"], r["seed"]) for r in reference["rows"]] == [("linear_probe", 0), ("lora", 0)]
+    payload = json.loads((out / "results.json").read_text())
+    assert len(payload["meta"]["config_hash"]) == 16 and "failed" not in payload
+    assert set(payload["meta"]["inference_ms_per_64"]) == set(RESUME_METHODS)
+    assert "| LoRA (both towers) |" in (out / "results.md").read_text()
+    for name in ("results.json", "results.md"):
+        assert os.stat(out / name).st_mode & 0o777 == 0o666 & ~current_umask()
+    assert not list(out.glob(".*.tmp"))  # no temporary left behind
+
+
+def test_a_failed_cell_is_recorded_the_others_still_run_and_resume_retries_it(
+    tmp_path, tiny_text, backbone_cache, reference, monkeypatch, capsys
+):
+    cfg = _config(tmp_path, tiny_text, backbone_cache, _two_cells)
+    calls = _count_cells(monkeypatch, fail_at=1, error=ValueError("`r` 99 is above the width 24\nsecond line"))
+    assert main(["run", str(cfg)]) == 1
+    assert calls == [("linear_probe", 0), ("lora", 0)]  # the cell after the failed one ran
+    err = capsys.readouterr().err
+    label = "linear_probe (rate 0.7 both, seed 0)"
+    assert f"peft-ext: method {label} failed: ValueError: `r` 99 is above the width 24\n" in err
+    assert "second line" not in err and "Traceback" not in err
+    payload = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert payload["failed"] == [
+        {
+            "rate": 0.7,
+            "kind": "both",
+            "method": "linear_probe",
+            "seed": 0,
+            "label": label,
+            "error": "ValueError: `r` 99 is above the width 24",
+        }
+    ]
+    # the other cell's row is on disk, equal to the uninterrupted run's: it does not depend on the cells before it
+    assert _rows(tmp_path / "out") == reference["rows"][1:]
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "## failed" in md and f"- {label}: ValueError: `r` 99" in md
+    assert set(payload["meta"]["inference_ms_per_64"]) == {"lora"}  # only a method that built is timed
+    # --resume retries the failed cell only, and the failure is gone from the results
+    monkeypatch.undo()
+    calls = _count_cells(monkeypatch)
+    assert main(["run", str(cfg), "--resume"]) == 0
+    assert calls == [("linear_probe", 0)]
+    assert _rows(tmp_path / "out") == reference["rows"]
+    assert "failed" not in json.loads((tmp_path / "out" / "results.json").read_text())
+
+
+def test_ctrl_c_then_resume_ends_with_the_rows_of_an_uninterrupted_run(
+    tmp_path, tiny_text, backbone_cache, reference, monkeypatch, capsys
+):
+    cfg = _config(tmp_path, tiny_text, backbone_cache, _two_cells)
+    out = tmp_path / "out"
+    _count_cells(monkeypatch, fail_at=2, error=KeyboardInterrupt())
+    assert main(["run", str(cfg)]) == 130
+    assert f"peft-ext run {cfg} --resume" in capsys.readouterr().err
+    assert _rows(out) == reference["rows"][:1]  # the cell that finished is on disk
+    assert "| frozen + linear head |" in (out / "results.md").read_text()
+
+    monkeypatch.undo()
+    calls = _count_cells(monkeypatch)
+    assert main(["run", str(cfg), "--resume"]) == 0
+    stdout = capsys.readouterr().out
+    assert "loaded the pretrained dual encoder" in stdout  # the cached backbone, not pretrained again
+    assert "linear_probe seed 0: finished in an earlier run" in stdout
+    assert calls == [("lora", 0)]  # only the cell not finished
+    assert _rows(out) == reference["rows"]
+    payload = json.loads((out / "results.json").read_text())
+    assert set(payload["meta"]["inference_ms_per_64"]) == set(RESUME_METHODS)
+
+
+def test_resume_with_a_changed_config_is_refused(reference, capsys):
+    before = (reference["out"] / "results.json").read_text()
+    assert main(["run", str(reference["cfg"]), "--set", "model.lr=0.02", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "peft-ext: config error: --resume: the results in" in err
+    assert "were made with a different config (hash" in err
+    assert (reference["out"] / "results.json").read_text() == before  # nothing touched

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Union
 
-from ..continual.config import ConfigError, RunConfig, config_from_dict, read_config, unknown_value
+from ..continual.config import RunConfig, config_from_dict, read_config, unknown_value
 from .errors import JobFailed
 from .multimodal import MissingModalityConfig, missing_modality_config_from_dict
 from .preflight import check_finite
@@ -53,7 +53,7 @@ def run_job_config(
     Args:
         config: A config from :func:`load_job_config`.
         progress: Show progress bars (continual jobs).
-        debug: Print the traceback of a failed method (continual jobs).
+        debug: Print the traceback of a failed method or grid cell.
         resume: Continue an interrupted job from the work it finished (``--resume``).
         overwrite: Start over in an ``output.dir`` that holds an earlier run, moving its files aside (``--overwrite``).
 
@@ -65,9 +65,7 @@ def run_job_config(
     if isinstance(config, MissingModalityConfig):
         from .multimodal import run_missing_modality_job
 
-        if resume:
-            raise ConfigError("--resume is supported for continual jobs only; the missing_modality job starts over")
-        return run_missing_modality_job(config)
+        return run_missing_modality_job(config, debug=debug, resume=resume)
     from .continual import run_job
 
     if not progress:

@@ -1,6 +1,6 @@
 """The ``job: missing_modality`` run config of ``peft-ext run``: fine-tune several methods on the emoji pairs under a
 grid of missing-modality settings (:mod:`peft_ext.multimodal.experiment`) and write ``results.json`` and
-``results.md``.
+``results.md`` after every grid cell; ``--resume`` runs only the cells an interrupted run did not finish.
 
 Validated like the continual-learning configs (:mod:`peft_ext.continual.config`): unknown keys fail with a
 did-you-mean, wrong types and impossible values name the key; the CLI exits with status 2.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import platform
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,9 +21,12 @@ import torch
 
 from ..continual import config as continual_config
 from ..continual.config import ConfigError, build_section, check_local_model_path, unknown_key, unknown_value
+from ..fileperm import atomic_write
 from ..multimodal import experiment
 from ..multimodal.experiment import METHODS, ExperimentSettings
 from ..multimodal.missing import MISSING_TYPES
+from .errors import JobFailed, one_line
+from .resume import config_hash, earlier_results
 
 __all__ = ["JOB_NAME", "MissingModalityConfig", "missing_modality_config_from_dict", "run_missing_modality_job"]
 
@@ -122,35 +126,92 @@ def missing_modality_config_from_dict(data: Any) -> MissingModalityConfig:
     return MissingModalityConfig(name=name, methods=list(methods), **built)
 
 
-def run_missing_modality_job(config: MissingModalityConfig, echo: Callable[[str], Any] = print) -> list[dict]:
-    """Pretrain (or load) the backbone, run the grid, print the table, write ``results.json`` / ``results.md``."""
+def _save(
+    out: Path,
+    meta: dict[str, Any],
+    rows: list[dict[str, Any]],
+    failures: list[dict[str, Any]],
+    infer_ms: dict[str, float] | None = None,
+) -> None:
+    # results.json and results.md replaced atomically: an interruption leaves the previous complete pair.
+    payload = {"meta": meta, "results": rows, **({"failed": failures} if failures else {})}
+    md = [f"# {meta['name']}", "", experiment.markdown_table(rows, infer_ms), ""]
+    if failures:
+        md += ["## failed", ""] + [f"- {f['label']}: {f['error']}" for f in failures] + [""]
+    atomic_write(out / "results.json", lambda tmp: Path(tmp).write_text(json.dumps(payload, indent=2)))
+    atomic_write(out / "results.md", lambda tmp: Path(tmp).write_text("\n".join(md)))
+
+
+def run_missing_modality_job(
+    config: MissingModalityConfig, echo: Callable[[str], Any] = print, debug: bool = False, resume: bool = False
+) -> list[dict]:
+    """Pretrain (or load) the backbone, run the grid, print the table, write ``results.json`` / ``results.md``.
+
+    Both files are rewritten after every grid cell (spec x method x seed), so they always hold every cell finished
+    so far; the inference timings are added at the end. A cell that raises is recorded (under ``failed`` in the
+    results) and the next one runs.
+
+    Args:
+        config: The validated config.
+        echo: Where progress lines go.
+        debug: Print the traceback of a failed cell (stderr).
+        resume: Keep the cells an earlier run of the same config finished (its ``results.json`` in ``output.dir``)
+            and run only the others (:mod:`peft_ext.jobs.resume`). The pretrained backbone comes from its cache
+            (``model.cache_dir``); without one it is pretrained again, seeded, to the same weights.
+
+    Raises:
+        JobFailed: After every cell ran, when at least one failed.
+        ConfigError: ``resume`` with no results, or results of a different config, in ``output.dir``.
+    """
     start = time.perf_counter()
+    fingerprint = config_hash(config)
+    done = earlier_results(config.output.dir, fingerprint) if resume else []
     settings = ExperimentSettings(**asdict(config.model))
     echo(f"[peft-ext] {config.name}: emoji pairs, missing-modality fine-tuning, methods {', '.join(config.methods)}")
+    if done:
+        echo(f"[peft-ext] resuming: {len(done)} grid cells finished in the run being resumed")
     prep = experiment.prepare(settings, echo=echo)
     specs = experiment.grid_specs(config.grid.rates, config.grid.kinds)
-    rows = experiment.run_grid(prep, specs, config.methods, config.grid.seeds, echo=echo)
-    infer_ms = experiment.time_inference(prep, config.methods, specs[-1])
-    wall = time.perf_counter() - start
-    table = experiment.markdown_table(rows, infer_ms)
     meta = {
         "name": config.name,
         "settings": asdict(config.model),
         "grid": asdict(config.grid),
         "pretrain": prep.pretrain_log,
-        "inference_ms_per_64": infer_ms,
+        "inference_ms_per_64": {},
         "train_examples": len(prep.train.y),
         "test_examples": len(prep.test.y),
-        "wall_seconds": round(wall, 1),
+        "wall_seconds": 0.0,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "machine": platform.machine(),
+        "config_hash": fingerprint,
     }
     out = Path(config.output.dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
-    (out / "results.md").write_text(f"# {config.name}\n\n{table}\n")
+    failures: list[dict[str, Any]] = []
+
+    def save(rows: list[dict[str, Any]], infer_ms: dict[str, float] | None = None) -> None:
+        meta["wall_seconds"] = round(time.perf_counter() - start, 1)
+        _save(out, meta, rows, failures, infer_ms)
+
+    def failed(cell: dict[str, Any], err: Exception) -> None:
+        if debug:
+            traceback.print_exc()
+        label = f"{cell['method']} (rate {cell['rate']:g} {cell['kind']}, seed {cell['seed']})"
+        failures.append({**cell, "label": label, "error": one_line(err)})
+        echo(f"[peft-ext] {label} failed: {one_line(err)}")
+
+    rows = experiment.run_grid(
+        prep, specs, config.methods, config.grid.seeds, echo=echo, done=done, on_row=save, on_error=failed
+    )
+    # the timings need a method that builds: only those with a finished cell are timed
+    timed = [m for m in config.methods if any(r["method"] == m for r in rows)]
+    infer_ms = experiment.time_inference(prep, timed, specs[-1]) if timed else {}
+    meta["inference_ms_per_64"] = infer_ms
+    save(rows, infer_ms)
+    wall = time.perf_counter() - start
     echo(f"\n[peft-ext] test split under the same missing spec as training; wall time {wall:.0f} s\n")
-    echo(table)
+    echo(experiment.markdown_table(rows, infer_ms))
     echo(f"\n[peft-ext] wrote {out / 'results.json'}, {out / 'results.md'}")
+    if failures:
+        raise JobFailed(failures, config.output.dir)
     return rows

@@ -5,7 +5,9 @@ A continual job writes ``results.json`` after every method and a snapshot after 
 (:func:`peft_ext.jobs.continual.run_job`, :mod:`peft_ext.continual.progress`), so an interrupted job has every
 finished method and task on disk. Each method starts from the same seeded copy of the backbone and a resumed method
 restores the model, the method's state and the random generators of its last finished task, so the resumed job ends
-with the report of an uninterrupted run (timings aside).
+with the report of an uninterrupted run (timings aside). A missing-modality job writes ``results.json`` after every
+grid cell (:func:`peft_ext.jobs.multimodal.run_missing_modality_job`) and a resumed one runs only the missing cells,
+each of which seeds everything it draws. :func:`earlier_results` reads the finished work of either back.
 
 A job refuses an ``output.dir`` that holds an earlier run unless told what to do with it (:func:`claim_output_dir`):
 ``--resume`` continues it, ``--overwrite`` moves its files into ``output.dir/replaced-<time>/`` and starts over.
@@ -23,7 +25,7 @@ from typing import Any
 from ..continual.config import ConfigError, RunConfig
 from ..continual.engine import MethodResult
 
-__all__ = ["EARLIER_RUN_FILES", "claim_output_dir", "config_hash", "finished_results"]
+__all__ = ["EARLIER_RUN_FILES", "claim_output_dir", "config_hash", "earlier_results", "finished_results"]
 
 # What marks an output dir as holding a run: the report, and the snapshots of unfinished methods.
 EARLIER_RUN_FILES = ("results.json", "results.md", "accuracy_matrix.png", "progress")
@@ -44,32 +46,54 @@ def config_hash(config: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def earlier_results(out_dir: str, fingerprint: str) -> list[dict[str, Any]]:
+    """The result rows an earlier run of the same config wrote to ``out_dir/results.json`` (any job: each row as
+    stored, one per finished method or grid cell).
+
+    Args:
+        out_dir: The config's ``output.dir``.
+        fingerprint: The :func:`config_hash` of the config being resumed.
+
+    Raises:
+        ConfigError: Nothing to resume (no results in ``out_dir``), a file that is not a results file, or results
+            made with a different config.
+    """
+    path = Path(out_dir) / "results.json"
+    if not path.is_file():
+        raise ConfigError(f"--resume: nothing to resume in `output.dir` {out_dir!r} (no results.json)")
+    try:
+        payload = json.loads(path.read_text())
+        stored = payload["meta"].get("config_hash")
+        rows = payload["results"]
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise TypeError("`results` is not a list of mappings")
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ConfigError(f"--resume: {str(path)!r} is not a results file of peft-ext ({err})") from None
+    if stored != fingerprint:
+        raise ConfigError(
+            f"--resume: the results in {out_dir!r} were made with a different config (hash {stored} vs "
+            f"{fingerprint}); run without --resume to start over, or give another `output.dir`"
+        )
+    return rows
+
+
 def finished_results(config: RunConfig, fingerprint: str) -> list[MethodResult]:
-    """The methods an earlier run of the same config finished, read from its ``results.json``.
+    """The methods an earlier run of the same continual config finished, read from its ``results.json``
+    (:func:`earlier_results`).
 
     Args:
         config: The config being resumed.
         fingerprint: Its :func:`config_hash`.
 
     Raises:
-        ConfigError: Nothing to resume (no results in ``output.dir``), or the results there were made with a
-            different config.
+        ConfigError: As :func:`earlier_results`, or rows that are not a continual job's results.
     """
-    path = Path(config.output.dir) / "results.json"
-    if not path.is_file():
-        raise ConfigError(f"--resume: nothing to resume in `output.dir` {config.output.dir!r} (no results.json)")
+    rows = earlier_results(config.output.dir, fingerprint)
     try:
-        payload = json.loads(path.read_text())
-        stored = payload["meta"].get("config_hash")
-        results = [MethodResult(**r) for r in payload["results"]]
-    except (ValueError, KeyError, TypeError) as err:
-        raise ConfigError(f"--resume: {str(path)!r} is not a results file of peft-ext ({err})") from None
-    if stored != fingerprint:
-        raise ConfigError(
-            f"--resume: the results in {config.output.dir!r} were made with a different config (hash {stored} vs "
-            f"{fingerprint}); run without --resume to start over, or give another `output.dir`"
-        )
-    return results
+        return [MethodResult(**r) for r in rows]
+    except TypeError as err:
+        path = str(Path(config.output.dir) / "results.json")
+        raise ConfigError(f"--resume: {path!r} is not a results file of a continual job ({err})") from None
 
 
 def claim_output_dir(out_dir: str, resume: bool, overwrite: bool) -> None:

@@ -44,6 +44,7 @@ __all__ = [
     "METHODS",
     "ExperimentSettings",
     "Prepared",
+    "cell_key",
     "grid_specs",
     "markdown_table",
     "prepare",
@@ -405,24 +406,62 @@ def grid_specs(rates: Sequence[float], kinds: Sequence[str]) -> list[MissingSpec
     return specs
 
 
+def cell_key(rate: float, kind: str, method: str, seed: int) -> tuple[float, str, str, int]:
+    """What identifies a cell of the grid (and its row): rate, missing type, method, seed."""
+    return float(rate), str(kind), str(method), int(seed)
+
+
 def run_grid(
     prep: Prepared,
     specs: Sequence[MissingSpec],
     methods: Sequence[str] = METHODS,
     seeds: Sequence[int] = (0,),
     echo: Callable[[str], Any] = print,
+    done: Sequence[dict[str, Any]] = (),
+    on_row: Callable[[list[dict[str, Any]]], Any] | None = None,
+    on_error: Callable[[dict[str, Any], Exception], Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """Run every method on every spec and seed; one row per (spec, method, seed)."""
+    """Run every method on every spec and seed; one row per (spec, method, seed), in that order.
+
+    Each cell's result depends only on its own spec, method and seed (:func:`run_method` seeds everything it
+    draws), so cells can be skipped or rerun in any process.
+
+    Args:
+        prep: From :func:`prepare`.
+        specs: The missing settings (:func:`grid_specs`).
+        methods: Names from :data:`METHODS`.
+        seeds: Fine-tuning seeds.
+        echo: Where progress lines go.
+        done: Rows an earlier run finished (matched by :func:`cell_key`): kept in their place, not run again.
+        on_row: Called with the rows so far after each cell that ran, finished or failed (e.g. to write them).
+        on_error: Called with the cell (``rate``, ``kind``, ``method``, ``seed``) and the error when a cell
+            raises; the grid goes on without its row. ``None``: the error propagates.
+    """
+    earlier = {cell_key(r["rate"], r["kind"], r["method"], r["seed"]): r for r in done}
     rows = []
     for spec in specs:
         for method in methods:
             for seed in seeds:
-                result = run_method(prep, method, spec, seed)
-                rows.append({"rate": spec.rate, "kind": spec.kind, "method": method, "seed": seed, **result})
-                echo(
-                    f"  rate {spec.rate} {spec.kind:<5} {method:<12} seed {seed}: acc {result['acc']:.3f} "
-                    f"f1 {result['f1']:.3f} auroc {result['auroc']:.3f} ({result['train_s']:.0f} s)"
-                )
+                cell = {"rate": spec.rate, "kind": spec.kind, "method": method, "seed": seed}
+                row = earlier.get(cell_key(**cell))
+                if row is not None:
+                    rows.append(row)
+                    echo(f"  rate {spec.rate} {spec.kind:<5} {method:<12} seed {seed}: finished in an earlier run")
+                    continue
+                try:
+                    result = run_method(prep, method, spec, seed)
+                except Exception as err:  # the caller records it; the other cells still run
+                    if on_error is None:
+                        raise
+                    on_error(cell, err)
+                else:
+                    rows.append({**cell, **result})
+                    echo(
+                        f"  rate {spec.rate} {spec.kind:<5} {method:<12} seed {seed}: acc {result['acc']:.3f} "
+                        f"f1 {result['f1']:.3f} auroc {result['auroc']:.3f} ({result['train_s']:.0f} s)"
+                    )
+                if on_row is not None:
+                    on_row(rows)
     return rows
 
 
