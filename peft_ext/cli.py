@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from pathlib import Path
 
 from peft_ext_cli import build_parser, main
 
@@ -73,12 +74,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
             config, progress=not args.no_progress, debug=args.debug, resume=args.resume, overwrite=args.overwrite
         )
     except KeyboardInterrupt:
-        command = ["peft-ext", "run", args.config, *(f"--set={s}" for s in args.set), "--resume"]
-        print(
-            f"\npeft-ext: interrupted; the methods that finished are in {config.output.dir}. Resume with:\n"
-            f"  {shlex.join(command)}",
-            file=sys.stderr,
-        )
+        command = ["peft-ext", "run", args.config, *(f"--set={s}" for s in args.set)]
+        if (Path(config.output.dir) / "results.json").is_file():
+            command.append("--resume")
+            said = f"the work that finished is in {config.output.dir}. Resume with:"
+        else:
+            said = "nothing had finished yet. Start again with:"
+        print(f"\npeft-ext: interrupted; {said}\n  {shlex.join(command)}", file=sys.stderr)
         return 130
     return 0
 

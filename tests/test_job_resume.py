@@ -90,3 +90,91 @@ def test_resume_with_nothing_to_resume(tmp_path, tiny_backbone, capsys):
     cfg = _cfg(tmp_path, tiny_backbone)
     assert main(["run", str(cfg), "--no-progress", "--resume"]) == 2
     assert "nothing to resume" in capsys.readouterr().err
+
+
+MID = ["seq_lora", "inflora", "splitlora", "pclr"]  # the order of configs/quickstart.yaml
+
+
+def _mid_cfg(tmp_path, backbone):
+    def edit(data: dict) -> None:
+        data["model"]["backbone"] = str(backbone)
+        data["data"].update(n_tasks=3, classes_per_task=2, train_per_class=8, test_per_class=4)
+        data["train"].update(epochs=1, batch_size=4)
+        data["methods"] = [m for m in data["methods"] if m["name"] in MID]
+        for m in data["methods"]:
+            if m["name"] == "pclr":
+                m["adapter"].update(pool_size=8, ranks_schedule=[2], top_k=2)
+            elif "adapter" in m:
+                m["adapter"]["r"] = 2
+
+    return job_config(tmp_path, "quickstart", edit)
+
+
+def _interrupt_after(monkeypatch, label: str, completed: int) -> None:
+    """Ctrl-C right after the snapshot of ``label``'s task ``completed - 1`` is written."""
+    from peft_ext.continual.progress import TaskProgress
+
+    original = TaskProgress.save
+
+    def save(self, model, method_state, record):
+        original(self, model, method_state, record)
+        if self.identity["label"] == label and record.completed == completed:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(TaskProgress, "save", save)
+
+
+def test_resume_continues_an_interrupted_method_after_its_last_finished_task(
+    tmp_path, tiny_backbone, capsys, monkeypatch
+):
+    """Two interruptions mid-method (InfLoRA, which re-wraps per task, after task 1, then SplitLoRA after task 0):
+    each resume restores the model, the method's state and the random generators of the last finished task and
+    ends with the report of an uninterrupted run; the snapshots are gone once every method finished."""
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    assert main(["run", str(_mid_cfg(straight, tiny_backbone)), "--no-progress"]) == 0
+    labels = [r["label"] for r in _report(straight / "out")]
+    assert labels == MID
+
+    run_dir = tmp_path / "interrupted"
+    run_dir.mkdir()
+    cfg, out = _mid_cfg(run_dir, tiny_backbone), run_dir / "out"
+    with monkeypatch.context() as patch:
+        _interrupt_after(patch, "inflora", 2)
+        assert main(["run", str(cfg), "--no-progress"]) == 130
+    assert f"peft-ext run {cfg} --resume" in capsys.readouterr().err
+    assert [r["label"] for r in _report(out)] == MID[:1]
+    state = json.loads((out / "progress" / "01-inflora" / "state.json").read_text())
+    assert state["completed"] == 2 and state["accuracy_matrix"][2] == [None, None, None]
+    assert [p.name for p in (out / "progress" / "01-inflora").glob("*.pt")] == ["task-1.pt"]  # only the latest
+
+    with monkeypatch.context() as patch:
+        _interrupt_after(patch, "splitlora", 1)
+        assert main(["run", str(cfg), "--no-progress", "--resume"]) == 130
+    assert "method inflora: resuming after 2 finished task(s)" in capsys.readouterr().out
+    assert [r["label"] for r in _report(out)] == MID[:2]
+
+    assert main(["run", str(cfg), "--no-progress", "--resume"]) == 0
+    printed = capsys.readouterr().out
+    assert "method splitlora: resuming after 1 finished task(s)" in printed
+    assert "method seq_lora: finished in the run being resumed" in printed
+    assert _report(out) == _report(straight / "out")
+    assert not (out / "progress").exists()
+
+
+def test_an_earlier_run_is_never_overwritten_by_accident(tmp_path, tiny_backbone, capsys):
+    cfg = _cfg(tmp_path, tiny_backbone)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.json").write_text('{"an": "earlier run"}')
+    assert main(["run", str(cfg), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "holds an earlier run (results.json)" in err and "--resume" in err and "--overwrite" in err
+    assert (out / "results.json").read_text() == '{"an": "earlier run"}'
+    assert main(["run", str(cfg), "--no-progress", "--resume", "--overwrite"]) == 2
+    assert "exclude each other" in capsys.readouterr().err
+
+    assert main(["run", str(cfg), "--no-progress", "--overwrite"]) == 0
+    (aside,) = out.glob("replaced-*")
+    assert (aside / "results.json").read_text() == '{"an": "earlier run"}'
+    assert [r["method"] for r in _report(out)] == METHODS

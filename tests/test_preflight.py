@@ -69,6 +69,40 @@ def test_output_dir_probe_write_failure_is_named(cfg, capsys, tmp_path, monkeypa
     assert "`output.dir`" in line and "is not writable" in line and "Permission denied" in line
 
 
+def test_a_read_only_output_dir_is_refused_for_real(cfg, tmp_path):
+    """A real read-only folder and a process that cannot write there (root writes anywhere, so as root the child
+    runs without CAP_DAC_OVERRIDE): ``run`` refuses it before any work (its preflight is ``check``'s), naming it."""
+    import ctypes
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "readonly"
+    out.mkdir()
+    out.chmod(0o555)
+
+    def drop_write_override() -> None:
+        if os.geteuid() == 0:  # prctl(PR_CAPBSET_DROP, CAP_DAC_OVERRIDE): the exec'ed child loses it
+            if ctypes.CDLL(None, use_errno=True).prctl(24, 1, 0, 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "HF_HUB_OFFLINE": "1"}
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    argv = [sys.executable, "-m", "peft_ext", "run", str(cfg), "--set", f"output.dir={out}"]
+    try:
+        proc = subprocess.run(
+            argv, env=env, capture_output=True, text=True, preexec_fn=drop_write_override, timeout=300
+        )
+    except subprocess.SubprocessError as err:
+        pytest.skip(f"cannot start a process without write override here: {err}")
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and "`output.dir`" in err[0] and "is not writable" in err[0], err
+    assert str(out) in err[0] and "Permission denied" in err[0]
+    assert list(out.iterdir()) == []
+
+
 def test_data_constraints(cfg, capsys):
     line = _error(capsys, ["check", str(cfg), "--set", "data.n_tasks=50"])
     assert "`data` (n_tasks=50, classes_per_task=2)" in line and "100 classes needed" in line

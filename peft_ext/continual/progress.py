@@ -21,8 +21,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from ..fileperm import atomic_write
 from .engine import RunRecord
-from .report import atomic_write
 
 __all__ = [
     "TaskProgress",

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..fileperm import follow_umask
+from ..fileperm import atomic_write
 from .engine import MethodResult
 
 METRIC_COLUMNS = (
@@ -44,21 +42,6 @@ def matrix_table(result: MethodResult, task_names: Sequence[str] | None = None) 
     for i, row in enumerate(result.accuracy_matrix):
         lines.append(f"| {names[i]} | " + " | ".join(_pct(x) for x in row) + " |")
     return "\n".join(lines)
-
-
-def atomic_write(path: Path, write) -> None:
-    """Write through a temporary file in the same folder and rename, so no half-written file is ever left."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        follow_umask(tmp)  # mkstemp made it 0600; a plain open() would follow the umask
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def plot_accuracy_matrices(results: Sequence[MethodResult], path: str | Path, title: str = "") -> Path:
