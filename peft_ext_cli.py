@@ -135,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("list", help="list registered adapter types, optimizers and continual methods")
     p = sub.add_parser("verify", help="check a saved adapter checkpoint directory and say how to load it")
     p.add_argument("checkpoint", help="the directory save_pretrained wrote")
+    p.add_argument(
+        "--base",
+        metavar="MODEL",
+        help="base model folder or cached hub id to check tensor shapes against (default: the one the adapter "
+        "config names, when it is available here)",
+    )
     p = sub.add_parser("configs", help="list the shipped example configs, or copy one out to edit")
     p.add_argument(
         "--copy",

@@ -24,7 +24,14 @@ from torch import nn
 
 from .fileperm import follow_umask
 
-__all__ = ["check_tensors_against_config", "loading_hint", "save_pretrained_atomic", "verify_checkpoint"]
+__all__ = [
+    "check_tensors_against_base",
+    "check_tensors_against_config",
+    "loading_hint",
+    "meta_base_models",
+    "save_pretrained_atomic",
+    "verify_checkpoint",
+]
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -74,17 +81,20 @@ def _adapter_dirs(path: Path) -> list[Path]:
     return dirs
 
 
-def verify_checkpoint(path: str | os.PathLike) -> dict[str, str]:
+def verify_checkpoint(path: str | os.PathLike, base_model: nn.Module | str | None = None) -> dict[str, str]:
     """Check a PEFT adapter checkpoint directory without loading a model; raise a ``ValueError`` naming the problem.
 
     Checks, for the directory and each adapter sub-directory: ``adapter_config.json`` exists and is a JSON object
     whose ``peft_type`` is registered with PEFT (import ``peft_ext`` first for its types), and the weights file exists
     and is readable to its end (a truncated or corrupt safetensors file is reported with its size), and the saved
     tensors match the config (:func:`check_tensors_against_config`: names of the config's adapter type, ranks and
-    pool sizes as the config states).
+    pool sizes as the config states). With ``base_model`` every saved tensor's name and shape is also compared with
+    what ``get_peft_model`` makes of that base under the config, built on the meta device
+    (:func:`check_tensors_against_base`): widths the base fixes are checked too.
 
     Args:
         path: The directory ``save_pretrained`` wrote.
+        base_model: The base model, or its local folder / hub id (read with ``local_files_only``), or ``None``.
 
     Returns:
         ``{adapter directory: peft_type}`` for every adapter found.
@@ -121,6 +131,8 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, str]:
         else:
             shapes = _torch_shapes(weights)
         check_tensors_against_config(config, shapes, weights)
+        if base_model is not None:
+            check_tensors_against_base(config, shapes, weights, base_model)
         found[str(folder)] = peft_type
     return found
 
@@ -225,6 +237,112 @@ def check_tensors_against_config(
         raise ValueError(
             f"{weights} holds no tensor named {own!r}... although the config says peft_type {peft_type!r}: "
             "the config does not belong to these weights"
+        )
+
+
+# PEFT task types -> the transformers Auto class whose model PEFT wraps for them.
+_TASK_AUTO_CLASSES = {
+    "CAUSAL_LM": "AutoModelForCausalLM",
+    "SEQ_CLS": "AutoModelForSequenceClassification",
+    "TOKEN_CLS": "AutoModelForTokenClassification",
+    "SEQ_2_SEQ_LM": "AutoModelForSeq2SeqLM",
+    "QUESTION_ANS": "AutoModelForQuestionAnswering",
+}
+
+
+def meta_base_models(base_model: nn.Module | str, task_type: str | None = None) -> list[nn.Module]:
+    """The structures a base model may have had under the adapter, on the meta device (no weights read or allocated).
+
+    A ``transformers`` model gives one: its own class on its config. A folder or cached hub id (config read with
+    ``local_files_only``) gives the classes a user may have loaded it with, most likely first: the class it was
+    saved from (``architectures``), the Auto class of PEFT's ``task_type``, and the bare ``AutoModel``.
+
+    Args:
+        base_model: A ``transformers`` model, or a local folder / cached hub id.
+        task_type: PEFT's ``task_type`` of the adapter, if any.
+
+    Raises:
+        ValueError: ``base_model`` is neither, or its config cannot be read here.
+    """
+    import torch
+    import transformers
+
+    if isinstance(base_model, nn.Module):
+        config = getattr(base_model, "config", None)
+        if config is None or not hasattr(type(base_model), "config_class"):
+            raise ValueError(
+                f"base_model is a {type(base_model).__name__}, not a transformers model: pass its folder or hub id"
+            )
+        with torch.device("meta"):
+            return [type(base_model)(config)]
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(base_model), local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"the base model {str(base_model)!r} is not available here ({err})") from None
+    names = [*(getattr(config, "architectures", None) or [])[:1], _TASK_AUTO_CLASSES.get(str(task_type)), "AutoModel"]
+    models = []
+    for name in dict.fromkeys(n for n in names if n and hasattr(transformers, n)):
+        cls = getattr(transformers, name)
+        with torch.device("meta"):
+            models.append(cls.from_config(config) if name.startswith("Auto") else cls(config))
+    return models
+
+
+def check_tensors_against_base(
+    config: dict[str, Any], shapes: dict[str, tuple[int, ...]], weights: str | os.PathLike, base_model: nn.Module | str
+) -> None:
+    """Compare saved tensors with what the config makes of ``base_model``: the same names, the same shapes.
+
+    The adapter is built with ``get_peft_model`` on a meta copy of the base (:func:`meta_base_models`; for a folder,
+    the first of its candidate classes whose tensor names match), so widths that only the base fixes (a LoRA
+    ``A``'s input width, a layer the config targets that the weights lack) are checked without loading anything.
+
+    Args:
+        config: The parsed ``adapter_config.json``.
+        shapes: ``{tensor name: shape}`` as saved.
+        weights: The weights file, for the message.
+        base_model: As for :func:`meta_base_models`.
+
+    Raises:
+        ValueError: A tensor is missing, unexpected, or has another shape; or the config cannot be built on the base.
+    """
+    from dataclasses import fields
+
+    from peft import get_peft_model, get_peft_model_state_dict
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+
+    config_cls = PEFT_TYPE_TO_CONFIG_MAPPING[config["peft_type"]]
+    known = {f.name for f in fields(config_cls)}
+    candidates = []
+    for model in meta_base_models(base_model, config.get("task_type")):
+        peft_config = config_cls(**{k: v for k, v in config.items() if k in known})
+        try:
+            state = get_peft_model_state_dict(get_peft_model(model, peft_config))
+        except (ValueError, TypeError, RuntimeError) as err:
+            candidates.append(err)
+            continue
+        expected = {k: tuple(v.shape) for k, v in state.items()}
+        if set(expected) == set(shapes):
+            candidates = [expected]
+            break
+        candidates.append(expected)
+    found = next((c for c in candidates if isinstance(c, dict)), None)
+    if found is None:
+        raise ValueError(f"{weights}: the config cannot be applied to the base model ({candidates[0]})")
+    expected = found
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(set(shapes) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(shapes) if expected[k] != shapes[k])
+    if missing or unexpected:
+        raise ValueError(
+            f"{weights}: the tensors do not match what the config makes of the base model: "
+            f"{len(missing)} missing (e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]})"
+        )
+    if wrong:
+        key = wrong[0]
+        raise ValueError(
+            f"{weights}: tensor {key!r} has shape {shapes[key]}, but the config on the base model gives "
+            f"{expected[key]} ({len(wrong)} tensors differ): the weights belong to another base model or config"
         )
 
 

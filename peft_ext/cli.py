@@ -88,17 +88,43 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from peft_ext.checkpoint import loading_hint, verify_checkpoint
 
+    base, note = args.base, None
+    if base is None:  # the base the adapter config names, when it can be read here (offline, no download)
+        base, note = _named_base(args.checkpoint)
     try:
-        found = verify_checkpoint(args.checkpoint)
+        found = verify_checkpoint(args.checkpoint, base_model=base)
     except ValueError as err:
         print(f"peft-ext: checkpoint error: {err}", file=sys.stderr)
         return 2
+    against = f" and with base model {base}" if base else ""
     for folder, peft_type in found.items():
-        print(f"{folder}: {peft_type} adapter, complete and consistent with its config")
+        print(f"{folder}: {peft_type} adapter, complete and consistent with its config{against}")
+    if note:
+        print(note)
     hint = loading_hint(found.values())
     if hint:
         print(f"to load: {hint}")
     return 0
+
+
+def _named_base(checkpoint: str) -> tuple[str | None, str | None]:
+    """``(base, None)`` if the adapter config's ``base_model_name_or_path`` is readable here, else ``(None, why)``."""
+    import json
+
+    from peft_ext.checkpoint import meta_base_models
+
+    try:
+        config = json.loads((Path(checkpoint) / "adapter_config.json").read_text())
+        name = config.get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None, None  # verify_checkpoint reports what is wrong with the config
+    if not name:
+        return None, "shapes the base model fixes: not checked (the config names no base model; pass --base)"
+    try:
+        meta_base_models(name, config.get("task_type"))
+    except ValueError:
+        return None, f"shapes the base model fixes: not checked ({name!r} is not available here; pass --base)"
+    return name, None
 
 
 def run_command(args: argparse.Namespace) -> int:

@@ -254,3 +254,41 @@ def test_cli_verify_reports_and_says_how_to_load(tmp_path, capsys):
     get_peft_model(tiny_bert(), LoraConfig(r=2, target_modules=["query"])).save_pretrained(lora)
     assert cli_main(["verify", str(lora)]) == 0
     assert "to load" not in capsys.readouterr().out, "PEFT's own types need no hint"
+
+
+@pytest.mark.parametrize("name", [*sorted(CONFIGS), "lora"])
+def test_verify_against_the_base_model_checks_widths_and_targets(name, tmp_path):
+    """Shapes only the base fixes (input widths) and the set of adapted layers, from a meta copy of the base."""
+    make = CONFIGS.get(name, lambda: LoraConfig(r=4, target_modules=["query", "value"], task_type="SEQ_CLS"))
+    path = tmp_path / "ckpt"
+    get_peft_model(tiny_bert(), make()).save_pretrained(path)
+    tiny_bert().save_pretrained(tmp_path / "base32")
+    tiny_bert(hidden_size=64).save_pretrained(tmp_path / "base64")
+    for base in (tiny_bert(), str(tmp_path / "base32")):
+        assert verify_checkpoint(path, base_model=base) == {str(path): name.upper()}
+    with pytest.raises(ValueError, match=r"has shape \(.*\), but the config on the base model gives \(.*64") as err:
+        verify_checkpoint(path, base_model=str(tmp_path / "base64"))
+    assert str(path / "adapter_model.safetensors") in str(err.value)
+    _edit_config(path, target_modules=["query", "key", "value"])
+    first_key = r"base_model\.model\.bert\.encoder\.layer\.0\.attention\.self\.key"
+    with pytest.raises(ValueError, match=rf"\d+ missing \(e\.g\. \['{first_key}"):
+        verify_checkpoint(path, base_model=tiny_bert())
+
+
+def test_cli_verify_checks_against_the_named_base(tmp_path, capsys):
+    base = tmp_path / "base"
+    tiny_bert().save_pretrained(base)
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(base)  # so the config names the base folder
+    path = save_pretrained_atomic(get_peft_model(model, CONFIGS["splitlora"]()), tmp_path / "ckpt")
+    assert cli_main(["verify", str(path)]) == 0
+    assert f"consistent with its config and with base model {base}" in capsys.readouterr().out
+    tiny_bert(hidden_size=64).save_pretrained(tmp_path / "wide")
+    capsys.readouterr()  # transformers' save progress bar
+    assert cli_main(["verify", str(path), "--base", str(tmp_path / "wide")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the config on the base model gives" in err[0]
+    _edit_config(path, base_model_name_or_path=str(tmp_path / "gone"))
+    assert cli_main(["verify", str(path)]) == 0
+    assert "shapes the base model fixes: not checked" in capsys.readouterr().out
