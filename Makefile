@@ -9,6 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.peft-ext-installed
 CONFIG ?= configs/quickstart.yaml
 PYTEST_ARGS ?=
+ARGS ?=
 
 .PHONY: run test lint install benchmarks clean
 
@@ -25,7 +26,7 @@ $(STAMP): pyproject.toml | $(PY)
 install: $(STAMP)
 
 run: $(STAMP)
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/peft-ext run $(CONFIG)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/peft-ext run $(CONFIG) $(ARGS)
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)
