@@ -31,18 +31,20 @@ class Task:
         classes: Global label ids this task introduces, in a fixed order.
         train: Training examples (labels are global ids, all in ``classes``).
         test: Test examples (labels are global ids, all in ``classes``).
+        validation: Held-out examples for choosing hyperparameters, disjoint from both (may be empty).
     """
 
     name: str
     classes: list[int]
     train: list[Example]
     test: list[Example]
+    validation: list[Example] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         allowed = set(self.classes)
         if len(allowed) != len(self.classes):
             raise ValueError(f"Task {self.name!r} lists a class twice: {self.classes}")
-        for split, examples in (("train", self.train), ("test", self.test)):
+        for split, examples in (("train", self.train), ("test", self.test), ("validation", self.validation)):
             bad = {ex.label for ex in examples} - allowed
             if bad:
                 raise ValueError(
@@ -90,6 +92,28 @@ class TaskSequence:
     @property
     def num_classes(self) -> int:
         return len(self.class_names)
+
+    def evaluated_on(self, split: Literal["test", "validation"]) -> TaskSequence:
+        """This sequence scored on ``split``: a copy whose tasks' ``test`` examples are that split's (the same
+        training data). ``evaluated_on("validation")`` is what hyperparameter searches run on, so the test split is
+        never looked at while choosing.
+
+        Raises:
+            ValueError: ``split`` is unknown, or a task has no examples in it.
+        """
+        if split == "test":
+            return self
+        if split != "validation":
+            raise ValueError(f"`split` must be 'test' or 'validation', got {split!r}")
+        empty = [t.name for t in self.tasks if not t.validation]
+        if empty:
+            raise ValueError(
+                f"tasks {empty} of {self.name!r} have no validation examples; build the sequence with a validation "
+                "split (e.g. wordnet_task_sequence(val_per_class=...))"
+            )
+        tasks = [Task(t.name, list(t.classes), list(t.train), list(t.validation), []) for t in self.tasks]
+        meta = {**self.meta, "evaluated_on": "validation"}
+        return TaskSequence(f"{self.name}-validation", list(self.class_names), tasks, self.protocol, meta)
 
     def classes_seen(self, upto: int) -> list[int]:
         """Global ids of the classes of tasks ``0..upto`` (inclusive)."""

@@ -264,10 +264,12 @@ def wordnet_task_sequence(
     protocol: str = "class-incremental",
     supersenses: Sequence[str] | None = None,
     path: str | os.PathLike[str] | None = None,
+    val_per_class: int = 0,
 ) -> TaskSequence:
     """A continual-learning sequence of WordNet supersense-classification tasks with disjoint classes.
 
-    A class is eligible when it has at least ``train_per_class`` train and ``test_per_class`` test synsets; at the
+    A class is eligible when it has at least ``train_per_class + val_per_class`` train and ``test_per_class`` test
+    synsets; at the
     default caps (100/40) that is 41 of the 45 supersenses (``adj.ppl``, ``noun.Tops``, ``noun.motive`` and
     ``verb.weather`` are too small). ``random.Random(seed).sample`` over the sorted eligible names picks and orders
     the classes, which are dealt to tasks ``classes_per_task`` at a time. Both default-cap layouts below sample 20
@@ -287,6 +289,13 @@ def wordnet_task_sequence(
     definition) and labels are global ids into ``class_names`` (the chosen supersenses in task order). Train examples
     are shuffled with a seeded RNG (so classes are interleaved); test examples stay in synset-id order.
 
+    The validation split (``val_per_class`` > 0) is carved from the train-split synsets that the training data does
+    not use: per class, the ``val_per_class`` synsets ranked right after the ``train_per_class`` training ones (the
+    same seeded SHA-1 ranking), in synset-id order, less any whose gloss text is also a train or test example's (a
+    few synsets share a definition). It is disjoint from train and test, reproducible from the seed,
+    and asking for it changes neither the training nor the test examples (only, when a class is too small for both,
+    which classes are eligible).
+
     Args:
         n_tasks: Number of tasks.
         classes_per_task: New classes per task.
@@ -297,17 +306,22 @@ def wordnet_task_sequence(
         supersenses: Use exactly these classes in this order (``n_tasks * classes_per_task`` names, all eligible)
             instead of a seeded pick.
         path: Gloss file to read; defaults to the one shipped with the package.
+        val_per_class: Validation examples per class (``Task.validation``; 0: none).
     """
     n_tasks = _positive_int("n_tasks", n_tasks)
     classes_per_task = _positive_int("classes_per_task", classes_per_task)
     train_per_class = _positive_int("train_per_class", train_per_class)
     test_per_class = _positive_int("test_per_class", test_per_class)
+    if isinstance(val_per_class, bool) or not isinstance(val_per_class, int) or val_per_class < 0:
+        raise ValueError(f"`val_per_class` must be an int >= 0, got {val_per_class!r}")
     if protocol not in PROTOCOLS:
         raise ValueError(f"`protocol` must be one of {PROTOCOLS}, got {protocol!r}")
     n_classes = n_tasks * classes_per_task
     counts = class_counts(path)
     eligible = sorted(
-        name for name, c in counts.items() if c["train"] >= train_per_class and c["test"] >= test_per_class
+        name
+        for name, c in counts.items()
+        if c["train"] >= train_per_class + val_per_class and c["test"] >= test_per_class
     )
     if supersenses is not None:
         chosen = _check_supersenses(supersenses)
@@ -325,14 +339,16 @@ def wordnet_task_sequence(
                 f"{n} ({counts.get(n, {}).get('train', 0)}/{counts.get(n, {}).get('test', 0)})" for n in too_small
             )
             raise ValueError(
-                f"Supersenses {detail} have fewer than {train_per_class} train / {test_per_class} test synsets; "
+                f"Supersenses {detail} have fewer than {train_per_class + val_per_class} train / {test_per_class} "
+                "test synsets; "
                 f"eligible at these caps: {eligible}"
             )
     else:
         if n_classes > len(eligible):
             raise ValueError(
                 f"n_tasks * classes_per_task = {n_tasks} * {classes_per_task} = {n_classes} classes needed, but only "
-                f"{len(eligible)} supersenses have at least {train_per_class} train and {test_per_class} test "
+                f"{len(eligible)} supersenses have at least {train_per_class + val_per_class} train and "
+                f"{test_per_class} test "
                 f"synsets; lower the caps or ask for fewer classes"
             )
         chosen = random.Random(seed).sample(eligible, n_classes)
@@ -342,14 +358,22 @@ def wordnet_task_sequence(
         split: load_wordnet_glosses(split=split, supersenses=chosen, max_per_class=cap, seed=seed, path=path)
         for split, cap in (("train", train_per_class), ("test", test_per_class))
     }
+    validation: list[GlossExample] = []
+    if val_per_class:
+        # A smaller cap keeps a subset of a larger one: train + validation minus train is the validation part.
+        wider = load_wordnet_glosses("train", chosen, train_per_class + val_per_class, seed=seed, path=path)
+        used = {r.synset for r in data["train"]}
+        seen = {r.text for split in data.values() for r in split}  # a few glosses are shared by two synsets
+        validation = [r for r in wider if r.synset not in used and r.text not in seen]
     tasks = []
     for t in range(n_tasks):
         names = chosen[t * classes_per_task : (t + 1) * classes_per_task]
         wanted = set(names)
         train = [Example(r.text, label_of[r.supersense]) for r in data["train"] if r.supersense in wanted]
         test = [Example(r.text, label_of[r.supersense]) for r in data["test"] if r.supersense in wanted]
+        val = [Example(r.text, label_of[r.supersense]) for r in validation if r.supersense in wanted]
         random.Random(f"{seed}:train:{t}").shuffle(train)
-        tasks.append(Task(f"t{t}:" + "+".join(names), [label_of[n] for n in names], train, test))
+        tasks.append(Task(f"t{t}:" + "+".join(names), [label_of[n] for n in names], train, test, val))
     source = Path(path) if path is not None else DEFAULT_PATH
     return TaskSequence(
         name=f"wordnet-supersenses-{n_tasks}x{classes_per_task}-seed{seed}",
@@ -367,6 +391,7 @@ def wordnet_task_sequence(
             "classes_per_task": classes_per_task,
             "train_per_class": train_per_class,
             "test_per_class": test_per_class,
+            "val_per_class": val_per_class,
             "test_percent": TEST_PERCENT,
             "class_selection": "given" if supersenses is not None else "random.Random(seed).sample(eligible)",
             "n_eligible": len(eligible),

@@ -1,0 +1,258 @@
+"""The protocol every benchmark follows: choose on validation, report test over seeds, judge targets by intervals.
+
+One learning-rate grid per method (log-spaced, the same number of points and the same training budget for every
+method), scored on the validation split; the best validation point is then run on the test split over several seeds
+(each seed a different data draw where the benchmark has one), reported as mean +- sd together with the paired
+difference to the main peer and its 95 % t-interval. A target counts as met only when the interval clears it.
+
+Usage from a benchmark script (``sys.path[0]`` is ``benchmarks/``)::
+
+    from tuning import Protocol, tune_and_test
+
+    protocol = Protocol(tune_seeds=(0,), test_seeds=(0, 1, 2, 3, 4))
+    study = tune_and_test(grids, score, protocol)       # score(method, lr, seed, split) -> accuracy in [0, 1]
+    print(study.table(baseline="lora_adamw"))
+    print(study.verdict("riemannion_loi", "lora_adamw", at_least=0.01, name="Riemannion + LOI vs LoRA + AdamW"))
+    study.plot_lr_curves("docs/figures/lr_robustness.png")
+    json.dump(study.to_dict(), ...)                       # the grid's results are kept
+
+Which seeds tune is part of the protocol (``tune_seeds``), and :meth:`Study.describe` prints it with the table.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "Protocol",
+    "Study",
+    "log_grid",
+    "lr_range_width",
+    "mean_sd",
+    "paired_interval",
+    "t_quantile",
+    "tune_and_test",
+]
+
+# Two-sided 95 % quantiles of Student's t for 1..30 degrees of freedom.
+_T95 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
+
+
+def t_quantile(df: int) -> float:
+    """The two-sided 95 % quantile of Student's t with ``df`` degrees of freedom (``df >= 1``)."""
+    if df < 1:
+        raise ValueError(f"a t-interval needs at least 2 paired values (df >= 1), got df={df}")
+    if df <= len(_T95):
+        return _T95[df - 1]
+    z = 1.959964  # past 30 degrees of freedom the Cornish-Fisher expansion is within 1e-4 of the exact value
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+def log_grid(center: float, points: int = 3, factor: float = math.sqrt(10)) -> list[float]:
+    """``points`` learning rates spaced by ``factor`` around ``center`` (odd ``points``: ``center`` is the middle).
+
+    Args:
+        center: The middle of the grid.
+        points: How many values (at least 3 for the protocol).
+        factor: Ratio of neighbouring values (default half a decade).
+    """
+    if points < 1 or not center > 0 or not factor > 1:
+        raise ValueError(f"need points >= 1, center > 0 and factor > 1, got {points}, {center}, {factor}")
+    first = -(points - 1) / 2
+    return [float(f"{center * factor ** (first + i):.3g}") for i in range(points)]
+
+
+def mean_sd(values: Sequence[float], scale: float = 100.0, digits: int = 1) -> str:
+    """``"m ± sd"`` of ``values`` times ``scale`` (one value: just the value)."""
+    if not values:
+        return "—"
+    mean = statistics.mean(values) * scale
+    if len(values) == 1:
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {statistics.stdev(values) * scale:.{digits}f}"
+
+
+def paired_interval(a: Sequence[float], b: Sequence[float]) -> tuple[float, float, float]:
+    """Mean of ``a[i] - b[i]`` and its 95 % t-interval ``(mean, low, high)`` (pairs share a seed / data draw)."""
+    if len(a) != len(b):
+        raise ValueError(f"paired values need the same seeds: {len(a)} vs {len(b)}")
+    diffs = [x - y for x, y in zip(a, b)]
+    mean = statistics.mean(diffs)
+    if len(diffs) < 2:
+        return mean, -math.inf, math.inf
+    half = t_quantile(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+    return mean, mean - half, mean + half
+
+
+def lr_range_width(curve: dict[float, float], within: float = 0.01) -> float:
+    """How wide, in decades, the contiguous run of grid points within ``within`` of the best score is.
+
+    Args:
+        curve: ``{lr: mean validation score}``.
+        within: Tolerance in score units (0.01 = 1 point of accuracy).
+
+    Returns:
+        ``log10(max lr / min lr)`` over the run that contains the best point; 0 when only the best point qualifies.
+    """
+    lrs = sorted(curve)
+    best = max(range(len(lrs)), key=lambda i: curve[lrs[i]])
+    lo = hi = best
+    while lo > 0 and curve[lrs[lo - 1]] >= curve[lrs[best]] - within:
+        lo -= 1
+    while hi < len(lrs) - 1 and curve[lrs[hi + 1]] >= curve[lrs[best]] - within:
+        hi += 1
+    return math.log10(lrs[hi] / lrs[lo])
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """Which seeds choose the learning rate and which report.
+
+    Args:
+        tune_seeds: Seeds whose validation scores are averaged to pick each method's learning rate.
+        test_seeds: Seeds of the reported test figures (at least 5 for the protocol; fewer in ``--quick`` runs).
+    """
+
+    tune_seeds: tuple[int, ...] = (0,)
+    test_seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
+
+    def describe(self) -> str:
+        return (
+            f"learning rate chosen per method on the validation split (mean over seed(s) {list(self.tune_seeds)}), "
+            f"then test over seeds {list(self.test_seeds)}"
+        )
+
+
+@dataclass
+class Study:
+    """The grid's validation scores, the chosen learning rates and the test scores of every method.
+
+    Args:
+        protocol: The seeds used.
+        validation: ``{method: {lr: [score per tune seed]}}``.
+        chosen: ``{method: lr}``.
+        test: ``{method: [score per test seed]}`` (the order of ``protocol.test_seeds``).
+        extras: ``{method: [per-seed dicts the score function returned besides the score]}``.
+    """
+
+    protocol: Protocol
+    validation: dict[str, dict[float, list[float]]] = field(default_factory=dict)
+    chosen: dict[str, float] = field(default_factory=dict)
+    test: dict[str, list[float]] = field(default_factory=dict)
+    extras: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+    def curve(self, method: str) -> dict[float, float]:
+        """``{lr: mean validation score}`` of ``method``."""
+        return {lr: statistics.mean(v) for lr, v in self.validation[method].items()}
+
+    def table(self, baseline: str | None = None) -> str:
+        """Markdown: chosen lr, validation score there, test mean ± sd, lr-range width, difference to ``baseline``."""
+        head = ["method", "lr grid", "chosen lr", "val acc", "test acc (mean ± sd)", "lr range within 1 pt"]
+        if baseline:
+            head.append(f"vs {baseline} (95 % CI)")
+        lines = ["| " + " | ".join(head) + " |", "|---|---|---:|---:|---:|---:|" + ("---:|" if baseline else "")]
+        for method, lr in self.chosen.items():
+            curve = self.curve(method)
+            grid = " / ".join(f"{x:g}" for x in sorted(curve))
+            cells = [method, grid, f"{lr:g}", f"{100 * curve[lr]:.1f}", mean_sd(self.test.get(method, []))]
+            cells.append(f"{lr_range_width(curve):.1f} decades")
+            if baseline:
+                if method == baseline or baseline not in self.test:
+                    cells.append("—")
+                else:
+                    mean, lo, hi = paired_interval(self.test[method], self.test[baseline])
+                    cells.append(f"{100 * mean:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]")
+            lines.append("| " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+    def verdict(self, method: str, baseline: str, at_least: float, name: str) -> str:
+        """``target: ...: met`` only when the 95 % interval's lower end of ``method - baseline`` is ``>= at_least``."""
+        mean, lo, hi = paired_interval(self.test[method], self.test[baseline])
+        met = lo >= at_least
+        return (
+            f"target: {name}: {100 * mean:+.1f} points, 95 % CI [{100 * lo:+.1f}, {100 * hi:+.1f}] over "
+            f"{len(self.test[method])} seeds (lower end >= {100 * at_least:+.1f}): {'met' if met else 'NOT met'}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly (learning rates as strings where they are keys)."""
+        return {
+            "protocol": {"tune_seeds": list(self.protocol.tune_seeds), "test_seeds": list(self.protocol.test_seeds)},
+            "validation": {m: {f"{lr:g}": v for lr, v in grid.items()} for m, grid in self.validation.items()},
+            "chosen": self.chosen,
+            "test": self.test,
+            "extras": self.extras,
+        }
+
+    def plot_lr_curves(self, path: str, title: str = "") -> str:
+        """Validation accuracy against learning rate, one curve per method with a ± sd band (over tune seeds)."""
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(6.4, 4.2))
+        ax = fig.add_subplot()
+        for method, grid in self.validation.items():
+            lrs = sorted(grid)
+            means = [100 * statistics.mean(grid[lr]) for lr in lrs]
+            sds = [100 * statistics.stdev(grid[lr]) if len(grid[lr]) > 1 else 0.0 for lr in lrs]
+            (line,) = ax.plot(lrs, means, marker="o", label=method)
+            ax.fill_between(
+                lrs, [m - s for m, s in zip(means, sds)], [m + s for m, s in zip(means, sds)], alpha=0.15,
+                color=line.get_color(),
+            )  # fmt: skip
+        ax.set_xscale("log")
+        ax.set_xlabel("learning rate")
+        ax.set_ylabel("validation accuracy (%)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+        if title:
+            ax.set_title(title, fontsize=9)
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        return path
+
+
+def tune_and_test(
+    grids: dict[str, Sequence[float]],
+    score: Callable[[str, float, int, str], float | tuple[float, dict[str, Any]]],
+    protocol: Protocol,
+    echo: Callable[[str], Any] = print,
+) -> Study:
+    """Run the protocol: every grid point on the validation split over ``protocol.tune_seeds``, then each method's
+    best point (first maximum of the mean validation score) on the test split over ``protocol.test_seeds``.
+
+    Args:
+        grids: ``{method: learning rates}``; every method should get the same number of points.
+        score: ``score(method, lr, seed, split)`` with ``split`` in ``("validation", "test")``: trains from scratch
+            with that seed and returns the accuracy on the split (in ``[0, 1]``), or ``(accuracy, extras)``.
+        protocol: The seeds.
+        echo: Progress lines.
+    """
+    sizes = {len(g) for g in grids.values()}
+    if len(sizes) > 1:
+        raise ValueError(f"every method needs the same number of grid points (same budget), got {sizes}")
+    study = Study(protocol)
+
+    def run(method: str, lr: float, seed: int, split: str) -> tuple[float, dict[str, Any]]:
+        out = score(method, lr, seed, split)
+        value, extra = out if isinstance(out, tuple) else (out, {})
+        echo(f"  {split:<10} {method:<20} lr {lr:<8g} seed {seed}: {100 * value:.1f}")
+        return value, extra
+
+    for method, grid in grids.items():
+        study.validation[method] = {
+            lr: [run(method, lr, s, "validation")[0] for s in protocol.tune_seeds] for lr in grid
+        }
+        curve = study.curve(method)
+        study.chosen[method] = max(grid, key=lambda lr: curve[lr])  # first maximum: max keeps the first on ties
+    for method, lr in study.chosen.items():
+        runs = [run(method, lr, s, "test") for s in protocol.test_seeds]
+        study.test[method] = [v for v, _ in runs]
+        study.extras[method] = [e for _, e in runs]
+    return study
