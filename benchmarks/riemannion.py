@@ -1,27 +1,47 @@
-"""Riemannion against its peers on MiniLM-L6 + WordNet supersenses (all classes, one task), measured in one run.
+"""Riemannion against its peers on MiniLM-L6 + WordNet supersenses (all classes, one task), under the protocol.
 
 Every method adapts the same modules (attention query and value of all 6 layers) at rank 16, trains the classification
 head with the same AdamW (same head lr), sees the same batches in the same order for a given seed, and gets the same
-step budget. Methods (continual-runner plugins, ``peft_ext/continual/methods_riemannion.py``):
+step budget. Methods (continual-runner plugins, ``peft_ext/continual/methods_riemannion.py``, each run through
+``run_sequence`` as a one-task sequence):
 
 - ``riemannion_loi``: Riemannion (Muon on the fixed-rank manifold) from the LOI point;
-- ``riemannion_random``: Riemannion from a random point;
+- ``riemannion_random``: Riemannion from a random point (the RiemannLoRA-style start);
 - ``lora_adamw``: PEFT LoRA + AdamW;
 - ``lora_rprec``: PEFT LoRA + PEFT's ``create_riemannian_optimizer`` (scaled GD / RPrecAdamW);
 - ``lora_ga``: PEFT LoRA with PEFT's LoRA-GA initialization + AdamW;
 - ``lora_muon``: PEFT LoRA + ``torch.optim.Muon`` on the factors.
 
-Prints one table: test accuracy (mean +- std over seeds), its gap to LoRA + AdamW, the median time of a training step
-(forward, backward and optimizer step; all steps of all seeds) and its ratio to LoRA + AdamW, and the cost of the
-gradient-informed initializations (LOI, LoRA-GA) as a percentage of the training time of the same run. Seeds change the
-head initialization, the batch order and the random parts of the initializations; the data are fixed.
+Protocol (``benchmarks/tuning.py``): per method a 3-point log grid of learning rates, half a decade apart and centred
+on the constant in ``METHODS`` (the same number of points and the same step budget for every method), trained with
+seed 0 and scored on the validation split (``wordnet_task_sequence(val_per_class=...)``: synsets disjoint from train
+and test); each method's best validation point is then trained with seeds 0-4 and scored on the test split. Seeds
+change the head initialization, the batch order and the random parts of the initializations; the data draw (classes
+and examples) is fixed (data seed 0). A run is trained once per (method, lr, seed): the same run answers both splits,
+since training never sees either (seed 0 at the chosen lr is the grid's run; ``--quick`` re-trains one such run
+without the mid-run evaluations and checks the test accuracy is identical).
 
-Usage (about 15 minutes on 2 CPU cores at the defaults; ``--quick`` is a 2-minute smoke run)::
+Accuracy vs steps: inside each run, the validation and test accuracies are evaluated after 1/6, 1/3, 2/3 of the
+steps and at the end (55 / 110 / 220 / 330 at the defaults). The evaluation runs from the optimizer's step hook, in
+eval mode under ``no_grad`` with the random generators saved and restored, so it does not change the trajectory. The
+early points are points of the full-length run (its learning-rate schedule has not decayed yet), not short runs.
 
-    .venv/bin/python benchmarks/riemannion.py --json runs/bench/riemannion.json
+Step time: measured separately, all six methods built in one process and stepped in turn on the same batches
+(forward, backward, clipping, optimizer step; the starting method rotates every round), median over the rounds after
+warm-up. The per-round ratio Riemannion+LOI / LoRA+AdamW gets a 95 % interval (t-interval on log ratios). LOI's and
+LoRA-GA's costs are timed in the same process (median of repeats after warm-up) and reported as steps-equivalent
+(seconds / median LoRA+AdamW step) and as a share of a run of the benchmark's length (steps-equivalent / steps).
 
-``--sweep`` picks each method's learning rate: one seed, training on 80% of the training synsets and scoring on the
-other 20% (never on the test split), over a 3-point grid per method. The constants in ``METHODS`` are its result.
+Prints ``Study.table`` (chosen lr, validation and test accuracy, lr range within 1 point, paired 95 % CI to
+LoRA+AdamW), the grid's validation accuracy vs steps, the chosen runs' test accuracy vs steps, the step-time table and
+the target verdicts; writes ``docs/figures/riemannion_lr.png`` (validation accuracy vs lr) and, with ``--json``, the
+grid, the test runs, every run's accuracy-vs-steps curves and the timings.
+
+Usage (defaults: 44 classes, 880 train / 440 validation / 440 test examples, 6 epochs = 330 steps of 16, seeds 0-4;
+COST_NOTE)::
+
+    .venv/bin/python benchmarks/riemannion.py --json runs/benchmarks/riemannion.json
+    .venv/bin/python benchmarks/riemannion.py --quick      # smoke run of every code path, under a minute
 
 Timings default to one thread (``--threads``): on a shared 2-core machine OpenMP threads that wait for a busy core
 make two-thread timings vary several-fold between runs, while one-thread ratios are stable.
@@ -31,8 +51,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
+import random
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -40,16 +63,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from peft_ext.continual import TrainConfig, get_continual_method, run_sequence
+from peft_ext.continual import ContinualEngine, TrainConfig, get_continual_method, run_sequence
+from peft_ext.continual.engine import evaluate, trainable_parameters, training_loss
 from peft_ext.data.collate import TextCollator
 from peft_ext.data.tasks import Task, TaskSequence
 from peft_ext.data.wordnet import class_counts, wordnet_task_sequence
 from peft_ext.models import load_text_classifier
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tuning import Protocol, Study, log_grid, paired_interval, tune_and_test  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+FIGURE = ROOT / "docs" / "figures" / "riemannion_lr.png"
 RANK = 16
 TARGETS = ["query", "value"]
 HEAD_LR = 3e-3
-# (label, plugin, options); lr: the best of `--sweep` (first maximum of validation accuracy; docs/riemannion.md)
+# (label, plugin, options); lr: the centre of the method's grid (the best of the old 55-step sweep, docs/riemannion.md)
 METHODS: list[tuple[str, str, dict[str, Any]]] = [
     ("riemannion_loi", "riemannion", {"init": "loi", "lr": 3e-2}),
     ("riemannion_random", "riemannion", {"init": "random", "lr": 3e-2}),
@@ -58,8 +87,10 @@ METHODS: list[tuple[str, str, dict[str, Any]]] = [
     ("lora_ga", "lora_opt", {"init": "lora_ga", "lr": 1e-3}),
     ("lora_muon", "lora_opt", {"optimizer": "muon", "lr": 3e-2}),
 ]
-SWEEP = {"riemannion": [3e-3, 1e-2, 3e-2], "lora_opt": [1e-3, 3e-3, 1e-2]}
 REFERENCE = "lora_adamw"
+OURS = "riemannion_loi"
+INITS = {"riemannion_loi": "LOI", "lora_ga": "LoRA-GA"}  # methods whose start costs extra passes over data
+CHECKPOINT_FRACTIONS = (1 / 6, 1 / 3, 2 / 3, 1.0)
 
 
 def _options(plugin: str, options: dict[str, Any], label: str) -> dict[str, Any]:
@@ -70,13 +101,35 @@ def _options(plugin: str, options: dict[str, Any], label: str) -> dict[str, Any]
     return {**common, "init_batches": 2, "adapter": adapter, **options}
 
 
-class Instrumented:
-    """Wraps a method plugin to time its training steps and its initialization (``before_task``)."""
+def _make_method(label: str, lr: float | None = None) -> Any:
+    _, plugin, options = next(m for m in METHODS if m[0] == label)
+    options = options if lr is None else {**options, "lr": lr}
+    return get_continual_method(plugin)(**_options(plugin, options, label))
 
-    def __init__(self, method: Any) -> None:
+
+class Instrumented:
+    """Wraps a method plugin: times its training steps and its initialization (``before_task``), and evaluates the
+    model on held-out splits at given step counts from the optimizer's step hook.
+
+    Args:
+        method: The plugin.
+        checkpoints: ``{step: [split names]}`` to evaluate after that many optimizer steps.
+        splits: ``{split name: examples}``.
+        num_classes: Classes the evaluation may predict (all of the one task's).
+        collate: The batch collator.
+    """
+
+    def __init__(
+        self, method: Any, checkpoints: dict[int, list[str]], splits: dict[str, list], num_classes: int, collate: Any
+    ) -> None:
         self.method = method
+        self.checkpoints = checkpoints
+        self.splits = splits
+        self.num_classes = num_classes
+        self.collate = collate
         self.step_times: list[float] = []
         self.init_seconds = 0.0
+        self.curves: dict[str, dict[int, float]] = {name: {} for name in splits}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.method, name)
@@ -87,134 +140,67 @@ class Instrumented:
         self.init_seconds += time.perf_counter() - start
         return model
 
+    def _evaluate(self, model: nn.Module, names: list[str]) -> dict[str, float]:
+        # eval mode + no_grad draw no random numbers, and the generators are restored anyway: the run goes on exactly
+        # as it would have without this evaluation
+        torch_state, py_state = torch.get_rng_state(), random.getstate()
+        try:
+            allowed = list(range(self.num_classes))
+            return {
+                name: evaluate(model, self.splits[name], allowed, self.num_classes, self.collate, torch.device("cpu"))
+                for name in names
+            }
+        finally:
+            torch.set_rng_state(torch_state)
+            random.setstate(py_state)
+
     def make_optimizer(self, model: nn.Module, params: list[nn.Parameter]) -> torch.optim.Optimizer:
         optimizer = self.method.make_optimizer(model, params)
-        last = [None]
+        last: list[float | None] = [None]
+        steps = [0]
 
         def hook(*_: Any) -> None:
             now = time.perf_counter()
             if last[0] is not None:  # the time between two steps: forward + backward + step (+ the batch's collate)
                 self.step_times.append(now - last[0])
-            last[0] = now
+            steps[0] += 1
+            if steps[0] in self.checkpoints:
+                for name, acc in self._evaluate(model, self.checkpoints[steps[0]]).items():
+                    self.curves[name][steps[0]] = acc
+            last[0] = time.perf_counter()  # the evaluation is not part of the next step's time
 
         optimizer.register_step_post_hook(hook)
         return optimizer
 
 
-def _validation_sequence(sequence: TaskSequence) -> TaskSequence:
-    """The same classes; the last 20% of each class's training synsets become the evaluation set."""
-    (task,) = sequence.tasks
-    by_class: dict[int, list] = {}
-    for example in task.train:
-        by_class.setdefault(example.label, []).append(example)
-    train, held_out = [], []
-    for examples in by_class.values():
-        cut = int(0.8 * len(examples))
-        train += examples[:cut]
-        held_out += examples[cut:]
-    order = {id(e): i for i, e in enumerate(task.train)}
-    train.sort(key=lambda e: order[id(e)])
-    return TaskSequence(sequence.name + "-val", sequence.class_names, [Task("val", task.classes, train, held_out)])
+class Runner:
+    """Trains (method, lr, seed) once and answers the validation and the test score of that run.
 
+    Args:
+        sequence: The one-task sequence with a validation split.
+        args: The command line (sizes, seeds).
+    """
 
-def _run(
-    sequence: TaskSequence,
-    label: str,
-    plugin: str,
-    options: dict[str, Any],
-    base: nn.Module,
-    collate: TextCollator,
-    train: TrainConfig,
-) -> dict[str, Any]:
-    method = Instrumented(get_continual_method(plugin)(**_options(plugin, options, label)))
-    result = run_sequence(sequence, method, base, collate, train)
-    training = result.train_seconds - method.init_seconds
-    return {
-        "acc": 100.0 * result.metrics["final_acc"],
-        "step_times": method.step_times,
-        "init_seconds": method.init_seconds,
-        "train_seconds": training,
-    }
+    def __init__(self, sequence: TaskSequence, args: argparse.Namespace) -> None:
+        self.sequence = sequence
+        self.args = args
+        (self.task,) = sequence.tasks
+        self.steps = -(-len(self.task.train) // args.batch_size) * args.epochs
+        self.checkpoints = sorted({max(1, round(self.steps * f)) for f in CHECKPOINT_FRACTIONS})
+        self.runs: dict[tuple[str, float, int], dict[str, Any]] = {}
+        self._bases: dict[int, tuple[nn.Module, Any]] = {}
 
+    def base(self, seed: int) -> tuple[nn.Module, TextCollator]:
+        """The backbone with the seed's head (loaded once per seed; ``run_sequence`` trains a deep copy)."""
+        if seed not in self._bases:
+            model, tokenizer = load_text_classifier("minilm", self.sequence.num_classes, dropout=0.1, seed=seed)
+            self._bases[seed] = (model, TextCollator(tokenizer, self.args.max_length))
+        return self._bases[seed]
 
-def _targets(records: list[dict[str, Any]], ref_acc: float | None, ref_step: float | None) -> list[str]:
-    """Issue 3's targets for Riemannion+LOI against LoRA+AdamW, as printable verdict lines."""
-    loi = next((r for r in records if r["method"] == "riemannion_loi"), None)
-    if loi is None or ref_acc is None or ref_step is None:
-        return []
-    gap = statistics.mean(loi["acc"]) - ref_acc
-    ratio = loi["step_ms"] / (1e3 * ref_step)
-    cost = loi["init_pct"]
-
-    def verdict(ok: bool) -> str:
-        return "met" if ok else "NOT met"
-
-    return [
-        f"target: Riemannion+LOI acc - LoRA+AdamW acc = {gap:+.1f} points (>= +1.0): {verdict(gap >= 1)}",
-        f"target: Riemannion+LOI step time / LoRA+AdamW = {ratio:.2f}x (<= 1.15x): {verdict(ratio <= 1.15)}",
-        f"target: LOI cost = {cost:.1f}% of training time (< 2%): {verdict(cost < 2)}",
-    ]
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    align = "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"
-    return "\n".join(["| " + " | ".join(header) + " |", align] + ["| " + " | ".join(r) + " |" for r in rows])
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--train-per-class", type=int, default=20)
-    parser.add_argument("--test-per-class", type=int, default=10)
-    parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1; see the module docstring)")
-    parser.add_argument("--methods", nargs="+", default=[m[0] for m in METHODS], help="labels to run")
-    parser.add_argument("--sweep", action="store_true", help="pick learning rates on a validation split")
-    parser.add_argument("--lrs", type=float, nargs="+", default=None, help="--sweep: this grid instead of SWEEP")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 1 seed, 4 examples per class")
-    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
-    args = parser.parse_args()
-    if args.quick:
-        args.seeds, args.train_per_class, args.test_per_class = [0], 4, 2
-    torch.set_num_threads(args.threads)
-
-    counts = class_counts()
-    caps = (args.train_per_class, args.test_per_class)
-    eligible = [n for n, c in counts.items() if c["train"] >= caps[0] and c["test"] >= caps[1]]
-    sequence = wordnet_task_sequence(
-        n_tasks=1,
-        classes_per_task=len(eligible),
-        seed=0,
-        train_per_class=args.train_per_class,
-        test_per_class=args.test_per_class,
-    )
-    if args.sweep:
-        sequence = _validation_sequence(sequence)
-    (task,) = sequence.tasks
-    steps = -(-len(task.train) // args.batch_size) * args.epochs
-    print(
-        f"[riemannion] MiniLM-L6, WordNet supersenses: {sequence.num_classes} classes, {len(task.train)} train / "
-        f"{len(task.test)} {'validation' if args.sweep else 'test'} examples, {steps} steps of {args.batch_size}, "
-        f"r={RANK} on {TARGETS}, seeds {args.seeds}, torch {torch.__version__}, {args.threads} thread(s)",
-        flush=True,
-    )
-    wall = time.perf_counter()
-    runs = []
-    if args.sweep:
-        for label, plugin, options in METHODS:
-            if label in args.methods:
-                runs += [(label, plugin, {**options, "lr": lr}, args.seeds[0]) for lr in args.lrs or SWEEP[plugin]]
-    else:
-        # seeds outer, methods inner: drifts in machine load spread over every method
-        runs = [(m[0], m[1], m[2], seed) for seed in args.seeds for m in METHODS if m[0] in args.methods]
-    results: dict[tuple[str, float], list[dict[str, Any]]] = {}
-    for label, plugin, options, seed in runs:
-        base, tokenizer = load_text_classifier("minilm", sequence.num_classes, dropout=0.1, seed=seed)
-        collate = TextCollator(tokenizer, 32)
-        train = TrainConfig(
-            epochs=args.epochs,
-            batch_size=args.batch_size,
+    def train_config(self, seed: int) -> TrainConfig:
+        return TrainConfig(
+            epochs=self.args.epochs,
+            batch_size=self.args.batch_size,
             eval_batch_size=128,
             train_logit_mask="all",
             lr_schedule="linear",
@@ -223,58 +209,284 @@ def main() -> None:
             device="cpu",
             progress=False,
         )
-        out = _run(sequence, label, plugin, options, base, collate, train)
-        results.setdefault((label, options["lr"]), []).append(out)
-        print(
-            f"  {label:<18} lr {options['lr']:<7g} seed {seed}: acc {out['acc']:5.1f}  "
-            f"step {1e3 * statistics.median(out['step_times']):6.0f} ms  init {out['init_seconds']:5.1f} s  "
-            f"train {out['train_seconds']:5.1f} s",
-            flush=True,
-        )
 
-    rows, records = [], []
-    ref = next((v for (label, _), v in results.items() if label == REFERENCE), None)
-    ref_acc = statistics.mean(r["acc"] for r in ref) if ref else None
-    ref_step = statistics.median(t for r in ref for t in r["step_times"]) if ref else None
-    for (label, lr), outs in results.items():
-        accs = [r["acc"] for r in outs]
-        mean, std = statistics.mean(accs), statistics.stdev(accs) if len(accs) > 1 else 0.0
-        step = statistics.median(t for r in outs for t in r["step_times"])
-        init_pct = 100.0 * sum(r["init_seconds"] for r in outs) / sum(r["train_seconds"] for r in outs)
-        rows.append(
-            [
-                label,
-                f"{lr:g}",
-                f"{mean:.1f} ± {std:.1f}",
-                "" if ref_acc is None or args.sweep else f"{mean - ref_acc:+.1f}",
-                f"{1e3 * step:.0f}",
-                "" if ref_step is None or args.sweep else f"{step / ref_step:.2f}x",
-                f"{init_pct:.1f}%" if init_pct > 0.05 else "-",
-            ]
+    def train(self, label: str, lr: float, seed: int, split: str) -> dict[str, Any]:
+        """One run scored by ``run_sequence`` on ``split``; the other split and the early checkpoints by the hook."""
+        base, collate = self.base(seed)
+        other = "test" if split == "validation" else "validation"
+        at = {s: [split, other] for s in self.checkpoints[:-1]} | {self.steps: [other]}
+        splits = {"validation": self.task.validation, "test": self.task.test}
+        method = Instrumented(_make_method(label, lr), at, splits, self.sequence.num_classes, collate)
+        result = run_sequence(self.sequence.evaluated_on(split), method, base, collate, self.train_config(seed))
+        method.curves[split][self.steps] = result.metrics["final_acc"]
+        return {
+            "method": label,
+            "lr": lr,
+            "seed": seed,
+            "scored_by_runner": split,
+            "curves": {name: {str(k): v for k, v in sorted(c.items())} for name, c in method.curves.items()},
+            "step_ms": 1e3 * statistics.median(method.step_times) if method.step_times else None,
+            "init_seconds": method.init_seconds,
+            "train_seconds": result.train_seconds - method.init_seconds,
+        }
+
+    def score(self, label: str, lr: float, seed: int, split: str) -> tuple[float, dict[str, Any]]:
+        """``tuning.tune_and_test``'s score: accuracy of the run on ``split`` (training it if not yet trained)."""
+        key = (label, lr, seed)
+        if key not in self.runs:
+            self.runs[key] = self.train(label, lr, seed, split)
+        run = self.runs[key]
+        return run["curves"][split][str(self.steps)], {"curves": run["curves"], "step_ms": run["step_ms"]}
+
+
+def _round_timed(
+    model: nn.Module, method: Any, params: list[nn.Parameter], optimizer: torch.optim.Optimizer, batch: dict[str, Any]
+) -> float:
+    """One training step as the runner takes it (forward, backward, clipping, step); its seconds."""
+    start = time.perf_counter()
+    loss, _ = training_loss(model, method, batch, 0, None)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    return time.perf_counter() - start
+
+
+def interleaved_timing(runner: Runner, labels: list[str], rounds: int, warmup: int, repeats: int) -> dict[str, Any]:
+    """Step time of every method in one process, stepped in turn on the same batches; init costs in the same process.
+
+    Args:
+        runner: Gives the data, the seed-0 backbone and the training settings.
+        labels: Methods to time.
+        rounds: Timed rounds (one step of every method per round).
+        warmup: Untimed rounds first.
+        repeats: Timed repetitions of each gradient-informed initialization (after the rounds).
+    """
+    base, collate = runner.base(0)
+    task = runner.task
+    built = {}
+    for label in labels:
+        method = _make_method(label)
+        engine = ContinualEngine(runner.sequence, method, collate, runner.train_config(0))
+        model = method.before_task(engine.build(base), 0, task, engine.ctx)
+        model.train()
+        params = trainable_parameters(method, model)
+        built[label] = (model, method, params, method.make_optimizer(model, params))
+    batches = list(engine.ctx.iter_batches(task.train, rng=random.Random(0)))
+    times: dict[str, list[float]] = {label: [] for label in labels}
+    for r in range(warmup + rounds):
+        batch = batches[r % len(batches)]
+        for label in labels[r % len(labels) :] + labels[: r % len(labels)]:  # a different method goes first each round
+            seconds = _round_timed(*built[label], batch)
+            if r >= warmup:
+                times[label].append(seconds)
+    del built
+    inits: dict[str, list[float]] = {}
+    for label in [x for x in labels if x in INITS]:
+        for _ in range(repeats):
+            method = _make_method(label)
+            engine = ContinualEngine(runner.sequence, method, collate, runner.train_config(0))
+            model = engine.build(base)
+            start = time.perf_counter()
+            method.before_task(model, 0, task, engine.ctx)
+            inits.setdefault(label, []).append(time.perf_counter() - start)
+    return {"step_seconds": times, "init_seconds": inits, "rounds": rounds, "warmup": warmup}
+
+
+def _timing_table(timing: dict[str, Any], steps: int) -> tuple[str, dict[str, Any]]:
+    times = timing["step_seconds"]
+    median = {label: statistics.median(t) for label, t in times.items()}
+    ref = median.get(REFERENCE)
+    rows, summary = [], {"median_step_ms": {k: 1e3 * v for k, v in median.items()}, "init": {}}
+    for label, t in times.items():
+        ratio, interval = "", ""
+        if ref is not None:
+            ratio = f"{median[label] / ref:.2f}x"
+            if label != REFERENCE and len(t) > 1:
+                mean, lo, hi = paired_interval([math.log(x) for x in t], [math.log(x) for x in times[REFERENCE]])
+                interval = f"{math.exp(mean):.2f}x [{math.exp(lo):.2f}, {math.exp(hi):.2f}]"
+                summary.setdefault("ratio_interval", {})[label] = [math.exp(mean), math.exp(lo), math.exp(hi)]
+        cost = "-"
+        if label in timing["init_seconds"] and ref is not None:
+            seconds = statistics.median(timing["init_seconds"][label])
+            equiv = seconds / ref
+            summary["init"][label] = {"seconds": seconds, "steps_equivalent": equiv, "share": equiv / steps}
+            cost = f"{INITS[label]}: {seconds:.2f} s = {equiv:.1f} steps = {100 * equiv / steps:.1f}% of {steps} steps"
+        rows.append(f"| {label} | {1e3 * median[label]:.0f} | {ratio} | {interval} | {cost} |")
+    head = [
+        f"### Step time: interleaved in one process, {timing['rounds']} rounds after {timing['warmup']} warm-up",
+        "",
+        f"| method | median step ms | vs {REFERENCE} (medians) | per-round ratio, geometric mean [95 % CI] | init cost |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    return "\n".join(head + rows), summary
+
+
+def _curve_table(title: str, rows: list[tuple[str, dict[str, list[float]]]], checkpoints: list[int]) -> str:
+    lines = [title, "", "| run | " + " | ".join(f"{s} steps" for s in checkpoints) + " |"]
+    lines.append("|---|" + "---:|" * len(checkpoints))
+    for name, curve in rows:
+        cells = []
+        for s in checkpoints:
+            values = [100 * v for v in curve[str(s)]]
+            sd = f" ± {statistics.stdev(values):.1f}" if len(values) > 1 else ""
+            cells.append(f"{statistics.mean(values):.1f}{sd}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _targets(study: Study, timing: dict[str, Any], steps: int) -> list[str]:
+    lines = []
+    if OURS in study.test and REFERENCE in study.test and len(study.test[OURS]) > 1:
+        name = "Riemannion+LOI - LoRA+AdamW test accuracy, each at its best validation lr"
+        lines.append(study.verdict(OURS, REFERENCE, at_least=0.01, name=name))
+    interval = timing.get("ratio_interval", {}).get(OURS)
+    if interval is not None:
+        median = timing["median_step_ms"][OURS] / timing["median_step_ms"][REFERENCE]
+        ok = interval[2] <= 1.15
+        lines.append(
+            f"target: Riemannion+LOI step time / LoRA+AdamW = {median:.2f}x (medians; per-round geometric mean "
+            f"{interval[0]:.2f}x, 95 % CI [{interval[1]:.2f}, {interval[2]:.2f}]) (upper end <= 1.15x): "
+            f"{'met' if ok else 'NOT met'}"
         )
-        records.append({"method": label, "lr": lr, "acc": accs, "step_ms": 1e3 * step, "init_pct": init_pct})
+    loi = timing["init"].get(OURS)
+    if loi is not None:
+        ok = loi["share"] <= 0.02
+        lines.append(
+            f"target: LOI cost = {loi['steps_equivalent']:.1f} LoRA+AdamW steps = {100 * loi['share']:.1f}% of a "
+            f"{steps}-step run (<= 2%): {'met' if ok else 'NOT met'}"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seeds", type=int, default=5, help="test seeds 0..N-1 (seed 0 tunes)")
+    parser.add_argument("--classes", type=int, default=None, help="number of supersenses (default: all eligible)")
+    parser.add_argument("--train-per-class", type=int, default=20)
+    parser.add_argument("--val-per-class", type=int, default=10)
+    parser.add_argument("--test-per-class", type=int, default=10)
+    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--max-length", type=int, default=32, help="tokens per gloss (longer ones are truncated)")
+    parser.add_argument("--grid-points", type=int, default=3, help="learning rates per method (half a decade apart)")
+    parser.add_argument("--timing-rounds", type=int, default=40, help="interleaved step-time rounds after warm-up")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1; see the module docstring)")
+    parser.add_argument("--methods", nargs="+", default=[m[0] for m in METHODS], help="labels to run")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 4 classes, 2 seeds, 4 steps")
+    parser.add_argument("--figure", type=Path, default=None, help=f"lr-curves PNG (default {FIGURE}; none in --quick)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.methods) - {m[0] for m in METHODS})
+    if unknown:
+        parser.error(f"--methods: unknown {unknown}; valid: {[m[0] for m in METHODS]}")
+    warmup, repeats = 5, 3
+    if args.quick:
+        args.seeds, args.classes, args.epochs, args.batch_size, args.max_length = 2, 4, 1, 4, 16
+        args.train_per_class, args.val_per_class, args.test_per_class = 4, 4, 4
+        args.timing_rounds, warmup, repeats = 2, 1, 1
+    elif args.figure is None:
+        args.figure = FIGURE
+    torch.set_num_threads(args.threads)
+
+    caps = (args.train_per_class + args.val_per_class, args.test_per_class)
+    eligible = [n for n, c in class_counts().items() if c["train"] >= caps[0] and c["test"] >= caps[1]]
+    sequence = wordnet_task_sequence(
+        n_tasks=1,
+        classes_per_task=args.classes or len(eligible),
+        seed=0,
+        train_per_class=args.train_per_class,
+        test_per_class=args.test_per_class,
+        val_per_class=args.val_per_class,
+    )
+    runner = Runner(sequence, args)
+    task = runner.task
+    protocol = Protocol(tune_seeds=(0,), test_seeds=tuple(range(args.seeds)))
+    print(
+        f"[riemannion] MiniLM-L6, WordNet supersenses: {sequence.num_classes} classes, {len(task.train)} train / "
+        f"{len(task.validation)} validation / {len(task.test)} test examples (data seed 0, fixed), {runner.steps} "
+        f"steps of {args.batch_size} ({args.epochs} epochs), accuracy at steps {runner.checkpoints}, r={RANK} on "
+        f"{TARGETS}, torch {torch.__version__}, {args.threads} thread(s)\n{protocol.describe()}",
+        flush=True,
+    )
+    wall = time.perf_counter()
+    grids = {m[0]: log_grid(m[2]["lr"], args.grid_points) for m in METHODS if m[0] in args.methods}
+    study = tune_and_test(grids, runner.score, protocol, echo=lambda line: print(line, flush=True))
+    tuned = time.perf_counter() - wall
+
+    print(f"\n### Riemannion and peers: test accuracy at each method's best validation lr\n\n{study.table(REFERENCE)}")
+    print(f"\n{protocol.describe()}; seeds change the head init, batch order and random init parts, not the data")
+    edges = [m for m, lr in study.chosen.items() if lr in (min(grids[m]), max(grids[m]))]
+    if edges:
+        print(f"note: best validation lr at the edge of its grid for {edges}")
+    if OURS in study.test and "riemannion_random" in study.test and len(study.test[OURS]) > 1:
+        mean, lo, hi = paired_interval(study.test[OURS], study.test["riemannion_random"])
+        print(f"LOI vs random start (test): {100 * mean:+.1f} points, 95 % CI [{100 * lo:+.1f}, {100 * hi:+.1f}]")
+    grid_rows = [
+        (f"{m} lr {lr:g}", {s: [v] for s, v in runner.runs[(m, lr, 0)]["curves"]["validation"].items()})
+        for m, grid in grids.items()
+        for lr in grid
+    ]
+    print("\n" + _curve_table("### Validation accuracy vs steps, every grid point (seed 0)", grid_rows, runner.checkpoints))
+    test_rows = []
+    for m, lr in study.chosen.items():
+        curves = [runner.runs[(m, lr, s)]["curves"]["test"] for s in protocol.test_seeds]
+        test_rows.append((f"{m} lr {lr:g}", {str(s): [c[str(s)] for c in curves] for s in runner.checkpoints}))
+    title = f"### Test accuracy vs steps at the chosen lr (mean ± sd over seeds {list(protocol.test_seeds)})"
+    print("\n" + _curve_table(title, test_rows, runner.checkpoints))
+
+    start = time.perf_counter()
+    timing = interleaved_timing(runner, list(grids), args.timing_rounds, warmup, repeats)
+    table, summary = _timing_table(timing, runner.steps)
+    print(f"\n{table}\n")
+    for line in _targets(study, summary, runner.steps):
+        print(line)
+    check = None
+    if args.quick and OURS in study.chosen:
+        # the cached seed-0 run was scored on validation by the runner and on test by the step hook; a plain run
+        # (no hook) scored on test must give the same test accuracy
+        lr = study.chosen[OURS]
+        base, collate = runner.base(0)
+        plain = run_sequence(sequence, _make_method(OURS, lr), base, collate, runner.train_config(0))
+        cached = runner.runs[(OURS, lr, 0)]["curves"]["test"][str(runner.steps)]
+        check = {"method": OURS, "lr": lr, "cached_test": cached, "plain_test": plain.metrics["final_acc"]}
+        check["equal"] = check["cached_test"] == check["plain_test"]
+        print(f"check: a plain re-run gives the cached run's test accuracy: {'PASS' if check['equal'] else 'FAIL'}")
     wall = time.perf_counter() - wall
-    score = "validation" if args.sweep else "test"
-    header = ["method", "lr", f"{score} acc %", "vs LoRA+AdamW", "step ms", "vs LoRA+AdamW", "init cost"]
-    print(f"\n{_table(header, rows)}\n\nwall time {wall / 60:.1f} min, {args.threads} thread(s)")
-    if not args.sweep:
-        for line in _targets(records, ref_acc, ref_step):
-            print(line)
+    print(
+        f"\nwall time {wall / 60:.1f} min ({tuned / 60:.1f} min training {len(runner.runs)} runs, "
+        f"{(time.perf_counter() - start) / 60:.1f} min timing and checks), {args.threads} thread(s)"
+    )
+    if args.figure is not None:
+        args.figure.parent.mkdir(parents=True, exist_ok=True)
+        title = f"MiniLM-L6, WordNet ({sequence.num_classes} classes), {runner.steps} steps, seed 0 validation"
+        print(f"figure: {study.plot_lr_curves(str(args.figure), title=title)}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = {
             "classes": sequence.num_classes,
             "train_examples": len(task.train),
-            "eval_examples": len(task.test),
-            "steps": steps,
-            "seeds": args.seeds,
+            "validation_examples": len(task.validation),
+            "test_examples": len(task.test),
+            "data_seed": 0,
+            "steps": runner.steps,
+            "checkpoints": runner.checkpoints,
+            "batch_size": args.batch_size,
             "threads": args.threads,
             "torch": torch.__version__,
             "machine": platform.machine(),
             "wall_seconds": wall,
-            "sweep": args.sweep,
+            "quick": args.quick,
         }
-        args.json.write_text(json.dumps({"meta": meta, "results": records}, indent=2))
+        payload = {
+            "meta": meta,
+            "study": study.to_dict(),
+            "runs": list(runner.runs.values()),
+            "timing": {**summary, "raw": timing},
+            "targets": _targets(study, summary, runner.steps),
+            "trajectory_check": check,
+        }
+        args.json.write_text(json.dumps(payload, indent=2))
 
 
 if __name__ == "__main__":
