@@ -33,10 +33,8 @@ warm-up. The per-round ratio Riemannion+LOI / LoRA+AdamW gets a 95 % interval (t
 LoRA-GA's costs are timed in the same process (median of repeats after warm-up) and reported as steps-equivalent
 (seconds / median LoRA+AdamW step) and as a share of a run of the benchmark's length (steps-equivalent / steps).
 
-Prints ``Study.table`` (chosen lr, validation and test accuracy, lr range within 1 point, paired 95 % CI to
-LoRA+AdamW), the grid's validation accuracy vs steps, the chosen runs' test accuracy vs steps, the step-time table and
-the target verdicts; writes ``docs/figures/riemannion_lr.png`` (validation accuracy vs lr) and, with ``--json``, the
-grid, the test runs, every run's accuracy-vs-steps curves and the timings.
+Writes ``docs/figures/riemannion_lr.png`` (validation accuracy vs lr) and, with ``--json``, the grid, the test runs,
+every run's accuracy-vs-steps curves and the timings.
 
 Usage (defaults: 44 classes, 880 train / 440 validation / 440 test examples, 6 epochs = 330 steps of 16, seeds 0-4;
 COST_NOTE)::
@@ -299,19 +297,6 @@ def run_protocol(runner: Runner, grids: dict[str, list[float]], protocol: Protoc
     return tune_and_test(grids, runner.score, protocol, echo=lambda line: print(line, flush=True))
 
 
-def _round_timed(
-    model: nn.Module, method: Any, params: list[nn.Parameter], optimizer: torch.optim.Optimizer, batch: dict[str, Any]
-) -> float:
-    """One training step as the runner takes it (forward, backward, clipping, step); its seconds."""
-    start = time.perf_counter()
-    loss, _ = training_loss(model, method, batch, 0, None)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
-    optimizer.step()
-    return time.perf_counter() - start
-
-
 def interleaved_timing(runner: Runner, labels: list[str], rounds: int, warmup: int, repeats: int) -> dict[str, Any]:
     """Step time of every method in one process, stepped in turn on the same batches; init costs in the same process.
 
@@ -337,9 +322,15 @@ def interleaved_timing(runner: Runner, labels: list[str], rounds: int, warmup: i
     for r in range(warmup + rounds):
         batch = batches[r % len(batches)]
         for label in labels[r % len(labels) :] + labels[: r % len(labels)]:  # a different method goes first each round
-            seconds = _round_timed(*built[label], batch)
+            model, method, params, optimizer = built[label]
+            start = time.perf_counter()  # one training step as the runner takes it
+            loss, _ = training_loss(model, method, batch, 0, None)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
             if r >= warmup:
-                times[label].append(seconds)
+                times[label].append(time.perf_counter() - start)
     del built
     inits: dict[str, list[float]] = {}
     for label in [x for x in labels if x in INITS]:
