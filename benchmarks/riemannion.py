@@ -36,8 +36,12 @@ LoRA-GA's costs are timed in the same process (median of repeats after warm-up) 
 Writes ``docs/figures/riemannion_lr.png`` (validation accuracy vs lr) and, with ``--json``, the grid, the test runs,
 every run's accuracy-vs-steps curves and the timings.
 
-Usage (defaults: 44 classes, 880 train / 440 validation / 440 test examples, 6 epochs = 330 steps of 16, seeds 0-4;
-COST_NOTE)::
+Usage (defaults: 44 classes, 880 train / 440 validation / 440 test examples, 6 epochs = 330 steps of 16, seeds
+0-4; the training data and the step count of the issue's independent check). Cost: 18 grid runs + 24 further test
+runs (seed 0 at the chosen lr is a grid run) = 42 runs of 330 steps, the floor of the protocol at >= 300 steps. One
+run (Riemannion+LOI, with its 4 evaluation points) measured 181 s of CPU (736 s wall on the shared 2-core machine at
+load ~10); on 2 idle cores with ``--jobs 2`` that is about 21 x 181 s = 63 min plus ~3 min of step-time rounds, an
+upper estimate (CPU time under contention overstates an idle core's; the old 290 ms steps suggest ~45 min)::
 
     .venv/bin/python benchmarks/riemannion.py --json runs/benchmarks/riemannion.json
     .venv/bin/python benchmarks/riemannion.py --quick      # smoke run of every code path, under a minute
