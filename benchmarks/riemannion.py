@@ -436,6 +436,9 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(args.methods) - {m[0] for m in METHODS})
     if unknown:
         parser.error(f"--methods: unknown {unknown}; valid: {[m[0] for m in METHODS]}")
+    for flag, value in (("--jobs", args.jobs), ("--timing-rounds", args.timing_rounds), ("--seeds", args.seeds)):
+        if value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
     warmup, repeats = 5, 3
     if args.quick:
         args.seeds, args.classes, args.epochs, args.batch_size, args.max_length = 2, 4, 1, 4, 16
@@ -513,7 +516,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.figure is not None:
         args.figure.parent.mkdir(parents=True, exist_ok=True)
-        title = f"MiniLM-L6, WordNet ({sequence.num_classes} classes), {runner.steps} steps, seed 0 validation"
+        title = (
+            f"MiniLM-L6, WordNet ({sequence.num_classes} classes), {runner.steps} steps, seed 0 validation\n"
+            "(Riemannion / Muon lr in spectral-norm units, AdamW lr per coordinate)"
+        )
         print(f"figure: {study.plot_lr_curves(str(args.figure), title=title)}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
