@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from peft_ext.multimodal import (
     load_emoji_pairs,
     missing_masks,
     split_of,
+    validation_of,
 )
 from peft_ext.multimodal.emoji import DEFAULT_FONT, DEFAULT_PATH, DEFAULT_TEST_FILE, parse_emoji_test
 
@@ -166,8 +168,28 @@ def test_split_is_fixed_and_disjoint():
     assert all(split_of(c) == "test" for c in test.codepoints)
     assert 0.15 < len(test) / 1870 < 0.25
     assert set(np.unique(test.group)) == set(range(9)), "every group must occur in the test split"
-    with pytest.raises(ValueError, match="`split` must be 'train', 'test' or None, got 'dev'"):
+    with pytest.raises(ValueError, match="`split` must be 'train', 'validation', 'test' or None, got 'dev'"):
         load_emoji_pairs("dev")
+
+
+def test_validation_split_is_a_fixed_carve_out_of_train():
+    """About 20% of the train split by a second hash; disjoint from test, and from train when held out; the default
+    train split keeps its pairs (existing configs and cached backbones are unchanged)."""
+    train, validation, test = load_emoji_pairs("train"), load_emoji_pairs("validation"), load_emoji_pairs("test")
+    held_out = load_emoji_pairs("train", hold_out_validation=True)
+    assert len(train) == 1507 and len(validation) == 293 and len(held_out) == 1507 - 293
+    assert set(validation.codepoints) <= set(train.codepoints)
+    assert set(validation.codepoints).isdisjoint(test.codepoints)
+    assert set(validation.codepoints).isdisjoint(held_out.codepoints)
+    assert set(held_out.codepoints) | set(validation.codepoints) == set(train.codepoints)
+    assert set(np.unique(validation.group)) == set(range(9)), "every group must occur in the validation split"
+    # an independent recomputation of the rule: bytes 4-7 of the SHA-1 of the code points, mod 100, below 20
+    for cps in train.codepoints[:200]:
+        value = int.from_bytes(hashlib.sha1(cps.encode("ascii")).digest()[4:8], "big") % 100
+        assert validation_of(cps) == (value < 20)
+    assert not any(validation_of(c) for c in test.codepoints)
+    with pytest.raises(ValueError, match="applies to split='train' only"):
+        load_emoji_pairs("test", hold_out_validation=True)
 
 
 def test_parser_keeps_fully_qualified_and_drops_skin_tones():

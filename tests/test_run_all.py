@@ -70,19 +70,36 @@ def test_main_runs_the_selected_entries_keeps_logs_and_writes_the_report(run_all
 
 
 def test_mora_benchmark_prints_its_targets_verdicts():
+    """Met only when the paired (same seed) 95 % interval against the best other method clears 0."""
     spec = importlib.util.spec_from_file_location("mora_bench", ROOT / "benchmarks" / "mora_missing_modality.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    accs = {
+        ("both", "mora"): (0.80, 0.70),  # +5 points on average, but the seeds disagree: not met
+        ("both", "lora"): (0.70, 0.70),
+        ("both", "prompts"): (0.60, 0.60),
+        ("text", "mora"): (0.80, 0.82),  # +20 and +22 over the best other method (lora): met
+        ("text", "lora"): (0.60, 0.60),
+        ("text", "lora_matched"): (0.50, 0.55),
+    }
     rows = [
-        {"rate": 0.7, "kind": "both", "method": "mora", "acc": 0.70},
-        {"rate": 0.7, "kind": "both", "method": "lora", "acc": 0.75},
-        {"rate": 0.7, "kind": "text", "method": "mora", "acc": 0.80},
-        {"rate": 0.7, "kind": "text", "method": "lora", "acc": 0.60},
-        {"rate": 0.0, "kind": "both", "method": "mora", "acc": 0.10},
+        {"rate": 0.7, "kind": kind, "method": method, "seed": seed, "acc": acc}
+        for (kind, method), values in accs.items()
+        for seed, acc in enumerate(values)
     ]
-    lines = module.targets(rows, {"mora": 9.0, "prompts": 10.0})
-    assert lines == [
-        "target: rate 0.7 both: MoRA accuracy 70.0 vs best other (lora) 75.0 (MoRA best): NOT met",
-        "target: rate 0.7 text: MoRA accuracy 80.0 vs best other (lora) 60.0 (MoRA best): met",
-        "target: MoRA inference time / prompt baseline = 0.90x (<= 1.00x): met",
-    ]
+    rows.append({"rate": 0.0, "kind": "both", "method": "mora", "seed": 0, "acc": 0.10})
+    # half widths t(1) x sd / sqrt(2) = 12.706 x |d1 - d2| / 2: 63.5, 12.7 and 19.1 points
+    lines = module.verdicts(rows, {"mora": 9.0, "prompts": 10.0})
+    assert lines[0] == (
+        "target: MoRA best at missing rate 0.7 both: MoRA vs the best other method (lora) 75.0 ± 7.1 vs 70.0 ± 0.0: "
+        "+5.0 points, 95 % CI [-58.5, +68.5] over 2 seeds (lower end > 0): NOT met"
+    )
+    assert lines[1] == (
+        "target: MoRA best at missing rate 0.7 text: MoRA vs the best other method (lora) 81.0 ± 1.4 vs 60.0 ± 0.0: "
+        "+21.0 points, 95 % CI [+8.3, +33.7] over 2 seeds (lower end > 0): met"
+    )
+    assert lines[2] == (
+        "equal parameters, missing rate 0.7 text: MoRA vs LoRA at MoRA's parameter count (lora_matched) "
+        "81.0 ± 1.4 vs 52.5 ± 3.5: +28.5 points, 95 % CI [+9.4, +47.6] over 2 seeds"
+    )
+    assert lines[3:] == ["target: MoRA inference time / prompt baseline = 0.90x (<= 1.00x): met"]

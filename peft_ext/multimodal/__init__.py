@@ -13,7 +13,7 @@ fonts-noto-color-emoji).
 
 from __future__ import annotations
 
-from .emoji import EmojiPairs, build_emoji_pairs, load_emoji_pairs, split_of
+from .emoji import EmojiPairs, build_emoji_pairs, load_emoji_pairs, split_of, validation_of
 from .metrics import accuracy, auroc, f1_macro
 from .missing import MISSING_TYPES, MissingMasks, MissingSpec, apply_missing, blank_image, missing_masks
 from .prompts import MissingAwarePrompts, missing_pattern
@@ -34,4 +34,5 @@ __all__ = [
     "missing_masks",
     "missing_pattern",
     "split_of",
+    "validation_of",
 ]

@@ -10,6 +10,7 @@ tower a ``transformers.ViTModel``, so MoRA pairs them with :func:`mora_patterns`
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -20,10 +21,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from peft import get_peft_model
 from torch import nn
 from transformers import AutoModel, AutoTokenizer, BertModel, PreTrainedTokenizerBase, ViTConfig, ViTModel
 
 from ..models.text import load_pretrained_quietly, resolve_backbone
+from ..tuners.mora import MoRAConfig, plan_targets
 from .prompts import MissingAwarePrompts
 
 __all__ = [
@@ -31,6 +34,7 @@ __all__ = [
     "DualEncoder",
     "build_dual_encoder",
     "clip_loss",
+    "matched_lora_ranks",
     "mora_patterns",
     "pixels",
     "pretrain_contrastive",
@@ -49,6 +53,35 @@ def mora_patterns() -> dict[str, Any]:
         "vision_pattern": r"(?:^|\.)vision\.layers\.(\d+)\.",
         "target_modules": list(ATTENTION_PROJECTIONS),
     }
+
+
+def matched_lora_ranks(model: DualEncoder, r: int, alpha: float, top_layers: int) -> dict[str, int]:
+    """LoRA ranks per module (the modules MoRA adapts) whose adapter trains as many parameters as MoRA's, or the
+    nearest count below it: every module at the largest uniform rank that stays within MoRA's count, then one more
+    rank for modules in plan order while the count stays within it. The benchmark's settings (r = 4, top 2 layers of
+    MiniLM and the 192-wide ViT) match exactly: 50,688 adapter parameters, 6 text projections at rank 6 and the rest
+    at rank 5.
+
+    Args:
+        model: The dual encoder (not modified: MoRA is counted on a copy).
+        r: MoRA's rank.
+        alpha: MoRA's scale numerator.
+        top_layers: Layers per tower MoRA adapts.
+    """
+    backbone = copy.deepcopy(model)
+    config = MoRAConfig(r=r, alpha=alpha, top_layers=top_layers, **mora_patterns())
+    plan = plan_targets(backbone, config)
+    modules = dict(backbone.named_modules())
+    cost = {name: modules[name].in_features + modules[name].out_features for name in plan}  # one rank of LoRA
+    budget = sum(p.numel() for p in get_peft_model(backbone, config).parameters() if p.requires_grad)
+    base = max(1, budget // sum(cost.values()))
+    ranks = dict.fromkeys(plan, base)
+    left = budget - base * sum(cost.values())
+    for name in plan:
+        if cost[name] <= left:
+            ranks[name] += 1
+            left -= cost[name]
+    return ranks
 
 
 def pixels(images: np.ndarray) -> torch.Tensor:

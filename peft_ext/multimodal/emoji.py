@@ -10,6 +10,10 @@ and hair components): a "waving hand: medium skin tone" in the test split next t
 would make the test set a near copy of the training set. What remains is one image per distinct emoji.
 
 The train/test split is a fixed function of the code point sequence (SHA-1, about 20% test), like the WordNet data.
+The validation split is another fixed function of the same hash (its next four bytes): about 20% of the *train*
+split, so it never meets the test split. ``load_emoji_pairs("train")`` keeps its 1,507 pairs (validation included)
+so that existing configs and cached backbones are unchanged; ``load_emoji_pairs("train", hold_out_validation=True)``
+is the train split without them, disjoint from ``load_emoji_pairs("validation")``.
 Build it with :func:`build_emoji_pairs` (``python -m peft_ext.multimodal build``); load it with
 :func:`load_emoji_pairs`, which needs nothing outside this package. Licenses: ``files/UNICODE_LICENSE`` (the list)
 and ``files/NOTO_EMOJI_LICENSE`` (the font, SIL OFL 1.1); see ``files/EMOJI_README.md``.
@@ -36,6 +40,7 @@ __all__ = [
     "parse_emoji_test",
     "render_emoji",
     "split_of",
+    "validation_of",
 ]
 
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "data" / "files" / "emoji_pairs.npz"
@@ -44,6 +49,8 @@ DEFAULT_FONT = Path("/usr/share/fonts/truetype/noto/NotoColorEmoji.ttf")
 IMAGE_SIZE = 32
 SKIN_TONES = frozenset(range(0x1F3FB, 0x1F400))
 TEST_PERCENT = 20
+VALIDATION_PERCENT = 20  # of the train split
+SPLITS = (None, "train", "validation", "test")
 # Noto Color Emoji is a bitmap (CBDT) font with one strike: FreeType only opens it at this pixel size.
 _NOTO_STRIKE = 109
 
@@ -121,6 +128,19 @@ def split_of(codepoints: str) -> str:
     """
     digest = hashlib.sha1(codepoints.encode("ascii")).digest()
     return "test" if int.from_bytes(digest[:4], "big") % 100 < TEST_PERCENT else "train"
+
+
+def validation_of(codepoints: str) -> bool:
+    """Whether a *train* emoji belongs to the validation split: about 20% of them, by bytes 4-7 of the same SHA-1 as
+    :func:`split_of` (independent of bytes 0-3, which decide train vs test). ``False`` for every test emoji.
+
+    Args:
+        codepoints: Hex code points, space-separated.
+    """
+    if split_of(codepoints) != "train":
+        return False
+    digest = hashlib.sha1(codepoints.encode("ascii")).digest()
+    return int.from_bytes(digest[4:8], "big") % 100 < VALIDATION_PERCENT
 
 
 def render_emoji(text: str, font, size: int = IMAGE_SIZE) -> np.ndarray | None:
@@ -247,18 +267,25 @@ def build_emoji_pairs(
     return pairs
 
 
-def load_emoji_pairs(split: str | None = None, path: Path = DEFAULT_PATH) -> EmojiPairs:
+def load_emoji_pairs(
+    split: str | None = None, path: Path = DEFAULT_PATH, *, hold_out_validation: bool = False
+) -> EmojiPairs:
     """Load the committed data set.
 
     Args:
-        split: ``"train"``, ``"test"`` or ``None`` (everything).
+        split: ``"train"``, ``"validation"`` (a fixed ~20% of the train split, :func:`validation_of`), ``"test"``
+            or ``None`` (everything).
         path: The ``.npz`` file.
+        hold_out_validation: With ``split="train"``, leave out the validation pairs (then the three splits are
+            disjoint). ``False`` keeps the train split as it always was, validation pairs included.
 
     Raises:
-        ValueError: If ``split`` is not one of those.
+        ValueError: If ``split`` is not one of those, or ``hold_out_validation`` is set for another split.
     """
-    if split not in (None, "train", "test"):
-        raise ValueError(f"`split` must be 'train', 'test' or None, got {split!r}")
+    if split not in SPLITS:
+        raise ValueError(f"`split` must be 'train', 'validation', 'test' or None, got {split!r}")
+    if hold_out_validation and split != "train":
+        raise ValueError(f"`hold_out_validation=True` applies to split='train' only, got split={split!r}")
     with np.load(path, allow_pickle=False) as data:
         pairs = EmojiPairs(
             images=data["images"],
@@ -271,4 +298,7 @@ def load_emoji_pairs(split: str | None = None, path: Path = DEFAULT_PATH) -> Emo
         )
     if split is None:
         return pairs
-    return pairs.subset(np.array([split_of(c) == split for c in pairs.codepoints]))
+    if split == "validation":
+        return pairs.subset(np.array([validation_of(c) for c in pairs.codepoints]))
+    keep = [split_of(c) == split and not (hold_out_validation and validation_of(c)) for c in pairs.codepoints]
+    return pairs.subset(np.array(keep))

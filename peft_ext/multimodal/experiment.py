@@ -13,9 +13,9 @@ both towers.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import re
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +31,7 @@ from .dual_encoder import (
     DualEncoder,
     build_dual_encoder,
     cosine_with_warmup,
+    matched_lora_ranks,
     mora_patterns,
     pixels,
     pretrain_contrastive,
@@ -39,8 +40,11 @@ from .emoji import load_emoji_pairs
 from .metrics import accuracy, auroc, f1_macro
 from .missing import MissingSpec, blank_image, missing_masks
 from .prompts import MissingAwarePrompts, missing_pattern
+from .report import LABELS, cell_key, grid_specs, markdown_table
 
 __all__ = [
+    "ALL_METHODS",
+    "LABELS",
     "METHODS",
     "ExperimentSettings",
     "Prepared",
@@ -54,12 +58,8 @@ __all__ = [
 ]
 
 METHODS = ("linear_probe", "lora", "mora", "prompts")
-LABELS = {
-    "linear_probe": "frozen + linear head",
-    "lora": "LoRA (both towers)",
-    "mora": "MoRA",
-    "prompts": "missing-aware prompts (MMP)",
-}
+# Not part of the `peft-ext run` job's choices (METHODS): LoRA at MoRA's trainable-parameter count, for the benchmark.
+ALL_METHODS = (*METHODS, "lora_matched")
 
 
 @dataclass
@@ -126,7 +126,10 @@ class _Split:
 
 @dataclass
 class Prepared:
-    """The pretrained backbone, tokenized splits and cached lower-layer outputs; reused by every setting."""
+    """The pretrained backbone, tokenized splits and cached lower-layer outputs; reused by every setting.
+
+    ``validation`` is set by ``prepare(..., validation=True)``, which then also leaves it out of ``train``.
+    """
 
     settings: ExperimentSettings
     model: DualEncoder
@@ -136,6 +139,13 @@ class Prepared:
     empty: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # ids, mask, text_low of the empty string (1, T...)
     blank: tuple[torch.Tensor, torch.Tensor]  # px, vision_low of the blank image
     pretrain_log: dict[str, float] = field(default_factory=dict)
+    validation: _Split | None = None
+
+    @functools.cached_property
+    def matched_ranks(self) -> dict[str, int]:
+        """The ranks of the ``lora_matched`` method (:func:`~.dual_encoder.matched_lora_ranks`), computed once."""
+        s = self.settings
+        return matched_lora_ranks(self.model, s.r, s.alpha, s.top_layers)
 
     @property
     def text_start(self) -> int:
@@ -159,8 +169,16 @@ def _lower(model: DualEncoder, ids: torch.Tensor, mask: torch.Tensor, px: torch.
     return torch.cat(text), torch.cat(vision)
 
 
-def prepare(settings: ExperimentSettings, echo: Callable[[str], Any] = print) -> Prepared:
-    """Build and pretrain (or load from the cache) the dual encoder, tokenize both splits, cache the lower layers."""
+def prepare(settings: ExperimentSettings, echo: Callable[[str], Any] = print, *, validation: bool = False) -> Prepared:
+    """Build and pretrain (or load from the cache) the dual encoder, tokenize the splits, cache the lower layers.
+
+    Args:
+        settings: The experiment's settings.
+        echo: Where progress lines go.
+        validation: Also prepare the emoji validation split and hold it out of the training pairs (of the
+            backbone's pretraining too, which then gets its own cache entry), so that :func:`run_method` can score
+            on it. ``False``: train on the whole train split, as before.
+    """
     model, tokenizer = build_dual_encoder(
         settings.text,
         vision_width=settings.vision_width,
@@ -181,10 +199,13 @@ def prepare(settings: ExperimentSettings, echo: Callable[[str], Any] = print) ->
         return enc["input_ids"], enc["attention_mask"]
 
     splits = {}
-    train_pairs = load_emoji_pairs("train")
+    train_pairs = load_emoji_pairs("train", hold_out_validation=validation)
     if settings.train_limit is not None:
         train_pairs = train_pairs.subset(np.arange(min(settings.train_limit, len(train_pairs))))
-    for name, pairs in (("train", train_pairs), ("test", load_emoji_pairs("test"))):
+    named = [("train", train_pairs), ("test", load_emoji_pairs("test"))]
+    if validation:
+        named.append(("validation", load_emoji_pairs("validation")))
+    for name, pairs in named:
         ids, mask = tokenize(pairs.names)
         splits[name] = (ids, mask, pixels(pairs.images), torch.from_numpy(pairs.group).long())
     ids, mask, px, _ = splits["train"]
@@ -196,7 +217,8 @@ def prepare(settings: ExperimentSettings, echo: Callable[[str], Any] = print) ->
         settings.pretrain_epochs,
         lr=settings.pretrain_lr,
         cache_dir=settings.cache_dir,
-        cache_key=settings.backbone_key(),
+        # the key of a run without validation is unchanged, so its cached backbone stays valid
+        cache_key={**settings.backbone_key(), **({"hold_out_validation": True} if validation else {})},
         echo=echo,
     )
     model.requires_grad_(False)
@@ -216,6 +238,7 @@ def prepare(settings: ExperimentSettings, echo: Callable[[str], Any] = print) ->
         empty=(empty_ids, empty_mask, empty_low),
         blank=(blank_px, blank_low),
         pretrain_log=log,
+        validation=built.get("validation"),
     )
 
 
@@ -270,8 +293,20 @@ class _Method(nn.Module):
             plan = plan_targets(backbone, MoRAConfig(r=s.r, top_layers=s.top_layers, **mora_patterns()))
             target = "|".join(re.escape(name) for name in plan)
             self.backbone = get_peft_model(backbone, LoraConfig(r=s.r, lora_alpha=s.alpha, target_modules=target))
+        elif method == "lora_matched":
+            ranks = prep.matched_ranks
+            target = "|".join(re.escape(name) for name in ranks)
+            # every module keeps LoRA's scaling alpha / r of the plain "lora" method
+            config = LoraConfig(
+                r=s.r,
+                lora_alpha=s.alpha,
+                target_modules=target,
+                rank_pattern={re.escape(n): r for n, r in ranks.items()},
+                alpha_pattern={re.escape(n): s.alpha * r / s.r for n, r in ranks.items()},
+            )
+            self.backbone = get_peft_model(backbone, config)
         else:
-            raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+            raise ValueError(f"unknown method {method!r}; choose from {ALL_METHODS}")
         self.head = nn.Linear(2 * backbone.embed_dim, prep.num_classes)
         self.method = method
 
@@ -294,15 +329,32 @@ def _trim(mask: torch.Tensor) -> int:
     return int(mask.sum(1).max())
 
 
-def run_method(prep: Prepared, method: str, spec: MissingSpec, seed: int = 0) -> dict[str, float]:
-    """Fine-tune one method under one missing spec (train draw seed 0, test draw seed 1, as in the protocol) and
-    evaluate on the test split under the same spec.
+def run_method(
+    prep: Prepared, method: str, spec: MissingSpec, seed: int = 0, *, lr: float | None = None, split: str = "test"
+) -> dict[str, float]:
+    """Fine-tune one method under one missing spec (train draw seed 0, test draw seed 1, validation draw seed 2) and
+    evaluate on the test (or validation) split under the same spec.
+
+    Args:
+        prep: From :func:`prepare` (with ``validation=True`` for ``split="validation"``).
+        method: A name from :data:`ALL_METHODS`.
+        spec: The missing rate and type.
+        seed: Initialization and batch-order seed.
+        lr: AdamW learning rate; ``None``: ``prep.settings.lr``.
+        split: ``"test"`` or ``"validation"``.
 
     Returns:
         ``acc``, ``f1``, ``auroc``, ``params`` (trainable), ``train_s``. Inference time: :func:`time_inference`.
     """
     s = prep.settings
-    train, test = _apply(prep, prep.train, spec, seed=0), _apply(prep, prep.test, spec, seed=1)
+    if split not in ("test", "validation"):
+        raise ValueError(f"`split` must be 'test' or 'validation', got {split!r}")
+    if split == "validation" and prep.validation is None:
+        raise ValueError("split='validation' needs a validation split: prepare(settings, validation=True)")
+    if lr is not None and not lr > 0:
+        raise ValueError(f"`lr` must be positive, got {lr}")
+    train = _apply(prep, prep.train, spec, seed=0)
+    test = _apply(prep, prep.test, spec, seed=1) if split == "test" else _apply(prep, prep.validation, spec, seed=2)
     model = _Method(prep, method, seed)
     params = [p for p in model.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in params)
@@ -315,7 +367,7 @@ def run_method(prep: Prepared, method: str, spec: MissingSpec, seed: int = 0) ->
                 [torch.cat(_features(model, train, b, t0, v0), dim=1) for b in torch.arange(len(train.y)).split(256)]
             )
     steps = s.epochs * math.ceil(len(train.y) / s.batch_size)
-    optimizer = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.01)
+    optimizer = torch.optim.AdamW(params, lr=s.lr if lr is None else lr, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(steps))
     gen = torch.Generator().manual_seed(seed)
     for _ in range(s.epochs):
@@ -334,7 +386,7 @@ def run_method(prep: Prepared, method: str, spec: MissingSpec, seed: int = 0) ->
             scheduler.step()
     train_s = time.perf_counter() - start
     model.eval()
-    if method in ("lora", "mora"):
+    if method in ("lora", "lora_matched", "mora"):
         model.backbone = model.backbone.merge_and_unload()  # no inference overhead: a plain DualEncoder again
     with torch.no_grad():
         logits = []
@@ -379,7 +431,7 @@ def time_inference(
     models = {}
     for method in methods:
         model = _Method(prep, method, seed=0).eval()
-        if method in ("lora", "mora"):
+        if method in ("lora", "lora_matched", "mora"):
             model.backbone = model.backbone.merge_and_unload()
         models[method] = model
     best = dict.fromkeys(methods, float("inf"))
@@ -392,23 +444,6 @@ def time_inference(
                 model.full(*args)
                 best[method] = min(best[method], time.perf_counter() - start)
     return {method: 1000 * seconds for method, seconds in best.items()}
-
-
-def grid_specs(rates: Sequence[float], kinds: Sequence[str]) -> list[MissingSpec]:
-    """The settings of a grid; rate 0 is the same for every type, so it appears once (as ``both``)."""
-    specs, seen = [], set()
-    for rate in rates:
-        for kind in kinds:
-            spec = MissingSpec(rate, "both" if rate == 0 else kind)
-            if (spec.rate, spec.kind) not in seen:
-                seen.add((spec.rate, spec.kind))
-                specs.append(spec)
-    return specs
-
-
-def cell_key(rate: float, kind: str, method: str, seed: int) -> tuple[float, str, str, int]:
-    """What identifies a cell of the grid (and its row): rate, missing type, method, seed."""
-    return float(rate), str(kind), str(method), int(seed)
 
 
 def run_grid(
@@ -463,37 +498,3 @@ def run_grid(
                 if on_row is not None:
                     on_row(rows)
     return rows
-
-
-def _cell(values: list[float], scale: float = 100.0) -> str:
-    mean = statistics.mean(values) * scale
-    if len(values) == 1:
-        return f"{mean:.1f}"
-    return f"{mean:.1f} ± {statistics.stdev(values) * scale:.1f}"
-
-
-def markdown_table(rows: list[dict[str, Any]], infer_ms: dict[str, float] | None = None) -> str:
-    """One line per (rate, type, method): mean (± sd over seeds) accuracy, F1-macro, AUROC in percent, trainable
-    parameters and (from :func:`time_inference`) inference ms per 64; the best accuracy of each setting in bold."""
-    infer_ms = infer_ms or {}
-    settings = list(dict.fromkeys((r["rate"], r["kind"]) for r in rows))
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    lines = [
-        "| missing rate | type | method | accuracy | F1-macro | AUROC | trainable params | inference ms / 64 |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for rate, kind in settings:
-        group = {m: [r for r in rows if (r["rate"], r["kind"], r["method"]) == (rate, kind, m)] for m in methods}
-        best = max(methods, key=lambda m: statistics.mean(r["acc"] for r in group[m]) if group[m] else -1)
-        for m in methods:
-            if not group[m]:
-                continue
-            acc = _cell([r["acc"] for r in group[m]])
-            acc = f"**{acc}**" if m == best else acc
-            infer = f"{infer_ms[m]:.1f}" if m in infer_ms else "-"
-            lines.append(
-                f"| {rate:g} | {'-' if rate == 0 else kind} | {LABELS.get(m, m)} | {acc} | "
-                f"{_cell([r['f1'] for r in group[m]])} | {_cell([r['auroc'] for r in group[m]])} | "
-                f"{group[m][0]['params']:,} | {infer} |"
-            )
-    return "\n".join(lines)
