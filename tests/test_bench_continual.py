@@ -16,6 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "continual_wordnet.py"
+pytestmark = pytest.mark.slow  # a real pretrained model, about 70 s of CPU for the two runs
 METHODS = ["seq_lora", "inflora", "olora", "osf", "splitlora", "pclr_contribution", "joint"]
 
 
