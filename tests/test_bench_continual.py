@@ -6,6 +6,7 @@ trains again and the study equals the uninterrupted one.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -89,3 +90,23 @@ def test_resume_trains_only_the_missing_run_and_reproduces_the_study(quick):
     again = json.loads((out / "results.json").read_text())
     assert again["study"]["validation"] == payload["study"]["validation"]
     assert again["study"]["test"] == payload["study"]["test"]
+
+
+def test_resume_refuses_a_record_made_with_other_settings(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("continual_wordnet_bench", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = bench.parse_args(["--quick", "--resume", "--out", str(tmp_path)])
+    path = tmp_path / "checkpoint.json"
+    path.write_text(json.dumps({"settings": {"train_per_class": 40, "options": {}}, "runs": {"5": {}}}))
+    with pytest.raises(SystemExit, match="fixed-learning-rate version"):
+        bench.load_checkpoint(path, args)
+    other = bench.parse_args(["--quick", "--resume", "--out", str(tmp_path), "--set", "seq_lora.adapter.r=4"])
+    path.write_text(json.dumps({"settings": bench.settings(other), "runs": {}}))
+    with pytest.raises(SystemExit, match="other settings"):
+        bench.load_checkpoint(path, args)
+    # a moved grid centre is not another setting: runs are keyed by their learning rate
+    moved = bench.parse_args(["--quick", "--resume", "--out", str(tmp_path), "--set", "splitlora.lr=1e-2"])
+    path.write_text(json.dumps({"settings": bench.settings(moved), "runs": {"k": {}}}))
+    assert bench.load_checkpoint(path, args)["runs"] == {"k": {}}
