@@ -17,15 +17,14 @@ Usage (default: 5 tasks x 4 classes, 7 methods, 3 + 5 runs each, plus the conver
     python benchmarks/continual_wordnet.py --set splitlora.lr=5e-3 --set splitlora.trade_off=10
 
 Cost of the default (5 tasks x 4 classes, 40 train / 25 validation / 25 test glosses per class, 3 epochs = 15
-steps per task, batch 32): 7 methods x (3 validation + 5 test runs) + 2 convergence runs at 6 epochs = 58 runs. One
-full-size run (seq_lora, one lr, seed 0, validation) measured 78 s of single-thread CPU time on this project's
-2-core machine while it was shared (load average 9; wall 310 s). The per-run wall times on 2 idle cores recorded in
-docs/splitlora.md and docs/pclr.md (same sizes) are 23-36 s for seq_lora, inflora, olora, osf, splitlora and joint,
-and 279 s for pclr_contribution (its compression measures every rank's contribution and it distils for an extra
-epoch), so the default takes about 1 hour on 2 idle cores: about 24 minutes for the six non-PCLR methods, 37 for
-PCLR, 2 for the convergence runs. ``--methods seq_lora inflora olora osf splitlora joint`` skips PCLR. The sizes are
-the fixed-lr benchmark's, kept so that runs are long enough to converge (the convergence check says whether they
-are) rather than shrunk to fit 40 minutes.
+steps per task, batch 32): 7 methods x (3 validation + 5 test runs) + 2 convergence runs at 6 epochs = 58 runs.
+Measured on this project's 2-core machine while it was shared (load average 5-9), single-thread CPU time of one
+full-size run (one lr, seed 0, validation): seq_lora 78 s (131 s at 6 epochs), pclr_contribution 142 s (1.8x
+seq_lora). On 2 idle cores a seq_lora run took 27 s wall (docs/splitlora.md, same sizes; the other non-PCLR methods
+0.85-1.33x that), so the default comes to about 70 seq_lora-runs, i.e. about 32 minutes on 2 idle cores (about an
+hour at the contention measured here). The sizes are the fixed-lr benchmark's: runs long enough to converge come
+first (the convergence check says whether they are; seq_lora at lr 1e-3, seed 0: 23.6 -> 19.8 validation final
+accuracy from 3 to 6 epochs, more epochs only forget more).
 
 Targets (issue 5, judged by 95 % intervals as issue 16 asks): SplitLoRA's final average accuracy at least 1 point
 above the InfLoRA-style baseline (lower end of the paired interval >= +1), and its forgetting at most half of
