@@ -1,0 +1,112 @@
+"""benchmarks/continual_wordnet.py --quick: the issue-16 protocol end to end (real MiniLM-L6, toy sizes).
+
+One subprocess run of the script, then a ``--resume`` rerun with one run removed from the checkpoint: only that run
+trains again and the study equals the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "continual_wordnet.py"
+pytestmark = pytest.mark.slow  # a real pretrained model, about 70 s of CPU for the two runs
+METHODS = ["seq_lora", "inflora", "olora", "osf", "splitlora", "pclr_contribution", "joint"]
+
+
+def _run(out: Path, *extra: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--out", str(out), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("continual_quick")
+    return out, _run(out), json.loads((out / "results.json").read_text())
+
+
+def test_quick_run_prints_the_protocol_tables_and_verdicts(quick):
+    _, stdout, _ = quick
+    assert "learning rate chosen per method on the validation split (mean over seed(s) [0]), then test over " in stdout
+    head = "| method | lr grid | chosen lr | val acc | test acc (mean ± sd) | lr range within 1 pt | vs inflora (95 %"
+    assert head in stdout
+    assert "| forgetting / seq_lora's (95 % CI) |" in stdout
+    assert "data: the seed picks and orders the 4 classes: every seed draws a different class set" in stdout
+    verdicts = [line for line in stdout.splitlines() if line.startswith("target: ")]
+    assert len(verdicts) == 4, verdicts
+    assert verdicts[0].startswith("target: SplitLoRA final acc >= +1 point over InfLoRA-style: ")
+    assert verdicts[1].startswith("target: SplitLoRA forgetting <= 0.5x sequential LoRA's: ratio ")
+    assert "pool within its cap of 32" in verdicts[2]
+    assert verdicts[3].startswith("target: the baselines' epochs converge (seq_lora, joint: gain from doubling 1 -> 2")
+    assert all(line.endswith((": met", ": NOT met")) for line in verdicts)
+    assert "| seq_lora | " in stdout.split("Convergence of the baselines' epochs")[1]
+    assert "pclr_contribution pool ranks" in stdout  # the PCLR growth table
+
+
+def test_quick_run_keeps_the_grid_and_chooses_on_validation(quick):
+    _, _, payload = quick
+    study = payload["study"]
+    assert study["protocol"] == {"tune_seeds": [0], "test_seeds": [0, 1]}
+    assert list(study["validation"]) == METHODS
+    for method in METHODS:
+        grid = study["validation"][method]
+        assert len(grid) == 3 and all(len(scores) == 1 for scores in grid.values())
+        # the chosen lr is the validation maximum (first on ties), and the test figures are its runs' test scores
+        best = max(grid, key=lambda lr: grid[lr][0])
+        assert f"{study['chosen'][method]:g}" == best
+        assert len(study["test"][method]) == 2
+        extras = study["extras"][method][0]
+        assert {"forgetting", "avg_incremental_acc", "bwt", "matrix", "cpu_seconds"} <= set(extras)
+        key = f"{method}|lr={best}|seed=1|test|tasks=2|epochs=1"
+        assert payload["runs"][key]["metrics"]["final_acc"] == study["test"][method][1]
+    # the grid is centred on each method's constant, half a decade apart
+    assert list(study["validation"]["splitlora"]) == ["0.00158", "0.005", "0.0158"]
+    assert [row["method"] for row in payload["convergence"]] == ["seq_lora", "joint"]
+    assert payload["data"]["draws_differ"] is True
+
+
+def test_resume_trains_only_the_missing_run_and_reproduces_the_study(quick):
+    out, _, payload = quick
+    checkpoint = out / "checkpoint.json"
+    record = json.loads(checkpoint.read_text())
+    assert set(record["runs"]) == set(payload["runs"])
+    missing = "splitlora|lr=0.005|seed=0|validation|tasks=2|epochs=1"
+    del record["runs"][missing]
+    checkpoint.write_text(json.dumps(record))
+    stdout = _run(out, "--resume")
+    assert "this invocation: " in stdout and ", 1 runs trained)" in stdout
+    trained = [line for line in stdout.splitlines() if line.startswith("  ") and "CPU)" in line]
+    assert len(trained) == 1 and missing in trained[0]
+    again = json.loads((out / "results.json").read_text())
+    assert again["study"]["validation"] == payload["study"]["validation"]
+    assert again["study"]["test"] == payload["study"]["test"]
+
+
+def test_resume_refuses_a_record_made_with_other_settings(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("continual_wordnet_bench", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = bench.parse_args(["--quick", "--resume", "--out", str(tmp_path)])
+    path = tmp_path / "checkpoint.json"
+    path.write_text(json.dumps({"settings": {"train_per_class": 40, "options": {}}, "runs": {"5": {}}}))
+    with pytest.raises(SystemExit, match="fixed-learning-rate version"):
+        bench.load_checkpoint(path, args)
+    other = bench.parse_args(["--quick", "--resume", "--out", str(tmp_path), "--set", "seq_lora.adapter.r=4"])
+    path.write_text(json.dumps({"settings": bench.settings(other), "runs": {}}))
+    with pytest.raises(SystemExit, match="other settings"):
+        bench.load_checkpoint(path, args)
+    # a moved grid centre is not another setting: runs are keyed by their learning rate
+    moved = bench.parse_args(["--quick", "--resume", "--out", str(tmp_path), "--set", "splitlora.lr=1e-2"])
+    path.write_text(json.dumps({"settings": bench.settings(moved), "runs": {"k": {}}}))
+    assert bench.load_checkpoint(path, args)["runs"] == {"k": {}}
