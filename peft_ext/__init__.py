@@ -21,7 +21,7 @@ class _DropOptionalKernelNotice(logging.Filter):
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropOptionalKernelNotice())
 
 from .checkpoint import save_pretrained_atomic, verify_checkpoint  # noqa: E402
-from .optim import DCTAdamW, Riemannion  # noqa: E402
+from .optim import DCTAdamW, Riemannion, SubspaceAdamW  # noqa: E402
 from .registry import register_peft_type, registered_peft_types  # noqa: E402
 from .tuners.mora import MoRAConfig  # noqa: E402
 from .tuners.pclr import PCLRConfig  # noqa: E402
@@ -37,6 +37,7 @@ __all__ = [
     "Riemannion",
     "RiemannionConfig",
     "SplitLoRAConfig",
+    "SubspaceAdamW",
     "__version__",
     "register_peft_type",
     "registered_peft_types",

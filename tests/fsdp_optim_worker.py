@@ -158,8 +158,9 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(24, 45), nn.Tanh(), nn.Linear(45, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
-def full_dct(part: slice, shard: bool, resume: bool = True) -> dict:
-    """DCT-AdamW on a plain MLP (no PEFT): weights of 45 (uneven: 23 + 22) and 16 rows projected, the rest AdamW."""
+def full_dct(part: slice, shard: bool, resume: bool = True, **extra: Any) -> dict:
+    """DCT-AdamW on a plain MLP (no PEFT): weights of 45 (uneven: 23 + 22) and 16 rows projected, the rest AdamW.
+    ``extra``: more optimizer options (the power-iteration basis and APOLLO's channel update)."""
     gen = torch.Generator().manual_seed(5)
     xs, ys = torch.randn(STEPS, 16, 24, generator=gen), torch.randint(0, 3, (STEPS, 16), generator=gen)
 
@@ -169,7 +170,7 @@ def full_dct(part: slice, shard: bool, resume: bool = True) -> dict:
             shard_model(model, [model[0], model[2]])
         # the 16 x 45 weight is wider than tall: "auto" projects it from the left in one process
         options = {"lr": 1e-2, "rank": 6, "target_modules": ["0", "2"], "side": "auto" if shard else "right"}
-        return model, DCTAdamW(model.named_parameters(), **options)
+        return model, DCTAdamW(model.named_parameters(), **options, **extra)
 
     def loss_of(model: nn.Module, step: int) -> torch.Tensor:
         # the 16 rows split 8 + 8; ``part`` is in units of the global batch of ROWS = 8, so scale it
@@ -181,13 +182,24 @@ def full_dct(part: slice, shard: bool, resume: bool = True) -> dict:
     projected = optimizer.state[first]
     return {
         "state": whole_state(model, lambda n: True),
-        "indices": projected["indices"].tolist(),
+        "indices": projected["indices"].tolist() if "indices" in projected else projected["basis"].tolist(),
         "state_bytes": state_bytes,
         "first_moment_rows": projected["exp_avg"].shape[0],
     }
 
 
-CASES = {"riemannion": riemannion, "lora_dct": lora_dct, "full_dct": full_dct}
+def full_power_channel(part: slice, shard: bool, resume: bool = True) -> dict:
+    """``full_dct`` with the power-iteration basis (refreshed every 2 steps: the ``G^T G B`` sum over row shards)
+    and APOLLO's channel-scaled update with its norm-growth limiter (a norm over row shards)."""
+    return full_dct(part, shard, resume, projection="power", update="channel", update_proj_gap=2)
+
+
+CASES = {
+    "riemannion": riemannion,
+    "lora_dct": lora_dct,
+    "full_dct": full_dct,
+    "full_power_channel": full_power_channel,
+}
 
 
 def nonfinite_on_one_rank(rank: int) -> dict:
@@ -225,7 +237,7 @@ def main(out_dir: str) -> None:
     results = {name: case(part, shard=True) for name, case in CASES.items()}
     # the same runs without the save / load in the middle: a resumed run must continue bit for bit
     results["uninterrupted"] = {
-        name: CASES[name](part, shard=True, resume=False) for name in ("riemannion", "full_dct")
+        name: CASES[name](part, shard=True, resume=False) for name in ("riemannion", "full_dct", "full_power_channel")
     }
     results["nonfinite"] = nonfinite_on_one_rank(rank)
     torch.save({"world": world, **results}, Path(out_dir) / f"rank{rank}.pt")

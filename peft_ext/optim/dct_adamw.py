@@ -49,6 +49,14 @@ from .dct_state import (
     store_buffer,
 )
 from .saved_state import restore_saved_dtypes
+from .subspace import (
+    channel_scaled_update,
+    coordinate_select,
+    limit_norm_growth,
+    one_hot_rows,
+    power_refresh,
+    rotate_by_overlap,
+)
 
 __all__ = ["NONFINITE_POLICIES", "DCTAdamW", "matches_target"]
 
@@ -140,6 +148,14 @@ class DCTAdamW(Optimizer):
             ``torch.distributed`` is initialized with more than one process. DDP already gives every rank the same
             gradient, so this guards against reductions that are not bit-identical across ranks.
         nonfinite_grad: ``"raise"`` or ``"skip"``; see above.
+        projection: The subspace (:mod:`peft_ext.optim.subspace`): ``"dct"`` (the paper), ``"coordinates"`` (the
+            ``r`` plain columns / rows with the largest gradient norm) or ``"power"`` (an orthonormal basis tracked
+            by one warm-started block power iteration per refresh: no SVD, moments carried over by the basis
+            overlap; :class:`SubspaceAdamW` defaults to it).
+        update: ``"projected"`` (the low-rank Adam direction mapped back) or ``"channel"`` (APOLLO's rule: the whole
+            gradient scaled per channel by the ratio the low-rank Adam state estimates; no error feedback).
+        norm_growth_limit: With ``update="channel"``: APOLLO's limiter, an update's norm may be at most this times
+            the previous one's (``None``: off). Ignored for ``"projected"``.
     """
 
     def __init__(
@@ -167,6 +183,9 @@ class DCTAdamW(Optimizer):
         side: str = "auto",
         sync_indices: bool | None = None,
         nonfinite_grad: str = "raise",
+        projection: str = "dct",
+        update: str = "projected",
+        norm_growth_limit: float | None = 1.01,
     ) -> None:
         if sync_indices not in (None, True, False):
             raise TypeError(f"`sync_indices` must be None, True or False, got {sync_indices!r}")
@@ -196,6 +215,9 @@ class DCTAdamW(Optimizer):
             "dct_method": dct_method,
             "selection_norm": selection_norm,
             "side": side,
+            "projection": projection,
+            "update": update,
+            "norm_growth_limit": norm_growth_limit,
         }
         super().__init__(params, defaults)
         unmatched = unmatched_targets(self.param_groups)
@@ -383,7 +405,8 @@ class DCTAdamW(Optimizer):
         low_shape = (p.shape[0], rank) if side == "right" else (rank, p.shape[1])
         bs = group["quant_blocksize"]
         ages_on = group["rotate_moments"] and group["column_bias_correction"]
-        q = dct_matrix(n, work, p.device)
+        projection = group.get("projection", "dct")
+        q = dct_matrix(n, work, p.device) if projection != "coordinates" else grad.new_empty(0)
 
         if group["error_feedback"]:
             grad = grad + load_buffer(state, "error", p.shape, "linear", bs, work, p.device)
@@ -394,24 +417,32 @@ class DCTAdamW(Optimizer):
         if ages_on and ages is None:
             # Columns present since before ages were tracked have seen every step so far.
             ages = torch.full((rank,), state["step"], dtype=torch.int64, device=p.device)
-        old = state.get("indices")
-        if old is None or state["step"] % group["update_proj_gap"] == 0:
-            indices, low = dct_select(grad, rank, side, group["selection_norm"], group["dct_method"], reduce)
-            if sync:
-                local = indices.clone()
-                dist.broadcast(indices, src=0)
-                if not torch.equal(local, indices):
-                    low = project(grad, q.index_select(0, indices), side)
-            if old is not None and group["rotate_moments"]:
-                m = rotate_selected(m, old, indices, dim)
-                v = rotate_selected(v, old, indices, dim)
-                if ages_on:
-                    ages = rotate_selected(ages, old, indices, 0)
-            state["indices"] = indices
-            basis = q.index_select(0, indices)
+        refresh = state["step"] % group["update_proj_gap"] == 0
+        if projection == "power":
+            basis, low, m, v = self._power_basis(group, state, grad, q, m, v, side, reduce, sync, refresh)
         else:
-            basis = q.index_select(0, old)
-            low = project(grad, basis, side)
+            rows = q.index_select if projection == "dct" else partial(self._unit_rows, n=n, like=grad)
+            old = state.get("indices")
+            if old is None or refresh:
+                if projection == "dct":
+                    indices, low = dct_select(grad, rank, side, group["selection_norm"], group["dct_method"], reduce)
+                else:
+                    indices, low = coordinate_select(grad, rank, side, group["selection_norm"], reduce)
+                if sync:
+                    local = indices.clone()
+                    dist.broadcast(indices, src=0)
+                    if not torch.equal(local, indices):
+                        low = project(grad, rows(0, indices), side)
+                if old is not None and group["rotate_moments"]:
+                    m = rotate_selected(m, old, indices, dim)
+                    v = rotate_selected(v, old, indices, dim)
+                    if ages_on:
+                        ages = rotate_selected(ages, old, indices, 0)
+                state["indices"] = indices
+                basis = rows(0, indices)
+            else:
+                basis = rows(0, old)
+                low = project(grad, basis, side)
 
         if group["error_feedback"]:
             residual = grad - project_back(low, basis, side)
@@ -427,8 +458,52 @@ class DCTAdamW(Optimizer):
         direction = adam_direction(m, v, low, group["betas"], group["eps"], step)
         store_buffer(state, "exp_avg", m, group["moments_8bit"], "dynamic", group, work)
         store_buffer(state, "exp_avg_sq", v, group["moments_8bit"], "udynamic", group, work)
-        update = project_back(direction, basis, side)
+        if group.get("update", "projected") == "channel":
+            update = channel_scaled_update(grad, low, direction, side)
+            update = limit_norm_growth(update, state, group.get("norm_growth_limit"), reduce)
+        else:
+            update = project_back(direction, basis, side)
         self._apply_update(p, update, -group["lr"] * group["scale"], group["lr"] * group["weight_decay"])
+
+    @staticmethod
+    def _unit_rows(_: int, indices: torch.Tensor, *, n: int, like: torch.Tensor) -> torch.Tensor:
+        # the coordinate basis in q.index_select(0, indices)'s calling convention
+        return one_hot_rows(indices, n, like.dtype, like.device)
+
+    def _power_basis(
+        self,
+        group: dict[str, Any],
+        state: dict[str, Any],
+        grad: torch.Tensor,
+        q: torch.Tensor,
+        m: torch.Tensor,
+        v: torch.Tensor,
+        side: str,
+        reduce: Any,
+        sync: bool,
+        refresh: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(basis, low, m, v)`` for ``projection="power"``: the tracked basis, refreshed by one block power
+        iteration every ``update_proj_gap`` steps (the first one warm-started from the DCT selection), with the
+        moments carried into the new basis."""
+        basis = state.get("basis")
+        if basis is None:
+            indices, _ = dct_select(grad, state["rank"], side, group["selection_norm"], group["dct_method"], reduce)
+            start = q.index_select(0, indices).to(torch.float32)
+            basis = power_refresh(grad, start, side, reduce)
+        elif refresh:
+            new = power_refresh(grad, basis, side, reduce)
+            if sync:
+                dist.broadcast(new, src=0)
+            if group["rotate_moments"]:
+                m, v = rotate_by_overlap(m, v, basis, new, side)
+                v = v.clamp_min(0)
+            basis = new
+        if sync and "basis" not in state:
+            dist.broadcast(basis, src=0)
+        state["basis"] = basis
+        basis = basis.to(grad.dtype)
+        return basis, project(grad, basis, side), m, v
 
     # ------------------------------------------------------------------------------------------------------------
     # checkpointing
@@ -442,3 +517,19 @@ class DCTAdamW(Optimizer):
         """
         super().load_state_dict(state_dict)
         restore_saved_dtypes(self, state_dict)
+
+
+class SubspaceAdamW(DCTAdamW):
+    """DCT-AdamW's family with an adaptive, SVD-free basis by default: ``projection="power"``.
+
+    Every ``update_proj_gap`` steps the basis of each projected matrix moves by one block power iteration on its
+    gradient, warm-started from the previous basis (the first one from the DCT selection), and Adam's moments are
+    carried into the new basis through the ``r x r`` overlap (:mod:`peft_ext.optim.subspace`). It costs two
+    ``O(m n r)`` products and a QR of an ``n x r`` matrix per refresh, and stores the ``r x n`` basis. Pass
+    ``update="channel"`` for APOLLO's rule (the whole gradient scaled per channel), and any :class:`DCTAdamW`
+    option (8-bit moments, ``side``, ``target_modules``, ``nonfinite_grad``, ...).
+    """
+
+    def __init__(self, params: Any, lr: float = 1e-3, rank: int = 128, update_proj_gap: int = 50, **kwargs: Any):
+        kwargs.setdefault("projection", "power")
+        super().__init__(params, lr=lr, rank=rank, update_proj_gap=update_proj_gap, **kwargs)

@@ -19,6 +19,7 @@ from ..distributed import check_row_sharded, is_dtensor
 from ..precision import check_dtypes
 from .dct import DCT_METHODS, SIDES
 from .dct_state import QUANT_BLOCKSIZES
+from .subspace import PROJECTIONS, UPDATES
 
 __all__ = ["NONFINITE_POLICIES", "caller_stacklevel", "check_group", "matches_target", "unmatched_targets"]
 
@@ -120,6 +121,26 @@ def check_group(group: dict[str, Any]) -> None:
     for key in ("rotate_moments", "column_bias_correction", "error_feedback", "moments_8bit", "error_feedback_8bit"):
         if not isinstance(group[key], bool):
             raise TypeError(f"`{key}` must be True or False, got {group[key]!r}")
+    projection, update = group.get("projection", "dct"), group.get("update", "projected")
+    if projection not in PROJECTIONS:
+        raise ValueError(f"`projection` must be one of {PROJECTIONS}, got {projection!r}")
+    if update not in UPDATES:
+        raise ValueError(f"`update` must be one of {UPDATES}, got {update!r}")
+    if projection == "power" and group["column_bias_correction"]:
+        raise ValueError(
+            "`column_bias_correction=True` ages individual DCT columns; projection='power' rotates the whole basis, "
+            "so there are no columns to age: turn it off"
+        )
+    if update == "channel" and group["error_feedback"]:
+        raise ValueError(
+            "`error_feedback=True` with update='channel': the channel-scaled update already uses the whole gradient, "
+            "so there is no residual to feed back; turn one of them off"
+        )
+    limit = group.get("norm_growth_limit")
+    if limit is not None and (
+        isinstance(limit, bool) or not isinstance(limit, (int, float)) or not math.isfinite(limit) or limit < 1
+    ):
+        raise ValueError(f"`norm_growth_limit` must be None or a finite number >= 1 (APOLLO: 1.01), got {limit!r}")
     if group["error_feedback_8bit"] and not group["error_feedback"]:
         raise ValueError("`error_feedback_8bit=True` needs `error_feedback=True` (there is no buffer to quantize)")
     targets = group["target_modules"]

@@ -1,0 +1,180 @@
+"""DCT-AdamW's SVD-free family (peft_ext.optim.subspace): the power-iteration basis, plain coordinates, APOLLO's
+channel-scaled update; against independent references (SVD, brute force, the formulas), exact resume, errors."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from peft_ext import SubspaceAdamW
+from peft_ext.optim import OPTIMIZERS, DCTAdamW
+from peft_ext.optim.subspace import (
+    channel_scaled_update,
+    coordinate_select,
+    limit_norm_growth,
+    power_refresh,
+    rotate_by_overlap,
+)
+
+VARIANTS = [
+    {"projection": "power"},
+    {"projection": "coordinates"},
+    {"projection": "power", "update": "channel"},
+    {"projection": "dct", "update": "channel"},
+]
+
+
+def _principal_angle_deg(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest principal angle between the row spaces of two (r, n) orthonormal bases."""
+    s = torch.linalg.svdvals(a.double() @ b.double().T)
+    return math.degrees(math.acos(min(1.0, float(s.min()))))
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_power_iteration_finds_the_top_singular_subspace(side):
+    gen = torch.Generator().manual_seed(0)
+    # singular values 5, 4, 3, 2.5 | 2.2, 2.0, ...: a modest gap, so one iteration is not enough
+    s = torch.tensor([5.0, 4.0, 3.0, 2.5] + [2.2 * 0.9**k for k in range(60)])
+    u = torch.linalg.qr(torch.randn(96, 64, generator=gen))[0]
+    v = torch.linalg.qr(torch.randn(64, 64, generator=gen))[0]
+    g = (u * s) @ v.T
+    top = v[:, :4].T if side == "right" else u[:, :4].T
+    n = 64 if side == "right" else 96
+    basis = torch.linalg.qr(torch.randn(n, 4, generator=gen))[0].T.contiguous()
+    angles = []
+    for _ in range(20):
+        basis = power_refresh(g, basis, side)
+        angles.append(_principal_angle_deg(basis, top))
+    torch.testing.assert_close(basis @ basis.T, torch.eye(4), atol=1e-5, rtol=0)
+    assert all(b <= a + 1e-3 for a, b in zip(angles, angles[1:])), angles  # each warm-started step gets closer
+    assert angles[-1] < 1.0 and angles[-1] < angles[0] / 20, angles
+    # deterministic signs: the same input gives the same basis
+    assert torch.equal(power_refresh(g, basis, side), power_refresh(g, basis, side))
+
+
+def test_power_refresh_keeps_the_basis_on_a_zero_gradient():
+    basis = torch.eye(3, 8)
+    assert torch.equal(power_refresh(torch.zeros(5, 8), basis, "right"), basis)
+
+
+def test_coordinate_select_is_the_brute_force_top_columns():
+    g = torch.randn(20, 12, generator=torch.Generator().manual_seed(1))
+    for norm in (1.0, 2.0, math.inf):
+        indices, low = coordinate_select(g, 5, "right", norm)
+        scores = torch.linalg.vector_norm(g, ord=norm, dim=0)
+        assert set(indices.tolist()) == set(torch.argsort(scores, descending=True)[:5].tolist())
+        assert torch.equal(low, g[:, indices]) and indices.tolist() == sorted(indices.tolist())
+    rows, low = coordinate_select(g.T, 4, "left")
+    assert torch.equal(low, g.T[rows])
+    with pytest.raises(ValueError, match=r"`rank` must be in \[1, 12\]"):
+        coordinate_select(g, 13, "right")
+
+
+def test_rotating_moments_by_the_overlap_re_expresses_them():
+    """A new basis that permutes and flips the old one: the first moment is the same vector in new coordinates."""
+    old = torch.linalg.qr(torch.randn(10, 3))[0].T
+    perm = torch.tensor([[0.0, -1, 0], [0, 0, 1], [1, 0, 0]])
+    new = perm @ old
+    m, v = torch.randn(7, 3), torch.rand(7, 3)
+    m2, v2 = rotate_by_overlap(m, v, old, new, "right")
+    torch.testing.assert_close(m2 @ new, m @ old)  # same full-space first moment
+    torch.testing.assert_close(v2, v @ (perm.T * perm.T))  # second moment follows |overlap|^2
+    assert bool((v2 >= 0).all())
+    m3, _ = rotate_by_overlap(m.T, v.T, old, new, "left")
+    torch.testing.assert_close(new.T @ m3, old.T @ m.T)
+
+
+def test_channel_update_is_apollos_formula():
+    g = torch.randn(6, 9)
+    low, direction = torch.randn(6, 3), torch.randn(6, 3)
+    low[2] = 0
+    out = channel_scaled_update(g, low, direction, "right")
+    expected = g * (direction.norm(dim=1) / low.norm(dim=1)).nan_to_num(0.0, posinf=0.0).unsqueeze(1)
+    expected[2] = 0
+    torch.testing.assert_close(out, expected)
+    out = channel_scaled_update(g.T, low.T, direction.T, "left")
+    torch.testing.assert_close(out.T, expected)
+
+
+def test_norm_growth_limiter():
+    state: dict = {}
+    first = limit_norm_growth(torch.ones(4), state, 1.01)
+    assert torch.equal(first, torch.ones(4)) and float(state["update_norm"]) == pytest.approx(2.0)
+    capped = limit_norm_growth(10 * torch.ones(4), state, 1.01)
+    assert float(capped.norm()) == pytest.approx(2.02)
+    assert limit_norm_growth(torch.ones(2), {}, None).tolist() == [1.0, 1.0]
+
+
+def _train(options: dict, steps: int, resume_at: int | None = None, dtype=torch.float32):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 4)).to(dtype)
+    gen = torch.Generator().manual_seed(3)
+    xs, ys = torch.randn(steps, 8, 16, generator=gen).to(dtype), torch.randint(0, 4, (steps, 8), generator=gen)
+    make = lambda m: DCTAdamW(m.named_parameters(), lr=1e-2, rank=3, update_proj_gap=2, **options)  # noqa: E731
+    opt = make(model)
+    for t in range(steps):
+        if t == resume_at:  # save both, rebuild from scratch, load (weights_only) and go on
+            blob = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, blob)
+            blob.seek(0)
+            saved = torch.load(blob, weights_only=True)
+            torch.manual_seed(123)
+            model = nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 4)).to(dtype)
+            model.load_state_dict(saved["model"])
+            opt = make(model)
+            opt.load_state_dict(saved["opt"])
+        loss = nn.functional.cross_entropy(model(xs[t]).float(), ys[t])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model, opt, loss.item()
+
+
+@pytest.mark.parametrize("options", VARIANTS, ids=lambda o: "-".join(o.values()))
+def test_each_variant_trains_and_resumes_exactly(options):
+    straight, opt, loss = _train(options, 9)
+    resumed, _, _ = _train(options, 9, resume_at=5)
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+    state = opt.state[straight[0].weight]
+    assert state["exp_avg"].shape == (24, 3)  # 24 x 16: the 16 columns are compressed to 3
+    if options["projection"] == "power":
+        torch.testing.assert_close(state["basis"] @ state["basis"].T, torch.eye(3), atol=1e-5, rtol=0)
+        assert "indices" not in state
+    first = _train(options, 1)[2]
+    assert math.isfinite(loss) and loss < first
+
+
+def test_bf16_keeps_an_fp32_basis_through_a_reload():
+    model, opt, _ = _train({"projection": "power"}, 4, resume_at=2, dtype=torch.bfloat16)
+    state = opt.state[model[0].weight]
+    assert state["basis"].dtype == torch.float32 and state["exp_avg"].dtype == torch.float32
+
+
+def test_subspace_adamw_defaults_and_registry():
+    model = nn.Linear(8, 6)
+    opt = SubspaceAdamW(model.named_parameters(), rank=2)
+    assert opt.defaults["projection"] == "power" and opt.defaults["update_proj_gap"] == 50
+    assert OPTIMIZERS["subspace_adamw"] is SubspaceAdamW
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    assert opt.state[model.weight]["basis"].shape == (2, 6)  # 6 x 8 is wider than tall: the rows are compressed
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"projection": "svd"}, r"`projection` must be one of \('dct', 'coordinates', 'power'\), got 'svd'"),
+        ({"update": "full"}, r"`update` must be one of \('projected', 'channel'\), got 'full'"),
+        ({"update": "channel", "error_feedback": True}, "no residual to feed back"),
+        ({"projection": "power", "column_bias_correction": True}, "no columns to age"),
+        ({"norm_growth_limit": 0.5}, r"`norm_growth_limit` must be None or a finite number >= 1"),
+    ],
+)
+def test_bad_options_are_named(options, message):
+    with pytest.raises(ValueError, match=message):
+        DCTAdamW(nn.Linear(4, 4).parameters(), **options)
