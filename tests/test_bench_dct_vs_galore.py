@@ -1,0 +1,65 @@
+"""benchmarks/dct_vs_galore.py --quick: every table and every optimizer's code path runs, and the figures obey what
+must hold whatever the timing (energy bounds, the protocol's choices, checkpoint formats)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytest.importorskip("galore_torch")
+pytest.importorskip("apollo_torch")
+
+
+@pytest.mark.slow
+def test_quick_run_covers_every_optimizer_and_basis(tmp_path):
+    out = tmp_path / "dct.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "dct_vs_galore.py"), "--quick", "--json", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+
+    # table 1: one timing per basis and shape
+    bases = ["galore_svd", "apollo_random", "dct_matmul", "dct_fft", "coordinates", "power"]
+    for record in results["refresh"]:
+        assert all(record[f"{b}_s"] > 0 for b in bases)
+
+    # table 2: the SVD top-r is the optimum of every r-dimensional basis; a basis refreshed on the gradient it is
+    # measured on captures at least what it did before that refresh (one power step can only move towards the top)
+    mean = results["energy"]["mean"]
+    for key, values in mean.items():
+        assert all(0 < v <= 1 + 1e-9 for v in values), key
+        assert all(v <= s + 1e-9 for v, s in zip(values, mean["svd"])), key
+    assert all(f >= s - 1e-9 for f, s in zip(mean["power"], mean["power_stale"]))
+    assert mean["dct_l2"][0] >= mean["dct_l1"][0] - 1e-9  # L2 is the best DCT selection by energy
+
+    # table 3: every optimizer ran the protocol; GaLore's and APOLLO's states do not load weights_only, ours do
+    study = results["finetune"]
+    labels = ["AdamW", "GaLore r=8", "APOLLO r=8", "DCT-AdamW r=8", "power r=8", "coordinates r=8"]
+    labels += ["DCT channel r=8", "power channel r=8"]
+    assert list(study["chosen"]) == labels
+    for label in labels:
+        assert all(0 <= a <= 1 for a in study["test"][label])
+        extra = study["extras"][label][0]
+        assert extra["weights_only_loadable"] == (label.split()[0] not in ("GaLore", "APOLLO")), label
+    adamw = study["extras"]["AdamW"][0]["state_bytes_projected"]
+    assert study["extras"]["DCT-AdamW r=8"][0]["state_bytes_projected"] < adamw / 10
+
+    # the targets are printed, each with a verdict
+    targets = results["targets"]
+    assert any("refresh vs SVD" in t for t in targets) and any(">= APOLLO accuracy" in t for t in targets)
+    assert all(t.endswith(("met", "NOT met")) for t in targets)
+    assert "step_time" in results and "column_bias" in results
