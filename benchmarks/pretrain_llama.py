@@ -133,7 +133,8 @@ def build_optimizer(name: str, model: nn.Module, lr: float, args: argparse.Names
         if name == "galore":
             from galore_torch import GaLoreAdamW
 
-            return GaLoreAdamW([{"params": plain}, {**low, "scale": PROJECTED_SCALE}], **common)
+            groups = [{"params": plain}, {**low, "scale": PROJECTED_SCALE}]
+            return GaLoreAdamW(groups, no_deprecation_warning=True, **common)
         from apollo_torch import APOLLOAdamW
 
         groups = [{"params": plain}, {**low, "proj": "random", "scale_type": "channel", "scale": CHANNEL_SCALE}]

@@ -63,7 +63,6 @@ def test_schedule_and_splits(bench):
     assert 0.08 < share < 0.12  # validation is ~10 % of the training synsets, test stays WordNet's own split
 
 
-@pytest.mark.slow
 def test_quick_run(tmp_path):
     """``--quick`` end to end: every optimizer tuned and tested, the table, the verdicts, the PNG and the JSON."""
     png, out = tmp_path / "loss.png", tmp_path / "pretrain.json"
