@@ -309,7 +309,7 @@ def verdicts(study: Study) -> list[str]:
         if "galore" in have:
             mine, theirs = study.extras[best][0]["state_bytes"], study.extras["galore"][0]["state_bytes"]
             lines.append(
-                f"target: optimizer state {best} {mine / 1024:.0f} KiB <= GaLore's {theirs / 1024:.0f} KiB: "
+                f"target: optimizer state {best} {mine / 1024:.1f} KiB <= GaLore's {theirs / 1024:.1f} KiB: "
                 f"{'met' if mine <= theirs else 'NOT met'}"
             )
     return lines
