@@ -4,7 +4,7 @@ The DCT-AdamW paper (arXiv 2505.17967) and GaLore / APOLLO make their claims on 
 not fine-tuning. This benchmark shrinks that setting to two CPU cores.
 
 - Model: ``tiny_llama`` (transformers ``LlamaForCausalLM``) trained from its random init: hidden 256, 8 layers,
-  4 heads (2 key/value heads), MLP 512, byte vocabulary (256): 4.86 M parameters, of which 4.72 M sit in the 56
+  4 heads (2 key/value heads), MLP 512, byte vocabulary (256): 4.85 M parameters, of which 4.72 M sit in the 56
   attention / MLP projections. A step is ``--batch`` x ``--seq`` = 16 x 64 = 1,024 bytes; ``--steps`` 400 make
   410 k training tokens per run, the same for every optimizer.
 - Data: the WordNet gloss corpus (``peft_ext.data.wordnet.read_gloss_file``, committed): each synset's definition
