@@ -45,12 +45,12 @@ Usage (the default is 5 rounds of the 7 optimizers side by side: 35 runs of 400 
         --json runs/benchmarks/pretrain_llama.json
     PYTHONPATH=. python benchmarks/pretrain_llama.py --quick      # every code path at toy size, under a minute
 
-Cost, measured on the shared 2-core machine (load average ~8) with one torch thread: forward + backward of one step
-takes 0.49 s, the optimizer step 15 ms (AdamW) to 55 ms (channel variants), GaLore's first SVD refresh 0.54 s. One
-round of 7 optimizers x 400 steps with its evaluations is therefore ~26 min and the default's 5 rounds (3 validation
-rounds, 2 more test seeds) ~2.2 h; a single full-size run (one optimizer, one lr, one seed) ~3.5 min. One thread is
-the default because two threads on a loaded 2-core machine stalled at OpenMP barriers (the same step took 1 s or
-8 s); on 2 idle cores ``--threads 2`` should cut the default to roughly 1.3 h (extrapolated, not run).
+Cost, measured on the shared 2-core machine (load average 5 to 8) with one torch thread: forward + backward of one
+step 0.49 s, the optimizer step 15 ms (AdamW) to 55 ms (channel variants), GaLore's first SVD refresh 0.54 s; one
+full-size run (``--optimizers dct_adamw --grid-points 1 --test-seeds 0``: one optimizer, one lr, one seed) took
+4.4 min wall (median step 562 ms). The default is 35 such runs: ~2.5 h on that machine, ~2 h on 2 idle cores at one
+thread, roughly 1.3 h there with ``--threads 2`` (extrapolated, not run). One thread is the default because two
+threads on the loaded machine stalled at OpenMP barriers (the same step took 1 s or 8 s).
 """
 
 from __future__ import annotations
