@@ -58,12 +58,16 @@ def test_riemannion_two_shards_equal_one_process(ranks, single):
 def test_dct_adamw_row_shards_equal_one_process(ranks, single, case):
     one = single[case]
     for rank in ranks:
-        if case == "full_power_channel":  # the tracked basis, to fp32 tolerance
-            torch.testing.assert_close(torch.tensor(rank[case]["indices"]), torch.tensor(one["indices"]), **TOL)
+        if case == "full_power_channel":
+            # the tracked basis: a QR of a sum taken in another order (over two shards) moves it by ~1e-5
+            basis, expected = torch.tensor(rank[case]["indices"]), torch.tensor(one["indices"])
+            torch.testing.assert_close(basis, expected, rtol=1e-3, atol=5e-5)
         else:
             assert rank[case]["indices"] == one["indices"], "every rank must select the columns one process selects"
+        # the power basis carries that ~1e-5 into the weights (measured: 1.6e-6 on entries of 0.16)
+        tol = {"rtol": 1e-4, "atol": 1e-5} if case == "full_power_channel" else TOL
         for name, value in one["state"].items():
-            torch.testing.assert_close(rank[case]["state"][name], value, **TOL, msg=name)
+            torch.testing.assert_close(rank[case]["state"][name], value, **tol, msg=name)
 
 
 @pytest.mark.parametrize("case", ["lora_dct", "full_dct"])
