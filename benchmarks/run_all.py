@@ -8,7 +8,8 @@ re-run alone (``--only``).
 
 Usage::
 
-    python benchmarks/run_all.py                 # everything (about 45 minutes on 2 idle cores from scratch)
+    python benchmarks/run_all.py                 # everything: the full protocol (see --list: about 7 hours)
+    python benchmarks/run_all.py --quick         # every benchmark's --quick smoke run (about 10 minutes)
     python benchmarks/run_all.py --list          # the entries, their commands and expected minutes
     python benchmarks/run_all.py --reuse         # keep the logs already there, run the missing entries
     python benchmarks/run_all.py --only kernels pclr_overhead --reuse
@@ -166,12 +167,24 @@ ENTRIES: tuple[Entry, ...] = (
 TARGET = re.compile(r"\b(met|NOT met|PASS|FAIL)\b")
 
 
+QUICK = False  # --quick: each script's own smoke run, logs in runs/benchmarks-quick, no report in docs/
+
+
+def arguments(entry: Entry) -> tuple[str, ...]:
+    """The entry's arguments; with ``--quick`` the script's ``--quick`` run where it has one (its other arguments
+    dropped, so no figure or JSON of the real run is overwritten)."""
+    script = ROOT / entry.args[0]
+    if QUICK and '"--quick"' in script.read_text():
+        return (entry.args[0], "--quick")
+    return entry.args
+
+
 def command(entry: Entry) -> list[str]:
-    return [sys.executable, *entry.args]
+    return [sys.executable, *arguments(entry)]
 
 
 def shown(entry: Entry) -> str:
-    return "python " + " ".join(entry.args)
+    return "python " + " ".join(arguments(entry))
 
 
 def run(entry: Entry) -> tuple[int, float]:
@@ -284,8 +297,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reuse", action="store_true", help="skip entries that already have a log")
     parser.add_argument("--report-only", action="store_true", help="rebuild the report from the logs")
     parser.add_argument("--list", action="store_true", help="print the entries and exit")
-    parser.add_argument("--out", type=Path, default=REPORT, help="the report (default docs/benchmarks.md)")
+    parser.add_argument("--out", type=Path, default=None, help="the report (default docs/benchmarks.md)")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke runs (each script's --quick), into runs/benchmarks-quick"
+    )
     args = parser.parse_args(argv)
+    global QUICK, LOGS
+    if args.quick:
+        QUICK, LOGS = True, ROOT / "runs" / "benchmarks-quick"
+    if args.out is None:
+        args.out = LOGS / "report.md" if args.quick else REPORT
     selected = [e for e in ENTRIES if not args.only or e.name in args.only]
     if args.list:
         for e in ENTRIES:

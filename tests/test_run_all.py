@@ -103,3 +103,20 @@ def test_mora_benchmark_prints_its_targets_verdicts():
         "81.0 ± 1.4 vs 52.5 ± 3.5: +28.5 points, 95 % CI [+9.4, +47.6] over 2 seeds"
     )
     assert lines[3:] == ["target: MoRA inference time / prompt baseline = 0.90x (<= 1.00x): met"]
+
+
+def test_quick_mode_runs_each_scripts_smoke_run_and_keeps_docs(run_all, monkeypatch, tmp_path):
+    real = {e.name: e for e in run_all.ENTRIES}
+    spec = importlib.util.spec_from_file_location("run_all_fresh", ROOT / "benchmarks" / "run_all.py")
+    fresh = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "run_all_fresh", fresh)  # dataclasses look their module up there
+    spec.loader.exec_module(fresh)
+    entries = {e.name: e for e in fresh.ENTRIES}
+    assert not real.keys() & {"riemannion"}  # the fixture's fake entries; the real ones come from `fresh`
+    monkeypatch.setattr(fresh, "QUICK", True)
+    assert fresh.arguments(entries["riemannion"]) == ("benchmarks/riemannion.py", "--quick")
+    assert fresh.arguments(entries["kernels"]) == entries["kernels"].args  # no --quick there: its own small run
+    monkeypatch.setattr(fresh, "ENTRIES", ())
+    monkeypatch.setattr(fresh, "ROOT", tmp_path)
+    assert fresh.main(["--quick"]) == 0  # nothing selected: only the report, and not into docs/
+    assert (tmp_path / "runs" / "benchmarks-quick" / "report.md").is_file()
