@@ -17,8 +17,8 @@ from .config import SplitLoRAConfig
 from .stats import (
     accumulate_covariance,
     covariance_spectrum,
+    fd_append,
     fd_compress,
-    fd_update,
     kaiming_lora_A,
     seeded_generator,
     sketch_spectrum,
@@ -224,7 +224,11 @@ class SplitLoRALayer(AdapterLayer):
         if self.statistics_kind(adapter_name) == "dense":
             pending["cov"] = torch.zeros(self.in_features, self.in_features, dtype=dtype, device=device)
         else:
-            pending["sketch"] = torch.zeros_like(self.splitlora_sketch[adapter_name])
+            # a (2 l, n) buffer: new rows are appended and shrunk to l rows once per l rows (fd_append); "fill"
+            # (rows in use) stays on the CPU so that reading it never waits for the device
+            sketch = self.splitlora_sketch[adapter_name]
+            pending["sketch"] = torch.zeros(2 * sketch.shape[0], self.in_features, dtype=dtype, device=device)
+            pending["fill"] = torch.zeros((), dtype=torch.int64)
             pending["error"] = torch.zeros((), dtype=torch.float64, device=device)
         return pending
 
@@ -252,7 +256,8 @@ class SplitLoRALayer(AdapterLayer):
         if "cov" in pending:
             accumulate_covariance(pending["cov"], rows)
         else:
-            pending["sketch"], delta = fd_update(pending["sketch"], rows)
+            fill, delta = fd_append(pending["sketch"], int(pending["fill"]), rows)
+            pending["fill"].fill_(fill)
             pending["error"] += delta
 
     def reduced_statistics(self, adapter_name: str, group: Any = None) -> dict[str, torch.Tensor]:
