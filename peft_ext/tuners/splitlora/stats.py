@@ -190,7 +190,8 @@ def covariance_spectrum(
 
     Returns:
         ``(eigenvalues, eigenvectors, trace)``: eigenvalues in descending order (float64, clamped at 0), the matching
-        eigenvectors as columns (in ``dtype``) and the trace (float64; the total energy ``p_i`` is normalized by).
+        eigenvectors as columns (float64, with ``dtype``'s accuracy) and the trace (the total energy ``p_i`` is
+        normalized by).
     """
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"`dtype` must be torch.float32 or torch.float64, got {dtype}")
@@ -198,7 +199,7 @@ def covariance_spectrum(
     sym = 0.5 * (sym + sym.T)
     values, vectors = torch.linalg.eigh(sym)
     values = values.to(torch.float64).flip(0).clamp_min(0.0)
-    return values, vectors.flip(1), float(cov_sum.diagonal().to(torch.float64).sum())
+    return values, vectors.flip(1).to(torch.float64), float(cov_sum.diagonal().to(torch.float64).sum())
 
 
 def sketch_spectrum(sketch: torch.Tensor, trace: float) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -325,8 +326,9 @@ def minor_subspace_A(
     """
     n = primary.shape[0]
     basis = primary.to(torch.float64)
-    if primary.dtype != torch.float64 and 0 < basis.shape[1] < n:
-        # a float32 eigenbasis is orthonormal to ~1e-6 only; the projection below needs it to ~1e-15
+    if 0 < basis.shape[1] < n:
+        # a float32 eigenbasis (covariance_spectrum's default) is orthonormal to ~1e-6 only; the projection below
+        # needs ~1e-15. O(n k^2) in float64, cheap next to the eigensolve; the subspace, hence A's law, is unchanged.
         basis = torch.linalg.qr(basis).Q
     # drawn on the CPU generator (same numbers on every device and rank), then moved to the basis' device
     g = torch.randn(n, r, generator=generator, dtype=torch.float64).to(basis.device)
