@@ -193,8 +193,7 @@ def covariance_spectrum(
         eigenvectors as columns (float64, with ``dtype``'s accuracy) and the trace (the total energy ``p_i`` is
         normalized by).
     """
-    if dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"`dtype` must be torch.float32 or torch.float64, got {dtype}")
+    _check_spectrum_dtype(dtype)
     sym = cov_sum.to(dtype)
     sym = 0.5 * (sym + sym.T)
     values, vectors = torch.linalg.eigh(sym)
@@ -202,22 +201,39 @@ def covariance_spectrum(
     return values, vectors.flip(1).to(torch.float64), float(cov_sum.diagonal().to(torch.float64).sum())
 
 
-def sketch_spectrum(sketch: torch.Tensor, trace: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+def _check_spectrum_dtype(dtype: torch.dtype) -> None:
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"`dtype` must be torch.float32 or torch.float64, got {dtype}")
+
+
+def sketch_spectrum(
+    sketch: torch.Tensor, trace: float, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Top eigenpairs of ``sketch^T sketch``; the exact ``trace`` of the sketched data is passed through.
 
     Only ``ell`` eigenvalues are known; frequent directions underestimate each by at most the accumulated shrinkage.
     Normalizing by the exact trace (tracked separately as the sum of squared norms) keeps ``p_i`` on the same scale
-    as the dense path.
+    as the dense path. Computed from ``eigh`` of the ``ell x ell`` Gram matrix ``S S^T`` in ``dtype`` and
+    ``V = S^T U`` (columns normalized): ``O(ell^2 n)``, no cubic term in ``n`` and no ``ell x n`` SVD (issue 19:
+    0.26 s instead of 3.5 s for ``ell = 256``, ``n = 14336``, one thread).
 
     Args:
         sketch: ``(ell, n)`` frequent-directions sketch.
         trace: Exact sum of squared norms of all rows that went into the sketch.
+        dtype: ``torch.float32`` (default) or ``torch.float64``.
 
     Returns:
-        ``(eigenvalues, eigenvectors, trace)`` as in :func:`covariance_spectrum`, with ``ell`` pairs.
+        ``(eigenvalues, eigenvectors, trace)`` as in :func:`covariance_spectrum`, with ``min(ell, n)`` pairs.
     """
-    _, s, vh = torch.linalg.svd(sketch.to(torch.float64), full_matrices=False)
-    return s.square(), vh.T, float(trace)
+    _check_spectrum_dtype(dtype)
+    work = sketch.to(dtype)
+    values, u = torch.linalg.eigh(work @ work.T)
+    keep = min(work.shape)
+    values, u = values.flip(0)[:keep].clamp_min(0.0), u.flip(1)[:, :keep]
+    vectors = work.T @ u
+    # directions of (numerically) zero energy come out as zero columns; they never count as primary on their own
+    vectors = vectors / vectors.norm(dim=0).clamp_min(torch.finfo(dtype).tiny)
+    return values.to(torch.float64), vectors.to(torch.float64), float(trace)
 
 
 # --- the split -------------------------------------------------------------------------------------------------------
