@@ -13,8 +13,8 @@ Two ways to keep ``C``:
   4096-wide layer and ``l = 256`` that is 4 MB rather than 64 MB. The sketch is exact while the data have rank
   ``<= l``, and it is mergeable (stack two sketches and compress), which is what the DDP all-reduce uses. A layer
   streams into a ``2l x n`` buffer (:func:`fd_append`) and shrinks it once per ``l`` new rows, from ``eigh`` of the
-  ``2l x 2l`` Gram matrix in float32 (issue 19: 75 ms per 256-token batch at n = 4096, the dense update's 96 ms,
-  the float64 thin SVD's 1072 ms).
+  ``2l x 2l`` Gram matrix in float32 (issue 19: 62 ms per 256-token batch at n = 4096, the dense update's 96 ms,
+  the float64 thin SVD's 862 ms).
 
 The split (``choose_split``): with eigenvalues ``l_1 >= l_2 >= ...`` of ``C``, ``p_i = l_i / trace(C)``, ``d = n``
 and the 0-based index ``t`` of the task just finished,
