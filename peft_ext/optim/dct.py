@@ -44,6 +44,7 @@ __all__ = [
     "project",
     "project_back",
     "projection_side",
+    "reduced_norm",
     "resolve_dct_method",
 ]
 
@@ -217,7 +218,9 @@ def _check_norm(norm: float) -> None:
 ScoreReduce = Callable[[torch.Tensor, str], None]
 
 
-def _reduced_norm(coeffs: torch.Tensor, norm: float, dim: int, reduce: ScoreReduce) -> torch.Tensor:
+def reduced_norm(coeffs: torch.Tensor, norm: float, dim: int, reduce: ScoreReduce) -> torch.Tensor:
+    """The ``norm`` of ``coeffs`` over ``dim`` when those entries live on several processes (``reduce`` combines the
+    partial sums, or maxima for ``math.inf``, in place)."""
     # the norm over rows that live on several processes: reduce the partial sums of |c|^p (the max for inf), then
     # take the root
     if math.isinf(norm):
@@ -263,7 +266,7 @@ def dct_scores(
     else:
         if side != "right":
             raise ValueError("scores of a row-sharded gradient need side='right' (the left DCT mixes rows)")
-        scores = _reduced_norm(coeffs, norm, 1 - dim, reduce)
+        scores = reduced_norm(coeffs, norm, 1 - dim, reduce)
     return coeffs, scores
 
 

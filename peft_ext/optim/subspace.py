@@ -23,11 +23,9 @@ And two ways to turn the low-rank Adam direction into an update (``update=``):
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from .dct import projection_side
+from .dct import ScoreReduce, projection_side, reduced_norm
 
 __all__ = [
     "PROJECTIONS",
@@ -43,12 +41,9 @@ __all__ = [
 PROJECTIONS = ("dct", "coordinates", "power")
 UPDATES = ("projected", "channel")
 
-#: ``reduce(partial, op)``: sums (``op="sum"``) a partial result in place over the processes holding other rows.
-Reduce = Callable[[torch.Tensor, str], None]
-
 
 def coordinate_select(
-    grad: torch.Tensor, rank: int, side: str | None = None, norm: float = 1.0, reduce: Reduce | None = None
+    grad: torch.Tensor, rank: int, side: str | None = None, norm: float = 1.0, reduce: ScoreReduce | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``rank`` coordinates (columns for ``side="right"``, rows for ``"left"``) whose slices of ``grad`` have the
     largest ``norm``; ``(indices sorted ascending, grad restricted to them)`` like :func:`~.dct.dct_select`.
@@ -58,7 +53,7 @@ def coordinate_select(
         rank: How many coordinates, ``1 <= rank <= n``.
         side: Projection side (default: the smaller dimension).
         norm: Vector norm of the score (1, 2 or ``math.inf``; other ``p`` work too).
-        reduce: For a row shard with ``side="right"``: sums the per-column partial ``sum |g|^p`` over processes.
+        reduce: For a row shard with ``side="right"``: combines the per-column partial norms over processes.
     """
     side = projection_side(grad.shape) if side is None else side
     dim = 1 if side == "right" else 0
@@ -70,12 +65,8 @@ def coordinate_select(
     work = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
     if reduce is None:
         scores = torch.linalg.vector_norm(work, ord=norm, dim=1 - dim)
-    elif norm == float("inf"):
-        scores = work.abs().amax(1 - dim) if work.shape[1 - dim] else work.new_zeros(n)
-        reduce(scores, "max")
-    else:
-        scores = work.abs().pow(norm).sum(1 - dim)
-        reduce(scores, "sum")
+    else:  # a row shard: the per-column norms combined over the processes, as DCT-AdamW's scores
+        scores = reduced_norm(work, norm, 1 - dim, reduce)
     indices = torch.topk(scores, rank, sorted=False).indices.sort().values
     return indices, grad.index_select(dim, indices)
 
@@ -88,7 +79,9 @@ def one_hot_rows(indices: torch.Tensor, n: int, dtype: torch.dtype, device: torc
     return basis
 
 
-def power_refresh(grad: torch.Tensor, basis: torch.Tensor, side: str, reduce: Reduce | None = None) -> torch.Tensor:
+def power_refresh(
+    grad: torch.Tensor, basis: torch.Tensor, side: str, reduce: ScoreReduce | None = None
+) -> torch.Tensor:
     """One block power iteration: the new orthonormal ``(r, n)`` basis ``orth(G^T (G B^T))^T`` (right) or
     ``orth(G (B G)^T)^T`` (left), in ``basis``'s dtype.
 
@@ -133,7 +126,7 @@ def rotate_by_overlap(
 
 
 def channel_scaled_update(
-    grad: torch.Tensor, low: torch.Tensor, direction: torch.Tensor, side: str, reduce: Reduce | None = None
+    grad: torch.Tensor, low: torch.Tensor, direction: torch.Tensor, side: str, reduce: ScoreReduce | None = None
 ) -> torch.Tensor:
     """APOLLO's update: ``grad`` scaled per channel by ``||direction_i|| / ||low_i||``.
 
@@ -156,7 +149,7 @@ def channel_scaled_update(
 
 
 def limit_norm_growth(
-    update: torch.Tensor, state: dict, gamma: float | None, reduce: Reduce | None = None
+    update: torch.Tensor, state: dict, gamma: float | None, reduce: ScoreReduce | None = None
 ) -> torch.Tensor:
     """APOLLO's norm-growth limiter: scale ``update`` so that its norm is at most ``gamma`` times the previous
     update's (kept in ``state["update_norm"]``); ``gamma=None`` turns it off."""
