@@ -43,7 +43,8 @@ run (Riemannion+LOI, with its 4 evaluation points) measured 181 s of CPU (736 s 
 load ~10); on 2 idle cores with ``--jobs 2`` that is about 21 x 181 s = 63 min plus ~3 min of step-time rounds, an
 upper estimate (CPU time under contention overstates an idle core's; the old 290 ms steps suggest ~45 min)::
 
-    .venv/bin/python benchmarks/riemannion.py --json runs/benchmarks/riemannion.json
+    .venv/bin/python benchmarks/riemannion.py --json runs/benchmarks/riemannion.json \
+        --runs runs/benchmarks/riemannion-runs.json    # finished runs saved there; a re-started job reuses them
     .venv/bin/python benchmarks/riemannion.py --quick      # smoke run of every code path, under a minute
 
 One thread per process (``--threads``): on a shared 2-core machine OpenMP threads that wait for a busy core make
@@ -62,7 +63,8 @@ import random
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+import os
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -208,6 +210,7 @@ class Runner:
         self.steps = -(-len(self.task.train) // args.batch_size) * args.epochs
         self.checkpoints = sorted({max(1, round(self.steps * f)) for f in CHECKPOINT_FRACTIONS})
         self.runs: dict[tuple[str, float, int], dict[str, Any]] = {}
+        self.store: Path | None = None  # where finished runs are saved (--runs): a killed job loses no finished run
         self.pending: dict[tuple[str, float, int], str] | None = None  # planning: the runs asked for, not trained
         self._bases: dict[int, tuple[nn.Module, Any]] = {}
 
@@ -256,6 +259,35 @@ class Runner:
             "cpu_seconds": cpu,
         }
 
+    def settings(self) -> dict[str, Any]:
+        """Everything a run's numbers depend on besides its key (method, lr, seed)."""
+        names = ("classes", "train_per_class", "val_per_class", "test_per_class", "epochs", "batch_size", "max_length")
+        options = {label: {k: v for k, v in opts.items() if k != "lr"} for label, _, opts in METHODS}
+        return {**{n: getattr(self.args, n) for n in names}, "rank": RANK, "targets": TARGETS, "options": options}
+
+    def load(self, path: Path) -> int:
+        """Reuse the finished runs saved in ``path`` by an earlier job with the same settings; returns how many."""
+        self.store = path
+        if not path.is_file():
+            return 0
+        saved = json.loads(path.read_text())
+        if saved.get("settings") != json.loads(json.dumps(self.settings())):
+            raise SystemExit(
+                f"{path} holds runs made with other settings ({saved.get('settings')}); use another --runs"
+            )
+        for run in saved["runs"]:
+            self.runs[(run["method"], run["lr"], run["seed"])] = run
+        return len(saved["runs"])
+
+    def finished(self, key: tuple[str, float, int], run: dict[str, Any]) -> None:
+        """Record a finished run (and save every run so far, atomically, when ``--runs`` is set)."""
+        self.runs[key] = run
+        if self.store is not None:
+            self.store.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.store.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"settings": self.settings(), "runs": list(self.runs.values())}, indent=1))
+            os.replace(tmp, self.store)
+
     def score(self, label: str, lr: float, seed: int, split: str) -> tuple[float, dict[str, Any]]:
         """``tuning.tune_and_test``'s score: accuracy of the run on ``split`` (training it if not yet trained)."""
         key = (label, lr, seed)
@@ -264,7 +296,7 @@ class Runner:
                 self.pending.setdefault(key, split)
             return 0.0, {}
         if key not in self.runs:
-            self.runs[key] = self.train(label, lr, seed, split)
+            self.finished(key, self.train(label, lr, seed, split))
         run = self.runs[key]
         return run["curves"][split][str(self.steps)], {"curves": run["curves"], "step_ms": run["step_ms"]}
 
@@ -294,9 +326,12 @@ def run_protocol(runner: Runner, grids: dict[str, list[float]], protocol: Protoc
                 tune_and_test(grids, runner.score, protocol, echo=lambda line: None)
                 if not runner.pending:
                     break
-                keys, splits = list(runner.pending), list(runner.pending.values())
-                for key, out in zip(keys, pool.map(_train_in_worker, [runner.args] * len(keys), keys, splits)):
-                    runner.runs[key] = out
+                futures = {
+                    pool.submit(_train_in_worker, runner.args, key, split): key
+                    for key, split in runner.pending.items()
+                }
+                for future in as_completed(futures):
+                    runner.finished(futures[future], future.result())
         runner.pending = None
     return tune_and_test(grids, runner.score, protocol, echo=lambda line: print(line, flush=True))
 
@@ -432,6 +467,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run: 4 classes, 2 seeds, 4 steps")
     parser.add_argument("--figure", type=Path, default=None, help=f"lr-curves PNG (default {FIGURE}; none in --quick)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument(
+        "--runs", type=Path, default=None, help="save every finished run here and reuse the ones already saved"
+    )
     args = parser.parse_args(argv)
     unknown = sorted(set(args.methods) - {m[0] for m in METHODS})
     if unknown:
@@ -449,6 +487,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
 
     runner = Runner(build_sequence(args), args)
+    if args.runs is not None:
+        print(f"[riemannion] {runner.load(args.runs)} finished run(s) reused from {args.runs}", flush=True)
     sequence = runner.sequence
     task = runner.task
     protocol = Protocol(tune_seeds=(0,), test_seeds=tuple(range(args.seeds)))

@@ -73,7 +73,13 @@ ENTRIES: tuple[Entry, ...] = (
     Entry(
         "riemannion",
         "Riemannion against LoRA optimizers (WordNet, MiniLM-L6, one task)",
-        ("benchmarks/riemannion.py", "--json", "runs/benchmarks/riemannion.json"),
+        (
+            "benchmarks/riemannion.py",
+            "--json",
+            "runs/benchmarks/riemannion.json",
+            "--runs",
+            "runs/benchmarks/riemannion-runs.json",
+        ),
         60,
         "All 44 supersenses in one task, rank 16, 330 steps of 16 (6 epochs), six methods: a 3-point lr grid per "
         "method (half a decade apart) tuned on the validation split with seed 0, test over seeds 0-4 with paired "
