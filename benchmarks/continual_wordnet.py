@@ -164,6 +164,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="reuse the runs in OUT/checkpoint.json (written after every run) made with the same settings",
     )
     parser.add_argument("--quick", action="store_true", help=f"smoke run at toy size: {QUICK}")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: two-thread runs on a shared 2-core machine "
+        "wait for busy cores and cost several times the CPU)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         for key, value in QUICK.items():
@@ -452,7 +459,7 @@ def growth(study: Study) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # --quick: batches of 8 short glosses gain nothing from a second thread, and the test suite runs it beside others
-    torch.set_num_threads(1 if args.quick else min(2, torch.get_num_threads()))
+    torch.set_num_threads(args.threads)
     protocol = Protocol(tune_seeds=tuple(args.tune_seeds), test_seeds=tuple(args.seeds))
     print(
         f"[benchmark] MiniLM-L6 on WordNet, {args.tasks} tasks x {args.classes_per_task} classes, "

@@ -58,12 +58,12 @@ import argparse
 import json
 import math
 import multiprocessing
+import os
 import platform
 import random
 import statistics
 import sys
 import time
-import os
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
