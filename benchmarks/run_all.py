@@ -80,9 +80,10 @@ ENTRIES: tuple[Entry, ...] = (
             "--runs",
             "runs/benchmarks/riemannion-runs.json",
         ),
-        60,
-        "All 44 supersenses in one task, rank 16, 330 steps of 16 (6 epochs), six methods: a 3-point lr grid per "
-        "method (half a decade apart) tuned on the validation split with seed 0, test over seeds 0-4 with paired "
+        58,
+        "All 44 supersenses in one task, rank 16, 330 steps of 16 (6 epochs), five methods (LoRA-GA with "
+        "`--methods`): a 3-point lr grid per method (half a decade apart) tuned on the validation split with "
+        "seed 0, test over seeds 0-4 with paired "
         "95 % intervals to LoRA + AdamW, accuracy vs steps (55 / 110 / 220 / 330), step time interleaved in one "
         "process, LOI cost in steps; the figure is validation accuracy vs learning rate.",
         "figures/riemannion_lr.png",
