@@ -5,11 +5,13 @@ from __future__ import annotations
 import copy
 import json
 import math
+import warnings
 
 import pytest
 import torch
 from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
 from peft.utils import PeftType
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 import peft_ext
@@ -18,6 +20,7 @@ from peft_ext.continual import RunContext, TrainConfig, get_continual_method, ru
 from peft_ext.continual.methods_splitlora import gpm_update, inflora_A, input_covariances
 from peft_ext.models import tiny_bert
 from peft_ext.tuners.splitlora import SPLITLORA, SplitLoRALayer, SplitLoRAModel
+from peft_ext.tuners.splitlora.sequence_state import SEQUENCE_STATE_FILE
 from peft_ext.tuners.splitlora.stats import (
     choose_split,
     closed_form_split,
@@ -286,7 +289,8 @@ def test_lifecycle_misuse_is_refused_without_changing_anything(tmp_path):
     with pytest.raises(ValueError, match=r"end_task\(\) was not called"):
         model.begin_task()
     with pytest.raises(ValueError, match=r"not saved .*call end_task\(\) before saving"):
-        model.save_pretrained(tmp_path)
+        model.save_sequence_state(tmp_path)
+    assert not (tmp_path / SEQUENCE_STATE_FILE).exists()
     model.end_task()
     model.merge_adapter()
     with pytest.raises(ValueError, match=r"merged into the base weights"):
@@ -304,6 +308,89 @@ def test_lifecycle_misuse_is_refused_without_changing_anything(tmp_path):
         assert torch.equal(model.state_dict()[full], state[full]), key
     with pytest.raises(ValueError, match="no adapter named 'nope'"):
         model.end_task("nope")
+
+
+@pytest.mark.parametrize("statistics", ["dense", "sketch"])
+def test_adapter_checkpoint_holds_only_what_inference_needs(tmp_path, statistics):
+    config = SplitLoRAConfig(r=3, target_modules=["lin0", "lin1"], statistics=statistics, sketch_rank=8)
+    model = _peft(config, n_in=24, width=32)
+    for x, y in _subspace_tasks(2, n_in=24, rows=40):
+        model.begin_task()
+        _train(model, x, y, steps=4)
+        _finish(model, x)
+    model.save_pretrained(tmp_path)
+    saved = load_file(str(tmp_path / "adapter_model.safetensors"))
+    kinds = {key.split(".")[-1] for key in saved}
+    assert kinds == {
+        "splitlora_A",
+        "splitlora_B",
+        "splitlora_old_A",
+        "splitlora_old_B",
+        "splitlora_old_dense",
+        "splitlora_tasks",
+    }, kinds
+    assert not (tmp_path / SEQUENCE_STATE_FILE).exists()  # only on request
+    path = model.save_sequence_state(tmp_path)
+    extra = load_file(path)
+    expected = {"splitlora_tasks", "splitlora_tokens", "splitlora_energy", "splitlora_primary"}
+    expected |= {"splitlora_cov"} if statistics == "dense" else {"splitlora_sketch", "splitlora_sketch_error"}
+    assert {key.split(".")[-1] for key in extra} == expected
+    # loading the inference checkpoint raises no "missing adapter keys" warning and gives the same outputs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded = PeftModel.from_pretrained(MLP(n_in=24, width=32), tmp_path)
+    x = torch.randn(7, 24)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+
+
+def test_sequence_state_load_is_checked_and_all_or_nothing(tmp_path):
+    config = SplitLoRAConfig(r=3, target_modules=["lin0", "lin1"])
+    tasks = _subspace_tasks(2, n_in=24, rows=40)
+    model = _peft(config, n_in=24, width=32)
+    with pytest.raises(FileNotFoundError, match="no SplitLoRA sequence state at .*save_sequence_state"):
+        model.load_sequence_state(tmp_path)
+    model.begin_task()
+    _train(model, *tasks[0], steps=4)
+    _finish(model, tasks[0][0])
+    model.save_sequence_state(tmp_path / "one")  # after 1 task
+    model.begin_task()
+    _train(model, *tasks[1], steps=4)
+    _finish(model, tasks[1][0])
+    model.save_pretrained(tmp_path / "two")
+    model.save_sequence_state(tmp_path / "two")
+    resumed = PeftModel.from_pretrained(MLP(n_in=24, width=32), tmp_path / "two", is_trainable=True)
+    before = {k: v.clone() for k, v in resumed.state_dict().items()}
+    with pytest.raises(ValueError, match=r"saved after 1 finished task\(s\), but adapter 'default' on .* has 2"):
+        resumed.load_sequence_state(tmp_path / "one")
+    assert all(torch.equal(v, before[k]) for k, v in resumed.state_dict().items())
+    resumed.load_sequence_state(tmp_path / "two")
+    got, want = resumed.state_dict(), model.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want if "splitlora_" in k)
+    # a second adapter's state goes to its own subfolder, like save_pretrained's
+    resumed.add_adapter("other", config)
+    resumed.set_adapter("other")
+    resumed.begin_task("other")
+    _train(resumed, *tasks[0], steps=2)
+    _finish(resumed, tasks[0][0])
+    path = resumed.save_sequence_state(tmp_path / "two", adapter_name="other")
+    assert path == str(tmp_path / "two" / "other" / SEQUENCE_STATE_FILE)
+
+
+def test_checkpoint_with_statistics_inside_still_continues(tmp_path):
+    """Checkpoints written before the split kept the statistics in adapter_model.safetensors: they still load whole."""
+    model = _peft(SplitLoRAConfig(r=3, target_modules=["lin0"]), n_in=24, width=32)
+    x, y = _subspace_tasks(1, n_in=24, rows=40)[0]
+    model.begin_task()
+    _train(model, x, y, steps=4)
+    _finish(model, x)
+    model.save_pretrained(tmp_path)
+    old_format = {k.removesuffix(".default"): v for k, v in model.state_dict().items() if ".splitlora_" in k}
+    save_file({k: v.contiguous() for k, v in old_format.items()}, str(tmp_path / "adapter_model.safetensors"))
+    resumed = PeftModel.from_pretrained(MLP(n_in=24, width=32), tmp_path, is_trainable=True)
+    got, want = resumed.state_dict(), model.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want if "splitlora_" in k)
+    assert resumed.begin_task() == 1
 
 
 def test_inference_only_load_refuses_to_continue(tmp_path):
@@ -336,8 +423,12 @@ def test_save_load_mid_sequence_continues_exactly(tmp_path, statistics, stop):
     straight = run(get_peft_model(MLP(n_in=24, width=32), config), 0, None)
     first = run(get_peft_model(MLP(n_in=24, width=32), config), 0, stop)
     first.save_pretrained(tmp_path)
+    first.save_sequence_state(tmp_path)
     resumed = PeftModel.from_pretrained(MLP(n_in=24, width=32), tmp_path, is_trainable=True)
     assert resumed.finished_tasks() == (2 if stop == "between_tasks" else 1)
+    with pytest.raises(ValueError, match=r"loaded without its sequence state .* model.load_sequence_state"):
+        resumed.begin_task() if stop == "between_tasks" else resumed.end_task()
+    resumed.load_sequence_state(tmp_path)
     run(resumed, 2 if stop == "between_tasks" else 1, "resume_after_training" if stop == "after_training" else None)
     x = torch.cat([t[0] for t in tasks])
     with torch.no_grad():

@@ -19,6 +19,13 @@ from .._cycle import resolve_cycle_adapter
 from ..adapter_tuner import AdapterTuner
 from .config import SplitLoRAConfig
 from .layer import Linear, SplitLoRALayer
+from .sequence_state import (
+    fill_missing_sequence_state,
+    is_sequence_key,
+    load_sequence_state,
+    missing_sequence_state,
+    save_sequence_state,
+)
 from .task import commit_task, plan_task
 
 __all__ = ["SplitLoRAModel", "TaskSplit"]
@@ -75,6 +82,20 @@ def _statistics_hook(holder: _MaskHolder, adapter_name: str, module: SplitLoRALa
             )
         rows = x.reshape(-1, x.shape[-1])
     module.accumulate_statistics(adapter_name, rows)
+
+
+def _reject_pending(model: nn.Module, adapter_name: str) -> None:
+    pending = [
+        layer._splitlora_seed_key
+        for layer in model.modules()
+        if isinstance(layer, SplitLoRALayer) and layer.has_pending_statistics(adapter_name)
+    ]
+    if pending:
+        # They are not part of the saved state: saving now would silently drop part of the task's statistics.
+        raise ValueError(
+            f"SplitLoRA adapter {adapter_name!r} has statistics of the task in progress that are not saved "
+            f"(e.g. {pending[0]!r}); call end_task() before saving."
+        )
 
 
 class SplitLoRAModel(AdapterTuner):
@@ -136,24 +157,16 @@ class SplitLoRAModel(AdapterTuner):
         state_dict: dict[str, torch.Tensor],
         unwanted_adapter_names: list[str],
     ) -> dict[str, torch.Tensor]:
-        pending = [
-            layer._splitlora_seed_key
-            for layer in model.modules()
-            if isinstance(layer, SplitLoRALayer) and layer.has_pending_statistics(adapter_name)
-        ]
-        if pending:
-            # They are not part of the saved state: saving now would silently drop part of the task's statistics.
-            raise ValueError(
-                f"SplitLoRA adapter {adapter_name!r} has statistics of the task in progress that are not saved "
-                f"(e.g. {pending[0]!r}); call end_task() before saving."
-            )
-        return super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
+        selected = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
+        # Inference needs the delta only; the input statistics go to save_sequence_state on request (issue 19).
+        return {key: value for key, value in selected.items() if not is_sequence_key(key)}
 
     @classmethod
     def _remap_adapter_state_dict_for_load(
         cls, model: nn.Module, config: PeftConfig, adapter_name: str, state_dict: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         state_dict = super()._remap_adapter_state_dict_for_load(model, config, adapter_name, state_dict)
+        state_dict = fill_missing_sequence_state(model, adapter_name, state_dict)
         # The finished tasks' stacked factors grow with every task; give the fresh layers the checkpoint's shapes
         # before load_state_dict compares them.
         for key, value in state_dict.items():
@@ -237,9 +250,53 @@ class SplitLoRAModel(AdapterTuner):
                 f"statistics were collected for adapter {name!r} (e.g. on {pending[0]!r}) but end_task() was not "
                 "called; call end_task() to finish the previous task first."
             )
+        self._require_sequence_state(name)
         for _, layer in layers:
             layer.splitlora_B[name].requires_grad_(True)
         return self.finished_tasks(name)
+
+    def _require_sequence_state(self, name: str) -> None:
+        missing = missing_sequence_state(self.model, name)
+        if missing:
+            raise ValueError(
+                f"adapter {name!r} was loaded without its sequence state ({self.finished_tasks(name)} finished "
+                f"task(s) but no input statistics, e.g. on {missing[0]!r}): call "
+                "model.load_sequence_state(folder) with the folder model.save_sequence_state(folder) wrote, to "
+                "continue the task sequence (the adapter checkpoint alone serves inference)"
+            )
+
+    def save_sequence_state(self, save_directory: str, adapter_name: str | None = None) -> str:
+        """Write what continuing the task sequence needs (input statistics, token counts, task index) to
+        ``save_directory/splitlora_sequence_state.safetensors`` (``<adapter name>/`` below it for an adapter other
+        than ``default``, as ``save_pretrained`` does), atomically. ``save_pretrained`` writes only what inference
+        needs; call both to be able to continue.
+
+        Args:
+            save_directory: The checkpoint folder (normally the one given to ``save_pretrained``).
+            adapter_name: The SplitLoRA adapter (default: the single active one).
+
+        Returns:
+            The path of the file written.
+        """
+        name = self._resolve_adapter(adapter_name)
+        _reject_pending(self.model, name)
+        self._require_sequence_state(name)
+        return str(save_sequence_state(self.model, name, save_directory))
+
+    def load_sequence_state(self, save_directory: str, adapter_name: str | None = None) -> str:
+        """Restore the sequence state :meth:`save_sequence_state` wrote, into the adapter loaded from the same
+        checkpoint (``PeftModel.from_pretrained(..., is_trainable=True)``); the sequence then continues exactly.
+        Checked all or nothing: module names, shapes and the number of finished tasks must match the loaded adapter.
+
+        Args:
+            save_directory: The checkpoint folder.
+            adapter_name: The SplitLoRA adapter (default: the single active one).
+
+        Returns:
+            The path of the file read.
+        """
+        name = self._resolve_adapter(adapter_name)
+        return str(load_sequence_state(self.model, name, save_directory))
 
     @contextmanager
     def collect_statistics(
@@ -297,6 +354,7 @@ class SplitLoRAModel(AdapterTuner):
         layers = self._lifecycle_layers(name)
         self._reject_zero3(layers, "end_task")
         task_index = self.finished_tasks(name)
+        self._require_sequence_state(name)
         # All-or-nothing: reduce and check every module's statistics and plan its split first, then change them all
         # (a refusal in one module must not leave the others a task ahead or their statistics counted twice).
         pending = [layer.reduced_statistics(name, process_group) for _, layer in layers]
