@@ -116,6 +116,16 @@ ENTRIES: tuple[Entry, ...] = (
         "vs LoRA (r = 4, and at MoRA's exact parameter count), frozen backbone and a missing-aware prompt baseline.",
     ),
     Entry(
+        "splitlora_scaling",
+        "SplitLoRA at LLM scale: statistics, task boundary, memory and checkpoints against LoRA",
+        ("benchmarks/splitlora_scaling.py", "--json", "runs/benchmarks/splitlora_scaling.json"),
+        15,
+        "Random Llama models of width 256-4096 (r = 16 on all seven projections, batches of 4 x 64 tokens, one "
+        "thread): statistics pass against a plain forward, end_task in LoRA-step equivalents, memory and checkpoint "
+        "sizes against LoRA; each Llama-3-8B / 70B projection shape measured alone and summed on paper per 1k tokens, "
+        "per task boundary and per GPU under FSDP2 (docs/splitlora.md).",
+    ),
+    Entry(
         "pclr_overhead",
         "PCLR routing overhead per forward",
         ("benchmarks/pclr.py", "--overhead-only"),

@@ -758,3 +758,44 @@ def test_on_real_minilm_splitlora_forgets_far_less_than_sequential_lora():
     assert plain.metrics["forgetting"] > 0.2, plain.accuracy_matrix
     assert split.metrics["forgetting"] < 0.5 * plain.metrics["forgetting"], (split.metrics, plain.metrics)
     assert split.metrics["final_acc"] > plain.metrics["final_acc"], (split.metrics, plain.metrics)
+
+
+def test_modules_fed_the_same_input_share_one_product():
+    """q/k/v (and gate/up) read the same tensor: from the second batch on one x^T x serves them all, and every
+    module's statistics still equal its own inputs' sum (padding excluded)."""
+    from peft_ext.models import tiny_llama
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(tiny_llama(hidden_size=32), SplitLoRAConfig(r=2, target_modules=targets))
+    layers = {key: layer for key, layer in _layers(model).items()}
+    seen: dict[str, torch.Tensor] = {}
+    shared: list[str] = []
+    original = SplitLoRALayer.accumulate_statistics
+
+    def spy(self, adapter_name, rows, gram=None, keep_gram=False):
+        key = self._splitlora_seed_key
+        seen[key] = seen.get(key, 0) + rows.double().T @ rows.double()
+        if gram is not None:
+            shared.append(key.rsplit(".", 1)[-1])
+        return original(self, adapter_name, rows, gram=gram, keep_gram=keep_gram)
+
+    g = _gen(0)
+    batches = []
+    for _ in range(3):
+        ids = torch.randint(0, 128, (2, 6), generator=g)
+        mask = torch.ones(2, 6, dtype=torch.long)
+        mask[1, 4:] = 0
+        batches.append((ids, mask))
+    SplitLoRALayer.accumulate_statistics = spy
+    try:
+        with torch.no_grad(), model.collect_statistics():
+            for ids, mask in batches:
+                model(input_ids=ids, attention_mask=mask)
+    finally:
+        SplitLoRALayer.accumulate_statistics = original
+    # batch 1 learns the groups; batches 2 and 3 reuse the leaders' products, in both layers
+    assert sorted(shared) == sorted(["k_proj", "v_proj", "up_proj"] * 2 * 2), shared
+    for key, layer in layers.items():
+        pending = layer._splitlora_pending["default"]
+        assert int(pending["tokens"]) == 3 * 10, key
+        torch.testing.assert_close(pending["cov"].double(), seen[key], rtol=1e-5, atol=1e-5)

@@ -233,12 +233,24 @@ class SplitLoRALayer(AdapterLayer):
         return pending
 
     @torch.no_grad()
-    def accumulate_statistics(self, adapter_name: str, rows: torch.Tensor) -> None:
+    def accumulate_statistics(
+        self,
+        adapter_name: str,
+        rows: torch.Tensor,
+        gram: Optional[torch.Tensor] = None,
+        keep_gram: bool = False,
+    ) -> Optional[torch.Tensor]:
         """Add inputs to the statistics of the task in progress (kept apart until :meth:`finish_statistics`).
 
         Args:
             adapter_name: Name of the adapter.
             rows: Inputs, one token per row, reshaped to ``(N, in_features)``.
+            gram: ``rows^T rows`` already computed (in the adapter dtype) by a module fed the same input; dense
+                statistics add it instead of multiplying again.
+            keep_gram: Dense statistics: compute ``rows^T rows`` apart, add it and return it (for such modules).
+
+        Returns:
+            ``rows^T rows`` when ``keep_gram`` and the statistics are dense, else ``None``.
         """
         if adapter_name not in self.splitlora_B:
             raise ValueError(f"no SplitLoRA adapter named {adapter_name!r} on {self._splitlora_seed_key!r}")
@@ -248,17 +260,25 @@ class SplitLoRALayer(AdapterLayer):
         rows = rows.detach().reshape(-1, self.in_features).to(device=pending["tokens"].device)
         rows = rows.to(self._adapter_dtype())
         if rows.shape[0] == 0:
-            return
+            return None
         pending["tokens"] += rows.shape[0]
         # summed in the adapter dtype (a float64 copy of every batch costs as much as the covariance update itself);
         # only the running total is float64
         pending["energy"] += rows.square().sum().to(torch.float64)
         if "cov" in pending:
-            accumulate_covariance(pending["cov"], rows)
+            if gram is not None:
+                pending["cov"].add_(gram)
+            elif keep_gram:
+                gram = rows.T @ rows
+                pending["cov"].add_(gram)
+                return gram
+            else:
+                accumulate_covariance(pending["cov"], rows)
         else:
             fill, delta = fd_append(pending["sketch"], int(pending["fill"]), rows)
             pending["fill"].fill_(fill)
             pending["error"] += delta
+        return None
 
     def reduced_statistics(self, adapter_name: str, group: Any = None) -> dict[str, torch.Tensor]:
         """The task in progress's statistics, summed over all processes under ``torch.distributed``; changes nothing.

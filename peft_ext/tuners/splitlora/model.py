@@ -49,15 +49,25 @@ class TaskSplit:
 
 
 class _MaskHolder:
-    """The token mask of the forward pass in progress, shared by the statistics hooks."""
+    """State shared by the statistics hooks of one ``collect_statistics`` block: the token mask of the forward pass in
+    progress, and the last input seen with its ``x^T x`` so that modules fed the very same tensor (a Llama block's
+    ``q_proj`` / ``k_proj`` / ``v_proj``, its ``gate_proj`` / ``up_proj``) compute the product once."""
 
     def __init__(self) -> None:
         self.mask: torch.Tensor | None = None
         self.warned = False
+        # (input, mask, module, its x^T x or None); the reference keeps the input alive, so `is` cannot match a new
+        # tensor allocated at a freed one's address
+        self.last: tuple[torch.Tensor, torch.Tensor | None, SplitLoRALayer, torch.Tensor | None] | None = None
+        self.leaders: set[int] = set()  # modules whose input a later module reads too (learned as batches pass)
+
+    def reset(self) -> None:
+        self.last = None
 
 
-def _capture_mask(holder: _MaskHolder, key: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
-    mask = kwargs.get(key)
+def _capture_mask(holder: _MaskHolder, key: str | None, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    holder.reset()  # a new forward pass: nothing from the last one may be shared
+    mask = kwargs.get(key) if key is not None else None
     holder.mask = mask if isinstance(mask, torch.Tensor) else None
 
 
@@ -81,7 +91,16 @@ def _statistics_hook(holder: _MaskHolder, adapter_name: str, module: SplitLoRALa
                 stacklevel=2,
             )
         rows = x.reshape(-1, x.shape[-1])
-    module.accumulate_statistics(adapter_name, rows)
+    dense = module.statistics_kind(adapter_name) == "dense"
+    last = holder.last
+    same = last is not None and last[0] is x and last[1] is mask and last[2].in_features == module.in_features
+    if same and dense and last[3] is not None:
+        module.accumulate_statistics(adapter_name, rows, gram=last[3])  # the leader's x^T x: no second product
+        return
+    if same and last[3] is None:
+        holder.leaders.add(id(last[2]))  # from the next batch on, that module keeps its product for the others
+    gram = module.accumulate_statistics(adapter_name, rows, keep_gram=dense and id(module) in holder.leaders)
+    holder.last = (x, mask, module, gram)
 
 
 def _reject_pending(model: nn.Module, adapter_name: str) -> None:
@@ -320,16 +339,16 @@ class SplitLoRAModel(AdapterTuner):
         holder = _MaskHolder()
         handles = []
         try:
-            if mask_key is not None:
-                handles.append(
-                    self.model.register_forward_pre_hook(partial(_capture_mask, holder, mask_key), with_kwargs=True)
-                )
+            handles.append(
+                self.model.register_forward_pre_hook(partial(_capture_mask, holder, mask_key), with_kwargs=True)
+            )
             for _, layer in layers:
                 handles.append(
                     layer.register_forward_pre_hook(partial(_statistics_hook, holder, name), with_kwargs=True)
                 )
             yield
         finally:
+            holder.reset()
             for handle in handles:
                 handle.remove()
 

@@ -1,0 +1,353 @@
+"""SplitLoRA at LLM scale (issue 19): what the input statistics, the task boundary and the checkpoints cost.
+
+Part 1, measured on random Llama models (hidden ``w``, intermediate ``4w``, ``w / 64`` heads, 4:1 grouped KV heads,
+r = 16 on all seven projections, ``statistics="auto"``: dense up to 2048 inputs, a frequent-directions sketch of
+``l = 256`` rows beyond), batches of 4 x 64 tokens, one thread, every ratio measured side by side in one process:
+
+- statistics pass / plain forward: the same SplitLoRA model, one batch plain and the same batch inside
+  ``collect_statistics()`` in turn (the order alternates), summed over the batches;
+- ``end_task`` (after that pass, ``B`` random) in LoRA-step equivalents: a PEFT LoRA step (forward, backward, AdamW)
+  of the same model and rank on the same batches, median;
+- memory: SplitLoRA's adapter tensors (factors, statistics, and the task-in-progress statistics while collecting)
+  against LoRA's parameters plus AdamW's two moments;
+- checkpoint: ``adapter_model.safetensors`` of SplitLoRA after a task against LoRA's, and the sequence state that
+  ``save_sequence_state`` writes on request.
+
+Part 2, on paper for Llama-3-8B and Llama-3-70B: each distinct projection shape is measured alone (one linear layer
+with SplitLoRA: its forward and its statistics on 256-token batches, its ``end_task``), then summed over the model's
+projections: statistics time per 1k tokens against the projections' forward time per 1k tokens, the task boundary,
+and the statistics memory per GPU under FSDP2 (``fully_shard`` shards parameters; the statistics are buffers, so
+every rank holds all of them, plus the task-in-progress buffer of ``2l`` rows while collecting).
+
+Usage::
+
+    OMP_NUM_THREADS=1 python benchmarks/splitlora_scaling.py --json runs/benchmarks/splitlora_scaling.json
+    python benchmarks/splitlora_scaling.py --quick       # smoke run at toy sizes
+
+Targets (issue 19): statistics pass <= 1.5x a plain forward at every width; inference checkpoint <= 2x LoRA's;
+``end_task`` <= 50 LoRA-step equivalents at width 4096. The float32 split's accuracy against float64 (k*, subspace
+angle < 1 degree) is asserted in tests/test_splitlora_stats.py and tabled in docs/splitlora.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig, get_peft_model
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from peft_ext import SplitLoRAConfig
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+RANK = 16
+BATCH, SEQ = 4, 64
+# (name, hidden, kv width, intermediate, layers): the published shapes
+LLMS = (("Llama-3-8B", 4096, 1024, 14336, 32), ("Llama-3-70B", 8192, 1024, 28672, 80))
+
+
+def llama(width: int, layers: int, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    heads = max(1, width // 64)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=width,
+        intermediate_size=4 * width,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 4),
+        num_hidden_layers=layers,
+        max_position_embeddings=SEQ,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def _bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _timed(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _randomize_b(model: nn.Module) -> None:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "splitlora_B" in name:
+                param.normal_(0, 1e-3)  # a trained task's B: end_task folds it
+
+
+def measure_width(width: int, layers: int, batches: int, lora_steps: int) -> dict[str, Any]:
+    """Part 1 at one width."""
+    base = llama(width, layers)
+    g = torch.Generator().manual_seed(width)
+    data = [torch.randint(0, 256, (BATCH, SEQ), generator=g) for _ in range(batches)]
+    split = get_peft_model(copy.deepcopy(base), SplitLoRAConfig(r=RANK, target_modules=TARGETS))
+    lora = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=RANK, target_modules=TARGETS))
+    split.eval()
+    plain, collected = [], []
+    with torch.no_grad():
+        split(input_ids=data[0])  # warm-up
+        for i, ids in enumerate(data):
+
+            def stats(ids: torch.Tensor = ids) -> None:
+                with split.collect_statistics():
+                    split(input_ids=ids)
+
+            order = [("plain", lambda ids=ids: split(input_ids=ids)), ("stats", stats)]
+            for kind, fn in order if i % 2 == 0 else order[::-1]:
+                (plain if kind == "plain" else collected).append(_timed(fn))
+    layer_pending = [
+        m._splitlora_pending.get("default", {}) for m in split.modules() if hasattr(m, "_splitlora_pending")
+    ]
+    pending_bytes = _bytes(t for p in layer_pending for t in p.values())
+    adapter = [t for k, t in split.state_dict().items() if "splitlora_" in k]
+    kinds = sorted({m.statistics_kind("default") for m in split.modules() if hasattr(m, "statistics_kind")})
+
+    optimizer = torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=1e-4)
+    lora.train()
+    step_times = []
+    for i in range(lora_steps + 1):
+        ids = data[i % len(data)]
+
+        def step(ids: torch.Tensor = ids) -> None:
+            loss = lora(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        seconds = _timed(step)
+        if i:  # the first step allocates AdamW's state
+            step_times.append(seconds)
+    lora_params = [p for p in lora.parameters() if p.requires_grad]
+    lora_state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
+
+    _randomize_b(split)
+    end_task = _timed(split.end_task)
+    with tempfile.TemporaryDirectory() as tmp:
+        split.save_pretrained(f"{tmp}/split")
+        sequence = Path(split.save_sequence_state(f"{tmp}/split")).stat().st_size
+        lora.save_pretrained(f"{tmp}/lora")
+        split_ckpt = Path(f"{tmp}/split/adapter_model.safetensors").stat().st_size
+        lora_ckpt = Path(f"{tmp}/lora/adapter_model.safetensors").stat().st_size
+    lora_step = statistics.median(step_times)
+    lora_memory = _bytes(lora_params) + _bytes(lora_state)
+    return {
+        "width": width,
+        "layers": layers,
+        "statistics": kinds,
+        "batches": batches,
+        "plain_forward_s": sum(plain),
+        "statistics_pass_s": sum(collected),
+        "statistics_ratio": sum(collected) / sum(plain),
+        "lora_step_s": lora_step,
+        "end_task_s": end_task,
+        "end_task_lora_steps": end_task / lora_step,
+        "splitlora_bytes": _bytes(adapter),
+        "pending_bytes": pending_bytes,
+        "lora_bytes_with_adamw": lora_memory,
+        "memory_ratio": (_bytes(adapter) + pending_bytes) / lora_memory,
+        "checkpoint_bytes": split_ckpt,
+        "lora_checkpoint_bytes": lora_ckpt,
+        "checkpoint_ratio": split_ckpt / lora_ckpt,
+        "sequence_state_bytes": sequence,
+    }
+
+
+class _One(nn.Module):
+    def __init__(self, n: int, out: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(n, out, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+def measure_module(n: int, out: int, batches: int, ell: int) -> dict[str, Any]:
+    """Part 2: one projection of shape ``out x n`` with SplitLoRA (statistics as ``auto`` picks them)."""
+    torch.manual_seed(0)
+    model = get_peft_model(_One(n, out), SplitLoRAConfig(r=RANK, target_modules=["proj"], sketch_rank=ell))
+    g = torch.Generator().manual_seed(n)
+    rows = [torch.randn(BATCH * SEQ, n, generator=g) for _ in range(2)]
+    plain, collected = [], []
+    with torch.no_grad():
+        model(rows[0])
+        for i in range(batches):
+            x = rows[i % 2]
+
+            def stats(x: torch.Tensor = x) -> None:
+                with model.collect_statistics(mask_key=None):
+                    model(x)
+
+            order = [("plain", lambda x=x: model(x)), ("stats", stats)]
+            for kind, fn in order if i % 2 == 0 else order[::-1]:
+                (plain if kind == "plain" else collected).append(_timed(fn))
+    layer = model.base_model.model.proj
+    kind = layer.statistics_kind("default")
+    pending = _bytes(layer._splitlora_pending["default"].values())
+    running = _bytes([layer.splitlora_cov["default"]] if kind == "dense" else [layer.splitlora_sketch["default"]])
+    _randomize_b(model)
+    end_task = _timed(model.end_task)
+    # the first stats batch fills the empty buffer without a shrink; later ones pay one shrink each
+    per_batch = statistics.median(collected[1:] or collected) - statistics.median(plain[1:] or plain)
+    return {
+        "n": n,
+        "out": out,
+        "statistics": kind,
+        "forward_s_per_token": statistics.median(plain) / (BATCH * SEQ),
+        "statistics_s_per_token": max(per_batch, 0.0) / (BATCH * SEQ),
+        "end_task_s": end_task,
+        "running_bytes": running,
+        "pending_bytes": pending,
+    }
+
+
+def on_paper(modules: dict[tuple[int, int], dict[str, Any]], llms: tuple) -> list[dict[str, Any]]:
+    rows = []
+    for name, h, kv, inter, layers in llms:
+        shapes = [(h, h), (h, kv), (h, kv), (h, h), (h, inter), (h, inter), (inter, h)]
+        per = [modules[s] for s in shapes]
+        forward = layers * sum(m["forward_s_per_token"] for m in per) * 1000
+        stats = layers * sum(m["statistics_s_per_token"] for m in per) * 1000
+        boundary = layers * sum(m["end_task_s"] for m in per)
+        running = layers * sum(m["running_bytes"] for m in per)
+        pending = layers * sum(m["pending_bytes"] for m in per)
+        rows.append(
+            {
+                "model": name,
+                "projections": 7 * layers,
+                "forward_s_per_1k_tokens": forward,
+                "statistics_s_per_1k_tokens": stats,
+                "statistics_pass_ratio": 1 + stats / forward,
+                "end_task_s": boundary,
+                "end_task_lora_steps": boundary / (3 * forward * BATCH * SEQ / 1000),
+                "statistics_gib_per_gpu": running / 2**30,
+                "collecting_gib_per_gpu": (running + pending) / 2**30,
+            }
+        )
+    return rows
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:.1f}"
+
+
+def report(widths: list[dict[str, Any]], modules: dict, paper: list[dict[str, Any]]) -> list[str]:
+    print("\n### Part 1: random Llama, batches of 4 x 64 tokens, one thread, side by side\n")
+    print(
+        "| width | layers | statistics | stats pass / plain forward | end_task (s) | end_task / LoRA step | memory "
+        "(MiB, SplitLoRA + collecting / LoRA + AdamW) | checkpoint MiB (/ LoRA's) | sequence state MiB |"
+    )
+    print("|---|---:|---|---:|---:|---:|---|---|---:|")
+    for r in widths:
+        print(
+            f"| {r['width']} | {r['layers']} | {'+'.join(r['statistics'])} | {r['statistics_ratio']:.2f}x | "
+            f"{r['end_task_s']:.2f} | {r['end_task_lora_steps']:.1f} | {_mib(r['splitlora_bytes'])} + "
+            f"{_mib(r['pending_bytes'])} / {_mib(r['lora_bytes_with_adamw'])} ({r['memory_ratio']:.1f}x) | "
+            f"{_mib(r['checkpoint_bytes'])} ({r['checkpoint_ratio']:.2f}x) | {_mib(r['sequence_state_bytes'])} |"
+        )
+    print("\n### Part 2: one projection alone, 256-token batches (the costs Part 3 sums)\n")
+    print("| in | out | statistics | forward (us/token) | statistics (us/token) | stats / forward | end_task (s) |")
+    print("|---:|---:|---|---:|---:|---:|---:|")
+    for m in modules.values():
+        print(
+            f"| {m['n']} | {m['out']} | {m['statistics']} | {1e6 * m['forward_s_per_token']:.1f} | "
+            f"{1e6 * m['statistics_s_per_token']:.1f} | "
+            f"{m['statistics_s_per_token'] / m['forward_s_per_token']:.2f} | {m['end_task_s']:.2f} |"
+        )
+    if paper:
+        print("\n### Part 3, on paper: Llama-3 shapes from the per-projection costs (one CPU thread)\n")
+        print(
+            "| model | projections | forward of the projections (s / 1k tokens) | statistics (s / 1k tokens) | "
+            "stats pass / forward | end_task (s) | end_task / LoRA step (3x forward of a 256-token batch) | "
+            "statistics per GPU under FSDP2 (GiB; while collecting) |"
+        )
+        print("|---|---:|---:|---:|---:|---:|---:|---|")
+        for p in paper:
+            print(
+                f"| {p['model']} | {p['projections']} | {p['forward_s_per_1k_tokens']:.1f} | "
+                f"{p['statistics_s_per_1k_tokens']:.1f} | {p['statistics_pass_ratio']:.2f}x | {p['end_task_s']:.0f} | "
+                f"{p['end_task_lora_steps']:.1f} | {p['statistics_gib_per_gpu']:.2f} "
+                f"({p['collecting_gib_per_gpu']:.2f}) |"
+            )
+    lines = []
+    worst = max(widths, key=lambda r: r["statistics_ratio"])
+    ok = all(r["statistics_ratio"] <= 1.5 for r in widths)
+    lines.append(
+        f"target: statistics pass <= 1.5x a plain forward at every width: worst {worst['statistics_ratio']:.2f}x at "
+        f"{worst['width']}: {'met' if ok else 'NOT met'}"
+    )
+    worst = max(widths, key=lambda r: r["checkpoint_ratio"])
+    ok = all(r["checkpoint_ratio"] <= 2.0 for r in widths)
+    lines.append(
+        f"target: inference checkpoint <= 2x LoRA's: worst {worst['checkpoint_ratio']:.2f}x at {worst['width']}: "
+        f"{'met' if ok else 'NOT met'}"
+    )
+    widest = max(widths, key=lambda r: r["width"])
+    ok = widest["end_task_lora_steps"] <= 50
+    lines.append(
+        f"target: end_task <= 50 LoRA-step equivalents at width {widest['width']}: "
+        f"{widest['end_task_lora_steps']:.1f}: {'met' if ok else 'NOT met'}"
+    )
+    print()
+    for line in lines:
+        print(line)
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--widths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
+    parser.add_argument("--batches", type=int, default=8, help="batches per width (4 at widths >= 4096)")
+    parser.add_argument("--lora-steps", type=int, default=3)
+    parser.add_argument("--no-paper", action="store_true", help="skip parts 2-3 (the Llama-3 projection shapes)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: widths 64 128, toy projections")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    bad = [w for w in args.widths if w < 64 or w % 64]
+    if bad:
+        parser.error(f"--widths must be multiples of 64 (one head is 64 wide), got {bad}")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    llms, ell = LLMS, 256
+    if args.quick:
+        args.widths, args.batches, args.lora_steps = [64, 128], 3, 1
+        llms, ell = (("toy", 256, 64, 512, 2),), 16
+    print(
+        f"[splitlora_scaling] torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} thread(s), "
+        f"r={RANK} on {TARGETS}, batches of {BATCH}x{SEQ} tokens",
+        flush=True,
+    )
+    widths = []
+    for width in args.widths:
+        layers = 1 if width >= 4096 else 2
+        batches = min(args.batches, 4) if width >= 4096 else args.batches
+        widths.append(measure_width(width, layers, batches, args.lora_steps))
+        print(f"  width {width}: {json.dumps({k: v for k, v in widths[-1].items() if 'ratio' in k})}", flush=True)
+    modules: dict[tuple[int, int], dict[str, Any]] = {}
+    if not args.no_paper:
+        for _, h, kv, inter, _ in llms:
+            for shape in ((h, h), (h, kv), (h, inter), (inter, h)):
+                if shape not in modules:
+                    modules[shape] = measure_module(*shape, batches=4, ell=ell)
+                    print(f"  projection {shape[1]}x{shape[0]}: done", flush=True)
+    paper = on_paper(modules, llms) if modules else []
+    targets = report(widths, modules, paper)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"widths": widths, "modules": list(modules.values()), "paper": paper, "targets": targets}
+        args.json.write_text(json.dumps(payload, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""benchmarks/splitlora_scaling.py --quick: every part of the scaling benchmark in one small subprocess run."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quick_run_measures_every_part_and_prints_the_verdicts(tmp_path):
+    out = tmp_path / "scaling.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "benchmarks/splitlora_scaling.py", "--quick", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    verdicts = [line for line in proc.stdout.splitlines() if line.startswith("target: ")]
+    assert len(verdicts) == 3 and all(re.search(r": (met|NOT met)$", v) for v in verdicts), verdicts
+    data = json.loads(out.read_text())
+    assert [r["width"] for r in data["widths"]] == [64, 128]
+    for row in data["widths"]:
+        assert row["statistics_ratio"] == row["statistics_pass_s"] / row["plain_forward_s"] > 1.0
+        # the inference checkpoint holds B, A and one finished task's factors: no covariance (it is in the
+        # sequence state, n x n per module, far larger at these shapes)
+        assert row["checkpoint_bytes"] < 2.1 * row["lora_checkpoint_bytes"] < row["sequence_state_bytes"] * 2.1
+        assert row["end_task_lora_steps"] == row["end_task_s"] / row["lora_step_s"]
+    (toy,) = data["paper"]
+    assert toy["projections"] == 14 and toy["statistics_pass_ratio"] > 1.0
+    assert {(m["n"], m["out"]) for m in data["modules"]} == {(256, 256), (256, 64), (256, 512), (512, 256)}
