@@ -273,8 +273,30 @@ def machine() -> str:
     )
 
 
-def report(entries: list[Entry]) -> str:
-    """The markdown report from the logs of ``entries`` (entries without a log are listed as not run)."""
+def earlier_report(text: str) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """A report's sections by title (their lines after the heading) and its targets-at-a-glance rows by entry name,
+    so a partial re-run keeps what it did not re-run."""
+    sections: dict[str, list[str]] = {}
+    glance: dict[str, list[str]] = {}
+    title = None
+    for line in text.splitlines():
+        if line.startswith("## "):
+            title = line[3:].strip()
+            sections[title] = []
+        elif title == "Targets at a glance":
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if line.startswith("| ") and len(cells) == 2 and cells[0] not in ("benchmark", "---"):
+                name = cells[0].removesuffix(" (kept)")
+                glance.setdefault(name, []).append(f"| {name} (kept) | {cells[1]} |")
+        elif title is not None:
+            sections[title].append(line)
+    return sections, glance
+
+
+def report(entries: list[Entry], earlier: str | None = None) -> str:
+    """The markdown report from the logs of ``entries``. An entry without a log keeps its section (and its verdict
+    rows) from ``earlier``, the report being replaced, marked as such; otherwise it is listed as not run."""
+    sections, glance = earlier_report(earlier) if earlier else ({}, {})
     out = [
         "# Benchmarks",
         "",
@@ -288,6 +310,14 @@ def report(entries: list[Entry]) -> str:
     summary: list[str] = []
     for entry in entries:
         log = LOGS / f"{entry.name}.log"
+        if not log.is_file() and entry.title in sections and "Not run yet." not in sections[entry.title]:
+            note = (
+                "_Kept from the previous report: not re-run since, so its sizes and protocol may predate the script._"
+            )
+            body = "\n".join(line for line in sections[entry.title] if line != note).strip("\n")
+            out += [f"## {entry.title}", "", note, "", body, ""]
+            summary += glance.get(entry.name, [])
+            continue
         out += [f"## {entry.title}", "", entry.about, "", "```bash", shown(entry), "```", ""]
         if not log.is_file():
             out += ["Not run yet.", ""]
@@ -339,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             code, _ = run(entry)
             if code != 0:
                 failed.append(entry.name)
-    text = report(list(ENTRIES))
+    text = report(list(ENTRIES), args.out.read_text() if args.out.is_file() else None)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(text)

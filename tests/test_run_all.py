@@ -69,6 +69,26 @@ def test_main_runs_the_selected_entries_keeps_logs_and_writes_the_report(run_all
     assert run_all.main(["--report-only", "--out", str(report)]) == 0
 
 
+def test_an_entry_not_re_run_keeps_its_earlier_section_and_verdicts(run_all, tmp_path):
+    report = tmp_path / "benchmarks.md"
+    report.write_text(
+        "# Benchmarks\n\n## Targets at a glance\n\n| benchmark | verdict |\n|---|---|\n"
+        "| missing | target: old thing (>= 1): met |\n| gone | target: retired: met |\n\n"
+        "## Never run\n\nAn earlier run's text.\n\n| x | y |\n|---|---|\n| 1 | 2 |\n\n## Retired entry\n\nold\n"
+    )
+    assert run_all.main(["--only", "good", "--out", str(report)]) == 0
+    text = report.read_text()
+    kept = text.split("## Never run", 1)[1]
+    assert "_Kept from the previous report" in kept and "An earlier run's text." in kept and "| 1 | 2 |" in kept
+    assert "| missing (kept) | target: old thing (>= 1): met |" in text
+    assert "| good | target: ours - theirs = +2.0 points (>= +1.0): met |" in text  # the re-run's own verdicts
+    assert "Retired entry" not in text and "| gone" not in text  # sections of no current entry are dropped
+    # a second rebuild keeps it once, not twice
+    assert run_all.main(["--report-only", "--out", str(report)]) == 0
+    again = report.read_text()
+    assert again.count("_Kept from the previous report") == 1 and again.count("| missing (kept) |") == 1
+
+
 def test_mora_benchmark_prints_its_targets_verdicts():
     """Met only when the paired (same seed) 95 % interval against the best other method clears 0."""
     spec = importlib.util.spec_from_file_location("mora_bench", ROOT / "benchmarks" / "mora_missing_modality.py")
