@@ -293,6 +293,20 @@ def earlier_report(text: str) -> tuple[dict[str, list[str]], dict[str, list[str]
     return sections, glance
 
 
+def _earlier_section(entry: Entry, sections: dict[str, list[str]]) -> str | None:
+    """The earlier section of ``entry``: the one with its title, else the one whose command runs its script (titles
+    change); none if that section only said it was not run."""
+    runs = [t for t, lines in sections.items() if shown(entry) in lines]
+    runs_script = [
+        t for t, lines in sections.items() if any(f"{x} ".startswith(f"python {entry.args[0]} ") for x in lines)
+    ]
+    candidates = [entry.title, *runs, *runs_script]
+    for title in candidates:
+        if title in sections and "Not run yet." not in sections[title]:
+            return title
+    return None
+
+
 def report(entries: list[Entry], earlier: str | None = None) -> str:
     """The markdown report from the logs of ``entries``. An entry without a log keeps its section (and its verdict
     rows) from ``earlier``, the report being replaced, marked as such; otherwise it is listed as not run."""
@@ -308,13 +322,17 @@ def report(entries: list[Entry], earlier: str | None = None) -> str:
         "",
     ]
     summary: list[str] = []
+    for entry in entries:  # re-run entries replace their own sections: none of those may be kept for another
+        if (LOGS / f"{entry.name}.log").is_file():
+            sections.pop(entry.title, None)
     for entry in entries:
         log = LOGS / f"{entry.name}.log"
-        if not log.is_file() and entry.title in sections and "Not run yet." not in sections[entry.title]:
+        earlier_title = _earlier_section(entry, sections) if not log.is_file() else None
+        if earlier_title is not None:
             note = (
                 "_Kept from the previous report: not re-run since, so its sizes and protocol may predate the script._"
             )
-            body = "\n".join(line for line in sections[entry.title] if line != note).strip("\n")
+            body = "\n".join(line for line in sections.pop(earlier_title) if line != note).strip("\n")
             out += [f"## {entry.title}", "", note, "", body, ""]
             summary += glance.get(entry.name, [])
             continue
