@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import platform
 import statistics
@@ -48,6 +49,8 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from peft_ext import SplitLoRAConfig
+from peft_ext.tuners.splitlora import SplitLoRALayer
+from peft_ext.tuners.splitlora.stats import choose_split, covariance_spectrum, primary_dimension, sketch_spectrum
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK = 16
@@ -86,6 +89,30 @@ def _randomize_b(model: nn.Module) -> None:
         for name, param in model.named_parameters():
             if "splitlora_B" in name:
                 param.normal_(0, 1e-3)  # a trained task's B: end_task folds it
+
+
+def split_agreement(model: nn.Module) -> dict[str, Any]:
+    """After the first ``end_task``: the split of every module recomputed from the same statistics in float32 (what
+    ``end_task`` does) and float64 (the computation before issue 19): ``k*`` mismatches and the largest principal
+    angle between the two primary subspaces (which equals that between the minor subspaces the new ``A`` uses)."""
+    mismatches, angles = 0, []
+    for layer in model.modules():
+        if not isinstance(layer, SplitLoRALayer):
+            continue
+        config, n = layer.splitlora_config["default"], layer.in_features
+        if layer.statistics_kind("default") == "dense":
+            spectra = [covariance_spectrum(layer.splitlora_cov["default"], d) for d in (torch.float32, torch.float64)]
+        else:
+            sketch, energy = layer.splitlora_sketch["default"], float(layer.splitlora_energy["default"])
+            spectra = [sketch_spectrum(sketch, energy, d) for d in (torch.float32, torch.float64)]
+        (v32, u32, total), (v64, u64, _) = spectra
+        k32, k64 = (choose_split(v, 0, config.trade_off, dim=n, total=total) for v in (v32, v64))
+        mismatches += k32 != k64
+        p = min(primary_dimension(k64, n), v64.numel())
+        q32 = torch.linalg.qr(u32[:, :p]).Q
+        sine = float(torch.linalg.matrix_norm(q32 - u64[:, :p] @ (u64[:, :p].T @ q32), 2))
+        angles.append(math.degrees(math.asin(min(sine, 1.0))))
+    return {"modules": len(angles), "k_star_mismatches": int(mismatches), "max_angle_deg": max(angles)}
 
 
 def measure_width(width: int, layers: int, batches: int, lora_steps: int) -> dict[str, Any]:
@@ -135,6 +162,7 @@ def measure_width(width: int, layers: int, batches: int, lora_steps: int) -> dic
 
     _randomize_b(split)
     end_task = _timed(split.end_task)
+    agreement = split_agreement(split)
     with tempfile.TemporaryDirectory() as tmp:
         split.save_pretrained(f"{tmp}/split")
         sequence = Path(split.save_sequence_state(f"{tmp}/split")).stat().st_size
@@ -162,6 +190,7 @@ def measure_width(width: int, layers: int, batches: int, lora_steps: int) -> dic
         "lora_checkpoint_bytes": lora_ckpt,
         "checkpoint_ratio": split_ckpt / lora_ckpt,
         "sequence_state_bytes": sequence,
+        "float32_split": agreement,
     }
 
 
@@ -294,6 +323,14 @@ def report(widths: list[dict[str, Any]], modules: dict, paper: list[dict[str, An
         f"target: inference checkpoint after one task <= 2x LoRA's: worst {worst['checkpoint_ratio']:.2f}x at "
         f"{worst['width']} (two LoRAs' factors + task counters): {'met' if ok else 'NOT met'}"
     )
+    agree = [r["float32_split"] for r in widths if "float32_split" in r]
+    if agree:
+        ok = all(a["k_star_mismatches"] == 0 and a["max_angle_deg"] < 1.0 for a in agree)
+        lines.append(
+            f"target: float32 split = float64 split on the same statistics, {sum(a['modules'] for a in agree)} "
+            f"modules over the widths: k* mismatches {sum(a['k_star_mismatches'] for a in agree)}, largest angle "
+            f"{max(a['max_angle_deg'] for a in agree):.1e} deg (< 1): {'met' if ok else 'NOT met'}"
+        )
     widest = max(widths, key=lambda r: r["width"])
     ok = widest["end_task_lora_steps"] <= 50
     lines.append(

@@ -19,7 +19,7 @@ def test_quick_run_measures_every_part_and_prints_the_verdicts(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     verdicts = [line for line in proc.stdout.splitlines() if line.startswith("target: ")]
-    assert len(verdicts) == 3 and all(re.search(r": (met|NOT met)$", v) for v in verdicts), verdicts
+    assert len(verdicts) == 4 and all(re.search(r": (met|NOT met)$", v) for v in verdicts), verdicts
     data = json.loads(out.read_text())
     assert [r["width"] for r in data["widths"]] == [64, 128]
     for row in data["widths"]:
