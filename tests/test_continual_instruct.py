@@ -1,6 +1,7 @@
 """Continual instruction tuning on a tiny Llama: generated instruction tasks, the causal-LM collate, the answer-only
 loss, exact-match accuracy matrices checked against an independent greedy decoder, the four methods that run
-generation sequences (seq_lora, joint, splitlora, pclr), PCLR's prompt routing (KV cache == no cache), bad input.
+generation sequences (seq_lora, joint, splitlora, pclr), PCLR's prompt routing (KV cache == no cache), the Trainer
+driver, bad input.
 
 The tiny random model learns little in a few steps; these tests check the harness, not the numbers.
 """
@@ -18,10 +19,12 @@ from peft_ext.continual.runner import LoopTrainer
 from peft_ext.data.collate import AsciiTokenizer, CausalLMCollator, TextCollator
 from peft_ext.data.instruct import INSTRUCTION_FAMILIES, instruction_task_sequence
 from peft_ext.data.tasks import Example, Instruction, Task, TaskSequence
+from peft_ext.integrations import run_continual_with_trainer
 from peft_ext.models import tiny_llama
 from peft_ext.tuners.pclr import default_query
 
 from .single_thread import single_thread  # noqa: F401  (fixture)
+from .test_continual_trainer import targs
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models; see tests/single_thread.py
 
@@ -216,6 +219,16 @@ def test_pclr_kept_prototypes_and_pool(runs, seq):
     assert len(engine.method.report(engine.ctx)["pool_ranks"]) == len(seq)
 
 
+def test_the_trainer_driver_runs_a_generation_sequence(seq, collate, tmp_path):
+    two = TaskSequence("two", seq.class_names[:2], seq.tasks[:2], kind="generation")
+    method = get_continual_method("seq_lora")(**METHODS["seq_lora"])
+    args = targs(tmp_path, save_strategy="no", num_train_epochs=3)
+    result, model = run_continual_with_trainer(two, method, tiny_llama(vocab_size=TOK.vocab_size), collate, args)
+    R = result.accuracy_matrix
+    assert R[0][1] is None and all(loss > 0 for loss in result.task_losses)
+    assert R[1] == pytest.approx([_exact_match(model, task.test) for task in two.tasks])
+
+
 # --- bad input -------------------------------------------------------------------------------------------------------
 
 
@@ -234,5 +247,7 @@ def test_bad_input_is_refused_before_training(seq, collate):
         CausalLMCollator(TOK, max_length=8)([Example(Instruction("reverse: abcdef", "fedcba"), 0)])
     with pytest.raises(ValueError, match="printable ASCII"):
         collate([Example(Instruction("caf\u00e9", "x"), 0)])
+    with pytest.raises(ValueError, match="`separator_id`"):
+        CausalLMCollator(TOK, separator_id=TOK.eos_token_id)
     with pytest.raises(ValueError, match="families"):
         instruction_task_sequence(("reverse", "nope"))

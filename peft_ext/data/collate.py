@@ -97,6 +97,11 @@ class CausalLMCollator:
         self.eos_token_id = int(tokenizer.eos_token_id)
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = self.eos_token_id if pad is None else int(pad)
+        if self.separator_id in (self.eos_token_id, self.pad_token_id):
+            raise ValueError(
+                f"`separator_id` {self.separator_id} is the tokenizer's eos or pad id; pick a token that only ends "
+                "prompts (e.g. an unused special token)"
+            )
 
     def encode(self, text: str) -> list[int]:
         """``text``'s token ids, without special tokens."""
