@@ -260,34 +260,22 @@ class ContinualEngine:
     def evaluate_row(self, model: nn.Module, row: int) -> list[float]:
         """Accuracy (exact match for a generation sequence) on the test sets of tasks ``0..row`` after training up to
         phase row ``row``."""
-        ctx = self.ctx
-        if self.sequence.kind == "generation":
-            return [
-                evaluate_generation(
-                    model,
-                    self.sequence.tasks[j].test,
-                    ctx.collate,
-                    ctx.device,
-                    batch_size=ctx.train.eval_batch_size,
-                    progress=ctx.train.progress,
-                    desc=f"{self.method.label} eval t{j}",
-                )
-                for j in range(row + 1)
-            ]
-        return [
-            evaluate(
-                model,
-                self.sequence.tasks[j].test,
-                ctx.eval_classes(row, j),
-                self.sequence.num_classes,
-                ctx.collate,
-                ctx.device,
+        ctx, sequence = self.ctx, self.sequence
+        row_scores = []
+        for j in range(row + 1):
+            test = sequence.tasks[j].test
+            options: dict[str, Any] = dict(
                 batch_size=ctx.train.eval_batch_size,
                 progress=ctx.train.progress,
                 desc=f"{self.method.label} eval t{j}",
             )
-            for j in range(row + 1)
-        ]
+            if sequence.kind == "generation":
+                score = evaluate_generation(model, test, ctx.collate, ctx.device, **options)
+            else:
+                classes = ctx.eval_classes(row, j)
+                score = evaluate(model, test, classes, sequence.num_classes, ctx.collate, ctx.device, **options)
+            row_scores.append(score)
+        return row_scores
 
     def run(self, model: nn.Module, trainer: TaskTrainer, record: RunRecord) -> nn.Module:
         """Run the phases not yet in ``record``; return the final model.

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from ..data.collate import CausalLMCollator
 from ..data.tasks import Example
 from ..tuners.pclr import default_query
+from ..tuners.pclr.router import QueryFn
 from .context import Collate, split_batches, to_device
 
 __all__ = [
@@ -141,7 +142,7 @@ def evaluate_generation(
     return correct / len(examples)
 
 
-def prompt_query(separator_id: int) -> Any:
+def prompt_query(separator_id: int) -> QueryFn:
     """PCLR's query for instruction sequences: :func:`~peft_ext.tuners.pclr.default_query` over the prompt tokens
     only, up to and including each row's first ``separator_id`` (all of the row if it has none).
 
