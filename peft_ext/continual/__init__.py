@@ -9,6 +9,7 @@ from ..data.tasks import Example, Task, TaskSequence
 from . import methods_optim, methods_pclr, methods_riemannion, methods_splitlora  # noqa: F401
 from .context import RunContext, TrainConfig
 from .engine import ContinualEngine, MethodResult, Phase, RunRecord, TaskTrainer, evaluate
+from .generation import evaluate_generation, next_token_loss, prompt_query
 from .methods import CONTINUAL_METHODS, ContinualMethod, MethodOptions, get_continual_method, register_continual_method
 from .metrics import average_incremental_accuracy, backward_transfer, final_average_accuracy, forgetting, summarize
 from .runner import run_sequence
@@ -30,9 +31,12 @@ __all__ = [
     "average_incremental_accuracy",
     "backward_transfer",
     "evaluate",
+    "evaluate_generation",
     "final_average_accuracy",
     "forgetting",
     "get_continual_method",
+    "next_token_loss",
+    "prompt_query",
     "register_continual_method",
     "run_sequence",
     "summarize",

@@ -3,9 +3,11 @@
 :class:`ContinualEngine` owns the phases of a task sequence: the method's ``before_task``, training the task, the
 method's ``after_task``, the evaluation row ``R[i][j]`` (accuracy on task ``j``'s test set after training task
 ``i``), the joint branch (one phase over the union of all tasks, evaluated as the last row), the metrics and the
-:class:`MethodResult`. How a task is trained is pluggable: a driver passes a :class:`TaskTrainer`
-(:func:`~peft_ext.continual.run_sequence` trains with its own loop, the Trainer driver of
-:mod:`peft_ext.integrations.continual_trainer` with ``transformers.Trainer`` and checkpoints).
+:class:`MethodResult`. A ``kind="generation"`` sequence (instruction tasks) trains on the next-token loss of the
+answers and fills ``R[i][j]`` with exact match of greedy generation (:mod:`.generation`). How a task is trained is
+pluggable: a driver passes a :class:`TaskTrainer` (:func:`~peft_ext.continual.run_sequence` trains with its own
+loop, the Trainer driver of :mod:`peft_ext.integrations.continual_trainer` with ``transformers.Trainer`` and
+checkpoints).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from .context import (
     split_batches,
     to_device,
 )
-from .methods import ContinualMethod
+from .generation import evaluate_generation, next_token_loss, require_causal_collate
+from .methods import CONTINUAL_METHODS, ContinualMethod
 from .metrics import summarize
 
 __all__ = [
@@ -138,6 +141,10 @@ def training_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The loss every driver trains on: masked cross-entropy plus the method's ``extra_loss``.
 
+    A batch whose ``labels`` are (batch, seq) token ids is a causal-LM batch of a generation sequence: its loss is
+    :func:`~.generation.next_token_loss` (cross-entropy on the answer tokens, labels -100 elsewhere) and ``mask``
+    must be ``None``.
+
     Args:
         model: The model.
         method: The method plugin.
@@ -151,7 +158,13 @@ def training_loss(
     Raises:
         FloatingPointError: If the loss is not finite.
     """
-    loss, logits = masked_cross_entropy(model_logits(model, batch), batch["labels"], mask)
+    if batch["labels"].dim() == 2:
+        if mask is not None:
+            raise ValueError("a causal-LM batch (2-D labels) takes no class mask; pass mask=None")
+        logits = model_logits(model, batch)
+        loss = next_token_loss(logits, batch["labels"])
+    else:
+        loss, logits = masked_cross_entropy(model_logits(model, batch), batch["labels"], mask)
     extra = method.extra_loss(model, batch, task_id)
     if extra is not None:
         loss = loss + extra
@@ -193,9 +206,14 @@ class ContinualEngine:
     Args:
         sequence: The tasks, in order.
         method: The method plugin.
-        collate: Turns a list of examples into a batch dict with a ``labels`` tensor.
+        collate: Turns a list of examples into a batch dict with a ``labels`` tensor (for a generation sequence a
+            :class:`~peft_ext.data.collate.CausalLMCollator`).
         train: Training settings (validated here).
         device: The device (default: ``train.resolve_device()``).
+
+    Raises:
+        ValueError: The method does not support the sequence's ``kind``.
+        TypeError: A generation sequence with a collate that is not a ``CausalLMCollator``.
     """
 
     def __init__(
@@ -207,6 +225,14 @@ class ContinualEngine:
         device: Optional[torch.device] = None,
     ) -> None:
         train.validate()
+        if sequence.kind not in method.task_kinds:
+            supported = sorted(name for name, cls in CONTINUAL_METHODS.items() if sequence.kind in cls.task_kinds)
+            raise ValueError(
+                f"method {method.name!r} supports {list(method.task_kinds)} task sequences, not {sequence.kind!r} "
+                f"({sequence.name!r}); methods that run {sequence.kind} sequences: {supported}"
+            )
+        if sequence.kind == "generation":
+            require_causal_collate(collate)
         self.sequence = sequence
         self.method = method
         self.ctx = RunContext(sequence=sequence, train=train, collate=collate, device=device or train.resolve_device())
@@ -219,33 +245,37 @@ class ContinualEngine:
     def phases(self) -> list[Phase]:
         """The phases in order: one per task, or one over the union of all tasks for a joint method."""
         sequence, label = self.sequence, self.method.label
+        # a generation loss ranges over the vocabulary: no class mask
+        generation = sequence.kind == "generation"
         if self.method.joint:
             T = len(sequence)
             union = Task("joint", sequence.classes_seen(T - 1), [ex for t in sequence.tasks for ex in t.train], [])
-            allowed = None if self.ctx.train.train_logit_mask == "all" else union.classes
+            allowed = None if generation or self.ctx.train.train_logit_mask == "all" else union.classes
             return [Phase(0, union, allowed, T - 1, f"{label} joint")]
         return [
-            Phase(i, task, self.ctx.training_classes(i), i, f"{label} {task.name}")
+            Phase(i, task, None if generation else self.ctx.training_classes(i), i, f"{label} {task.name}")
             for i, task in enumerate(sequence.tasks)
         ]
 
     def evaluate_row(self, model: nn.Module, row: int) -> list[float]:
-        """Accuracy on the test sets of tasks ``0..row`` after training up to phase row ``row``."""
-        ctx = self.ctx
-        return [
-            evaluate(
-                model,
-                self.sequence.tasks[j].test,
-                ctx.eval_classes(row, j),
-                self.sequence.num_classes,
-                ctx.collate,
-                ctx.device,
+        """Accuracy (exact match for a generation sequence) on the test sets of tasks ``0..row`` after training up to
+        phase row ``row``."""
+        ctx, sequence = self.ctx, self.sequence
+        row_scores = []
+        for j in range(row + 1):
+            test = sequence.tasks[j].test
+            options: dict[str, Any] = dict(
                 batch_size=ctx.train.eval_batch_size,
                 progress=ctx.train.progress,
                 desc=f"{self.method.label} eval t{j}",
             )
-            for j in range(row + 1)
-        ]
+            if sequence.kind == "generation":
+                score = evaluate_generation(model, test, ctx.collate, ctx.device, **options)
+            else:
+                classes = ctx.eval_classes(row, j)
+                score = evaluate(model, test, classes, sequence.num_classes, ctx.collate, ctx.device, **options)
+            row_scores.append(score)
+        return row_scores
 
     def run(self, model: nn.Module, trainer: TaskTrainer, record: RunRecord) -> nn.Module:
         """Run the phases not yet in ``record``; return the final model.

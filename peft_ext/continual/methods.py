@@ -10,6 +10,9 @@ Baselines shipped here (every later method is measured against them, side by sid
 - ``frozen_linear``: frozen backbone, only the linear head is trained, task after task (lower bound).
 - ``seq_lora``: PEFT's LoRA, the same adapter fine-tuned task after task (how forgetting looks without care).
 - ``joint``: LoRA trained once on the union of all tasks (upper bound; no accuracy matrix before the last row).
+
+``seq_lora`` and ``joint`` (with ``splitlora`` and ``pclr``) also run ``kind="generation"`` sequences (instruction
+tasks on a causal LM, docs/continual_instruct.md): a method declares the kinds it runs in ``task_kinds``.
 """
 
 from __future__ import annotations
@@ -172,6 +175,8 @@ class ContinualMethod:
     options_cls: ClassVar[type[MethodOptions]] = MethodOptions
     #: Train once on the union of all tasks instead of task after task.
     joint: ClassVar[bool] = False
+    #: The sequence kinds (``TaskSequence.kind``) the method runs; the engine refuses others.
+    task_kinds: ClassVar[tuple[str, ...]] = ("classification",)
 
     def __init__(self, options: MethodOptions | None = None, **kwargs: Any) -> None:
         if options is None:
@@ -251,6 +256,19 @@ def head_module_name(model: nn.Module) -> str:
     return "classifier"
 
 
+def saved_head(base_model: nn.Module, ctx: RunContext | None) -> list[str] | None:
+    """The ``modules_to_save`` of a method's adapter: the classification head (:func:`head_module_name`), or ``None``
+    for a generation sequence, whose model keeps its pretrained LM head frozen.
+
+    Args:
+        base_model: The model the adapter wraps.
+        ctx: The run context (``None``: a classification run).
+    """
+    if ctx is not None and ctx.sequence.kind == "generation":
+        return None
+    return [head_module_name(base_model)]
+
+
 @register_continual_method
 class FrozenLinear(ContinualMethod):
     """Lower bound: the backbone stays frozen; only the linear head learns, task after task."""
@@ -270,7 +288,7 @@ class _LoraMethod(ContinualMethod):
     def build(self, base_model: nn.Module, ctx: RunContext) -> nn.Module:
         from peft import get_peft_model
 
-        config = self.options.adapter_config(modules_to_save=[head_module_name(base_model)])
+        config = self.options.adapter_config(modules_to_save=saved_head(base_model, ctx))
         return get_peft_model(base_model, config)
 
 
@@ -279,6 +297,7 @@ class SequentialLoRA(_LoraMethod):
     """PEFT's LoRA fine-tuned on each task in turn, with nothing to protect old tasks."""
 
     name = "seq_lora"
+    task_kinds = ("classification", "generation")
 
 
 @register_continual_method
@@ -287,3 +306,4 @@ class JointLoRA(_LoraMethod):
 
     name = "joint"
     joint = True
+    task_kinds = ("classification", "generation")

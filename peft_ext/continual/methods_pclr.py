@@ -5,6 +5,11 @@ its training inputs and ``PCLRModel.begin_task`` adds the task's trainable ranks
 their keys (through the query loss, added by :meth:`PCLRMethod.extra_loss`) and the classification head; after
 training, ``PCLRModel.end_task`` stores the prototype, compresses and integrates as scheduled, and freezes the
 ranks. Evaluation runs without a task id (prototype routing decides).
+
+On a generation sequence (instruction tasks on a causal LM) the query is the prompt's
+(:func:`~peft_ext.continual.generation.prompt_query`), so training, the prototype, the distillation and generation
+route an instruction alike, and the distillation matches the teacher's next-token distributions on the answer
+tokens.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import torch
 from torch import nn
 
 from ..tuners.pclr import PCLRConfig, PCLRCycleConfig
-from .methods import AdapterOptions, ContinualMethod, head_module_name, nest_into_section, register_continual_method
+from .generation import answer_logits, prompt_query, require_causal_collate
+from .methods import AdapterOptions, ContinualMethod, nest_into_section, register_continual_method, saved_head
 
 if TYPE_CHECKING:
     from ..data.tasks import Task
@@ -60,17 +66,26 @@ class PCLROptions(AdapterOptions):
         return nest_into_section(data, moved, "cycle", where) if moved else data
 
 
+def _answer_forward(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+    """The logits that predict a causal-LM batch's answer tokens, (answer tokens, vocab): the distillation's output."""
+    out = model(**{k: v for k, v in batch.items() if k != "labels"})
+    return answer_logits(getattr(out, "logits", out), batch["labels"])[0]
+
+
 @register_continual_method
 class PCLRMethod(ContinualMethod):
     """PCLR: a capped LoRA rank pool, per-sample keyed routing, compress - integrate - learn per task."""
 
     name = "pclr"
     options_cls = PCLROptions
+    task_kinds = ("classification", "generation")
 
     def build(self, base_model: nn.Module, ctx: RunContext) -> nn.Module:
         from peft import get_peft_model
 
-        model = get_peft_model(base_model, self.options.adapter_config(modules_to_save=[head_module_name(base_model)]))
+        model = get_peft_model(base_model, self.options.adapter_config(modules_to_save=saved_head(base_model, ctx)))
+        if ctx.sequence.kind == "generation":
+            model.base_model.set_query_fn(prompt_query(require_causal_collate(ctx.collate).separator_id))
         ctx.state["pclr_pool"] = []
         ctx.state["pclr_adapter_params"] = []
         ctx.state["pclr_integrate"] = []
@@ -106,8 +121,12 @@ class PCLRMethod(ContinualMethod):
         from ..tuners.pclr import pool_in_use, stored_adapter_parameters
 
         opts = self.options
-        mask = torch.zeros(ctx.sequence.num_classes, dtype=torch.bool, device=ctx.device)
-        if opts.cycle.integrate_routing == "tasks":
+        mask: torch.Tensor | None = torch.zeros(ctx.sequence.num_classes, dtype=torch.bool, device=ctx.device)
+        forward = None
+        if ctx.sequence.kind == "generation":
+            # distill the next-token distributions where the task is scored (the answer tokens), over the vocabulary
+            mask, forward = None, _answer_forward
+        elif opts.cycle.integrate_routing == "tasks":
             # routed as an old task, the teacher's outputs on the old classes are what must be kept
             for seen in ctx.sequence.tasks[: task_id + 1]:
                 mask[list(seen.classes)] = True
@@ -118,6 +137,7 @@ class PCLRMethod(ContinualMethod):
             ctx.state.pop("pclr_prototype"),
             self._task_batches(task, ctx),
             cycle=opts.cycle,
+            forward=forward,
             mask=mask,
             generator=ctx.state["pclr_generator"],
         )

@@ -34,6 +34,7 @@ from .methods import (
     MethodOptions,
     head_module_name,
     register_continual_method,
+    saved_head,
 )
 
 if TYPE_CHECKING:
@@ -179,12 +180,13 @@ class SplitLoRAMethod(ContinualMethod):
 
     name = "splitlora"
     options_cls = SplitLoRAOptions
+    task_kinds = ("classification", "generation")
 
     def build(self, base_model: nn.Module, ctx: RunContext) -> nn.Module:
         from peft import get_peft_model
 
         seed = ctx.train.seed if ctx is not None else 0
-        config = self.options.adapter_config(seed=seed, modules_to_save=[head_module_name(base_model)])
+        config = self.options.adapter_config(seed=seed, modules_to_save=saved_head(base_model, ctx))
         return get_peft_model(base_model, config)
 
     def before_task(self, model: nn.Module, task_id: int, task: Task, ctx: RunContext) -> nn.Module:

@@ -1,4 +1,5 @@
-"""Batch builders that turn task examples into model inputs."""
+"""Batch builders that turn task examples into model inputs: text classification (:class:`TextCollator`) and
+instruction tasks for causal LMs (:class:`CausalLMCollator`, with :class:`AsciiTokenizer` for tiny test models)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from .tasks import Example
+from .tasks import Example, Instruction
 
 
 class TextCollator:
@@ -36,3 +37,131 @@ class TextCollator:
             "attention_mask": enc["attention_mask"],
             "labels": torch.tensor([ex.label for ex in examples], dtype=torch.long),
         }
+
+
+class AsciiTokenizer:
+    """A character-level tokenizer over printable ASCII for tiny test models (vocabulary 128).
+
+    Ids 0-3 are special (pad, bos, eos, separator); every printable character (space to ``~``) is its own code point.
+    It has what :class:`CausalLMCollator` needs of a tokenizer: ``encode``, ``decode``, ``pad_token_id``,
+    ``eos_token_id`` and a separator id.
+    """
+
+    pad_token_id = 0
+    bos_token_id = 1
+    eos_token_id = 2
+    sep_token_id = 3
+    vocab_size = 128
+
+    def encode(self, text: str) -> list[int]:
+        """The ids of ``text``'s characters (no special tokens)."""
+        bad = sorted({c for c in text if not " " <= c <= "~"})
+        if bad:
+            raise ValueError(f"AsciiTokenizer encodes printable ASCII (' ' to '~') only, got {bad} in {text!r}")
+        return [ord(c) for c in text]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids``; special ids are dropped."""
+        return "".join(chr(i) for i in ids if 32 <= i < 127)
+
+
+class CausalLMCollator:
+    """Batches instruction examples (``Example(Instruction(prompt, answer), label)``) for a causal LM.
+
+    A training sequence is ``prompt ids + [separator] + answer ids + [eos]``, right-padded, with ``labels`` equal to
+    ``input_ids`` on the answer and eos tokens and -100 on the prompt, the separator and padding (the loss sees the
+    answer only; labels are aligned with the inputs, as transformers' causal LMs take them). :meth:`prompts` builds
+    the generation inputs, ``prompt ids + [separator]`` left-padded so that every row's next token is its first
+    answer token. The separator marks where a prompt ends, which is what PCLR's prompt routing reads
+    (:func:`peft_ext.continual.generation.prompt_query`).
+
+    Args:
+        tokenizer: :class:`AsciiTokenizer`, or a transformers tokenizer (encoded without special tokens).
+        max_length: Longest training sequence in tokens; a longer example is an error (truncating would cut the
+            answer).
+        separator_id: Token that ends every prompt and appears nowhere inside one (default: the tokenizer's
+            ``sep_token_id``; for a transformers tokenizer pick a special token, e.g. Qwen2.5's ``<|im_end|>``).
+    """
+
+    def __init__(self, tokenizer: Any, max_length: int = 64, separator_id: int | None = None) -> None:
+        if max_length < 3:
+            raise ValueError(f"`max_length` must be >= 3 tokens (prompt, separator, eos), got {max_length}")
+        separator_id = getattr(tokenizer, "sep_token_id", None) if separator_id is None else separator_id
+        if separator_id is None:
+            raise ValueError(f"{type(tokenizer).__name__} has no sep_token_id; pass `separator_id=` (a special token)")
+        if getattr(tokenizer, "eos_token_id", None) is None:
+            raise ValueError(f"{type(tokenizer).__name__} has no eos_token_id; answers must end with one")
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.separator_id = int(separator_id)
+        self.eos_token_id = int(tokenizer.eos_token_id)
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self.pad_token_id = self.eos_token_id if pad is None else int(pad)
+        if self.separator_id in (self.eos_token_id, self.pad_token_id):
+            raise ValueError(
+                f"`separator_id` {self.separator_id} is the tokenizer's eos or pad id; pick a token that only ends "
+                "prompts (e.g. an unused special token)"
+            )
+
+    def encode(self, text: str) -> list[int]:
+        """``text``'s token ids, without special tokens."""
+        if isinstance(self.tokenizer, PreTrainedTokenizerBase):
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer.encode(text))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids`` up to the first eos (special tokens dropped)."""
+        ids = list(ids)
+        if self.eos_token_id in ids:
+            ids = ids[: ids.index(self.eos_token_id)]
+        if isinstance(self.tokenizer, PreTrainedTokenizerBase):
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids)
+
+    def _parts(self, example: Example) -> tuple[list[int], list[int]]:
+        if not isinstance(example.inputs, Instruction):
+            raise TypeError(
+                f"CausalLMCollator needs Example(Instruction(prompt, answer), label), got inputs of type "
+                f"{type(example.inputs).__name__}"
+            )
+        prompt = self.encode(example.inputs.prompt) + [self.separator_id]
+        answer = self.encode(example.inputs.answer)
+        if not answer:
+            raise ValueError(f"the answer {example.inputs.answer!r} encodes to no tokens; answers must be non-empty")
+        if self.separator_id in prompt[:-1]:
+            raise ValueError(f"prompt {example.inputs.prompt!r} contains the separator id {self.separator_id}")
+        if len(prompt) + len(answer) + 1 > self.max_length:
+            raise ValueError(
+                f"example {example.inputs!r} needs {len(prompt) + len(answer) + 1} tokens, over `max_length`="
+                f"{self.max_length}; raise max_length (answers are never truncated)"
+            )
+        return prompt, answer + [self.eos_token_id]
+
+    def __call__(self, examples: Sequence[Example]) -> dict[str, Any]:
+        parts = [self._parts(ex) for ex in examples]
+        width = max(len(p) + len(a) for p, a in parts)
+        ids = torch.full((len(parts), width), self.pad_token_id, dtype=torch.long)
+        labels = torch.full_like(ids, -100)
+        mask = torch.zeros_like(ids)
+        for row, (prompt, answer) in enumerate(parts):
+            n = len(prompt) + len(answer)
+            ids[row, :n] = torch.tensor(prompt + answer)
+            labels[row, len(prompt) : n] = torch.tensor(answer)
+            mask[row, :n] = 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+    def prompts(self, examples: Sequence[Example]) -> dict[str, torch.Tensor]:
+        """The generation inputs of ``examples``: prompt and separator, left-padded (``input_ids``,
+        ``attention_mask``)."""
+        prompts = [self._parts(ex)[0] for ex in examples]
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        return {"input_ids": ids, "attention_mask": mask}
+
+    def answer_budget(self, examples: Sequence[Example]) -> int:
+        """Tokens to generate for ``examples``: the longest answer plus its eos."""
+        return max(len(self._parts(ex)[1]) for ex in examples)

@@ -3,6 +3,10 @@
 A :class:`TaskSequence` is an ordered list of :class:`Task` objects over one global label space. Labels are
 global integer ids (``class_names[label]``), so class-incremental evaluation can score a prediction against every
 class seen so far, and task-incremental evaluation can restrict it to one task's classes.
+
+A sequence of ``kind="generation"`` holds instruction tasks instead (:mod:`.instruct`): every example's ``inputs`` is
+an :class:`Instruction` (prompt and answer text), trained with a next-token loss on the answer and scored by exact
+match of the generated answer. Its label is the id of the task's one class, the task's instruction family.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from typing import Any, Literal
 
 PROTOCOLS = ("class-incremental", "task-incremental")
 Protocol = Literal["class-incremental", "task-incremental"]
+KINDS = ("classification", "generation")
+Kind = Literal["classification", "generation"]
 
 
 @dataclass(frozen=True)
@@ -20,6 +26,29 @@ class Example:
 
     inputs: Any
     label: int
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """The ``inputs`` of an example of a generation task: an instruction prompt and the answer it must produce.
+
+    Args:
+        prompt: The instruction text the model sees.
+        answer: The text the model must generate (non-empty; exact match scores it).
+    """
+
+    prompt: str
+    answer: str
+
+    def __post_init__(self) -> None:
+        for name in ("prompt", "answer"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"Instruction `{name}` must be a str, got {type(getattr(self, name)).__name__}")
+        if not self.answer:
+            raise ValueError(
+                f"Instruction for prompt {self.prompt!r} has an empty `answer`; a generation task needs at least one "
+                "answer character (the loss and the exact match have nothing to score otherwise)"
+            )
 
 
 @dataclass
@@ -64,6 +93,8 @@ class TaskSequence:
             seen so far) or ``"task-incremental"`` (the task id is known at test time: predictions range over that
             task's classes only).
         meta: Free-form provenance (data set, seed, caps) recorded in results.
+        kind: ``"classification"`` (examples carry a class label, scored by accuracy) or ``"generation"`` (examples
+            carry an :class:`Instruction`, scored by exact match of the generated answer).
     """
 
     name: str
@@ -71,10 +102,24 @@ class TaskSequence:
     tasks: list[Task]
     protocol: Protocol = "class-incremental"
     meta: dict[str, Any] = field(default_factory=dict)
+    kind: Kind = "classification"
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"`protocol` must be one of {PROTOCOLS}, got {self.protocol!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"`kind` must be one of {KINDS}, got {self.kind!r}")
+        if self.kind == "generation":
+            for task in self.tasks:
+                bad = next(
+                    (ex for ex in task.train + task.test + task.validation if not isinstance(ex.inputs, Instruction)),
+                    None,
+                )
+                if bad is not None:
+                    raise TypeError(
+                        f"task {task.name!r} of generation sequence {self.name!r} has an example whose inputs are a "
+                        f"{type(bad.inputs).__name__}; generation examples carry an Instruction(prompt, answer)"
+                    )
         if not self.tasks:
             raise ValueError(f"Task sequence {self.name!r} has no tasks")
         seen: set[int] = set()
@@ -113,7 +158,7 @@ class TaskSequence:
             )
         tasks = [Task(t.name, list(t.classes), list(t.train), list(t.validation), []) for t in self.tasks]
         meta = {**self.meta, "evaluated_on": "validation"}
-        return TaskSequence(f"{self.name}-validation", list(self.class_names), tasks, self.protocol, meta)
+        return TaskSequence(f"{self.name}-validation", list(self.class_names), tasks, self.protocol, meta, self.kind)
 
     def classes_seen(self, upto: int) -> list[int]:
         """Global ids of the classes of tasks ``0..upto`` (inclusive)."""

@@ -1,0 +1,172 @@
+"""The generation side of the continual harness: the next-token loss on answer tokens, exact-match evaluation of
+greedy generation, and the prompt query PCLR routes instructions by.
+
+A ``kind="generation"`` :class:`~peft_ext.data.tasks.TaskSequence` is batched by
+:class:`~peft_ext.data.collate.CausalLMCollator`: ``labels`` aligned with ``input_ids``, -100 except on the answer
+and its eos. :func:`next_token_loss` is the training loss, :func:`evaluate_generation` the accuracy-matrix entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..data.collate import CausalLMCollator
+from ..data.tasks import Example
+from ..tuners.pclr import default_query
+from ..tuners.pclr.router import QueryFn
+from .context import Collate, split_batches, to_device
+
+__all__ = [
+    "answer_logits",
+    "evaluate_generation",
+    "generate_answers",
+    "next_token_loss",
+    "prompt_query",
+    "require_causal_collate",
+]
+
+
+def answer_logits(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits that predict the answer tokens, and those tokens: ``logits[:, t]`` predicts ``labels[:, t + 1]``.
+
+    Args:
+        logits: (batch, seq, vocab) causal-LM logits.
+        labels: (batch, seq) token ids on the answer, -100 elsewhere (prompt, separator, padding).
+
+    Returns:
+        ``(logits, targets)``: (n, vocab) and (n,) over the ``n`` answer tokens of the batch.
+    """
+    if logits.dim() != 3 or labels.shape != logits.shape[:2]:
+        raise ValueError(
+            f"answer_logits needs (batch, seq, vocab) logits and (batch, seq) labels, got {tuple(logits.shape)} and "
+            f"{tuple(labels.shape)}"
+        )
+    targets = labels[:, 1:]
+    keep = targets != -100
+    return logits[:, :-1][keep], targets[keep]
+
+
+def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the answer tokens of a batch (prompt and padding are not scored).
+
+    Args:
+        logits: (batch, seq, vocab) causal-LM logits.
+        labels: (batch, seq), -100 where no token is scored.
+    """
+    scores, targets = answer_logits(logits, labels)
+    if targets.numel() == 0:
+        raise ValueError("the batch has no answer tokens (every label is -100); nothing to train on")
+    return F.cross_entropy(scores.float(), targets)
+
+
+def require_causal_collate(collate: Collate) -> CausalLMCollator:
+    """``collate`` if it is a :class:`CausalLMCollator` (what a generation sequence is batched by), else an error."""
+    if not isinstance(collate, CausalLMCollator):
+        raise TypeError(
+            f"a generation task sequence is batched by peft_ext.data.collate.CausalLMCollator, got "
+            f"{type(collate).__name__}"
+        )
+    return collate
+
+
+@torch.no_grad()
+def generate_answers(
+    model: nn.Module,
+    examples: Sequence[Example],
+    collate: CausalLMCollator,
+    device: torch.device,
+    use_cache: bool = True,
+) -> list[str]:
+    """Greedy answers of ``model`` to ``examples``' prompts (one batch, left-padded), decoded up to the first eos.
+
+    Args:
+        model: A causal LM (or a PeftModel of one) with ``generate``.
+        examples: Instruction examples.
+        collate: Builds the prompts and decodes.
+        device: Where the model runs.
+        use_cache: Decode with the KV cache (``False``: every step re-reads the whole sequence).
+    """
+    batch = to_device(collate.prompts(examples), device)
+    out = model.generate(
+        **batch,
+        max_new_tokens=collate.answer_budget(examples),
+        do_sample=False,
+        num_beams=1,
+        use_cache=use_cache,
+        pad_token_id=collate.pad_token_id,
+        eos_token_id=collate.eos_token_id,
+    )
+    return [collate.decode(row.tolist()) for row in out[:, batch["input_ids"].shape[1] :]]
+
+
+@torch.no_grad()
+def evaluate_generation(
+    model: nn.Module,
+    examples: Sequence[Example],
+    collate: Collate,
+    device: torch.device,
+    batch_size: int = 128,
+    progress: bool = False,
+    desc: str = "eval",
+) -> float:
+    """Exact match of greedy generation (KV cache, at most the longest answer plus eos new tokens, stopping at eos)
+    against each example's answer, as a fraction of ``examples``.
+
+    Args:
+        model: A causal LM (or a PeftModel of one).
+        examples: Instruction examples.
+        collate: A :class:`CausalLMCollator`.
+        device: Where the model runs.
+        batch_size: Prompts per ``generate`` call.
+        progress: Show a progress bar.
+        desc: Progress-bar label.
+    """
+    if not examples:
+        raise ValueError("cannot evaluate on an empty test set")
+    collate = require_causal_collate(collate)
+    was_training = model.training
+    model.eval()
+    correct = 0
+    try:
+        for chunk in tqdm(split_batches(examples, batch_size), desc=desc, disable=not progress, leave=False):
+            answers = generate_answers(model, chunk, collate, device)
+            correct += sum(got == ex.inputs.answer for got, ex in zip(answers, chunk))
+    finally:
+        model.train(was_training)
+    return correct / len(examples)
+
+
+def prompt_query(separator_id: int) -> QueryFn:
+    """PCLR's query for instruction sequences: :func:`~peft_ext.tuners.pclr.default_query` over the prompt tokens
+    only, up to and including each row's first ``separator_id`` (all of the row if it has none).
+
+    A training sequence holds prompt and answer, a generation prefill only the prompt; reading the prompt alone, the
+    query (and so the ranks it selects) is the same in training, in the task's prototype, in distillation and at
+    generation, where the prefill's query is kept for the decoding steps (:class:`~peft_ext.tuners.pclr.RoutingState`).
+    Set it with ``model.base_model.set_query_fn(prompt_query(collate.separator_id))``.
+
+    Args:
+        separator_id: The token that ends every prompt (:attr:`CausalLMCollator.separator_id`).
+    """
+
+    def query(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Optional[torch.Tensor]:
+        ids = kwargs.get("input_ids")
+        if ids is None and args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
+            ids = args[0]
+        if ids is None or ids.dim() != 2:
+            return default_query(model, args, kwargs)
+        is_sep = ids == separator_id
+        # positions before the first separator, and the separator itself
+        prompt = (is_sep.cumsum(1) - is_sep.long()) == 0
+        mask = kwargs.get("attention_mask")
+        if mask is not None and mask.shape == ids.shape:
+            prompt = prompt & mask.bool()
+        return default_query(model, args, {**kwargs, "input_ids": ids, "attention_mask": prompt.long()})
+
+    return query
