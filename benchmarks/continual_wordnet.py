@@ -18,11 +18,9 @@ Usage (default: 5 tasks x 4 classes, 7 methods, 3 + 5 runs each, plus the conver
 
 Cost of the default (5 tasks x 4 classes, 40 train / 25 validation / 25 test glosses per class, 3 epochs = 15
 steps per task, batch 32): 7 methods x (3 validation + 5 test runs) + 2 convergence runs at 6 epochs = 58 runs.
-Measured on this project's 2-core machine while it was shared (load average 5-9), single-thread CPU time of one
-full-size run (one lr, seed 0, validation): seq_lora 78 s (131 s at 6 epochs), pclr_contribution 142 s (1.8x
-seq_lora). On 2 idle cores a seq_lora run took 27 s wall (docs/splitlora.md, same sizes; the other non-PCLR methods
-0.85-1.33x that), so the default comes to about 70 seq_lora-runs, i.e. about 32 minutes on 2 idle cores (about an
-hour at the contention measured here). The sizes are the fixed-lr benchmark's: runs long enough to converge come
+Measured for the record (2026-12-01, one thread, the machine shared with a second benchmark): the 58 runs took 5,435
+CPU s in all (about 91 minutes on one idle core; 109 minutes wall here); per run seq_lora 78 s, splitlora 83 s,
+inflora 99 s, pclr_contribution 148 s of CPU. The sizes are the fixed-lr benchmark's: runs long enough to converge come
 first (the convergence check says whether they are; seq_lora at lr 1e-3, seed 0: 23.6 -> 19.8 validation final
 accuracy from 3 to 6 epochs, more epochs only forget more).
 

@@ -62,7 +62,7 @@ ENTRIES: tuple[Entry, ...] = (
         "continual",
         "Continual learning: SplitLoRA and PCLR against their peers (WordNet, MiniLM-L6)",
         ("benchmarks/continual_wordnet.py", "--resume", "--out", "runs/benchmark_continual_wordnet"),
-        32,
+        91,
         "Class-incremental, 5 tasks x 4 supersenses; seq_lora, InfLoRA-style, O-LoRA, OSF, SplitLoRA, PCLR "
         "(measured-contribution rule) and joint training. Each method's learning rate is chosen from a 3-point grid "
         "(half a decade apart) on the validation split of seed 0, then run on the test split of 5 seeds, each its own "
