@@ -24,7 +24,8 @@ step on an idle core (one thread) that is about 90 s a run, 2.3 hours for table 
 minutes for tables 1, 2, 4 and 5. ``--ranks 8`` halves table 3, ``--methods LABEL ...`` runs a subset, ``--quick``
 is a smoke run of every code path (about a minute on idle cores).
 
-    .venv/bin/python benchmarks/dct_vs_galore.py --json runs/bench/dct_vs_galore.json
+    .venv/bin/python benchmarks/dct_vs_galore.py --json runs/benchmarks/dct_vs_galore.json \
+        --runs runs/benchmarks/dct_vs_galore-runs.json   # table 3's finished runs saved there, reused on restart
 
 Timings default to one thread (``--threads``): on a shared 2-core machine OpenMP threads that wait for a busy core
 make two-thread timings vary several-fold from run to run, while one-thread ratios are stable.
@@ -55,7 +56,7 @@ from dct_energy import (
     wordnet_all_classes,
 )
 from torch import nn
-from tuning import Protocol, Study, log_grid, tune_and_test
+from tuning import Protocol, RunCache, Study, log_grid, tune_and_test
 
 from peft_ext.continual import TrainConfig, run_sequence
 from peft_ext.continual.methods_optim import MAX_SHAPE, FullFineTune, is_projected, named_trainable
@@ -304,9 +305,13 @@ def table_finetune(
     data: dict[str, int],
     epochs: int,
     batch_size: int,
+    cache: RunCache | None = None,
 ) -> tuple[str, Study]:
-    """The protocol over every optimizer in ``specs``; one accuracy table and one cost table per rank."""
+    """The protocol over every optimizer in ``specs``; one accuracy table and one cost table per rank (every
+    finished run recorded in ``cache`` and reused from it)."""
     score = make_score(specs, data, epochs, batch_size)
+    if cache is not None:
+        score = cache.wrap(score)
     grids = {m: log_grid(s["center"], grid_points) for m, s in specs.items()}
     study = tune_and_test(grids, score, protocol)
     parts = [protocol.describe()]
@@ -432,6 +437,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-length", type=int, default=32)
     parser.add_argument("--quick", action="store_true", help="smoke run of every code path, about a minute")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure to this JSON file")
+    parser.add_argument(
+        "--runs", type=Path, default=None, help="table 3: save every finished run here, reuse the ones already saved"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes, args.repeats, args.refresh_rank, args.step_rounds = [256], 1, 32, 1
@@ -489,7 +497,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if 3 in args.tables:
         print("[table 3] full fine-tuning, lr chosen on validation, test over seeds", flush=True)
         protocol = Protocol(tune_seeds=(0,), test_seeds=tuple(args.test_seeds))
-        text, study = table_finetune(specs, args.ranks, protocol, args.grid_points, data, args.epochs, args.batch_size)
+        # a run's result depends on these (a label fixes its rank and kind); the lr and seed are in the run's key
+        gaps = [args.galore_gap, args.apollo_gap, args.power_gap]
+        fixed = {"scale": args.scale, "gaps": gaps, "epochs": args.epochs}
+        cache = RunCache(args.runs, {**data, **fixed, "batch_size": args.batch_size})
+        if args.runs is not None:
+            print(f"[table 3] {len(cache)} finished run(s) saved in {args.runs} will be reused", flush=True)
+        text, study = table_finetune(
+            specs, args.ranks, protocol, args.grid_points, data, args.epochs, args.batch_size, cache
+        )
         results["finetune"] = study.to_dict()
         lines, best = finetune_verdicts(study, specs, args.ranks)
         verdicts += lines

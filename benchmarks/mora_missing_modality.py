@@ -31,6 +31,7 @@ METHODS.md section 4 schedule, kept from the earlier runs.
 Usage::
 
     python benchmarks/mora_missing_modality.py --json runs/benchmarks/mora.json   # the protocol, rates 0 and 0.7
+    python benchmarks/mora_missing_modality.py --runs runs/benchmarks/mora-runs.json  # a killed job loses no run
     python benchmarks/mora_missing_modality.py --rates 0 0.3 0.7                  # the 7-setting grid
     python benchmarks/mora_missing_modality.py --quick                            # smoke run of every path (< 1 min)
     python benchmarks/mora_missing_modality.py --table-from runs/a.json runs/b.json  # merge the rows of runs
@@ -53,7 +54,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/tuning.py
 
 import torch  # noqa: E402
-from tuning import Protocol, Study, log_grid, mean_sd, paired_interval, tune_and_test  # noqa: E402
+from tuning import Protocol, RunCache, Study, log_grid, mean_sd, paired_interval, tune_and_test  # noqa: E402
 
 from peft_ext.multimodal import MISSING_TYPES, MissingSpec  # noqa: E402
 from peft_ext.multimodal.experiment import (  # noqa: E402
@@ -101,6 +102,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows, studies and settings here")
     parser.add_argument(
+        "--runs", type=Path, default=None, help="save every finished run here and reuse the ones already saved"
+    )
+    parser.add_argument(
         "--table-from", type=Path, nargs="+", default=None, help="print the tables of earlier --json files and exit"
     )
     args = parser.parse_args()
@@ -126,6 +130,9 @@ def main() -> None:
     if (MAIN.rate, MAIN.kind) not in {(s.rate, s.kind) for s in specs}:
         specs.append(MAIN)
 
+    cache = RunCache(args.runs, {**dataclasses.asdict(settings), "grid_points": args.grid_points})
+    if args.runs is not None:
+        print(f"[mora] {len(cache)} finished run(s) saved in {args.runs} will be reused", flush=True)
     start = time.perf_counter()
     prep = prepare(settings, validation=True)
     print(
@@ -135,7 +142,7 @@ def main() -> None:
         f"{prep.pretrain_log['last_loss']:.2f}",
         flush=True,
     )
-    rows, studies = run_protocol(prep, specs, args.methods, protocol, args.grid_points)
+    rows, studies = run_protocol(prep, specs, args.methods, protocol, args.grid_points, cache)
     infer_ms = time_inference(prep, args.methods, MAIN)
     wall = time.perf_counter() - start
 
@@ -171,9 +178,15 @@ def _key(rate: float, kind: str) -> str:
 
 
 def run_protocol(
-    prep: Any, specs: list[MissingSpec], methods: list[str], protocol: Protocol, points: int
+    prep: Any,
+    specs: list[MissingSpec],
+    methods: list[str],
+    protocol: Protocol,
+    points: int,
+    cache: RunCache | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Study]]:
-    """Choose each method's lr on validation at :data:`MAIN`, then test it over the seeds at every spec.
+    """Choose each method's lr on validation at :data:`MAIN`, then test it over the seeds at every spec (every
+    finished run recorded in ``cache``, and taken from it when it is already there).
 
     Returns:
         The rows (one per spec, method and test seed, as :func:`markdown_table` reads them) and one
@@ -181,8 +194,18 @@ def run_protocol(
     """
     grids = {method: log_grid(prep.settings.lr, points) for method in methods}
 
+    cache = cache if cache is not None else RunCache(None, {})
+
+    def train(method: str, lr: float, spec: MissingSpec, seed: int, split: str) -> dict[str, Any]:
+        key = (method, lr, seed, split, _key(spec.rate, spec.kind))
+        result = cache.get(key)
+        if result is None:
+            result = run_method(prep, method, spec, seed, lr=lr, split=split)
+            cache.put(key, result)
+        return result
+
     def score(method: str, lr: float, seed: int, split: str) -> tuple[float, dict[str, Any]]:
-        result = run_method(prep, method, MAIN, seed, lr=lr, split=split)
+        result = train(method, lr, MAIN, seed, split)
         return result["acc"], result
 
     main = tune_and_test(grids, score, protocol)
@@ -196,7 +219,7 @@ def run_protocol(
             for method, lr in main.chosen.items():
                 results = []
                 for seed in protocol.test_seeds:
-                    result = run_method(prep, method, spec, seed, lr=lr)
+                    result = train(method, lr, spec, seed, "test")
                     print(f"  test       {method:<20} lr {lr:<8g} seed {seed}: {100 * result['acc']:.1f} "
                           f"(rate {_key(spec.rate, spec.kind)})", flush=True)  # fmt: skip
                     results.append(result)

@@ -39,10 +39,11 @@ DCT-AdamW ~ GaLore (the 95 % interval of the paired test-perplexity ratio inside
 peft-ext option (picked by validation) has perplexity <= min(GaLore, APOLLO) (upper end of the interval <= 1); its
 optimizer state <= GaLore's. Writes the validation loss curves (mean ± sd over test seeds) to ``--png``.
 
-Usage (the default is 5 rounds of the 7 optimizers side by side: 35 runs of 400 steps)::
+Usage (the default is 5 rounds of the 7 optimizers side by side: 35 runs of 400 steps; with ``--runs`` every
+finished run is saved and a restarted job trains only the missing ones)::
 
     PYTHONPATH=. python benchmarks/pretrain_llama.py --png docs/figures/pretrain_llama_loss.png \\
-        --json runs/benchmarks/pretrain_llama.json
+        --json runs/benchmarks/pretrain_llama.json --runs runs/benchmarks/pretrain_llama-runs.json
     PYTHONPATH=. python benchmarks/pretrain_llama.py --quick      # every code path at toy size, under a minute
 
 Cost, measured on the shared 2-core machine (load average 5 to 8) with one torch thread: forward + backward of one
@@ -74,7 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # causal_lm_bf16, dct_
 
 from causal_lm_bf16 import eval_loss, fixed_windows, random_windows  # noqa: E402
 from dct_vs_galore import tensor_bytes  # noqa: E402
-from tuning import Protocol, Study, paired_interval, tune_and_test  # noqa: E402
+from tuning import Protocol, RunCache, Study, paired_interval, tune_and_test  # noqa: E402
 
 from peft_ext.data.wordnet import read_gloss_file  # noqa: E402
 from peft_ext.models import tiny_llama  # noqa: E402
@@ -229,7 +230,11 @@ def run_protocol(args: argparse.Namespace, data: dict[str, torch.Tensor], names:
     validation miss trains grid point ``i`` of every optimizer, a test miss every optimizer at its chosen lr."""
     grids = {n: GRIDS[n][: args.grid_points] if args.grid_points < 3 else GRIDS[n] for n in names}
     protocol = Protocol(tune_seeds=tuple(args.tune_seeds), test_seeds=tuple(args.test_seeds))
-    cache: dict[tuple[str, float, int], dict[str, Any]] = {}
+    fixed = ("hidden", "layers", "rank", "gap", "batch", "seq", "steps", "warmup", "clip")
+    fixed += ("eval_every", "eval_windows")
+    cache = RunCache(args.runs, {k: getattr(args, k) for k in fixed})
+    if args.runs is not None:
+        print(f"[pretrain_llama] {len(cache)} finished run(s) saved in {args.runs} will be reused", flush=True)
 
     def chosen(name: str) -> float:  # tuning's rule: first maximum of the mean validation score
         return max(grids[name], key=lambda lr: statistics.mean(-cache[(name, lr, s)]["val"] for s in args.tune_seeds))
@@ -241,8 +246,10 @@ def run_protocol(args: argparse.Namespace, data: dict[str, torch.Tensor], names:
                 lrs = {n: g[point] for n, g in grids.items()}
             else:
                 lrs = {n: chosen(n) for n in names}
-            for n, result in train_round(args, data, lrs, seed).items():
-                cache[(n, lrs[n], seed)] = result
+            # a round trains only the optimizers whose run is not saved yet (a resumed job)
+            todo = {n: lr_n for n, lr_n in lrs.items() if (n, lr_n, seed) not in cache}
+            for n, result in train_round(args, data, todo, seed).items():
+                cache.put((n, lrs[n], seed), result)
         result = cache[(name, lr, seed)]
         return -result["val" if split == "validation" else "test"], result
 
@@ -361,6 +368,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: stable timings on a shared machine)")
     parser.add_argument("--png", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--runs", type=Path, default=None, help="save every finished run here and reuse the ones already saved"
+    )
     parser.add_argument("--quick", action="store_true", help="toy sizes, 2 grid points, 2 test seeds: a smoke run")
     args = parser.parse_args(argv)
     if args.quick:

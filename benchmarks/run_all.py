@@ -91,7 +91,13 @@ ENTRIES: tuple[Entry, ...] = (
     Entry(
         "dct",
         "DCT-AdamW and SVD-free siblings against GaLore, APOLLO and AdamW",
-        ("benchmarks/dct_vs_galore.py", "--json", "runs/benchmarks/dct_vs_galore.json"),
+        (
+            "benchmarks/dct_vs_galore.py",
+            "--json",
+            "runs/benchmarks/dct_vs_galore.json",
+            "--runs",
+            "runs/benchmarks/dct_vs_galore-runs.json",
+        ),
         145,
         "Refresh time of every basis at 1024 and 4096, captured gradient energy of every basis on real MiniLM-L6 "
         "gradients, full fine-tuning of MiniLM-L6 on WordNet at ranks 8 and 64 with each optimizer's lr chosen on "
@@ -109,7 +115,13 @@ ENTRIES: tuple[Entry, ...] = (
     Entry(
         "mora",
         "MoRA with missing modalities (emoji image-text pairs)",
-        ("benchmarks/mora_missing_modality.py", "--json", "runs/benchmarks/mora.json"),
+        (
+            "benchmarks/mora_missing_modality.py",
+            "--json",
+            "runs/benchmarks/mora.json",
+            "--runs",
+            "runs/benchmarks/mora-runs.json",
+        ),
         42,
         "Each method's learning rate chosen on the emoji validation split (3-point grid, 70 % missing of both kinds, "
         "seed 0), then test accuracy over 5 seeds with complete pairs and at 70 % missing (text, image, both): MoRA "
@@ -169,6 +181,8 @@ ENTRIES: tuple[Entry, ...] = (
             "docs/figures/pretrain_llama_loss.png",
             "--json",
             "runs/benchmarks/pretrain_llama.json",
+            "--runs",
+            "runs/benchmarks/pretrain_llama-runs.json",
         ),
         120,
         "The DCT-AdamW paper's regime shrunk to a CPU: a 4.9 M-parameter Llama (hidden 256, 8 layers, byte "

@@ -21,14 +21,18 @@ Which seeds tune is part of the protocol (``tune_seeds``), and :meth:`Study.desc
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 __all__ = [
     "Protocol",
+    "RunCache",
     "Study",
     "log_grid",
     "lr_range_width",
@@ -256,3 +260,82 @@ def tune_and_test(
         study.test[method] = [v for v, _ in runs]
         study.extras[method] = [e for _, e in runs]
     return study
+
+
+class RunCache:
+    """Finished runs of a benchmark, saved to a JSON file as each one finishes, so a killed job loses none of them.
+
+    A re-started job with the same ``settings`` reuses every saved run and trains only the rest; a file written
+    with other settings is refused (one line naming both), never mixed in. Runs are keyed by a tuple of JSON scalars
+    (e.g. ``(method, lr, seed, split)``); values must be JSON-serializable (``inf`` and ``nan`` round-trip).
+
+    Args:
+        path: The file (``None``: keep runs in memory only).
+        settings: Everything that changes a run's result (sizes, epochs, data); compared on load.
+    """
+
+    def __init__(self, path: str | os.PathLike | None, settings: dict[str, Any]) -> None:
+        self.path = None if path is None else Path(path)
+        self.settings = json.loads(json.dumps(settings, sort_keys=True, default=str))
+        self.runs: dict[str, Any] = {}
+        self.reused = 0
+        if self.path is not None and self.path.exists():
+            try:
+                saved = json.loads(self.path.read_text())
+                stored, runs = saved["settings"], saved["runs"]
+            except (ValueError, KeyError, TypeError) as err:
+                raise SystemExit(f"{self.path} is not a run cache ({err}); pass another path or delete it") from None
+            if stored != self.settings:
+                differ = sorted(k for k in set(stored) | set(self.settings) if stored.get(k) != self.settings.get(k))
+                raise SystemExit(
+                    f"{self.path} holds runs made with other settings (differing: {', '.join(differ)}); "
+                    "pass another path or delete it"
+                )
+            self.runs = dict(runs)
+
+    @staticmethod
+    def _key(key: tuple[Any, ...]) -> str:
+        return json.dumps(list(key))
+
+    def __contains__(self, key: tuple[Any, ...]) -> bool:
+        return self._key(key) in self.runs
+
+    def __getitem__(self, key: tuple[Any, ...]) -> Any:
+        return self.runs[self._key(key)]
+
+    def __len__(self) -> int:
+        return len(self.runs)
+
+    def get(self, key: tuple[Any, ...]) -> Any:
+        """The saved value of ``key`` (counted as reused), or ``None``."""
+        if self._key(key) not in self.runs:
+            return None
+        self.reused += 1
+        return self.runs[self._key(key)]
+
+    def put(self, key: tuple[Any, ...], value: Any) -> None:
+        """Record a finished run and rewrite the file atomically (temporary file, then rename)."""
+        self.runs[self._key(key)] = json.loads(json.dumps(value, default=str))
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps({"settings": self.settings, "runs": self.runs}, indent=1))
+        os.replace(tmp, self.path)
+
+    def wrap(
+        self, score: Callable[[str, float, int, str], float | tuple[float, dict[str, Any]]]
+    ) -> Callable[[str, float, int, str], tuple[float, dict[str, Any]]]:
+        """``score`` for :func:`tune_and_test` with every ``(method, lr, seed, split)`` run saved and reused."""
+
+        def cached(method: str, lr: float, seed: int, split: str) -> tuple[float, dict[str, Any]]:
+            key = (method, lr, seed, split)
+            saved = self.get(key)
+            if saved is None:
+                out = score(method, lr, seed, split)
+                value, extra = out if isinstance(out, tuple) else (out, {})
+                self.put(key, [value, extra])
+                saved = self.runs[self._key(key)]
+            return saved[0], saved[1]
+
+        return cached

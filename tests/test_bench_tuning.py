@@ -84,3 +84,43 @@ def test_a_verdict_needs_the_interval_not_the_mean(tuning):
     mean, lo, _ = tuning.paired_interval(study.test["ours"], study.test["peer"])
     assert mean > 0.01 > lo  # the mean clears +1 point, the interval does not
     assert study.verdict("ours", "peer", 0.01, "x").endswith("NOT met")
+
+
+def test_run_cache_saves_each_run_and_a_restarted_job_reuses_them(tuning, tmp_path):
+    path = tmp_path / "runs.json"
+    calls = []
+
+    def score(method, lr, seed, split):
+        calls.append((method, lr, seed, split))
+        if method == "boom" and split == "test":
+            raise RuntimeError("killed")
+        return {"a": 0.5, "b": 0.7, "boom": 0.9}[method] + lr, {"curve": [(1, math.inf)], "lr": lr}
+
+    protocol = tuning.Protocol(tune_seeds=(0,), test_seeds=(0, 1))
+    grids = {"a": [0.01, 0.1], "b": [0.01, 0.1], "boom": [0.01, 0.1]}
+    settings = {"epochs": 2, "data": [1, 2]}
+    with pytest.raises(RuntimeError, match="killed"):  # the job dies at boom's first test run
+        tuning.tune_and_test(grids, tuning.RunCache(path, settings).wrap(score), protocol, echo=lambda _: None)
+    finished = len(calls) - 1
+    assert finished == 6 + 4  # 6 validation runs, a's and b's test runs: all saved, the failing one not
+    assert not (tmp_path / "runs.json.tmp").exists()
+    saved = json.loads(path.read_text())
+    assert len(saved["runs"]) == finished and saved["settings"] == settings
+
+    calls.clear()
+    cache = tuning.RunCache(path, settings)
+    study = tuning.tune_and_test({k: v for k, v in grids.items() if k != "boom"}, cache.wrap(score), protocol,
+                                 echo=lambda _: None)  # fmt: skip
+    assert calls == [] and cache.reused == 8  # nothing retrained
+    assert study.chosen == {"a": 0.1, "b": 0.1} and study.test["a"] == [0.6, 0.6]
+    assert study.extras["a"][0] == {"curve": [[1, math.inf]], "lr": 0.1}  # JSON-normalized, inf kept
+    assert (("a", 0.1, 1, "test") in cache) and cache[("a", 0.1, 1, "test")][0] == 0.6
+
+    with pytest.raises(SystemExit, match=r"other settings \(differing: epochs\)"):
+        tuning.RunCache(path, {**settings, "epochs": 3})
+    path.write_text("{not json")
+    with pytest.raises(SystemExit, match="is not a run cache"):
+        tuning.RunCache(path, settings)
+    memory = tuning.RunCache(None, settings)  # no path: nothing written
+    memory.put(("x",), 1)
+    assert memory.get(("x",)) == 1 and memory.get(("y",)) is None and not list(tmp_path.glob("*.tmp"))
