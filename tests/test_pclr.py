@@ -351,6 +351,25 @@ def test_begin_task_out_of_order_is_refused():
         model.begin_task(0, torch.ones(3))
 
 
+@pytest.mark.parametrize("width", [64, 384])
+def test_new_keys_sit_at_the_relative_noise_from_the_prototype(width):
+    """key_noise is relative to the unit prototype: a new key's cosine to it is about 1 / sqrt(1 + noise^2) at any
+    query width. (It used to be per coordinate: cosine 0.71 at width 384, and the new keys lost the top-k to the
+    trained static keys.)"""
+    model = get_peft_model(tiny_llama(vocab_size=VOCAB, hidden_size=width), _config(pool_size=32, ranks_schedule=[16], top_k=4))
+    proto = model.query_prototype(_task_batches(0, 0, 40))
+    for noise, low, high in ((0.05, 0.997, 0.9999), (0.3, 0.93, 0.98), (0.0, 1 - 1e-6, 1 + 1e-6)):
+        model = get_peft_model(tiny_llama(vocab_size=VOCAB, hidden_size=width), _config(pool_size=32, ranks_schedule=[16], top_k=4))
+        torch.manual_seed(0)
+        model.begin_task(0, proto, key_noise=noise)
+        keys = next(iter(group_layers(model).values()))[0].keys("default")
+        cos = F.normalize(keys.float(), dim=-1) @ F.normalize(proto.float(), dim=0)
+        assert keys.shape == (16, width)
+        assert low < cos.mean() < high, (noise, cos)
+        if noise > 0:
+            assert torch.linalg.matrix_rank(keys.float() - keys[0].float()) > 1  # not tied
+
+
 # -- the continual plugin ------------------------------------------------------------------------------------------
 
 

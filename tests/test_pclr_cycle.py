@@ -151,6 +151,54 @@ def test_task_sampled_integration_lowers_kl_and_draws_tasks_by_sqrt_of_their_los
     assert result.task_weights[1] > result.task_weights[0]  # task 1 still has a loss left
 
 
+def test_unmeasured_integration_trains_the_same_student_with_fewer_forwards():
+    """measure=False skips the before/after passes (losses None); the steps are the same ones: the teacher outputs
+    kept for the measurement serve the steps that draw the same (batch, task) pair, exactly."""
+    params, calls, results = [], [], []
+    for measure in (True, False):
+        torch.manual_seed(0)
+        model, tasks, teacher = _two_tasks_and_teacher(shared_r=2)
+        compress(model, 4, rule="index")
+        count = [0]
+
+        def forward(m, batch, count=count):
+            count[0] += 1
+            return m(**{k: v for k, v in batch.items() if k != "labels"})
+
+        gen = torch.Generator().manual_seed(3)
+        result = integrate_over_tasks(model, tasks[1], teacher, epochs=2, forward=forward, generator=gen,
+                                      measure=measure)  # fmt: skip
+        results.append(result)
+        calls.append(count[0])
+        params.append({n: p.detach().clone() for n, p in model.named_parameters() if "pclr_" in n})
+    measured, unmeasured = results
+    assert unmeasured.kl_before is None and unmeasured.kl_after is None and measured.kl_before > 0
+    assert measured.task_draws == unmeasured.task_draws and measured.steps == unmeasured.steps == 4
+    for name, value in params[0].items():
+        assert torch.equal(value, params[1][name]), name
+    batches = len(tasks[1])
+    reused = calls[1] - (calls[0] - 3 * batches)  # measured: +1 teacher, +1 before, +1 after per batch, minus reuse
+    assert calls[1] == 2 * unmeasured.steps and 0 <= reused <= unmeasured.steps, calls
+
+
+def test_end_task_measures_the_integration_only_when_asked():
+    from peft_ext.tuners.pclr import PCLRCycleConfig
+
+    for measure in (False, True):
+        torch.manual_seed(0)
+        model = _model(shared_r=2, pool_size=8, ranks_schedule=[4], compress_schedule=[0.5])
+        batches = _batches(0, 0, 50)
+        proto = model.query_prototype(batches)
+        model.begin_task(0, proto)
+        _train(model, batches)
+        cycle = PCLRCycleConfig(integrate_epochs=1, measure_integration=measure)
+        result = model.end_task(0, proto, batches, cycle=cycle)  # drops 2 of the 4 ranks, then distills
+        assert (result.kl_before is None) is (not measure) and (result.kl_after is None) is (not measure)
+        assert result.steps == len(batches)
+    with pytest.raises(ValueError, match="`measure_integration` must be True or False, got 'yes'"):
+        PCLRCycleConfig(measure_integration="yes")
+
+
 def test_task_draws_are_reproducible_with_a_generator():
     draws = []
     for _ in range(2):
@@ -254,12 +302,23 @@ def test_stored_adapter_parameters_counts_ranks_keys_prototypes_and_shared():
 
 
 @pytest.mark.slow
-def test_continual_plugin_with_task_routing_records_a_bounded_adapter():
+def test_continual_plugin_with_task_routing_records_a_bounded_adapter(monkeypatch):
+    from peft_ext.tuners.pclr import PCLRModel
+
     seq = token_sequence(n_tasks=3)
     schedules = {"ranks_schedule": [4], "compress_schedule": [0.0, 0.5], "compress_rule": "contribution"}
     adapter = pclr_adapter(pool_size=8, top_k=4, shared_r=2, **schedules)
-    method = get_continual_method("pclr")(lr=5e-3, cycle={"integrate_routing": "tasks"}, adapter=adapter)
+    cycle = {"integrate_routing": "tasks", "measure_integration": True, "key_noise": 0.125}
+    method = get_continual_method("pclr")(lr=5e-3, cycle=cycle, adapter=adapter)
+    noises, begin = [], PCLRModel.begin_task
+
+    def recording_begin(self, *args, **kwargs):
+        noises.append(kwargs["cycle"].key_noise)  # the run's cycle reaches begin_task (its key_noise)
+        return begin(self, *args, **kwargs)
+
+    monkeypatch.setattr(PCLRModel, "begin_task", recording_begin)
     result, captured = run_recording_state(seq, method)
+    assert noises == [0.125] * 3
     assert captured["pclr_pool"] == [4, 4, 4]
     sizes = captured["pclr_adapter_params"]
     # the ranks stay at the cap; only one prototype per task and group is added

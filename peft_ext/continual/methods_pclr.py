@@ -98,7 +98,7 @@ class PCLRMethod(ContinualMethod):
     def before_task(self, model: nn.Module, task_id: int, task: Task, ctx: RunContext) -> nn.Module:
         prototype = model.query_prototype(self._task_batches(task, ctx))
         ctx.state["pclr_prototype"] = prototype
-        model.begin_task(task_id, prototype)
+        model.begin_task(task_id, prototype, cycle=self.options.cycle)  # the cycle's key_noise
         return model
 
     def trainable_parameters(self, model: nn.Module) -> list[nn.Parameter]:

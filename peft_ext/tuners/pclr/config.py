@@ -187,7 +187,9 @@ class PCLRCycleConfig:
     run drives it: how the new keys start and how the compressed pool is distilled and its keys pulled.
 
     Args:
-        key_noise: Relative noise added to the task's prototype for each new key, so new ranks are not tied.
+        key_noise: Relative noise added to the task's (unit) prototype for each new key, so new ranks are not
+            tied: a Gaussian vector of expected norm ``key_noise`` (cosine to the prototype about
+            ``1 / sqrt(1 + key_noise^2)``).
         integrate_epochs: Distillation passes over the task's data after compression (0: no integration).
         integrate_lr: Distillation (AdamW) learning rate.
         integrate_routing: ``"input"`` (each sample routed by its own query) or ``"tasks"`` (public code: each batch
@@ -196,6 +198,9 @@ class PCLRCycleConfig:
         top_logits: Distill only the teacher's top logits (METHODS.md); ``None``: all.
         key_pull_threshold: Cosine above which a static key counts as close to a task prototype.
         key_pull_strength: How far keys close to several prototypes move toward them, in [0, 1].
+        measure_integration: Also measure the distillation loss over the task's data right before and after the
+            distillation (``IntegrateResult.kl_before`` / ``kl_after``): two extra evaluation passes (and, with
+            ``"tasks"`` routing, teacher outputs for them). Off: both are ``None``.
     """
 
     key_noise: float = 0.05
@@ -206,8 +211,11 @@ class PCLRCycleConfig:
     top_logits: Optional[int] = None
     key_pull_threshold: float = 0.8
     key_pull_strength: float = 0.5
+    measure_integration: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.measure_integration, bool):
+            raise ValueError(f"`measure_integration` must be True or False, got {self.measure_integration!r}")
         if not self.key_noise >= 0:
             raise ValueError(f"`key_noise` must be >= 0, got {self.key_noise!r}")
         if isinstance(self.integrate_epochs, bool) or not isinstance(self.integrate_epochs, int):

@@ -76,15 +76,15 @@ class IntegrateResult:
     """What one integration did.
 
     Args:
-        kl_before: Mean teacher-student distillation loss right after compression.
-        kl_after: The same after distillation.
+        kl_before: Mean teacher-student distillation loss right after compression (``None``: not measured).
+        kl_after: The same after distillation (``None``: not measured).
         steps: Optimizer steps taken.
         task_draws: With task routing, how many steps each stored task was drawn for (task order).
         task_weights: With task routing, the final sampling weights ``sqrt(last loss + 1e-4)`` per task.
     """
 
-    kl_before: float
-    kl_after: float
+    kl_before: Optional[float]
+    kl_after: Optional[float]
     steps: int
     task_draws: Optional[list[int]] = None
     task_weights: Optional[list[float]] = None
@@ -208,6 +208,7 @@ def integrate(
     top_logits: Optional[int] = None,
     forward: Optional[Callable[[nn.Module, Batch], Any]] = None,
     mask: Optional[torch.Tensor] = None,
+    measure: bool = True,
 ) -> IntegrateResult:
     """Distill the uncompressed pool (``teacher`` outputs) into the compressed pool plus the shared LoRA.
 
@@ -227,6 +228,7 @@ def integrate(
         top_logits: Distill only the teacher's top logits (METHODS.md); ``None``: all.
         forward: ``forward(model, batch) -> output``; default ``model(**batch without labels)``.
         mask: Optional (C,) bool mask of logits that take part (e.g. the task's classes).
+        measure: Measure the mean distillation loss before and after (two evaluation passes); off: ``None``.
 
     Returns:
         The distillation loss before and after, and the number of steps.
@@ -236,8 +238,8 @@ def integrate(
     forward = forward or default_forward
     items = [(batch, target, None) for batch, target in zip(batches, teacher)]
 
-    def mean_loss() -> float:
-        return _mean_distill_loss(model, forward, items, mask, temperature, top_logits)
+    def mean_loss() -> Optional[float]:
+        return _mean_distill_loss(model, forward, items, mask, temperature, top_logits) if measure else None
 
     before = mean_loss()
     steps = 0
@@ -264,6 +266,7 @@ def integrate_over_tasks(
     forward: Optional[Callable[[nn.Module, Batch], Any]] = None,
     mask: Optional[torch.Tensor] = None,
     generator: Optional[torch.Generator] = None,
+    measure: bool = True,
 ) -> IntegrateResult:
     """Distill the uncompressed pool into the compressed one with every batch routed as one stored task.
 
@@ -287,6 +290,8 @@ def integrate_over_tasks(
         forward: ``forward(model, batch) -> output``; default ``model(**batch without labels)``.
         mask: Optional (C,) bool mask of logits that take part (e.g. the classes seen so far).
         generator: Random generator for the task draws (reproducible runs).
+        measure: Measure the mean distillation loss before and after (two evaluation passes, the teacher's outputs
+            for them kept for the steps that draw the same pair); off: ``None``.
 
     Returns:
         Distillation loss before and after over the batches (batch ``i`` routed as task ``i mod T``), the steps, how
@@ -298,16 +303,27 @@ def integrate_over_tasks(
     if n_tasks == 0:
         raise ValueError("no task prototype is stored; end_task stores the current one before integrating")
 
+    # The teacher (a fixed snapshot, eval mode) gives the same output for the same (batch, task) pair: the outputs
+    # kept for the before/after figures serve the steps that draw the same pair. Nothing else is kept (a causal LM's
+    # outputs over the vocabulary for every pair would not fit).
+    kept: dict[tuple[int, int], torch.Tensor] = {}
+
     @torch.no_grad()
-    def teacher_on(batch: Batch, task: int) -> torch.Tensor:
+    def teacher_on(index: int, task: int) -> torch.Tensor:
+        if (index, task) in kept:
+            return kept[(index, task)]
         with evaluating(model), teacher.active(), routed_as(model, protos[task]):
-            return model_output(forward(model, batch)).detach()
+            return model_output(forward(model, batches[index])).detach()
 
     # fixed (batch, task) pairs for the before/after figures: every batch once, tasks in turn
-    items = [(batch, teacher_on(batch, i % n_tasks), protos[i % n_tasks]) for i, batch in enumerate(batches)]
+    items = []
+    if measure:
+        for i, batch in enumerate(batches):
+            kept[(i, i % n_tasks)] = teacher_on(i, i % n_tasks)
+            items.append((batch, kept[(i, i % n_tasks)], protos[i % n_tasks]))
 
-    def mean_loss() -> float:
-        return _mean_distill_loss(model, forward, items, mask, temperature, top_logits)
+    def mean_loss() -> Optional[float]:
+        return _mean_distill_loss(model, forward, items, mask, temperature, top_logits) if measure else None
 
     before = mean_loss()
     weights = torch.ones(n_tasks, dtype=torch.float64)
@@ -317,11 +333,11 @@ def integrate_over_tasks(
         with _student(model, adapter, lr) as optimizer:
             if optimizer is not None:
                 for _ in range(epochs):
-                    for batch in batches:
+                    for index, batch in enumerate(batches):
                         draw = torch.multinomial(weights / weights.sum(), 1, generator=generator)
                         broadcast_([draw])  # one draw for all processes (their generators may differ)
                         task = int(draw)
-                        target = teacher_on(batch, task)
+                        target = teacher_on(index, task)
                         with routed_as(model, protos[task]):
                             loss = _masked_distill(forward(model, batch), target, mask, temperature, top_logits)
                             _step(model, optimizer, loss)

@@ -274,7 +274,12 @@ class PCLRModel(AdapterTuner):
                 scores = F.normalize(keys_static.float(), dim=-1) @ proto.to(keys_static.device)
                 source = scores.topk(min(count, n_s)).indices.tolist()
             device = owner.pclr_keys[adapter].device
-            noise = torch.randn(count, dim, device=device) * key_noise
+            # relative to the unit prototype: the noise's expected norm is key_noise, so a new key's cosine to the
+            # prototype is about 1 / sqrt(1 + key_noise^2) (0.9988 at 0.05) whatever the query width. (Per-coordinate
+            # noise of key_noise, as before, had norm key_noise * sqrt(dim): at width 384 about as long as the
+            # prototype, cosine 0.71, so the new keys lost the top-k to the trained static keys and the new ranks
+            # hardly trained: docs/pclr.md, "Why new tasks learnt poorly".)
+            noise = torch.randn(count, dim, device=device) * (key_noise / math.sqrt(dim))
             keys = F.normalize(proto.to(device) + noise, dim=-1)
             # drawn from each process's generator: rank 0's draw for all, before it is written (under FSDP2 each
             # process then writes its own shard of the same values)
@@ -381,5 +386,5 @@ class PCLRModel(AdapterTuner):
         args = (self, batches, teacher, adapter, settings.integrate_epochs, settings.integrate_lr)
         args += (settings.temperature, settings.top_logits, forward, mask)
         if by_tasks:
-            return integrate_over_tasks(*args, generator=generator)
-        return integrate(*args)
+            return integrate_over_tasks(*args, generator=generator, measure=settings.measure_integration)
+        return integrate(*args, measure=settings.measure_integration)
