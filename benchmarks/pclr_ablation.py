@@ -62,16 +62,19 @@ VARIANTS: dict[str, dict[str, Any]] = {
     ),
     "no_proto": _variant("no prototype gate at inference (keys alone route)", {"prototype_routing": False}),
     "no_integrate": _variant("no distillation after compression", cycle={"integrate_epochs": 0}),
-    "no_compress": _variant("no compression: pool 96 holds every task's 16 ranks", {"pool_size": 96,
-                            "compress_schedule": [0.0]}),  # fmt: skip
+    "no_compress": _variant(
+        "no compression: pool 96 holds every task's 16 ranks", {"pool_size": 96, "compress_schedule": [0.0]}
+    ),
     "paper_shape": _variant(
         "the paper's schedule shape: pool 64, no compression while there is room, then 25 % / 12.5 %",
         {"pool_size": 64, "compress_schedule": [0.0, 0.0, 0.0, 0.25, 0.125]},
     ),
-    "top_all": _variant("top-32 of the 32-rank pool: every sample uses every rank (no selection)", {"top_k": 32,
-                        "alpha": 32.0}),  # fmt: skip
-    "capacity_x2": _variant("32 new ranks per task, pool 64, top-32", {"pool_size": 64, "ranks_schedule": [32],
-                            "top_k": 32, "alpha": 32.0}),  # fmt: skip
+    "top_all": _variant(
+        "top-32 of the 32-rank pool: every sample uses every rank (no selection)", {"top_k": 32, "alpha": 32.0}
+    ),
+    "capacity_x2": _variant(
+        "32 new ranks per task, pool 64, top-32", {"pool_size": 64, "ranks_schedule": [32], "top_k": 32, "alpha": 32.0}
+    ),
     "no_init_static": _variant("new a_i random (not from the matching static ranks)", {"init_from_static": False}),
     "query_loss_1": _variant("query loss weight 1.0 (5x)", {"query_loss_weight": 1.0}),
     "paper_shape_no_proto": _variant(

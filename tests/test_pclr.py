@@ -3,6 +3,7 @@ routing at inference, save/load mid-sequence, the continual plugin and the PEFT 
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -356,10 +357,12 @@ def test_new_keys_sit_at_the_relative_noise_from_the_prototype(width):
     """key_noise is relative to the unit prototype: a new key's cosine to it is about 1 / sqrt(1 + noise^2) at any
     query width. (It used to be per coordinate: cosine 0.71 at width 384, and the new keys lost the top-k to the
     trained static keys.)"""
-    model = get_peft_model(tiny_llama(vocab_size=VOCAB, hidden_size=width), _config(pool_size=32, ranks_schedule=[16], top_k=4))
-    proto = model.query_prototype(_task_batches(0, 0, 40))
+    config = _config(pool_size=32, ranks_schedule=[16], top_k=4)
+    proto = get_peft_model(tiny_llama(vocab_size=VOCAB, hidden_size=width), config).query_prototype(
+        _task_batches(0, 0, 40)
+    )
     for noise, low, high in ((0.05, 0.997, 0.9999), (0.3, 0.93, 0.98), (0.0, 1 - 1e-6, 1 + 1e-6)):
-        model = get_peft_model(tiny_llama(vocab_size=VOCAB, hidden_size=width), _config(pool_size=32, ranks_schedule=[16], top_k=4))
+        model = get_peft_model(tiny_llama(vocab_size=VOCAB, hidden_size=width), copy.deepcopy(config))
         torch.manual_seed(0)
         model.begin_task(0, proto, key_noise=noise)
         keys = next(iter(group_layers(model).values()))[0].keys("default")
