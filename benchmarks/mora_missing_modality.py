@@ -25,8 +25,9 @@ backbone pretraining and the lower-layer cache 142 s once (the pretrained backbo
 full-size fine-tuning run (5 epochs = 95 steps on the 1,214 pairs, rate 0.7 both, scored on validation): frozen +
 linear head 2.6 s, LoRA 21.4 s, LoRA at MoRA's count 20.6 s, MoRA 30.0 s, prompts 26.6 s; 101 s for the five.
 The default is 15 validation runs + 5 methods x 5 seeds x 4 settings = 23 runs per method: about 23 x 101 s + 142 s
-+ timing = 42 minutes on one idle core (``--kinds both``: 2 settings, about 25 minutes). Five epochs are the
-METHODS.md section 4 schedule, kept from the earlier runs.
++ timing = 42 minutes on one idle core (``--kinds both``: 2 settings, about 25 minutes). Measured: the
+default took 3,693 s wall (2026-12-01, one thread, with up to three other benchmarks on the 2 cores). Five epochs
+are the METHODS.md section 4 schedule, kept from the earlier runs.
 
 Usage::
 

@@ -55,6 +55,14 @@ def _variant(about: str, adapter: dict[str, Any] | None = None, **rest: Any) -> 
 #: name -> what changes against the benchmark's PCLR entry, and the options.
 VARIANTS: dict[str, dict[str, Any]] = {
     "base": _variant("the benchmark's entry: pool 32, 16 new ranks, top-16, halve after every task but the first"),
+    "contribution_max": _variant(
+        "compression scores a rank by its largest share of one task (not the sum over tasks)",
+        {"compress_rule": "contribution_max"},
+    ),
+    "paper_shape_max": _variant(
+        "paper_shape with contribution_max",
+        {"pool_size": 64, "compress_schedule": [0.0, 0.0, 0.0, 0.25, 0.125], "compress_rule": "contribution_max"},
+    ),
     "query_loss_0": _variant("query loss weight 0 (keys stay at their init)", {"query_loss_weight": 0.0}),
     "noise_per_coordinate": _variant(
         "new keys' noise as before the fix: 0.05 per coordinate (norm 0.98 at width 384)",
@@ -171,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, args.entries))
     print(
         "\nnew-task acc: mean over tasks 2..T of the accuracy on task t right after learning it (class-incremental: "
-        "among every class seen so far); first task: the same for task 1."
+        "among every class seen so far); first task: the same for task 1. Values stored: the adapter values PCLR "
+        f"holds after the last task; one r=10 LoRA per task on the same modules would hold "
+        f"{cw.LORA_VALUES_PER_TASK * b.tasks:,} after {b.tasks} tasks ({cw.LORA_VALUES_PER_TASK:,} per task)."
     )
     print(f"\n[pclr_ablation] {runs.trained} run(s) trained, wall {time.perf_counter() - start:.0f} s")
     return 0

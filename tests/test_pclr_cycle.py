@@ -4,6 +4,9 @@ adapter-size bound."""
 
 from __future__ import annotations
 
+import copy
+from contextlib import nullcontext
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -221,7 +224,7 @@ def _manual_contributions(model, batches, proto) -> dict[str, torch.Tensor]:
     state = model.base_model.routing_state
     totals = {}
     try:
-        with torch.no_grad(), routed_as(model, proto):
+        with torch.no_grad(), routed_as(model, proto) if proto is not None else nullcontext():
             for batch in batches:
                 _logits(model, batch)
                 for group, layers in group_layers(model).items():
@@ -246,10 +249,38 @@ def test_contribution_scores_match_a_manual_computation_and_weigh_tasks_equally(
     tasks = _two_tasks(model)
     protos = stored_prototypes(model)
     scores = contribution_scores(model, tasks[1])
-    manual = [_manual_contributions(model, tasks[1], p) for p in protos]
+    # task 0 (old): the data routed as task 0; task 1 (current, its data): each sample by its own query
+    manual = [_manual_contributions(model, tasks[1], protos[0]), _manual_contributions(model, tasks[1], None)]
     for group, value in scores.items():
         torch.testing.assert_close(value, manual[0][group] + manual[1][group], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(value.sum(), torch.tensor(2.0))  # each task's share sums to one
+    as_before = contribution_scores(model, tasks[1], route_current_by_input=False)
+    by_proto = _manual_contributions(model, tasks[1], protos[1])
+    for group, value in as_before.items():
+        torch.testing.assert_close(value, manual[0][group] + by_proto[group], atol=1e-5, rtol=1e-4)
+
+
+def test_the_current_task_keeps_its_ranks_when_its_prototype_prefers_static_keys():
+    """The failure the input routing fixes: static keys sit closer to the current task's prototype than its own
+    (trained) new keys, so routed by the prototype the task selects only static ranks and its new ranks score 0
+    and are dropped first; routed by the samples' own queries they are what the task uses."""
+    model = _model(top_k=6)  # 6 static (task 0) + 6 new (task 1) ranks, top-6
+    tasks = _two_tasks(model)
+    protos = stored_prototypes(model)
+    owner = group_layers(model)["model.layers.0"][0]
+    state = model.base_model.routing_state
+    with torch.no_grad():
+        queries = F.normalize(state.query_fn(model.base_model.model, (), tasks[1][0]), dim=-1)
+        for layers in group_layers(model).values():  # static keys: the prototype itself; new keys: the queries
+            layers[0].pclr_keys_static["default"][:6] = protos[1]
+            layers[0].pclr_keys["default"][:6] = queries[:6]
+    new = list(range(6, 12))
+    before = contribution_scores(model, tasks[1], route_current_by_input=False)
+    assert all((value[new] == 0).all() for value in before.values())
+    assert compress(copy.deepcopy(model), 6, rule="contribution", scores=before)["model.layers.0"] == new
+    scores = contribution_scores(model, tasks[1])
+    assert all((value[new] > 0).all() for value in scores.values()), scores  # every new rank is used
+    assert owner.counts("default")[:2] == [6, 6]
 
 
 def test_contribution_compression_drops_ranks_that_add_nothing():
@@ -338,3 +369,22 @@ def test_a_non_finite_distillation_loss_is_refused():
             layer.pclr_B["default"][0] = float("nan")
     with pytest.raises(FloatingPointError, match="non-finite PCLR distillation loss"):
         integrate_over_tasks(model, tasks[1], teacher, epochs=1)
+
+
+def test_contribution_max_scores_a_rank_by_its_largest_share_of_one_task():
+    model = _model()
+    tasks = _two_tasks(model)
+    protos = stored_prototypes(model)
+    shares = [_manual_contributions(model, tasks[1], protos[0]), _manual_contributions(model, tasks[1], None)]
+    scores = contribution_scores(model, tasks[1], aggregate="max")
+    for group, value in scores.items():
+        torch.testing.assert_close(value, torch.maximum(shares[0][group], shares[1][group]), atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="`aggregate` must be 'sum' or 'max', got 'mean'"):
+        contribution_scores(model, tasks[1], aggregate="mean")
+    config = _model(compress_rule="contribution_max", compress_schedule=[0.5]).peft_config["default"]
+    assert config.compress_rule == "contribution_max"
+    with pytest.raises(ValueError, match="compress_rule='contribution_max' measures the ranks on the task's data"):
+        model = _model(compress_rule="contribution_max", compress_schedule=[0.5])
+        proto = model.query_prototype(tasks[0])
+        model.begin_task(0, proto)
+        model.end_task(0, proto)

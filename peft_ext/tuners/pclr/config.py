@@ -10,7 +10,9 @@ from peft.utils import PeftType
 
 from ..adapter_config import AdapterConfig
 
-COMPRESS_RULES = ("index", "importance", "contribution")
+COMPRESS_RULES = ("index", "importance", "contribution", "contribution_max")
+#: The rules that measure the ranks on the task's data (``end_task`` needs ``batches``).
+MEASURED_RULES = ("contribution", "contribution_max")
 
 #: How ``end_task`` routes the distillation data (see :mod:`peft_ext.tuners.pclr.distill`).
 INTEGRATE_ROUTING = ("input", "tasks")
@@ -49,7 +51,9 @@ class PCLRConfig(AdapterConfig):
             smallest ``||a_i|| ||b_i||`` summed over the group's linears) or ``"contribution"`` (drop the ranks with
             the smallest measured contribution ``E[gate_i |a_i . x|] ||b_i||`` on the task's data routed as each
             stored task, every task weighted equally; the default: it kept the most accuracy and forgot least in
-            benchmarks/continual_wordnet.py, see docs/pclr.md). ``"contribution"`` needs the task's data: pass
+            benchmarks/continual_wordnet.py, see docs/pclr.md), or ``"contribution_max"`` (the same measurement, a
+            rank scored by its largest share of any one task instead of the sum over tasks, so the ranks one task
+            relies on are kept even when older ranks serve several tasks). Both need the task's data: pass
             ``batches`` to ``end_task``.
         top_k: Ranks selected per sample (public code: 64); at most ``pool_size``.
         alpha: Output scale numerator; the pool's output is scaled by ``alpha / top_k``.
@@ -75,7 +79,9 @@ class PCLRConfig(AdapterConfig):
         default_factory=lambda: [0.0, 0.0, 0.0, 0.25, 0.125],
         metadata={"help": "Fraction of the pool dropped after each task; last repeats."},
     )
-    compress_rule: str = field(default="contribution", metadata={"help": "'index', 'importance' or 'contribution'."})
+    compress_rule: str = field(
+        default="contribution", metadata={"help": "'index', 'importance', 'contribution' or 'contribution_max'."}
+    )
     top_k: int = field(default=_DEFAULT_TOP_K, metadata={"help": "Ranks selected per sample."})
     alpha: float = field(default=64.0, metadata={"help": "Pool output scale numerator (scale alpha / top_k)."})
     shared_r: int = field(default=0, metadata={"help": "Rank of the always-on shared LoRA (0: none)."})

@@ -267,6 +267,7 @@ def integrate_over_tasks(
     mask: Optional[torch.Tensor] = None,
     generator: Optional[torch.Generator] = None,
     measure: bool = True,
+    route_current_by_input: bool = True,
 ) -> IntegrateResult:
     """Distill the uncompressed pool into the compressed one with every batch routed as one stored task.
 
@@ -276,7 +277,8 @@ def integrate_over_tasks(
     student learns to reproduce every task's routing of the pool from the current task's inputs alone, and the
     tasks it reproduces worst are drawn most. Routed as an old task, the student can only change the shared LoRA
     (old static ranks stay frozen; the new ranks are excluded by prototype routing): it learns to make up for what
-    compression removed from the old tasks.
+    compression removed from the old tasks. The current task (the last stored prototype; the batches are its data)
+    is routed as at inference, each sample by its own query (``route_current_by_input``).
 
     Args:
         model: The compressed model, the current task's prototype already stored.
@@ -292,6 +294,10 @@ def integrate_over_tasks(
         generator: Random generator for the task draws (reproducible runs).
         measure: Measure the mean distillation loss before and after (two evaluation passes, the teacher's outputs
             for them kept for the steps that draw the same pair); off: ``None``.
+        route_current_by_input: When the draw is the current task (the last stored prototype, whose data the
+            batches are), route teacher and student by the samples' own queries, as the task is routed at inference;
+            off (the public code): by the prototype, which can select none of the task's own ranks (see
+            :func:`~.scoring.contribution_scores`), so the teacher itself would not show what the task learnt.
 
     Returns:
         Distillation loss before and after over the batches (batch ``i`` routed as task ``i mod T``), the steps, how
@@ -308,19 +314,25 @@ def integrate_over_tasks(
     # outputs over the vocabulary for every pair would not fit).
     kept: dict[tuple[int, int], torch.Tensor] = {}
 
+    def routing(task: int) -> Any:
+        own = route_current_by_input and task == n_tasks - 1
+        return nullcontext() if own else routed_as(model, protos[task])
+
     @torch.no_grad()
     def teacher_on(index: int, task: int) -> torch.Tensor:
         if (index, task) in kept:
             return kept[(index, task)]
-        with evaluating(model), teacher.active(), routed_as(model, protos[task]):
+        with evaluating(model), teacher.active(), routing(task):
             return model_output(forward(model, batches[index])).detach()
 
     # fixed (batch, task) pairs for the before/after figures: every batch once, tasks in turn
     items = []
     if measure:
         for i, batch in enumerate(batches):
-            kept[(i, i % n_tasks)] = teacher_on(i, i % n_tasks)
-            items.append((batch, kept[(i, i % n_tasks)], protos[i % n_tasks]))
+            task = i % n_tasks
+            kept[(i, task)] = teacher_on(i, task)
+            own = route_current_by_input and task == n_tasks - 1
+            items.append((batch, kept[(i, task)], None if own else protos[task]))
 
     def mean_loss() -> Optional[float]:
         return _mean_distill_loss(model, forward, items, mask, temperature, top_logits) if measure else None
@@ -338,7 +350,7 @@ def integrate_over_tasks(
                         broadcast_([draw])  # one draw for all processes (their generators may differ)
                         task = int(draw)
                         target = teacher_on(index, task)
-                        with routed_as(model, protos[task]):
+                        with routing(task):
                             loss = _masked_distill(forward(model, batch), target, mask, temperature, top_logits)
                             _step(model, optimizer, loss)
                         last = loss.detach().double().reshape(1)

@@ -31,7 +31,7 @@ from torch import nn
 from ...distributed import broadcast_, gathered_parameters, reject_zero3
 from .._cycle import resolve_cycle_adapter
 from ..adapter_tuner import AdapterTuner
-from .config import PCLRConfig, PCLRCycleConfig
+from .config import MEASURED_RULES, PCLRConfig, PCLRCycleConfig
 from .distill import IntegrateResult, integrate, integrate_over_tasks, teacher_outputs
 from .keys import pull_keys_to_prototypes, query_prototype
 from .layer import N_NEW, N_STATIC, TASK, Linear, PCLRLayer
@@ -335,8 +335,10 @@ class PCLRModel(AdapterTuner):
         adapter = self._resolve_adapter(adapter_name)
         self._reject_zero3(adapter, "end_task")
         config = self.peft_config[adapter]
-        if config.compress_rule == "contribution" and not batches:
-            raise ValueError("compress_rule='contribution' measures the ranks on the task's data: pass `batches`")
+        if config.compress_rule in MEASURED_RULES and not batches:
+            raise ValueError(
+                f"compress_rule={config.compress_rule!r} measures the ranks on the task's data: pass `batches`"
+            )
         groups = group_layers(self, adapter)
         current = self.finished_tasks(adapter)
         if task_id != current:
@@ -378,8 +380,10 @@ class PCLRModel(AdapterTuner):
         if integrating:
             teacher = PoolSnapshot(self, adapter) if by_tasks else teacher_outputs(self, batches, forward)
         scores = None
-        if self.peft_config[adapter].compress_rule == "contribution":
-            scores = contribution_scores(self, batches, adapter, forward)
+        rule = self.peft_config[adapter].compress_rule
+        if rule in MEASURED_RULES:
+            aggregate = "max" if rule == "contribution_max" else "sum"
+            scores = contribution_scores(self, batches, adapter, forward, aggregate=aggregate)
         compress(self, n_drop, adapter=adapter, scores=scores)
         if not integrating:
             return None

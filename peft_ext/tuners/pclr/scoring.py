@@ -9,13 +9,14 @@ least to the outputs, measured on the task's data routed as each stored task (:f
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from ...distributed import all_reduce_
-from .config import COMPRESS_RULES, PCLRConfig
+from .config import COMPRESS_RULES, MEASURED_RULES, PCLRConfig
 from .distill import default_forward, evaluating
 from .keys import routed_as
 from .layer import PCLRLayer
@@ -48,10 +49,18 @@ def contribution_scores(
     batches: Sequence[Batch],
     adapter: str = "default",
     forward: Optional[Callable[[nn.Module, Batch], Any]] = None,
+    route_current_by_input: bool = True,
+    aggregate: str = "sum",
 ) -> dict[str, torch.Tensor]:
     """Measured contribution of every active rank, per layer group: the ``"contribution"`` compression rule.
 
-    For each stored task ``t`` the batches are routed as ``t`` (:func:`routed_as`), and rank ``i`` scores
+    ``batches`` are the current task's data and the last stored prototype is the current task's (``end_task``
+    stores it first). For the current task the batches are routed as they really are, each sample by its own query
+    (``route_current_by_input``); for every older task ``t`` they are routed as ``t`` (:func:`routed_as`, its
+    prototype as every sample's query: the old tasks' data is gone). Routing the current task by its prototype
+    instead (``route_current_by_input=False``, the rule before) can select none of the task's own ranks: the mean
+    query sits closer to static keys pulled toward the mean of the prototypes than to the new keys trained on the
+    individual queries, so the new ranks scored 0 and were the first dropped (docs/pclr.md). Rank ``i`` scores
     ``sum over samples of gate_i * mean over tokens |a_i . x| * ||b_i||`` summed over the group's linears: the size
     of what it adds to the outputs when it is used. Each task's scores are normalized to sum to one before they are
     added, so every task has the same say whatever its magnitudes (``||a_i|| ||b_i||`` alone is not comparable across
@@ -63,12 +72,17 @@ def contribution_scores(
         batches: Input batches (the current task's data).
         adapter: The adapter.
         forward: ``forward(model, batch) -> output``; default ``model(**batch without labels)``.
+        route_current_by_input: Route the batches by their own queries for the last stored (the current) task.
+        aggregate: ``"sum"``: a rank's score is the sum of its normalized shares over the tasks (the
+            ``"contribution"`` rule); ``"max"``: its largest share of any one task (``"contribution_max"``).
 
     Returns:
         ``{group: (active ranks,) scores}``, static ranks first.
     """
     if not batches:
         raise ValueError("`batches` is empty; the contribution rule measures the ranks on data")
+    if aggregate not in ("sum", "max"):
+        raise ValueError(f"`aggregate` must be 'sum' or 'max', got {aggregate!r}")
     forward = forward or default_forward
     groups = group_layers(model, adapter)
     totals = {group: torch.zeros(sum(layers[0].counts(adapter)[:2])) for group, layers in groups.items()}
@@ -89,16 +103,19 @@ def contribution_scores(
     state.recorder = record
     try:
         with evaluating(model):
-            for proto in protos:
+            for task, proto in enumerate(protos):
                 for group in totals:
                     current[group] = torch.zeros_like(totals[group])
-                with routed_as(model, proto):
+                own = route_current_by_input and task == protos.shape[0] - 1
+                with nullcontext() if own else routed_as(model, proto):
                     for batch in batches:
                         forward(model, batch)
                 # under torch.distributed: the contributions on every process's data
                 all_reduce_(list(current.values()))
                 for group, value in current.items():
-                    totals[group] += value / value.sum().clamp_min(1e-30)
+                    share = value / value.sum().clamp_min(1e-30)
+                    combine = torch.add if aggregate == "sum" else torch.maximum
+                    totals[group] = combine(totals[group], share)
     finally:
         state.recorder = None
     return totals
@@ -180,7 +197,7 @@ def compress(
             dropped[group] = []
             continue
         group_scores = None
-        if rule == "contribution" and scores is not None:
+        if rule in MEASURED_RULES and scores is not None:
             if group not in scores or scores[group].numel() < n_active:
                 raise ValueError(f"`scores` has no score for each of the {n_active} active ranks of group {group!r}")
             group_scores = scores[group][:n_active]
