@@ -76,7 +76,7 @@ METHODS: dict[str, dict[str, Any]] = {
     "splitlora": {"lr": 5e-3, "adapter": {"r": 10, "target_modules": TARGET_MODULES}},
     "joint": {"lr": 1e-3, "adapter": LORA},
 }
-# PCLR (issue 6): a pool capped at 32 ranks per linear, 16 new ranks per task, top-16 routing, half the pool dropped
+# PCLR variants (issue 6): pool capped at 32 ranks per linear, 16 new ranks per task, top-16, half the pool dropped
 # after every task but the first (so the pool is at its cap while each task trains), a rank-4 shared LoRA, the
 # learning rate of benchmarks/pclr.py. Variants differ in the compression rule and the integration only (the base
 # entry uses the public code's task-routed integration; ``_input`` routes each sample by its own query, the ``pclr``
@@ -98,7 +98,15 @@ def _pclr(compress_rule: str, **cycle: Any) -> dict[str, Any]:
     return {"lr": 2e-3, "cycle": {"integrate_routing": "tasks", **cycle}, "adapter": adapter}
 
 
+# The PCLR entry of the default run (issue 18, benchmarks/pclr_ablation.py, docs/pclr.md): the library's default
+# schedule shape at a size that fits, i.e. a pool capped at 64, 16 new ranks per task, no compression while the pool
+# has room (tasks 1-3), then 25 % and 12.5 % (and whatever the next task's ranks need), the measured-contribution rule.
+PCLR_PAPER_SHAPE = {"pool_size": 64, "compress_schedule": [0.0, 0.0, 0.0, 0.25, 0.125]}
 PCLR_VARIANTS: dict[str, dict[str, Any]] = {
+    "pclr": {
+        **_pclr("contribution"),
+        "adapter": {**PCLR_ADAPTER, **PCLR_PAPER_SHAPE, "compress_rule": "contribution"},
+    },
     "pclr_index": _pclr("index"),
     "pclr_importance": _pclr("importance"),
     "pclr_contribution": _pclr("contribution"),
@@ -109,7 +117,7 @@ METHODS.update(PCLR_VARIANTS)
 #: the registered method each entry runs (the PCLR variants are option sets of ``pclr``)
 METHOD_OF = {name: ("pclr" if name in PCLR_VARIANTS else name) for name in METHODS}
 #: the default selection: the SplitLoRA comparison and the PCLR entry the README quotes
-DEFAULT_METHODS = ["seq_lora", "inflora", "olora", "osf", "splitlora", "pclr_contribution", "joint"]
+DEFAULT_METHODS = ["seq_lora", "inflora", "olora", "osf", "splitlora", "pclr", "joint"]
 #: ``--quick``: every code path at toy size (2 tasks x 2 classes, 2 test seeds so intervals exist)
 QUICK = {
     "tasks": 2,

@@ -30,7 +30,7 @@ def test_quickstart_values(data):
     assert [m.name for m in cfg.methods] == every
     assert cfg.methods[1].options.adapter.r == 8 and cfg.methods[1].options.lr == pytest.approx(1e-3)
     pclr = cfg.methods[6].options
-    assert (pclr.adapter.pool_size, pclr.adapter.top_k, pclr.adapter.shared_r) == (32, 16, 4)
+    assert (pclr.adapter.pool_size, pclr.adapter.top_k, pclr.adapter.shared_r) == (64, 16, 4)
     assert pclr.adapter.modules_to_save is None  # the method sets the head when it builds the model
     assert cfg.data.n_tasks == 5 and cfg.data.classes_per_task == 4
 
