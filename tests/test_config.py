@@ -120,7 +120,7 @@ def test_flat_adapter_keys_still_load_with_a_warning_that_shows_the_new_form(dat
     pclr = data["methods"][6]
     nested = config_from_dict(copy.deepcopy(data)).methods[6].options.adapter
     pclr.update(pclr.pop("adapter"))  # the old layout: adapter fields beside the method's own
-    with pytest.warns(DeprecationWarning, match=r"`methods\[6\].pool_size` .* write `adapter: \{pool_size: 32, "):
+    with pytest.warns(DeprecationWarning, match=r"`methods\[6\].pool_size` .* write `adapter: \{pool_size: 64, "):
         flat = config_from_dict(data).methods[6].options.adapter
     assert flat == nested
     lora = {"name": "seq_lora", "r": 4, "alpha": 32.0, "dropout": 0.1}  # renamed: lora_alpha, lora_dropout
