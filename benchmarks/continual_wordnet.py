@@ -52,7 +52,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tuning.py sits next 
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
-from tuning import Protocol, Study, log_grid, mean_sd, paired_interval, tune_and_test  # noqa: E402
+from tuning import (  # noqa: E402
+    Protocol,
+    Study,
+    log_grid,
+    mean_sd,
+    paired_interval,
+    tune_and_test,
+    write_json_atomic,
+)
 
 from peft_ext.continual import TrainConfig, get_continual_method, run_sequence  # noqa: E402
 from peft_ext.continual.config import ConfigError, build_section  # noqa: E402
@@ -243,10 +251,7 @@ def load_checkpoint(path: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def save_checkpoint(path: Path, record: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    os.replace(tmp, path)  # atomic: a run killed mid-write leaves the previous checkpoint intact
+    write_json_atomic(path, record)  # a run killed mid-write leaves the previous checkpoint intact
 
 
 class Runs:

@@ -56,7 +56,7 @@ from dct_energy import (
     wordnet_all_classes,
 )
 from torch import nn
-from tuning import Protocol, RunCache, Study, log_grid, tune_and_test
+from tuning import Protocol, RunCache, Study, log_grid, plot_lr_panels, tune_and_test
 
 from peft_ext.continual import TrainConfig, run_sequence
 from peft_ext.continual.methods_optim import MAX_SHAPE, FullFineTune, is_projected, named_trainable
@@ -444,6 +444,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="smoke run of every code path, about a minute")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure to this JSON file")
     parser.add_argument(
+        "--png", type=Path, default=None, help="table 3: validation accuracy vs learning rate, one panel per rank"
+    )
+    parser.add_argument(
         "--runs", type=Path, default=None, help="table 3: save every finished run here, reuse the ones already saved"
     )
     args = parser.parse_args(argv)
@@ -520,6 +523,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "projected updates, 1 for channel-wise ones)"
         )
         tables.append(f"{title}\n\n{text}")
+        if args.png is not None:
+            args.png.parent.mkdir(parents=True, exist_ok=True)
+            panels = {
+                f"rank {r} (every optimizer's grid, seed 0 validation)": sub_study(
+                    study, [m for m in specs if specs[m].get("rank") in (None, r)]
+                )
+                for r in args.ranks
+            }
+            print(f"[table 3] figure: {plot_lr_panels(panels, str(args.png))}", flush=True)
     if 4 in args.tables:
         print("[table 4] column_bias_correction ablation", flush=True)
         text, results["column_bias"] = table_column_bias([1e-3, 3e-3, 1e-2], [16, 64])

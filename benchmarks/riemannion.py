@@ -58,7 +58,6 @@ import argparse
 import json
 import math
 import multiprocessing
-import os
 import platform
 import random
 import statistics
@@ -79,7 +78,7 @@ from peft_ext.data.wordnet import class_counts, wordnet_task_sequence
 from peft_ext.models import load_text_classifier
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tuning import Protocol, Study, log_grid, paired_interval, tune_and_test  # noqa: E402
+from tuning import Protocol, Study, log_grid, paired_interval, tune_and_test, write_json_atomic  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURE = ROOT / "docs" / "figures" / "riemannion_lr.png"
@@ -286,10 +285,7 @@ class Runner:
         """Record a finished run (and save every run so far, atomically, when ``--runs`` is set)."""
         self.runs[key] = run
         if self.store is not None:
-            self.store.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.store.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"settings": self.settings(), "runs": list(self.runs.values())}, indent=1))
-            os.replace(tmp, self.store)
+            write_json_atomic(self.store, {"settings": self.settings(), "runs": list(self.runs.values())})
 
     def score(self, label: str, lr: float, seed: int, split: str) -> tuple[float, dict[str, Any]]:
         """``tuning.tune_and_test``'s score: accuracy of the run on ``split`` (training it if not yet trained)."""

@@ -97,11 +97,15 @@ ENTRIES: tuple[Entry, ...] = (
             "runs/benchmarks/dct_vs_galore.json",
             "--runs",
             "runs/benchmarks/dct_vs_galore-runs.json",
+            "--png",
+            "docs/figures/dct_vs_galore_lr.png",
         ),
         145,
         "Refresh time of every basis at 1024 and 4096, captured gradient energy of every basis on real MiniLM-L6 "
         "gradients, full fine-tuning of MiniLM-L6 on WordNet at ranks 8 and 64 with each optimizer's lr chosen on "
-        "validation (3-point grid) and 3 test seeds (90 runs of about 90 s; `--ranks 8` halves it), step time.",
+        "validation (3-point grid) and 3 test seeds (90 runs of about 90 s; `--ranks 8` halves it), step time; the "
+        "figure is validation accuracy vs learning rate per rank (seed 0).",
+        "figures/dct_vs_galore_lr.png",
     ),
     Entry(
         "fsdp_state",

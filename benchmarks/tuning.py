@@ -198,11 +198,20 @@ class Study:
 
     def plot_lr_curves(self, path: str, title: str = "") -> str:
         """Validation accuracy against learning rate, one curve per method with a ± sd band (over tune seeds)."""
-        from matplotlib.figure import Figure
+        return plot_lr_panels({title: self}, path)
 
-        fig = Figure(figsize=(6.4, 4.2))
-        ax = fig.add_subplot()
-        for method, grid in self.validation.items():
+
+def plot_lr_panels(panels: dict[str, Study], path: str, width: float = 6.4) -> str:
+    """One axes per study side by side (``{panel title: study}``), each as :meth:`Study.plot_lr_curves` draws it.
+
+    The band is ± one sd over the tune seeds; with a single tune seed there is no band (the markers are the runs).
+    """
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width * len(panels), 4.2))
+    for i, (title, study) in enumerate(panels.items()):
+        ax = fig.add_subplot(1, len(panels), i + 1)
+        for method, grid in study.validation.items():
             lrs = sorted(grid)
             means = [100 * statistics.mean(grid[lr]) for lr in lrs]
             sds = [100 * statistics.stdev(grid[lr]) if len(grid[lr]) > 1 else 0.0 for lr in lrs]
@@ -218,8 +227,8 @@ class Study:
         ax.legend(fontsize=7)
         if title:
             ax.set_title(title, fontsize=9)
-        fig.savefig(path, dpi=110, bbox_inches="tight")
-        return path
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return path
 
 
 def tune_and_test(
@@ -260,6 +269,16 @@ def tune_and_test(
         study.test[method] = [v for v, _ in runs]
         study.extras[method] = [e for _, e in runs]
     return study
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` through a temporary file and a rename: a job killed mid-write leaves the
+    previous file intact (every benchmark's record of finished runs is saved this way)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
 
 
 class RunCache:
@@ -316,12 +335,8 @@ class RunCache:
     def put(self, key: tuple[Any, ...], value: Any) -> None:
         """Record a finished run and rewrite the file atomically (temporary file, then rename)."""
         self.runs[self._key(key)] = json.loads(json.dumps(value, default=str))
-        if self.path is None:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps({"settings": self.settings, "runs": self.runs}, indent=1))
-        os.replace(tmp, self.path)
+        if self.path is not None:
+            write_json_atomic(self.path, {"settings": self.settings, "runs": self.runs})
 
     def wrap(
         self, score: Callable[[str, float, int, str], float | tuple[float, dict[str, Any]]]

@@ -19,10 +19,11 @@ pytest.importorskip("apollo_torch")
 
 @pytest.mark.slow
 def test_quick_run_covers_every_optimizer_and_basis(tmp_path):
-    out = tmp_path / "dct.json"
+    out, png = tmp_path / "dct.json", tmp_path / "lr.png"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "dct_vs_galore.py"), "--quick", "--json", str(out)],
+        [sys.executable, str(ROOT / "benchmarks" / "dct_vs_galore.py"), "--quick", "--json", str(out)]
+        + ["--png", str(png)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -63,3 +64,4 @@ def test_quick_run_covers_every_optimizer_and_basis(tmp_path):
     assert any("refresh vs SVD" in t for t in targets) and any(">= APOLLO accuracy" in t for t in targets)
     assert all(t.endswith(("met", "NOT met")) for t in targets)
     assert "step_time" in results and "column_bias" in results
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the lr-robustness figure of table 3

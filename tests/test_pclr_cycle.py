@@ -24,6 +24,7 @@ from peft_ext.tuners.pclr import (
     routed_as,
     stored_adapter_parameters,
     stored_prototypes,
+    task_route,
 )
 
 from .helpers import pclr_adapter, pclr_lm_step, run_recording_state, token_sequence
@@ -113,6 +114,27 @@ def test_routed_as_gives_every_sample_the_prototype_as_query():
     with pytest.raises(ValueError, match="`prototype` has 3 entries but the query has width 64"):
         with routed_as(model, torch.ones(3)), torch.no_grad():
             _logits(model, mixed)
+
+
+def test_task_route_routes_older_tasks_by_prototype_and_the_current_one_by_input():
+    model = _model()
+    tasks = _two_tasks(model)
+    protos = stored_prototypes(model)
+    assert torch.equal(task_route(protos, 0), protos[0])
+    assert task_route(protos, 1) is None  # the last stored prototype is the current task
+    torch.testing.assert_close(task_route(protos, 1, current_by_input=False), protos[1])
+    for bad in (2, -1):
+        with pytest.raises(ValueError, match=f"task {bad} is not among the 2 stored prototype"):
+            task_route(protos, bad)
+    # routed_as(None) leaves the routing alone: the same selection as no context at all
+    state = model.base_model.routing_state
+    with torch.no_grad():
+        plain = _logits(model, tasks[1][0])
+        own = state.selections[("model.layers.0", "default")][0].clone()
+        with routed_as(model, None):
+            again = _logits(model, tasks[1][0])
+    torch.testing.assert_close(again, plain)
+    torch.testing.assert_close(state.selections[("model.layers.0", "default")][0], own)
 
 
 def test_pool_snapshot_runs_the_uncompressed_pool_and_restores_the_compressed_one():

@@ -27,7 +27,7 @@ from __future__ import annotations
 from ...registry import register_peft_type
 from .config import INTEGRATE_ROUTING, PCLRConfig, PCLRCycleConfig
 from .distill import IntegrateResult, distill_loss, integrate, integrate_over_tasks, teacher_outputs
-from .keys import pull_keys_to_prototypes, query_loss, query_prototype, routed_as
+from .keys import pull_keys_to_prototypes, query_loss, query_prototype, routed_as, task_route
 from .layer import Linear, PCLRLayer
 from .model import PCLRModel
 from .pool import PoolSnapshot, fold_new_ranks, group_layers, pool_in_use, stored_adapter_parameters, stored_prototypes
@@ -71,6 +71,7 @@ __all__ = [
     "query_loss",
     "query_prototype",
     "routed_as",
+    "task_route",
     "select_top_k",
     "stored_adapter_parameters",
     "stored_prototypes",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...distributed import all_reduce_, average_gradients, broadcast_
-from .keys import query_loss, routed_as
+from .keys import query_loss, routed_as, task_route
 from .pool import PoolSnapshot, group_layers, stored_prototypes
 
 __all__ = [
@@ -171,7 +171,7 @@ def _mean_distill_loss(
     total = 0.0
     with evaluating(model):
         for batch, target, proto in items:
-            with routed_as(model, proto) if proto is not None else nullcontext():
+            with routed_as(model, proto):
                 total += float(_masked_distill(forward(model, batch), target, mask, temperature, top_logits))
     return total / max(len(items), 1)
 
@@ -315,8 +315,7 @@ def integrate_over_tasks(
     kept: dict[tuple[int, int], torch.Tensor] = {}
 
     def routing(task: int) -> Any:
-        own = route_current_by_input and task == n_tasks - 1
-        return nullcontext() if own else routed_as(model, protos[task])
+        return routed_as(model, task_route(protos, task, route_current_by_input))
 
     @torch.no_grad()
     def teacher_on(index: int, task: int) -> torch.Tensor:
@@ -331,8 +330,7 @@ def integrate_over_tasks(
         for i, batch in enumerate(batches):
             task = i % n_tasks
             kept[(i, task)] = teacher_on(i, task)
-            own = route_current_by_input and task == n_tasks - 1
-            items.append((batch, kept[(i, task)], None if own else protos[task]))
+            items.append((batch, kept[(i, task)], task_route(protos, task, route_current_by_input)))
 
     def mean_loss() -> Optional[float]:
         return _mean_distill_loss(model, forward, items, mask, temperature, top_logits) if measure else None

@@ -15,7 +15,7 @@ from ...distributed import all_reduce_, gathered_parameters
 from .layer import N_PROTOS
 from .pool import group_layers, pclr_tuner
 
-__all__ = ["pull_keys_to_prototypes", "query_loss", "query_prototype", "routed_as"]
+__all__ = ["pull_keys_to_prototypes", "query_loss", "query_prototype", "routed_as", "task_route"]
 
 Batch = dict[str, Any]
 
@@ -56,8 +56,30 @@ def query_prototype(model: nn.Module, batches: Sequence[Batch]) -> torch.Tensor:
     return F.normalize(total, dim=0)
 
 
+def task_route(prototypes: torch.Tensor, task: int, current_by_input: bool = True) -> Optional[torch.Tensor]:
+    """How to route the samples of stored task ``task`` when measuring it: the prototype to pass to
+    :func:`routed_as`, or ``None`` (each sample by its own query) for the current task.
+
+    The current task is the last stored prototype, the one whose data is at hand. Routed through its prototype it can
+    select none of its own new ranks (the mean query of a task sits between its samples' queries, nearer the older,
+    trained keys), so with ``current_by_input`` it is routed as at inference. Older tasks' data is not at hand, so
+    the current data stands in for them, routed as them. The one rule behind
+    :func:`~.scoring.contribution_scores` and :func:`~.distill.integrate_over_tasks`.
+
+    Args:
+        prototypes: (tasks, query_dim) the stored prototypes, oldest first.
+        task: Row of ``prototypes``.
+        current_by_input: Route the current task by the samples' own queries (``False``: by its prototype).
+    """
+    if not 0 <= task < prototypes.shape[0]:
+        raise ValueError(f"task {task} is not among the {prototypes.shape[0]} stored prototype(s)")
+    if current_by_input and task == prototypes.shape[0] - 1:
+        return None
+    return prototypes[task]
+
+
 @contextmanager
-def routed_as(model: nn.Module, prototype: torch.Tensor) -> Iterator[None]:
+def routed_as(model: nn.Module, prototype: Optional[torch.Tensor]) -> Iterator[None]:
     """Route every sample as the task of ``prototype``: its (normalized) prototype replaces each sample's query.
 
     The default query still runs (for the batch size and the device), then every row is replaced, so selection and
@@ -67,8 +89,12 @@ def routed_as(model: nn.Module, prototype: torch.Tensor) -> Iterator[None]:
 
     Args:
         model: The PCLR model.
-        prototype: (query_dim,) a task prototype (e.g. a row of the stored prototypes).
+        prototype: (query_dim,) a task prototype (e.g. a row of the stored prototypes), or ``None``: leave the
+            routing alone (each sample by its own query; what :func:`task_route` returns for the current task).
     """
+    if prototype is None:
+        yield
+        return
     state = pclr_tuner(model).routing_state
     original = state.query_fn
     proto = F.normalize(prototype.detach().float().flatten(), dim=0)

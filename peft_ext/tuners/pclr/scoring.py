@@ -9,7 +9,6 @@ least to the outputs, measured on the task's data routed as each stored task (:f
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from typing import Any, Optional
 
 import torch
@@ -18,7 +17,7 @@ from torch import nn
 from ...distributed import all_reduce_
 from .config import COMPRESS_RULES, MEASURED_RULES, PCLRConfig
 from .distill import default_forward, evaluating
-from .keys import routed_as
+from .keys import routed_as, task_route
 from .layer import PCLRLayer
 from .pool import adapter_config, group_layers, pclr_tuner, stored_prototypes
 
@@ -103,11 +102,10 @@ def contribution_scores(
     state.recorder = record
     try:
         with evaluating(model):
-            for task, proto in enumerate(protos):
+            for task in range(protos.shape[0]):
                 for group in totals:
                     current[group] = torch.zeros_like(totals[group])
-                own = route_current_by_input and task == protos.shape[0] - 1
-                with nullcontext() if own else routed_as(model, proto):
+                with routed_as(model, task_route(protos, task, route_current_by_input)):
                     for batch in batches:
                         forward(model, batch)
                 # under torch.distributed: the contributions on every process's data
