@@ -11,8 +11,9 @@ from peft.utils import PeftType
 from ..adapter_config import AdapterConfig
 
 COMPRESS_RULES = ("index", "importance", "contribution", "contribution_max")
-#: The rules that measure the ranks on the task's data (``end_task`` needs ``batches``).
-MEASURED_RULES = ("contribution", "contribution_max")
+#: The rules that measure the ranks on the task's data (``end_task`` needs ``batches``), each with how
+#: :func:`~.scoring.contribution_scores` combines a rank's share over the stored tasks (``aggregate``).
+MEASURED_RULES = {"contribution": "sum", "contribution_max": "max"}
 
 #: How ``end_task`` routes the distillation data (see :mod:`peft_ext.tuners.pclr.distill`).
 INTEGRATE_ROUTING = ("input", "tasks")

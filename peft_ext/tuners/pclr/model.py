@@ -382,8 +382,7 @@ class PCLRModel(AdapterTuner):
         scores = None
         rule = self.peft_config[adapter].compress_rule
         if rule in MEASURED_RULES:
-            aggregate = "max" if rule == "contribution_max" else "sum"
-            scores = contribution_scores(self, batches, adapter, forward, aggregate=aggregate)
+            scores = contribution_scores(self, batches, adapter, forward, aggregate=MEASURED_RULES[rule])
         compress(self, n_drop, adapter=adapter, scores=scores)
         if not integrating:
             return None
