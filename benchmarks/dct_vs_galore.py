@@ -137,8 +137,17 @@ def optimizer_specs(
 #: 3.16e-3 (58.7 vs 51.8); GaLore r=64 chose 3e-4 of 3e-4 / 9.49e-4 / 3e-3 (56.3 vs 51.6). The channel-wise
 #: options' centre moved from 3.16e-4 to 1e-3 for the same reason (DCT channel r=8 62.8 and power channel r=8 57.0
 #: at the top point 1e-3). DCT-AdamW r=64 diverged at 9.49e-4, the bottom of the grid centred where r=8 chose
-#: (2.6 = chance), so its grid starts a decade lower.
-EDGE_MOVES = {"APOLLO r=8": 3.162e-3, "GaLore r=64": 3e-4, "DCT-AdamW r=64": 3e-4}
+#: (2.6 = chance), so its grid starts a decade lower. Second moves, same rule: power channel r=8 chose 3.16e-3 of
+#: 3.16e-4 / 1e-3 / 3.16e-3 (58.9 vs 57.0); power r=64 and coordinates r=64 chose 3e-4 of 3e-4 / 9.49e-4 / 3e-3
+#: (58.9 vs 48.7, 57.3 vs 51.1).
+EDGE_MOVES = {
+    "APOLLO r=8": 3.162e-3,
+    "GaLore r=64": 3e-4,
+    "DCT-AdamW r=64": 3e-4,
+    "power channel r=8": 3.162e-3,
+    "power r=64": 3e-4,
+    "coordinates r=64": 3e-4,
+}
 
 
 def build_optimizer(spec: dict[str, Any], named: list[tuple[str, nn.Parameter]], lr: float) -> torch.optim.Optimizer:
