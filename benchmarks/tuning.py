@@ -202,7 +202,8 @@ class Study:
 
 
 def plot_lr_panels(panels: dict[str, Study], path: str, width: float = 6.4) -> str:
-    """One axes per study side by side (``{panel title: study}``), each as :meth:`Study.plot_lr_curves` draws it.
+    """Validation accuracy against learning rate, one axes per study side by side (``{panel title: study}``), one
+    curve per method.
 
     The band is ± one sd over the tune seeds; with a single tune seed there is no band (the markers are the runs).
     """
