@@ -368,18 +368,39 @@ class OLoRAOptions(LoraOptions):
 
 @register_continual_method
 class OLoRAMethod(_RewrapMethod):
-    """O-LoRA: a fresh LoRA per task, kept orthogonal to earlier tasks' LoRA A by a loss term."""
+    """O-LoRA: a fresh LoRA per task, kept orthogonal to earlier tasks' LoRA A by a loss term.
+
+    Each finished task's ``A`` is recorded in ``after_task``, while its adapter is still there: ``between_tasks``
+    merges it into the backbone before the next ``before_task`` runs. The run's report gives, per task, the rows of
+    earlier ``A`` the penalty covered and the trained ``A``'s overlap ``sum |A_i A_t^T|`` with them.
+    """
 
     name = "olora"
     options_cls = OLoRAOptions
 
     def before_task(self, model: nn.Module, task_id: int, task: Task, ctx: RunContext) -> nn.Module:
-        opts = self.options
         old: dict[str, list[torch.Tensor]] = ctx.state.setdefault("olora_A", {})
+        finished = {len(mats) for mats in old.values()} or {0}
+        if finished != {task_id}:
+            raise ValueError(
+                f"O-LoRA holds the A of {sorted(finished)} finished tasks per layer but the runner starts task "
+                f"{task_id}; was a task's after_task skipped?"
+            )
+        model = self._wrap(self._fold(model), self.options.adapter_config())
+        device = next(model.parameters()).device
+        self._old = {name: torch.cat(mats).to(device) for name, mats in old.items()}
+        return model
+
+    def after_task(self, model: nn.Module, task_id: int, task: Task, ctx: RunContext) -> nn.Module:
+        old: dict[str, list[torch.Tensor]] = ctx.state.setdefault("olora_A", {})
+        overlap = 0.0
         for name, layer in self._lora_layers(model):
-            old.setdefault(name, []).append(layer.lora_A["default"].weight.detach().clone())
-        model = self._wrap(self._fold(model), opts.adapter_config())
-        self._old = {name: torch.cat(mats) for name, mats in old.items()}
+            a = layer.lora_A["default"].weight.detach()
+            if name in self._old:
+                overlap += float((self._old[name].to(a.dtype) @ a.T).abs().sum())
+            old.setdefault(name, []).append(a.cpu().clone())
+        ctx.state.setdefault("olora_old_rows", []).append(sum(m.shape[0] for m in self._old.values()))
+        ctx.state.setdefault("olora_overlap", []).append(overlap)
         return model
 
     @staticmethod
@@ -402,6 +423,12 @@ class OLoRAMethod(_RewrapMethod):
                 b = layer.lora_B["default"].weight
                 terms.append(opts.lambda_l2 * (a.square().sum() + b.square().sum()))
         return torch.stack(terms).sum() if terms else None
+
+    def report(self, ctx: RunContext) -> dict[str, Any]:
+        return {
+            "old_A_rows": list(ctx.state.get("olora_old_rows", [])),
+            "orth_overlap": list(ctx.state.get("olora_overlap", [])),
+        }
 
 
 @dataclass
