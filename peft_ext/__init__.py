@@ -22,6 +22,7 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropOptionalKernel
 
 from .checkpoint import save_pretrained_atomic, verify_checkpoint  # noqa: E402
 from .optim import DCTAdamW, Riemannion, SubspaceAdamW  # noqa: E402
+from .quantization import disable_bnb_cpu_repacking  # noqa: E402
 from .registry import register_peft_type, registered_peft_types  # noqa: E402
 from .tuners.mora import MoRAConfig  # noqa: E402
 from .tuners.pclr import PCLRConfig  # noqa: E402
@@ -39,6 +40,7 @@ __all__ = [
     "SplitLoRAConfig",
     "SubspaceAdamW",
     "__version__",
+    "disable_bnb_cpu_repacking",
     "register_peft_type",
     "registered_peft_types",
     "save_pretrained_atomic",

@@ -12,3 +12,19 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(params=[True, False], ids=["avx512bf16", "no-avx512bf16"])
+def bnb_cpu_bf16(request, monkeypatch) -> bool:
+    """Runs a test as on a CPU with AVX512-BF16 and as on one without, whatever CPU it lands on; the value says which.
+
+    bitsandbytes 0.50 reads the CPU feature once per layer, in ``Linear4bit.__init__`` (``has_avx512bf16()``, kept as
+    ``support_avx512bf16_for_cpu``), and on such a CPU repacks the weight for its fused inference kernel on the layer's
+    first eval-mode no-grad forward. Patching that detection for the layers built during the test runs both branches
+    on every machine. Only the flag is faked: the fused kernel is registered at import on AVX512-BF16 CPUs only, so
+    elsewhere a repacked weight computes wrong values through the generic kernel; either way a weight that gets
+    repacked where it must not makes the tests fail.
+    """
+    bnb = pytest.importorskip("bitsandbytes")
+    monkeypatch.setattr(bnb.nn.modules, "has_avx512bf16", lambda: request.param)
+    return request.param

@@ -63,7 +63,7 @@ CASES = {
         make_optimizer=_optimizer,
         prefix="riemannion_",
         # only the adapted layers: bitsandbytes 0.50's CPU inference repacking breaks backprop through other 4-bit
-        # layers after an eval forward (upstream; see peft_ext.tuners._common.disable_bnb_cpu_repacking)
+        # layers after an eval forward (upstream; see peft_ext.disable_bnb_cpu_repacking)
         quantize=("q_proj", "v_proj"),
         atol=1e-4,
     ),
@@ -209,9 +209,10 @@ def test_lora_and_riemannion_prefixes_do_not_collide():
     assert not find_adapters(model)
 
 
-def test_4bit_base_packed_by_an_earlier_inference_is_unpacked_and_stays_mergeable():
+def test_4bit_base_packed_by_an_earlier_inference_is_unpacked_and_stays_mergeable(bnb_cpu_bf16):
     """bitsandbytes 0.50 repacks 4-bit CPU weights on the first no-grad eval forward (AVX512-BF16 machines); the
-    repacked weight dequantizes wrongly and cannot backpropagate. Wrapping undoes and prevents that."""
+    repacked weight dequantizes wrongly and cannot backpropagate. Wrapping undoes and prevents that. Run as on a CPU
+    with and without AVX512-BF16 (the fixture), so the repacking happens on every machine in the first case."""
     pytest.importorskip("bitsandbytes")
     import bitsandbytes as bnb
     from peft.utils.integrations import dequantize_bnb_weight
@@ -228,7 +229,8 @@ def test_4bit_base_packed_by_an_earlier_inference_is_unpacked_and_stays_mergeabl
     x = torch.randn(6, 64)
     base = base4()
     with torch.no_grad():
-        base(x)  # may repack (depends on the CPU); the adapter must cope either way
+        base(x)  # repacks where bitsandbytes believes the CPU has AVX512-BF16; the adapter must cope either way
+    assert getattr(base.lin0.weight.quant_state, "packing_format_for_cpu", False) == bnb_cpu_bf16
     reference = base4()
     reference.lin0.support_avx512bf16_for_cpu = reference.lin1.support_avx512bf16_for_cpu = False
     with torch.no_grad():

@@ -19,7 +19,6 @@ from peft_ext.tuners import (
     require_positive_int,
     validate_target_selection,
 )
-from peft_ext.tuners._common import disable_bnb_cpu_repacking
 
 CONFIGS = {
     "riemannion": lambda: RiemannionConfig(r=4, target_modules=["query", "value"]),
@@ -32,13 +31,6 @@ def test_require_linear_target_names_the_module_and_its_type():
     require_linear_target(nn.Linear(3, 3), "a.b", "X")  # no error
     with pytest.raises(ValueError, match=r"X supports torch.nn.Linear .* the target 'a.emb' is a Embedding"):
         require_linear_target(nn.Embedding(4, 3), "a.emb", "X")
-
-
-def test_disable_bnb_cpu_repacking_leaves_plain_layers_alone():
-    layer = nn.Linear(3, 3)
-    before = layer.weight.detach().clone()
-    disable_bnb_cpu_repacking(layer)
-    assert torch.equal(layer.weight, before)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -29,6 +29,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ..optim import OPTIMIZERS
+from ..quantization import disable_bnb_cpu_repacking
 from ..tuners.riemannion.layer import find_adapters
 
 if TYPE_CHECKING:
@@ -59,7 +60,9 @@ def _resolve(name: str) -> type[Optimizer]:
 def optimizer_for_trainer(name: str, model: nn.Module, **kwargs: Any) -> tuple[type[Optimizer], dict[str, Any]]:
     """The ``(class, kwargs)`` pair for ``Trainer(optimizer_cls_and_kwargs=...)`` that builds optimizer ``name``.
 
-    Trainer passes the kwargs as they are (its ``learning_rate`` is not added): give ``lr`` here.
+    Trainer passes the kwargs as they are (its ``learning_rate`` is not added): give ``lr`` here. Every bitsandbytes
+    4-bit layer of ``model`` is opted out of bitsandbytes' CPU inference repacking
+    (:func:`peft_ext.disable_bnb_cpu_repacking`), so training after an evaluation gets correct gradients.
 
     Args:
         name: ``"riemannion"``, ``"riemannlora"`` or ``"dct_adamw"`` (the keys of :data:`peft_ext.optim.OPTIMIZERS`).
@@ -87,11 +90,20 @@ def optimizer_for_trainer(name: str, model: nn.Module, **kwargs: Any) -> tuple[t
                 f"{cls.__name__} needs a model with trainable Riemannion adapters; build it with "
                 "get_peft_model(model, RiemannionConfig(...)) before the Trainer"
             )
-        return cls, {**kwargs, "model": model}
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if not params:
-        raise ValueError(f"{cls.__name__}: the model has no trainable parameters")
-    return cls, {**kwargs, "params": params}
+        source = {"model": model}
+    else:
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not params:
+            raise ValueError(f"{cls.__name__}: the model has no trainable parameters")
+        source = {"params": params}
+    # Why here: this is where peft-ext learns that `model` will be trained, and Trainer evaluates under no_grad in eval
+    # mode between training steps (eval loop, generate() in callbacks). On an AVX512-BF16 CPU bitsandbytes then
+    # repacks each 4-bit layer for inference and keeps it so; every later backward loses the gradient through those
+    # layers, for PEFT's own adapters too. Opting out changes no training computation (a training forward never runs
+    # the repacked kernel); eval forwards run the same standard path as training. The optimizer's constructor cannot
+    # do it: it sees parameters, not modules. After the checks above, so a refused model is left as it was.
+    disable_bnb_cpu_repacking(model)
+    return cls, {**kwargs, **source}
 
 
 def _coerce(key: str, text: str) -> Any:

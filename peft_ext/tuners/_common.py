@@ -1,5 +1,5 @@
-"""Pieces every peft-ext tuner shares: which base layers a linear adapter can wrap, bitsandbytes' CPU 4-bit layout,
-and routing PEFT's ``adapter_names`` (mixed-adapter batches) to the adapter layers."""
+"""Pieces every peft-ext tuner shares: which base layers a linear adapter can wrap, and routing PEFT's
+``adapter_names`` (mixed-adapter batches) to the adapter layers."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ if TYPE_CHECKING:  # adapter_layer imports this module
 
 __all__ = [
     "check_adapter_names_args",
-    "disable_bnb_cpu_repacking",
     "forward_adapter_names",
     "merge_deltas",
     "require_linear_target",
@@ -28,29 +27,6 @@ __all__ = [
     "unmerge_deltas",
     "validate_target_selection",
 ]
-
-
-def disable_bnb_cpu_repacking(base_layer: nn.Module) -> None:
-    """Keep a bitsandbytes ``Linear4bit`` base layer in its standard weight layout on CPU.
-
-    bitsandbytes 0.50 repacks a 4-bit weight for its AVX512-BF16 CPU kernel on the first no-grad eval forward. The
-    repacked weight silently dequantizes to wrong values (merging would corrupt the base weight), its kernel has no
-    autograd support (training after an evaluation fails or gets wrong input gradients), and packing is lossy when
-    repeated. So a wrapped layer opts out of it, and a weight packed before wrapping is unpacked the way
-    bitsandbytes itself does before saving (``Linear4bit._save_to_state_dict``). CPU inference through the adapter
-    layer then uses bitsandbytes' generic 4-bit path. Layers that are not bitsandbytes 4-bit are left alone.
-
-    Args:
-        base_layer: The (possibly quantized) layer an adapter wraps.
-    """
-    if getattr(base_layer, "support_avx512bf16_for_cpu", False):
-        base_layer.support_avx512bf16_for_cpu = False
-    weight = getattr(base_layer, "weight", None)
-    state = getattr(weight, "quant_state", None)
-    if state is not None and getattr(state, "packing_format_for_cpu", False):
-        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
-
-        weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, state)
 
 
 def require_linear_target(target: nn.Module, current_key: str, method: str) -> None:

@@ -58,7 +58,8 @@ from peft.utils import quantization_extra_repr, resolve_quantization_backend
 from torch import nn
 
 from ..precision import SUPPORTED_DTYPES, check_dtypes
-from ._common import check_adapter_names_args, disable_bnb_cpu_repacking, merge_deltas, unmerge_deltas
+from ..quantization import disable_bnb_cpu_repacking
+from ._common import check_adapter_names_args, merge_deltas, unmerge_deltas
 
 __all__ = ["AdapterLayer", "AdapterLinear", "delta_matmul"]
 
