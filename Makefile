@@ -11,7 +11,7 @@ CONFIG ?= configs/quickstart.yaml
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: run test lint install benchmarks clean
+.PHONY: run test lint install benchmarks clean golden readme-table
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,15 @@ test: $(STAMP)
 # Every benchmark at a 2-core size, then docs/benchmarks.md (about 45 minutes; BENCH_ARGS="--reuse" continues).
 benchmarks: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) benchmarks/run_all.py $(BENCH_ARGS)
+
+# Rewrite tests/golden/runs.json (the golden runs tests/test_golden.py compares with); then a CHANGELOG line saying why.
+golden: $(STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m tests.golden --update
+
+# After `make run`: keep its results as docs/results/quickstart.json and regenerate the tables built from it.
+readme-table: $(STAMP)
+	cp runs/quickstart/results.json docs/results/quickstart.json
+	$(VENV)/bin/peft-ext table --into README.md docs/benchmarks.md
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check peft_ext tests benchmarks

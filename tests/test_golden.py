@@ -1,0 +1,71 @@
+"""Golden runs (:mod:`tests.golden`): a miniature of every shipped job must reproduce the committed results.
+
+Tolerances: the mean training loss of every task to a relative 2e-5, and each accuracy to one test example. On one
+thread against two, the losses of these runs differ by at most 3e-8 relative (reductions split differently), so
+another CPU's or thread count's rounding stays far inside; a changed mechanism does not (without its penalty,
+O-LoRA's task-1 loss drops from 1.04 to 0.72). When a change of results is intended: ``make golden``, and a line in
+CHANGELOG.md saying why.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from .golden import GOLDEN, SHRINK, run_all
+
+LOSS_RTOL = 2e-5
+
+
+def _differences(golden: dict, runs: dict) -> list[str]:
+    problems = []
+    for case, methods in golden.items():
+        data = SHRINK[case]["data"]
+        one_example = 1 / (data["classes_per_task"] * data["test_per_class"])
+        got = runs.get(case, {})
+        if sorted(got) != sorted(methods):
+            problems.append(f"{case}: methods {sorted(got)} != golden {sorted(methods)}")
+            continue
+        for label, want in methods.items():
+            have = got[label]
+            losses = zip(have["task_losses"], want["task_losses"])
+            if len(have["task_losses"]) != len(want["task_losses"]) or any(
+                abs(h - w) > LOSS_RTOL * abs(w) for h, w in losses
+            ):
+                problems.append(f"{case}/{label}: task losses {have['task_losses']} != golden {want['task_losses']}")
+            for i, (row_h, row_w) in enumerate(zip(have["accuracy_matrix"], want["accuracy_matrix"])):
+                for j, (h, w) in enumerate(zip(row_h, row_w)):
+                    if (h is None) != (w is None) or (h is not None and abs(h - w) > one_example + 1e-9):
+                        problems.append(f"{case}/{label}: R[{i}][{j}] = {h} != golden {w}")
+    return problems
+
+
+def test_every_shipped_job_in_miniature_reproduces_the_golden_runs(tmp_path):
+    golden = json.loads(GOLDEN.read_text())
+    assert sorted(golden) == sorted(SHRINK), "a case was added or removed: run `make golden`"
+    problems = _differences(golden, run_all(tmp_path))
+    assert not problems, "results changed (if intended: `make golden` and a CHANGELOG line):\n" + "\n".join(problems)
+
+
+def test_the_comparison_catches_a_moved_loss_and_a_moved_accuracy():
+    golden = {"quickstart": {"m": {"task_losses": [1.0, 2.0], "accuracy_matrix": [[0.5, None], [0.25, 0.75]]}}}
+    same = json.loads(json.dumps(golden))
+    same["quickstart"]["m"]["task_losses"][1] *= 1 + 0.5 * LOSS_RTOL
+    assert _differences(golden, same) == []
+    moved = json.loads(json.dumps(golden))
+    moved["quickstart"]["m"]["task_losses"][1] *= 1 + 2 * LOSS_RTOL
+    moved["quickstart"]["m"]["accuracy_matrix"][1][0] = 0.5
+    problems = _differences(golden, moved)
+    assert len(problems) == 2 and "task losses" in problems[0] and "R[1][0]" in problems[1]
+
+
+@pytest.mark.parametrize("case", sorted(SHRINK))
+def test_every_method_of_the_shipped_config_is_in_the_golden_file(case):
+    import yaml
+
+    from .golden import ROOT
+
+    shipped = yaml.safe_load((ROOT / "configs" / f"{case}.yaml").read_text())["methods"]
+    labels = sorted(m.get("label") or m["name"] for m in shipped)
+    assert sorted(json.loads(GOLDEN.read_text())[case]) == labels
