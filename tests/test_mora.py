@@ -1,5 +1,6 @@
 """The MoRA adapter type: PEFT's tuner contract on a tiny CLIP, plus what is specific to MoRA (METHODS.md section 4):
-the Gram coupling across towers, the exact identity at init, one-tower forwards and the tie kept through save/load."""
+the Gram coupling across towers, the exact identity at init (in every dtype), one-tower forwards and the tie kept
+through save/load."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from torch import nn
 import peft_ext
 from peft_ext import MoRAConfig
 from peft_ext.models import tiny_clip
-from peft_ext.tuners.mora import MORA, Linear, MoRAModel, plan_targets, row_norm
+from peft_ext.tuners.mora import MORA, Linear, MoRAModel, magnitude_scale, plan_targets, row_norm
 
 from .tuner_contract import CONTRACT_CHECKS, TunerCase
 
@@ -208,6 +209,58 @@ def test_identity_at_init_is_exact_and_magnitudes_sum_to_the_weight_norm():
             )
             total = module.mora_mag_shared["default"] + module.mora_mag_specific["default"]
             torch.testing.assert_close(total, row_norm(module.get_base_weight()))
+
+
+def _tower_outputs(model: nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    with torch.no_grad():
+        out = model(**inputs)
+    return {
+        f"{tower}.{key}": getattr(out, f"{tower}_model_output")[key]
+        for tower in ("text", "vision")
+        for key in ("last_hidden_state", "pooler_output")
+    } | {"logits_per_image": out.logits_per_image}
+
+
+def _base_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        name.replace(".base_layer", ""): p.detach().clone()
+        for name, p in model.named_parameters()
+        if "mora_" not in name
+    }
+
+
+@pytest.mark.parametrize("autocast", [True, False], ids=["autocast", "no_autocast"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_identity_at_init_is_exact_in_half_precision(dtype, autocast):
+    """Both towers' outputs of a half-precision CLIP are bit-identical to the base model's at init, with PEFT's
+    autocast_adapter_dtype either way; merging at init leaves every base weight bit-identical, and so does unmerging.
+    (A bfloat16 m_sp = ||W|| rounded to the base dtype used to make s_sp = 1 +- 2^-9: outputs moved by up to 0.03.)"""
+    base = _clip().to(dtype)
+    inputs = _inputs()
+    inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+    expected, weights = _tower_outputs(base, inputs), _base_weights(base)
+    model = get_peft_model(copy.deepcopy(base), MoRAConfig(r=4), autocast_adapter_dtype=autocast).eval()
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    want = torch.float32 if autocast else dtype
+    assert {m.mora_mag_specific["default"].dtype for m in layers} == {want}
+    for key, value in _tower_outputs(model, inputs).items():
+        assert torch.equal(value, expected[key]), f"{key} moved at init by {(value - expected[key]).abs().max()}"
+    for module in layers:
+        assert not module.get_delta_weight("default").any()
+    for action in (model.merge_adapter, model.unmerge_adapter):
+        action()
+        after = _base_weights(model.base_model.model)
+        assert all(torch.equal(after[name], value) for name, value in weights.items()), action.__name__
+        for key, value in _tower_outputs(model, inputs).items():
+            assert torch.equal(value, expected[key]), f"{key} after {action.__name__}"
+
+
+def test_half_magnitudes_divide_the_norm_at_their_precision():
+    norm = torch.tensor([1.0 + 2**-10, 3.0, 0.0])
+    # bfloat16 rounds 1 + 2^-10 to 1: the ratio is exactly 1, not 1 - 2^-10; an all-zero row stays at scale 0
+    assert torch.equal(magnitude_scale(norm.bfloat16(), norm), torch.tensor([1.0, 1.0, 0.0]))
+    magnitude = torch.tensor([2.0, 1.5, 0.0])
+    assert torch.equal(magnitude_scale(magnitude, norm), torch.tensor([2.0 / (1.0 + 2**-10), 0.5, 0.0]))
 
 
 def _shared_grads(model: PeftModel, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ...registry import register_peft_type
 from .config import MoRAConfig
-from .layer import Linear, MoRALayer, SharedFactors, row_norm
+from .layer import Linear, MoRALayer, SharedFactors, magnitude_scale, row_norm
 from .model import MoRAModel, MoRATarget, plan_targets
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "MoRAModel",
     "MoRATarget",
     "SharedFactors",
+    "magnitude_scale",
     "plan_targets",
     "row_norm",
 ]

@@ -11,7 +11,10 @@ The composed weight (METHODS.md section 4) is::
 
 and the layer adds ``x (W' - W)^T`` to the base output. Writing the adapter as the delta ``W' - W`` (rather than
 replacing the base forward) keeps the base path untouched, so the identity at init is exact (``W' - W`` is exactly
-zero when ``m_sh = 0``, ``m_sp = ||W||`` and ``M_B = 0``) and quantized bases need no special forward.
+zero when ``m_sh = 0``, ``m_sp = ||W||`` and ``M_B = 0``) and quantized bases need no special forward. Exact in every
+dtype: the magnitudes are never rounded on their way to the base's device (PEFT's move would round ``m_sp`` to a
+bfloat16 base's dtype, so ``s_sp`` would be that rounding's ratio, not 1), and a half-precision magnitude
+(``autocast_adapter_dtype=False``) divides the norm rounded to its own dtype (:func:`magnitude_scale`).
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ from peft.tuners.tuners_utils import check_adapters_to_merge
 from torch import nn
 
 from ...distributed import sharding_of
+from ...precision import is_half
 from ..adapter_layer import AdapterLayer, AdapterLinear
 from .config import MoRAConfig
 
-__all__ = ["MODALITIES", "Linear", "MoRALayer", "SharedFactors", "refuse_shards", "row_norm"]
+__all__ = ["MODALITIES", "Linear", "MoRALayer", "SharedFactors", "magnitude_scale", "refuse_shards", "row_norm"]
 
 MODALITIES = ("text", "vision")
+MAGNITUDES = ("mora_mag_shared", "mora_mag_specific")
 
 
 def refuse_shards(named: Iterable[tuple[str, torch.Tensor]], action: str, fix: str) -> None:
@@ -58,6 +63,28 @@ def refuse_shards(named: Iterable[tuple[str, torch.Tensor]], action: str, fix: s
 def row_norm(weight: torch.Tensor) -> torch.Tensor:
     """L2 norm of each output unit's weight vector (``weight`` is ``out x in``): DoRA's magnitude convention."""
     return torch.linalg.vector_norm(weight, dim=1)
+
+
+def magnitude_scale(magnitude: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+    """The row scale ``s = m / ||W + a dW||_row``, with the norm rounded to the magnitude's dtype when that is half.
+
+    A bfloat16 / float16 magnitude (``autocast_adapter_dtype=False``) starts as ``||W||`` rounded to its dtype;
+    dividing by the float32 norm would make ``s_sp`` that rounding's ratio (``1 +- 2^-9`` in bfloat16) instead of 1,
+    moving every output at init. Rounded the same way, the ratio is exactly 1 there, and the scale loses nothing the
+    magnitude had not lost already (it carries the half dtype's precision either way). The gradient passes through
+    the rounding. float32 magnitudes divide the float32 norm as it is.
+
+    Args:
+        magnitude: ``m`` (``out``).
+        norm: The row norms (``out``, float32).
+
+    Returns:
+        ``s`` (``out``), in the promoted dtype of the two.
+    """
+    if is_half(magnitude.dtype) and norm.dtype != magnitude.dtype:
+        norm = norm.to(magnitude.dtype).to(norm.dtype)
+    # The clamp keeps an all-zero row of W (norm 0, delta 0) at scale 0 instead of 0/0.
+    return magnitude / norm.clamp_min(torch.finfo(norm.dtype).tiny)
 
 
 class SharedFactors:
@@ -184,6 +211,37 @@ class MoRALayer(AdapterLayer):
         self._move_adapter_to_device_of_base_layer(adapter_name)
         self.set_adapter(self.active_adapters, inference_mode=inference_mode)
 
+    def _move_adapter_to_device_of_base_layer(self, adapter_name: str, device: Optional[torch.device] = None) -> None:
+        # PEFT's move also casts to the base dtype. For the magnitudes that would be lossy: m_sp = ||W|| rounded to
+        # bfloat16 and upcast again (autocast_adapter_dtype=True) no longer equals the norm it is divided by, so the
+        # identity at init would be off by that rounding. They follow the device only; after_adapter_cast gives
+        # them PEFT's final dtype directly.
+        saved = {attr: getattr(self, attr)[adapter_name] for attr in MAGNITUDES if adapter_name in getattr(self, attr)}
+        super()._move_adapter_to_device_of_base_layer(adapter_name, device)
+        for attr, value in saved.items():
+            target = getattr(self, attr)[adapter_name].device
+            if value.device != target:
+                value = nn.Parameter(value.data.to(target), requires_grad=value.requires_grad)
+            getattr(self, attr)[adapter_name] = value
+
+    def after_adapter_cast(self, adapter_name: str, autocast_adapter_dtype: bool) -> None:
+        """Give the magnitudes the dtype PEFT gives adapter weights: the base's, upcast to float32 from bfloat16 /
+        float16 with ``autocast_adapter_dtype``, in one cast from the float32 they were created in.
+
+        Args:
+            adapter_name: The adapter.
+            autocast_adapter_dtype: The flag PEFT's cast got.
+        """
+        base_dtype = self.base_dtype()
+        if base_dtype is None or not base_dtype.is_floating_point:
+            return
+        target = torch.float32 if autocast_adapter_dtype and is_half(base_dtype) else base_dtype
+        for attr in MAGNITUDES:
+            container = getattr(self, attr)
+            value = container[adapter_name]
+            if value.dtype != target:
+                container[adapter_name] = nn.Parameter(value.data.to(target), requires_grad=value.requires_grad)
+
     # -- the composed weight ----------------------------------------------------------------------------------------
 
     def shared_delta(self, adapter_name: str) -> torch.Tensor:
@@ -203,18 +261,17 @@ class MoRALayer(AdapterLayer):
         d_sh = a * self.shared_delta(adapter_name)
         d_sp = a * self.specific_delta(adapter_name)
         # Not detached: DoRA (paper section 4.3, and PEFT) treats the norm as a constant to save the d x d graph;
-        # MoRA adapts a few top layers only, so we keep METHODS.md's formula's exact gradient. The clamp keeps an
-        # all-zero row of W (norm 0, delta 0) at scale 0 instead of 0/0.
-        tiny = torch.finfo(weight.dtype).tiny
-        s_sh = self.mora_mag_shared[adapter_name] / row_norm(weight + d_sh).clamp_min(tiny)
-        s_sp = self.mora_mag_specific[adapter_name] / row_norm(weight + d_sp).clamp_min(tiny)
+        # MoRA adapts a few top layers only, so we keep METHODS.md's formula's exact gradient.
+        s_sh = magnitude_scale(self.mora_mag_shared[adapter_name], row_norm(weight + d_sh))
+        s_sp = magnitude_scale(self.mora_mag_specific[adapter_name], row_norm(weight + d_sp))
         return s_sh, s_sp, d_sh, d_sp
 
     def get_delta_weight(self, adapter_name: str, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``W' - W = (s_sh + s_sp - 1) W + s_sh a dW_sh + s_sp a dW_sp`` (rows scaled), float32, ``out x in``.
 
-        Exactly zero at the identity init (``m_sh = 0``, ``m_sp = ||W||``, ``M_B = 0``): ``s_sp = ||W|| / ||W + 0||``
-        is the same float divided by itself.
+        Exactly zero at the identity init (``m_sh = 0``, ``m_sp = ||W||``, ``M_B = 0``) in every dtype:
+        ``s_sp = ||W|| / ||W + 0||`` is the same float divided by itself (both rounded to a half magnitude's dtype,
+        :func:`magnitude_scale`).
 
         Args:
             adapter_name: The adapter.

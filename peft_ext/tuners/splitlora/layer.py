@@ -360,8 +360,8 @@ class SplitLoRALayer(AdapterLayer):
     def covariance(self, adapter_name: str) -> torch.Tensor:
         """The running uncentered input covariance ``C`` (token-weighted mean over all finished tasks).
 
-        For a sketch this is ``S^T S / tokens``, which underestimates ``C`` by at most
-        :meth:`statistics_error` in spectral norm.
+        For a sketch this is ``S^T S / tokens``, which differs from ``C`` by at most :meth:`statistics_error` in
+        spectral norm (the bound is on ``S^T S`` itself; this float32 product of it rounds once more).
 
         Args:
             adapter_name: Name of the adapter.
@@ -375,7 +375,7 @@ class SplitLoRALayer(AdapterLayer):
         return sketch.T @ sketch / tokens
 
     def statistics_error(self, adapter_name: str) -> float:
-        """Certified spectral-norm bound on ``C_true - covariance()`` (0 for dense statistics).
+        """Certified spectral-norm bound on ``C_true - S^T S / tokens`` (0 for dense statistics), rounding included.
 
         Args:
             adapter_name: Name of the adapter.

@@ -7,14 +7,16 @@ tasks" from the uncentered input covariance ``C = mean over all tokens of all ta
 Two ways to keep ``C``:
 
 - dense: the exact ``n x n`` running sum of ``x x^T`` (``accumulate_covariance``). Exact under any batching.
-- sketch: a frequent-directions sketch ``S`` (``l x n``, Liberty 2013; Ghashami et al. 2016) with
-  ``0 <= X^T X - S^T S <= delta * I`` where ``delta`` is the accumulated shrinkage that :func:`fd_compress` returns
-  (a certified bound, never more than ``(||X||_F^2 - ||S||_F^2) / l``). Memory ``l * n`` instead of ``n * n``: for a
-  4096-wide layer and ``l = 256`` that is 4 MB rather than 64 MB. The sketch is exact while the data have rank
-  ``<= l``, and it is mergeable (stack two sketches and compress), which is what the DDP all-reduce uses. A layer
-  streams into a ``2l x n`` buffer (:func:`fd_append`) and shrinks it once per ``l`` new rows, from ``eigh`` of the
-  ``2l x 2l`` Gram matrix in float32 (issue 19: 62 ms per 256-token batch at n = 4096, the dense update's 96 ms,
-  the float64 thin SVD's 862 ms).
+- sketch: a frequent-directions sketch ``S`` (``l x n``, Liberty 2013; Ghashami et al. 2016) with the certified
+  bound ``||X^T X - S^T S||_2 <= delta``, where ``delta`` accumulates what :func:`fd_compress` returns per shrink:
+  the shrinkage (in exact arithmetic ``0 <= X^T X - S^T S <= shrinkage * I``, the shrinkage never more than
+  ``(||X||_F^2 - ||S||_F^2) / l``) plus a rounding allowance (at most about ``2^-23 sqrt(l) ||X||_2^2`` per
+  shrink for a float32 sketch). Memory ``l * n`` instead of ``n * n``: for a 4096-wide layer and ``l = 256`` that
+  is 4 MB rather than 64 MB. The sketch is exact while the data have rank ``<= l``, and it is mergeable (stack two
+  sketches and compress), which is what the DDP all-reduce uses. A layer streams into a ``2l x n`` buffer
+  (:func:`fd_append`) and shrinks it once per ``l`` new rows, from ``eigh`` of the ``2l x 2l`` Gram matrix in
+  float64: 110 ms per shrink at n = 4096, l = 256 on one CPU thread, about twice the float32 Gram's 52 ms (whose
+  rounding could not be certified) and an eighth of the float64 thin SVD's 862 ms.
 
 The split (``choose_split``): with eigenvalues ``l_1 >= l_2 >= ...`` of ``C``, ``p_i = l_i / trace(C)``, ``d = n``
 and the 0-based index ``t`` of the task just finished,
@@ -66,26 +68,51 @@ def accumulate_covariance(cov_sum: torch.Tensor, rows: torch.Tensor) -> None:
     cov_sum.addmm_(rows.T, rows)
 
 
+def _float64_allowance(m: int, n: int, ell: int) -> float:
+    """Spectral error, in units of ``||stacked||_F^2``, allowed for the float64 arithmetic of one shrink.
+
+    First-order terms: the Gram product (its inner dimension), ``eigh``'s backward error and the loss of orthogonality
+    of its eigenvectors (each taken as the matrix size, LAPACK's usual growth: that constant is the library's), and
+    the product ``U^T stacked`` (``sqrt(ell)`` from the Frobenius norm of the scaled ``U``), doubled. 4e-11 at
+    n = 4096, l = 256, far below the float32 storage term.
+    """
+    return 2 * (m + n) * (2 + math.sqrt(ell)) * torch.finfo(torch.float64).eps
+
+
 def fd_compress(stacked: torch.Tensor, ell: int) -> tuple[torch.Tensor, float]:
     """Shrink a stack of rows to an ``ell``-row frequent-directions sketch.
 
-    With ``stacked = U diag(s) V^T`` and ``delta = s_ell^2`` (the ``(ell + 1)``-th largest squared singular value, 0
-    when there are at most ``ell``), the sketch is ``diag(sqrt(max(s_i^2 - delta, 0))) V^T`` for the top ``ell``
-    directions, so ``0 <= stacked^T stacked - sketch^T sketch <= delta * I``.
+    With ``stacked = U diag(s) V^T`` and ``shrinkage = s_ell^2`` (the ``(ell + 1)``-th largest squared singular
+    value, 0 when there are at most ``ell``), the sketch is ``diag(sqrt(max(s_i^2 - shrinkage, 0))) V^T`` for the top
+    ``ell`` directions, so in exact arithmetic ``0 <= stacked^T stacked - sketch^T sketch <= shrinkage * I``.
 
     No SVD of the ``m x n`` stack is taken: the squared singular values and ``U`` come from ``eigh`` of the
-    ``m x m`` Gram matrix ``stacked stacked^T`` (of ``stacked^T stacked`` when ``m > n``), in ``stacked``'s own
-    dtype (float32 in a layer), and the sketch is ``diag(sqrt(max(s_i^2 - delta, 0) / s_i^2)) U^T stacked``: two
-    matrix products and an ``m x m`` eigensolve instead of a float64 thin SVD (issue 19: 10x cheaper at n = 4096).
-    Whatever the rounding in ``U``, the scale is at most 1 along orthonormal directions, so the sketch still never
-    overestimates beyond rounding; the measured float32 error is in ``tests/test_splitlora_stats.py``.
+    ``m x m`` Gram matrix ``stacked stacked^T`` (of ``stacked^T stacked`` when ``m > n``) and the sketch is
+    ``diag(sqrt(max(s_i^2 - shrinkage, 0) / s_i^2)) U^T stacked``: two matrix products and an ``m x m`` eigensolve
+    instead of a thin SVD. They run in float64 whatever ``stacked``'s dtype. The error of the computed shrink lies
+    within ``||dG||_2`` of ``[0, shrinkage]``, ``dG`` the Gram's rounding (and ``eigh``'s backward error): in float32
+    that is ``~sqrt(n) eps ||stacked||_2^2`` and exceeded the shrinkage on streams of widely varying row norms
+    (measured: 1e3 times the bound after a few huge rows and many tiny ones, 1.2 times it for log-normal row norms),
+    while a rigorous float32 bound (``n eps ||stacked||_F^2``) would swamp it. The returned ``delta`` adds to the
+    shrinkage
+
+    - the exact effect of rounding the float64 sketch ``S`` to ``stacked``'s dtype: with ``R`` the rounding residual,
+      ``||S^T S - S_r^T S_r||_2 <= (2 ||S||_2 + ||R||_F) ||R||_F`` and ``||S||_2 <= ||stacked||_2``;
+    - an allowance for the float64 arithmetic (:func:`_float64_allowance`: 4e-11 of ``||stacked||_F^2`` at
+      n = 4096, l = 256),
+
+    so ``||stacked^T stacked - sketch^T sketch||_2 <= delta`` holds for the returned sketch; errors of successive
+    shrinks add up (triangle inequality), which is how the layers accumulate them. Tested against float64 covariances
+    in ``tests/test_splitlora_stats.py``.
 
     Args:
         stacked: ``(m, n)`` rows (a previous sketch stacked with new data or with other sketches).
         ell: Number of rows of the sketch.
 
     Returns:
-        ``(sketch, delta)`` with ``sketch`` of shape ``(ell, n)`` (zero rows where the rank is lower).
+        ``(sketch, delta)``: ``sketch`` of shape ``(ell, n)`` in ``stacked``'s dtype (zero rows where the rank is
+        lower) and the certified spectral-norm error ``delta`` it adds (the shrinkage plus the rounding terms; 0 when
+        ``m <= ell``, where the rows are copied).
     """
     if ell < 1:
         raise ValueError(f"`ell` must be a positive integer, got {ell}")
@@ -94,22 +121,29 @@ def fd_compress(stacked: torch.Tensor, ell: int) -> tuple[torch.Tensor, float]:
     if m <= ell:  # nothing to shrink: the rows themselves are an exact sketch
         out[:m] = stacked
         return out, 0.0
-    work = stacked if stacked.dtype in (torch.float32, torch.float64) else stacked.float()
+    work = stacked.to(torch.float64)
     wide = m <= n
     gram = work @ work.T if wide else work.T @ work
     values, vectors = torch.linalg.eigh(0.5 * (gram + gram.T))
     values, vectors = values.flip(0), vectors.flip(1)
-    delta = max(float(values[ell]), 0.0) if values.numel() > ell else 0.0
+    shrinkage = values[ell].clamp_min(0.0) if values.numel() > ell else values.new_zeros(())
     keep = min(ell, values.numel())
     top = values[:keep]
-    shrunk = (top - delta).clamp_min(0.0)
+    shrunk = (top - shrinkage).clamp_min(0.0)
     if wide:
-        scale = torch.where(top > delta, (shrunk / top.clamp_min(torch.finfo(top.dtype).tiny)).sqrt(), 0.0)
+        scale = torch.where(top > shrinkage, (shrunk / top.clamp_min(torch.finfo(top.dtype).tiny)).sqrt(), 0.0)
         rows = (vectors[:, :keep] * scale).T @ work
     else:
         rows = shrunk.sqrt()[:, None] * vectors[:, :keep].T
     out[:keep] = rows.to(out.dtype)
-    return out, delta
+    # rows - fl(rows) is exact in float64 (Sterbenz), so this is the true residual's norm up to its own rounding
+    residual = torch.linalg.vector_norm(rows - out[:keep].to(torch.float64))
+    # one device-to-host transfer per shrink
+    shrinkage, residual, top_value, energy = torch.stack(
+        [shrinkage, residual, values[0].clamp_min(0.0), gram.diagonal().sum()]
+    ).tolist()
+    storage = (2 * math.sqrt(top_value) + residual) * residual
+    return out, shrinkage + storage + _float64_allowance(m, n, ell) * energy
 
 
 def fd_append(buffer: torch.Tensor, fill: int, rows: torch.Tensor) -> tuple[int, float]:
@@ -126,7 +160,8 @@ def fd_append(buffer: torch.Tensor, fill: int, rows: torch.Tensor) -> tuple[int,
         rows: ``(N, n)`` new inputs, cast to ``buffer``'s dtype.
 
     Returns:
-        ``(fill, delta)``: the new fill and the total shrinkage applied (the sketch's error bound grows by it).
+        ``(fill, delta)``: the new fill and the sum of the shrinks' certified errors (the sketch's error bound grows
+        by it, see :func:`fd_compress`).
     """
     two_ell, n = buffer.shape
     if two_ell < 2 or two_ell % 2:
@@ -159,7 +194,8 @@ def fd_update(sketch: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, f
         rows: ``(N, n)`` new inputs.
 
     Returns:
-        ``(new_sketch, delta)`` where ``delta`` is the total shrinkage applied; the sketch's error bound grows by it.
+        ``(new_sketch, delta)`` where ``delta`` is the sum of the shrinks' certified errors (:func:`fd_compress`); the
+        sketch's error bound grows by it.
     """
     ell, n = sketch.shape
     if rows.ndim != 2 or rows.shape[1] != n:
@@ -211,7 +247,8 @@ def sketch_spectrum(
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Top eigenpairs of ``sketch^T sketch``; the exact ``trace`` of the sketched data is passed through.
 
-    Only ``ell`` eigenvalues are known; frequent directions underestimate each by at most the accumulated shrinkage.
+    Only ``ell`` eigenvalues are known; each is off by at most the sketch's certified error (the accumulated
+    shrinkage, by which frequent directions underestimate, plus rounding).
     Normalizing by the exact trace (tracked separately as the sum of squared norms) keeps ``p_i`` on the same scale
     as the dense path. Computed from ``eigh`` of the ``ell x ell`` Gram matrix ``S S^T`` in ``dtype`` and
     ``V = S^T U`` (columns normalized): ``O(ell^2 n)``, no cubic term in ``n`` and no ``ell x n`` SVD (issue 19:
