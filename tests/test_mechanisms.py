@@ -11,6 +11,7 @@ once stayed green while the engine, which folds the adapter in ``between_tasks``
 from __future__ import annotations
 
 import json
+import types
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -523,3 +524,106 @@ def test_frozen_linear_keeps_the_backbone_and_trains_the_head(seq, tmp_path, tin
         (before, head_before), (after, head_after) = seen[t], seen[-1 - t]
         assert all(torch.equal(before[k], after[k]) for k in before)
         assert not torch.equal(head_before, head_after)
+
+
+# --- the optimizer comparisons (single-task methods) -----------------------------------------------------------------
+
+
+def on_every_step(monkeypatch, cls: type, before_step: Callable, after_step: Callable) -> None:
+    """Call ``before_step(model)`` / ``after_step(model)`` around every optimizer step of ``cls``'s runs: the
+    optimizer the method makes for the driver gets its ``step`` wrapped (the driver's own calls, in its order)."""
+
+    def wrap(self, optimizer, model, params):
+        step = optimizer.step
+
+        def stepped(opt, *args, **kwargs):
+            before_step(model)
+            out = step(*args, **kwargs)
+            after_step(model)
+            return out
+
+        optimizer.step = types.MethodType(stepped, optimizer)  # a bound method, as accelerate's wrapper expects
+
+    observe(monkeypatch, cls, "make_optimizer", after=wrap)
+
+
+SINGLE_TASK = {
+    "riemannion": {"lr": 3e-2, "head_lr": 1e-2, "loi_batches": 2, "adapter": {"r": R, "target_modules": QUERY_VALUE}},
+    "full_ft_dct": {"lr": 3e-3, "optimizer": "dct_adamw", "rank": R, "target_modules": QUERY_VALUE},
+    "full_ft_galore": {"lr": 3e-3, "optimizer": "galore_adamw", "rank": R, "target_modules": QUERY_VALUE},
+}
+
+
+def run_single_task(driver: str, key: str, tmp_path: Path) -> dict:
+    """One task of 4 classes, through ``run_sequence`` or the Trainer driver."""
+    one = token_sequence(n_tasks=1, classes_per_task=4)
+    name = "full_ft" if key.startswith("full_ft") else key
+    method = get_continual_method(name)(**SINGLE_TASK[key])
+    base = tiny_classifier(one.num_classes)
+    if driver == "loop":
+        config = TrainConfig(epochs=2, batch_size=8, progress=False, device="cpu")
+        return run_sequence(one, method, base, stack_collate, config).to_dict()
+    result, _ = run_continual_with_trainer(one, method, base, stack_collate, targs(tmp_path / "trainer"))
+    return result.to_dict()
+
+
+@pytest.mark.parametrize("driver", ["loop", "trainer"])
+def test_riemannion_steps_stay_on_the_fixed_rank_manifold(driver, tmp_path, monkeypatch):
+    """Every optimizer step keeps each adapter a rank-``r`` point with orthonormal ``A`` and the probe ``Z`` at zero,
+    and moves the point ``X = A B^T``; LOI starts it away from zero delta-free (the output is unchanged at init)."""
+    from peft_ext.continual.methods_riemannion import RiemannionMethod
+    from peft_ext.tuners.riemannion import RiemannionLayer
+
+    points: dict[str, torch.Tensor] = {}
+    checks = {"steps": 0, "moved": 0}
+
+    def remember(model):
+        for n, m in layers_of(model, RiemannionLayer).items():
+            points[n] = (m.riemannion_A["default"] @ m.riemannion_B["default"].T).detach().double()
+
+    def check(model):
+        checks["steps"] += 1
+        for n, m in layers_of(model, RiemannionLayer).items():
+            A, B = m.riemannion_A["default"].detach().double(), m.riemannion_B["default"].detach().double()
+            eye = torch.eye(A.shape[1], dtype=torch.float64)
+            assert float((A.T @ A - eye).abs().max()) < 1e-5, f"{n}: A left the Stiefel manifold"
+            assert torch.count_nonzero(m.riemannion_Z["default"]) == 0, f"{n}: the probe Z is not zero"
+            X = A @ B.T
+            assert int(torch.linalg.matrix_rank(X)) == R, f"{n}: the point lost its rank"
+            checks["moved"] += int(not torch.allclose(X, points[n], rtol=0, atol=1e-9))
+
+    on_every_step(monkeypatch, RiemannionMethod, remember, check)
+    run_single_task(driver, "riemannion", tmp_path)
+    assert checks["steps"] > 0 and checks["moved"] > 0, checks
+
+
+@pytest.mark.parametrize("driver", ["loop", "trainer"])
+@pytest.mark.parametrize("optimizer", ["dct", "galore"])
+def test_low_rank_optimizers_update_projected_weights_in_rank_r_steps(optimizer, driver, tmp_path, monkeypatch):
+    """DCT-AdamW and GaLore-AdamW: each step changes a projected weight (``query`` / ``value``) by a matrix of rank
+    at most ``rank`` (the update is the projection of a rank-``r`` Adam step), while the other weights take full
+    steps."""
+    from peft_ext.continual.methods_optim import FullFineTune
+
+    before: dict[str, torch.Tensor] = {}
+    ranks: dict[str, int] = {}
+
+    def weights(model) -> dict[str, torch.Tensor]:
+        return {
+            n: p.detach().double().clone()
+            for n, p in model.named_parameters()
+            if p.dim() == 2 and "embeddings" not in n and "classifier" not in n
+        }
+
+    def measure(model):
+        for n, w in weights(model).items():
+            # relative tolerance: writing a float32 weight back rounds every entry (~1e-9), a full-rank speck
+            rank = int(torch.linalg.matrix_rank(w - before[n], rtol=1e-4))
+            projected = n.endswith(("query.weight", "value.weight"))
+            key = "projected" if projected else "other"
+            ranks[key] = max(ranks.get(key, 0), rank)
+
+    on_every_step(monkeypatch, FullFineTune, lambda model: before.update(weights(model)), measure)
+    run_single_task(driver, f"full_ft_{optimizer}", tmp_path)
+    assert 0 < ranks["projected"] <= R, ranks
+    assert ranks["other"] > R, ranks
