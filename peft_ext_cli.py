@@ -141,6 +141,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="base model folder or cached hub id to check tensor shapes against (default: the one the adapter "
         "config names, when it is available here)",
     )
+    p = sub.add_parser(
+        "table",
+        help="print the table a continual job's results.json publishes, or rewrite the generated tables of markdown "
+        "files from their results files",
+    )
+    p.add_argument("results", nargs="?", help="a continual job's results.json to print as a table")
+    p.add_argument(
+        "--into",
+        nargs="+",
+        metavar="MARKDOWN",
+        help="rewrite every generated table in these files (each names its results file) instead",
+    )
     p = sub.add_parser("configs", help="list the shipped example configs, or copy one out to edit")
     p.add_argument(
         "--copy",
@@ -160,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.copy is not None and len(args.copy) > 2:
             parser.error("configs --copy takes NAME and at most one DEST")
         return _cmd_configs(args)
+    if args.command == "table" and (args.results is None) == (args.into is None):
+        parser.error("table takes a results.json to print, or --into MARKDOWN... to rewrite (one of the two)")
     if hasattr(args, "config"):
         args.config = resolve_config(args.config)
     # Only now the heavy part: peft_ext (torch, peft, transformers) and the commands that need it.

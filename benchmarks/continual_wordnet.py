@@ -292,6 +292,11 @@ class Runs:
         """One run's record: ``{"metrics", "matrix", "trainable", "seconds", "cpu_seconds", "extras"}``."""
         key = f"{method}|lr={lr:g}|seed={seed}|{split}|tasks={self.args.tasks}|epochs={epochs}"
         done = self.record["runs"]
+        if key in done and METHOD_OF[method] == "olora" and "old_A_rows" not in done[key].get("extras", {}):
+            # O-LoRA runs recorded before its penalty was restored (they report no `old_A_rows`) measured sequential
+            # LoRA with merging: never reuse them
+            print(f"  {key:<58} (recorded without O-LoRA's penalty: run again)", flush=True)
+            del done[key]
         if key in done:
             print(f"  {key:<58} (from {self.checkpoint})", flush=True)
             return done[key]

@@ -127,8 +127,25 @@ def _named_base(checkpoint: str) -> tuple[str | None, str | None]:
     return name, None
 
 
+def _cmd_table(args: argparse.Namespace) -> int:
+    from peft_ext.continual.report import published_table, write_generated_tables
+
+    try:
+        if args.results is not None:
+            print(published_table(args.results), end="")
+            return 0
+        for markdown in args.into:
+            sources = write_generated_tables(markdown)
+            print(f"{markdown}: {len(sources)} generated table(s) written from {', '.join(sources) or 'nothing'}")
+    except (OSError, ValueError) as err:
+        print(f"peft-ext: table error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def run_command(args: argparse.Namespace) -> int:
-    """Run a ``run``, ``check``, ``list`` or ``verify`` command parsed by :func:`peft_ext_cli.build_parser` (a
+    """Run a ``run``, ``check``, ``list``, ``verify`` or ``table`` command parsed by
+    :func:`peft_ext_cli.build_parser` (a
     shipped config's name already resolved to its path); returns the exit status.
 
     Args:
@@ -137,7 +154,8 @@ def run_command(args: argparse.Namespace) -> int:
     from peft_ext.continual.config import ConfigError
 
     try:
-        return {"run": _cmd_run, "check": _cmd_check, "list": _cmd_list, "verify": _cmd_verify}[args.command](args)
+        commands = {"run": _cmd_run, "check": _cmd_check, "list": _cmd_list, "verify": _cmd_verify}
+        return {**commands, "table": _cmd_table}[args.command](args)
     except ConfigError as err:
         print(f"peft-ext: config error: {err}", file=sys.stderr)
         return 2

@@ -86,8 +86,8 @@ def tiny_backbone(path: Path) -> Path:
 
 
 def run_case(name: str, work: Path, backbone: Path, threads: int = 1) -> dict[str, dict[str, Any]]:
-    """Run the shrunk config ``name`` with ``peft-ext run`` on ``threads`` intra-op threads; returns ``{label: record}`` with each
-    method's accuracy matrix and per-task mean training loss."""
+    """Run the shrunk config ``name`` with ``peft-ext run`` on ``threads`` intra-op threads; returns
+    ``{label: record}`` with each method's accuracy matrix and per-task mean training loss."""
     from peft_ext.cli import main
 
     cfg = work / f"{name}.yaml"
