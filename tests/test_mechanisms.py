@@ -627,3 +627,15 @@ def test_low_rank_optimizers_update_projected_weights_in_rank_r_steps(optimizer,
     run_single_task(driver, f"full_ft_{optimizer}", tmp_path)
     assert 0 < ranks["projected"] <= R, ranks
     assert ranks["other"] > R, ranks
+
+
+def test_olora_refuses_to_start_a_task_whose_predecessor_was_not_recorded(seq):
+    """A caller of the hooks that skips ``after_task`` would train task 1 without task 0's ``A``: refused, named."""
+    from peft_ext.continual import RunContext
+
+    method = get_continual_method("olora")(**OPTIONS["olora"])
+    config = TrainConfig(progress=False)
+    ctx = RunContext(sequence=seq, train=config, collate=stack_collate, device=torch.device("cpu"))
+    model = method.before_task(method.build(tiny_classifier(seq.num_classes), ctx), 0, seq.tasks[0], ctx)
+    with pytest.raises(ValueError, match=r"the A of \[0\] finished tasks per layer but the runner starts task 1"):
+        method.before_task(method.between_tasks(model, ctx), 1, seq.tasks[1], ctx)
