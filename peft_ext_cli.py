@@ -119,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="KEY=VALUE",
             help="override a config value (dotted path; under methods use the method name or index)",
         )
+        p.add_argument(
+            "--only",
+            metavar="METHODS",
+            help="run only these of the config's methods, comma-separated labels or names (each keeps its settings), "
+            "e.g. --only seq_lora,splitlora",
+        )
         if name == "run":
             p.add_argument("--no-progress", action="store_true", help="no progress bars")
             p.add_argument(

@@ -43,7 +43,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
 def _load(args: argparse.Namespace):
     from peft_ext.jobs import load_job_config
 
-    return load_job_config(args.config, args.set)
+    only = None if getattr(args, "only", None) is None else args.only.split(",")
+    return load_job_config(args.config, args.set, only)
 
 
 def _method_names(config) -> list[str]:
@@ -75,6 +76,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         )
     except KeyboardInterrupt:
         command = ["peft-ext", "run", args.config, *(f"--set={s}" for s in args.set)]
+        if args.only is not None:
+            command.append(f"--only={args.only}")
         if (Path(config.output.dir) / "results.json").is_file():
             command.append("--resume")
             said = f"the work that finished is in {config.output.dir}. Resume with:"

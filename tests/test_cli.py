@@ -53,6 +53,29 @@ def test_config_errors_exit_2_with_one_clear_line(tmp_path, tiny_backbone, capsy
     assert not (tmp_path / "out").exists(), "a rejected config must not start any work"
 
 
+def test_only_runs_the_named_methods_with_their_own_settings(tmp_path, tiny_backbone, capsys):
+    cfg = _config(tmp_path, tiny_backbone)
+    assert main(["check", str(cfg), "--only", "seq_lora,splitlora"]) == 0
+    assert "2 methods: seq_lora, splitlora" in capsys.readouterr().out
+    assert main(["run", str(cfg), "--no-progress", "--only", "splitlora, seq_lora"]) == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())["results"]
+    assert [r["method"] for r in results] == ["seq_lora", "splitlora"]  # the config's order
+    shipped = {m["name"]: m for m in yaml.safe_load(cfg.read_text())["methods"]}
+    r_seq = shipped["seq_lora"]["adapter"]["r"]  # the tuned settings are kept: seq_lora's r on 2 x (query, value)
+    assert results[0]["trainable_params"] == 2 * 2 * r_seq * (32 + 32) + 33 * 4
+
+
+def test_only_names_an_unknown_method_with_a_suggestion(tmp_path, tiny_backbone, capsys):
+    cfg = _config(tmp_path, tiny_backbone)
+    assert main(["run", str(cfg), "--only", "seq_lora,splitlra"]) == 2
+    err = capsys.readouterr().err
+    assert "--only: 'splitlra' is not a method of this config (did you mean 'splitlora'?)" in err
+    assert "'frozen_linear'" in err
+    assert not (tmp_path / "out").exists()
+    assert main(["run", str(cfg), "--only", ","]) == 2
+    assert "--only needs at least one method name" in capsys.readouterr().err
+
+
 def test_check_and_list(capsys):
     assert main(["check", str(ROOT / "configs" / "quickstart.yaml")]) == 0
     every = "frozen_linear, seq_lora, inflora, olora, osf, splitlora, pclr, joint"

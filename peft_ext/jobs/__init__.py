@@ -15,23 +15,61 @@ from .multimodal import MissingModalityConfig, missing_modality_config_from_dict
 from .preflight import check_finite
 from .resume import claim_output_dir
 
-__all__ = ["JOBS", "JobFailed", "load_job_config", "run_job_config"]
+__all__ = ["JOBS", "JobFailed", "load_job_config", "run_job_config", "select_methods"]
 
 JOBS = ("continual", "missing_modality")
 
 
-def load_job_config(path: str, overrides: list[str] | None = None) -> Union[RunConfig, MissingModalityConfig]:
+def select_methods(data: Any, only: list[str]) -> None:
+    """Keep, in a config's raw mapping, only the methods named in ``only`` (in the config's order, each with its own
+    settings). A continual method is named by its ``label`` or, without one, its ``name``; every method of that name
+    is kept when several share it (e.g. ``riemannion`` with two inits).
+
+    Raises:
+        ConfigError: A name that is not among the config's methods (with the names that are), or an empty list.
+    """
+    from ..continual.config import ConfigError
+
+    methods = data.get("methods") if isinstance(data, dict) else None
+    if not isinstance(methods, list) or not methods:
+        return  # validation reports the missing `methods` list itself
+    wanted = [name.strip() for name in only if name.strip()]
+    if not wanted:
+        raise ConfigError("--only needs at least one method name, e.g. --only seq_lora,splitlora")
+
+    def names(entry: Any) -> set[str]:
+        if isinstance(entry, dict):
+            return {str(v) for v in (entry.get("label"), entry.get("name")) if v is not None}
+        return {str(entry)}
+
+    known = [n for entry in methods for n in sorted(names(entry))]
+    unknown = [name for name in wanted if name not in known]
+    if unknown:
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"--only: {unknown[0]!r} is not a method of this config{hint}; its methods: {known}")
+    data["methods"] = [entry for entry in methods if names(entry) & set(wanted)]
+
+
+def load_job_config(
+    path: str, overrides: list[str] | None = None, only: list[str] | None = None
+) -> Union[RunConfig, MissingModalityConfig]:
     """Read, override and validate a config of any job.
 
     Args:
         path: The YAML file.
         overrides: ``key.path=value`` overrides (see :func:`peft_ext.continual.config.apply_overrides`).
+        only: Run only these methods (:func:`select_methods`; ``--only``), after the overrides.
 
     Returns:
         A :class:`~peft_ext.continual.config.RunConfig` (``job: continual``, the default) or a
         :class:`~peft_ext.jobs.multimodal.MissingModalityConfig` (``job: missing_modality``).
     """
     data = read_config(path, overrides)
+    if only is not None:
+        select_methods(data, only)
     check_finite(data)
     job = data.pop("job", "continual") if isinstance(data, dict) else "continual"
     if job not in JOBS:
