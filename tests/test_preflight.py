@@ -129,3 +129,31 @@ def test_adapter_dry_build(cfg, capsys, tmp_path):
 def test_config_path_is_a_directory(capsys, tmp_path):
     line = _error(capsys, ["check", str(tmp_path)])
     assert "is a directory, expected a YAML file" in line
+
+
+def test_a_partly_misspelled_target_list_is_refused_with_a_suggestion(cfg, capsys, tmp_path):
+    """PEFT adapts what the other entries match and says nothing; ``check`` and ``run`` refuse before any work."""
+    line = _error(capsys, ["check", str(cfg), "--set", "methods.seq_lora.adapter.target_modules=[qury, value]"])
+    assert "`methods.seq_lora` target_modules entry 'qury' matches no linear layer" in line
+    assert "(did you mean 'query'?)" in line and "only the other entries would get adapters" in line
+    line = _error(capsys, ["run", str(cfg), "--set", "methods.inflora.target_modules=[query, valeu]"])
+    assert "`methods.inflora` target_modules entry 'valeu'" in line and "'value'" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_model_folder_without_a_tokenizer_is_refused(cfg, capsys, tmp_path, tiny_backbone):
+    """Without tokenizer files transformers builds a placeholder of a few special tokens: every word would be [UNK]
+    and the job would train at chance, silently."""
+    import shutil
+
+    bare = tmp_path / "no-tokenizer"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_backbone / name, bare / name)
+    line = _error(capsys, ["check", str(cfg), "--set", f"model.backbone={bare}"])
+    assert f"`model.backbone` '{bare}' has no tokenizer files" in line and "tokenizer.save_pretrained" in line
+
+    (bare / "tokenizer_config.json").write_text('{"tokenizer_class": "BertTokenizer"}')  # a config, no vocabulary
+    line = _error(capsys, ["run", str(cfg), "--set", f"model.backbone={bare}"])
+    assert f"`model.backbone` '{bare}'" in line and "tokenizer" in line
+    assert not (tmp_path / "out").exists()

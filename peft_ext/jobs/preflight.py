@@ -1,12 +1,14 @@
 """What ``peft-ext check`` (and ``run``, before any training) verifies beyond the config's own validation: finite
-numbers everywhere, a writable output folder, the data constraints, a resolvable backbone, and each method's adapter
-against the backbone's structure (built on the meta device: no weights are read or allocated).
+numbers everywhere, a writable output folder, the data constraints, a resolvable backbone with a usable tokenizer,
+and each method's adapter against the backbone's structure, built on the meta device (no weights are read or
+allocated): every ``target_modules`` entry must match a linear layer.
 
 Every check raises one :class:`~peft_ext.continual.config.ConfigError` naming the key and the value.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
@@ -22,6 +24,7 @@ __all__ = [
     "check_data",
     "check_finite",
     "check_output_dir",
+    "check_tokenizer",
     "preflight",
 ]
 
@@ -121,6 +124,53 @@ def check_backbone(name: str, key: str = "model.backbone") -> Any:
         raise ConfigError(f"`{key}` {name!r} cannot be loaded: {first}") from None
 
 
+#: Files a tokenizer is read from (one of them must be in a local model folder).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "vocab.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+#: Fewer entries than this and the tokenizer is taken for transformers' placeholder (special tokens only).
+MIN_VOCAB = 100
+
+
+def check_tokenizer(name: str, key: str = "model.backbone") -> None:
+    """Raise ``ConfigError`` unless the backbone has a usable tokenizer.
+
+    Without tokenizer files, a local model folder still loads: transformers builds a placeholder tokenizer of a few
+    special tokens, every word becomes ``[UNK]`` and training runs at chance without a word of warning.
+
+    Args:
+        name: The backbone name, hub id or local directory.
+        key: The config key, for the message.
+    """
+    from transformers import AutoTokenizer
+
+    from ..models import resolve_backbone
+
+    path = Path(resolve_backbone(name)).expanduser()
+    fix = "save it beside the weights (`tokenizer.save_pretrained(folder)`)"
+    if path.is_dir() and not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise ConfigError(
+            f"`{key}` {name!r} has no tokenizer files (none of {list(TOKENIZER_FILES)}); {fix}, or point "
+            "`model.backbone` at a folder or hub id that has one"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path) if path.is_dir() else name)
+    except Exception as err:  # noqa: BLE001 - any failure to load is reported as one line naming the model
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ConfigError(f"`{key}` {name!r}: its tokenizer cannot be loaded: {first}") from None
+    if len(tokenizer) < MIN_VOCAB:
+        raise ConfigError(
+            f"`{key}` {name!r}: its tokenizer has only {len(tokenizer)} tokens ({sorted(tokenizer.get_vocab())[:8]}), "
+            f"a placeholder, not a vocabulary; {fix}"
+        )
+
+
 def _targets_and_rank(options: Any) -> tuple[Any, Any]:
     adapter = getattr(options, "adapter", None)
     source = adapter if adapter is not None and hasattr(adapter, "target_modules") else options
@@ -159,6 +209,18 @@ def check_adapters(config: RunConfig, model_config: Any) -> None:
             continue
         where = f"methods.{entry.name}"
         matched = {n: m for n, m in linears.items() if _matches(n, targets)}
+        if matched and not isinstance(targets, str):
+            # PEFT adapts what any entry matches and says nothing of an entry that matches nothing (a typo)
+            suffixes = sorted({n.rsplit(".", 1)[-1] for n in linears})
+            for entry_name in targets:
+                if not any(_matches(n, [entry_name]) for n in linears):
+                    close = difflib.get_close_matches(str(entry_name), suffixes, n=1)
+                    hint = f" (did you mean {close[0]!r}?)" if close else ""
+                    raise ConfigError(
+                        f"`{where}` target_modules entry {entry_name!r} matches no linear layer of "
+                        f"{config.model.backbone!r}{hint}; only the other entries would get adapters. Its linear "
+                        f"layers end in {suffixes}"
+                    )
         if not matched:
             some = sorted({n.rsplit(".", 1)[-1] for n in linears})
             raise ConfigError(
@@ -184,4 +246,6 @@ def preflight(config: Any) -> None:
     check_output_dir(config.output.dir)
     if isinstance(config, RunConfig):
         check_data(config)
-        check_adapters(config, check_backbone(config.model.backbone))
+        model_config = check_backbone(config.model.backbone)
+        check_tokenizer(config.model.backbone)
+        check_adapters(config, model_config)

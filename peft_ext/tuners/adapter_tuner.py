@@ -7,6 +7,7 @@ is here, with small hooks for what differs.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Optional
@@ -32,6 +33,27 @@ class AdapterTuner(BaseTuner):
     """
 
     tuner_layer_cls: type[AdapterLayer]
+
+    def inject_adapter(self, model: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> None:
+        """PEFT's injection, then a warning for every ``target_modules`` entry that matched no module.
+
+        PEFT refuses a list of which nothing matches but adapts what some entries match and is silent about the
+        others (``["qury", "value"]`` adapts only ``value``). A warning, not an error: PEFT's own tests and configs
+        shared across architectures name modules that some models lack.
+        """
+        super().inject_adapter(model, adapter_name, *args, **kwargs)
+        targets = self.peft_config[adapter_name].target_modules
+        if isinstance(targets, str) or not targets:
+            return
+        wrapped = list(self.targeted_module_names)
+        missed = sorted(t for t in targets if not any(n == t or n.endswith("." + t) for n in wrapped))
+        if missed and wrapped:
+            warnings.warn(
+                f"target_modules entries {missed} match no module of the model; only {len(wrapped)} modules matched "
+                f"by the other entries got {type(self).__name__} adapters (e.g. {wrapped[0]!r}). Misspelled?",
+                UserWarning,
+                stacklevel=3,
+            )
 
     # -- hooks ----------------------------------------------------------------------------------------------------
 
