@@ -20,7 +20,7 @@ $(PY):
 $(STAMP): pyproject.toml | $(PY)
 	@# Keep an existing torch (a user's CUDA build); otherwise install the pinned CPU-friendly one first.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[models,dev]"
+	$(PY) -m pip install --quiet -e ".[models,data,dev]"
 	touch $(STAMP)
 
 install: $(STAMP)

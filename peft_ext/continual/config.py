@@ -52,36 +52,88 @@ class DataSection:
     """The task sequence.
 
     Args:
-        dataset: Data set the sequence is built from (``wordnet``: WordNet 3.0 gloss -> supersense).
-        n_tasks: Number of tasks.
+        dataset: ``wordnet`` (WordNet 3.0 gloss -> supersense, shipped) or ``files`` (your own data, read by
+            Hugging Face ``datasets``: docs/own_data.md).
+        n_tasks: Number of tasks (``files``: default all classes in tasks of ``classes_per_task``, or one per
+            ``task_column`` value).
         classes_per_task: Classes each task introduces.
-        train_per_class: Training examples per class (cap).
-        test_per_class: Test examples per class (cap).
+        train_per_class: Training examples per class (cap; ``wordnet`` default 80, ``files`` default all).
+        test_per_class: Test examples per class (cap; ``wordnet`` default 40, ``files`` default all).
         protocol: ``class-incremental`` or ``task-incremental``.
-        seed: Seed that picks and orders the classes.
+        seed: Seed that picks and orders the classes (and, for ``files``, carves the splits).
         classes: Explicit class names in task order (overrides the seed's choice).
+        train: ``files``: the training data (a CSV / JSON / JSONL / Parquet file or a list of them, a
+            ``save_to_disk`` folder, or a hub id); relative paths are read from the config file's folder.
+        test: ``files``: the test data; unset: carved from ``train`` by a seeded hash (``test_share``).
+        validation: ``files``: held-out data for tuning; unset: carved when ``validation_share`` > 0.
+        text_column: ``files``: the text column, or a list of columns joined by a space.
+        label_column: ``files``: the label column.
+        task_column: ``files``: a column naming each row's task (one task per value, each with its own classes).
+        test_share: ``files``: share of ``train`` carved off as test when ``test`` is unset.
+        validation_share: ``files``: share of ``train`` carved off as validation when ``validation`` is unset.
     """
 
-    dataset: Literal["wordnet"] = "wordnet"
-    n_tasks: int = 5
-    classes_per_task: int = 4
-    train_per_class: int = 80
-    test_per_class: int = 40
+    dataset: Literal["wordnet", "files"] = "wordnet"
+    n_tasks: int | None = None
+    classes_per_task: int | None = None
+    train_per_class: int | None = None
+    test_per_class: int | None = None
     protocol: str = "class-incremental"
     seed: int = 0
     classes: list[str] | None = None
+    train: str | list[str] | None = None
+    test: str | list[str] | None = None
+    validation: str | list[str] | None = None
+    text_column: str | list[str] = "text"
+    label_column: str = "label"
+    task_column: str | None = None
+    test_share: float = 0.2
+    validation_share: float = 0.0
+
+    #: The ``wordnet`` defaults of the fields that ``files`` leaves open.
+    WORDNET_DEFAULTS: typing.ClassVar[dict[str, int]] = {
+        "n_tasks": 5,
+        "classes_per_task": 4,
+        "train_per_class": 80,
+        "test_per_class": 40,
+    }
+    FILES_ONLY: typing.ClassVar[tuple[str, ...]] = (
+        "train",
+        "test",
+        "validation",
+        "text_column",
+        "label_column",
+        "task_column",
+        "test_share",
+        "validation_share",
+    )
 
     def validate(self) -> None:
+        if self.dataset == "wordnet":
+            for key, value in self.WORDNET_DEFAULTS.items():
+                if getattr(self, key) is None:
+                    setattr(self, key, value)
+            defaults = DataSection()
+            given = [k for k in self.FILES_ONLY if getattr(self, k) != getattr(defaults, k)]
+            if given:
+                raise ValueError(f"`{given[0]}` is for `dataset: files`, not `wordnet`")
+        elif self.train is None:
+            raise ValueError("`dataset: files` needs `train`: the file(s), folder or hub id of the training data")
         for key in ("n_tasks", "classes_per_task", "train_per_class", "test_per_class"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"`{key}` must be a positive integer, got {getattr(self, key)}")
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"`{key}` must be a positive integer, got {value}")
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"`protocol` must be one of {PROTOCOLS}, got {self.protocol!r}")
-        if self.classes is not None and len(self.classes) != self.n_tasks * self.classes_per_task:
-            raise ValueError(
-                f"`classes` lists {len(self.classes)} names but n_tasks * classes_per_task = "
-                f"{self.n_tasks * self.classes_per_task}"
-            )
+        if self.classes is not None and self.n_tasks and self.classes_per_task:
+            if len(self.classes) != self.n_tasks * self.classes_per_task:
+                raise ValueError(
+                    f"`classes` lists {len(self.classes)} names but n_tasks * classes_per_task = "
+                    f"{self.n_tasks * self.classes_per_task}"
+                )
+        for key in ("test_share", "validation_share"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ValueError(f"`{key}` must be in [0, 1), got {getattr(self, key)}")
 
 
 @dataclass

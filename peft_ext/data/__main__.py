@@ -1,4 +1,4 @@
-"""``python -m peft_ext.data build|stats``: rebuild or summarize the committed WordNet gloss file."""
+"""``python -m peft_ext.data build|export|stats``: rebuild, export as CSV or summarize the WordNet gloss file."""
 
 import sys
 

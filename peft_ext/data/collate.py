@@ -27,11 +27,20 @@ class TextCollator:
         self.max_length = max_length
 
     def __call__(self, examples: Sequence[Example]) -> dict[str, Any]:
-        texts = [ex.inputs for ex in examples]
-        bad = [t for t in texts if not isinstance(t, str)]
-        if bad:
-            raise TypeError(f"TextCollator needs string inputs, got {type(bad[0]).__name__}")
-        enc = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
+        from .user_data import Tokenized
+
+        inputs = [ex.inputs for ex in examples]
+        if inputs and all(isinstance(t, Tokenized) for t in inputs):
+            # tokenized once for the whole run (peft_ext.data.user_data.tokenize_sequence): pad only
+            ids = [{"input_ids": list(t.input_ids[: self.max_length])} for t in inputs]
+            enc = self.tokenizer.pad(ids, padding=True, return_tensors="pt")
+        else:
+            bad = [t for t in inputs if not isinstance(t, str)]
+            if bad:
+                raise TypeError(f"TextCollator needs string (or Tokenized) inputs, got {type(bad[0]).__name__}")
+            enc = self.tokenizer(
+                inputs, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+            )
         return {
             "input_ids": enc["input_ids"],
             "attention_mask": enc["attention_mask"],

@@ -209,8 +209,44 @@ def _stats_markdown(path: str | os.PathLike[str] | None = None) -> str:
     return "\n".join(lines)
 
 
+def export_csv(
+    out: str | Path,
+    split: str | None = None,
+    classes: Sequence[str] | None = None,
+    per_class: int | None = None,
+    seed: int = 0,
+) -> int:
+    """Write glosses as a UTF-8 CSV with columns ``text`` (the definition) and ``label`` (the supersense), in synset
+    order; returns the number of rows. Refuses to overwrite ``out``.
+
+    Args:
+        out: The CSV file.
+        split: ``"train"``, ``"test"`` or ``None`` (both).
+        classes: Only these supersenses (``None``: all).
+        per_class: At most this many per class and split (the seeded subset of :func:`load_wordnet_glosses`).
+        seed: Picks the capped subset.
+    """
+    import csv
+
+    from .wordnet import load_wordnet_glosses
+
+    path = Path(out)
+    if path.exists():
+        raise ValueError(f"{str(path)!r} exists; choose another --out (nothing is overwritten)")
+    splits = [split] if split else ["train", "test"]
+    records = [r for s in splits for r in load_wordnet_glosses(s, classes, per_class, seed)]
+    records.sort(key=lambda r: r.synset)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="", encoding="utf-8") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["text", "label"])
+        writer.writerows([r.text, r.supersense] for r in records)
+    return len(records)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``build`` rebuilds the gloss file, ``stats`` prints its class counts as a Markdown table.
+    """Command line: ``build`` rebuilds the gloss file, ``export`` writes glosses as a CSV, ``stats`` prints the class
+    counts as a Markdown table.
 
     Args:
         argv: Arguments (defaults to ``sys.argv[1:]``).
@@ -220,6 +256,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     build = sub.add_parser("build", help="rebuild the gloss file from the WordNet 3.0 data files")
     build.add_argument("--wordnet-dir", default=DEFAULT_WORDNET_DIR, help="directory with data.noun etc.")
     build.add_argument("--out", default=None, help=f"output path (default: {DEFAULT_PATH})")
+    export = sub.add_parser(
+        "export", help="write WordNet glosses as a CSV (text,label), e.g. to try the job on files of your own"
+    )
+    export.add_argument("--out", required=True, help="the CSV file to write (never overwritten)")
+    export.add_argument("--split", choices=("train", "test", "all"), default="all", help="which split (default all)")
+    export.add_argument("--classes", nargs="+", default=None, help="only these supersenses (default: all)")
+    export.add_argument("--per-class", type=int, default=None, help="at most this many glosses per class")
+    export.add_argument("--seed", type=int, default=0, help="picks the capped subset")
     stats = sub.add_parser("stats", help="print per-supersense train/test counts")
     stats.add_argument("--path", default=None, help="gloss file (default: the packaged one)")
     args = parser.parse_args(argv)
@@ -227,6 +271,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "build":
             out = build_wordnet_glosses(args.wordnet_dir, args.out)
             print(f"wrote {out} ({out.stat().st_size} bytes, {len(read_gloss_file(out))} synsets)")
+        elif args.command == "export":
+            rows = export_csv(
+                args.out, None if args.split == "all" else args.split, args.classes, args.per_class, args.seed
+            )
+            print(f"wrote {args.out} ({rows} rows: text,label)")
         else:
             print(_stats_markdown(args.path))
     except (FileNotFoundError, ValueError) as err:

@@ -7,6 +7,7 @@ A config's top-level ``job`` key picks the job: ``continual`` (the default; :mod
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Union
 
 from ..continual.config import RunConfig, config_from_dict, read_config, unknown_value
@@ -18,6 +19,27 @@ from .resume import claim_output_dir
 __all__ = ["JOBS", "JobFailed", "load_job_config", "run_job_config", "select_methods"]
 
 JOBS = ("continual", "missing_modality")
+
+
+def resolve_data_paths(data: Any, folder: Path) -> None:
+    """Make the relative ``data.train`` / ``test`` / ``validation`` paths of a ``dataset: files`` config relative to
+    the config file's ``folder`` (where a shipped config's data lives), when the file is there; a hub id or a path
+    found nowhere is left as written (the reader then names it)."""
+    section = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(section, dict) or section.get("dataset") != "files":
+        return
+
+    def resolve(value: Any) -> Any:
+        if isinstance(value, list):
+            return [resolve(v) for v in value]
+        if not isinstance(value, str) or Path(value).expanduser().is_absolute():
+            return value
+        there = folder / value
+        return str(there) if there.exists() else value
+
+    for key in ("train", "test", "validation"):
+        if key in section:
+            section[key] = resolve(section[key])
 
 
 def select_methods(data: Any, only: list[str]) -> None:
@@ -68,6 +90,7 @@ def load_job_config(
         :class:`~peft_ext.jobs.multimodal.MissingModalityConfig` (``job: missing_modality``).
     """
     data = read_config(path, overrides)
+    resolve_data_paths(data, Path(path).parent)
     if only is not None:
         select_methods(data, only)
     check_finite(data)

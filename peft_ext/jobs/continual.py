@@ -40,6 +40,27 @@ def build_sequence(config: RunConfig) -> TaskSequence:
             protocol=data.protocol,
             supersenses=data.classes,
         )
+    if data.dataset == "files":
+        from ..data.user_data import file_task_sequence
+
+        return file_task_sequence(
+            data.train,
+            data.test,
+            data.validation,
+            text_column=data.text_column,
+            label_column=data.label_column,
+            task_column=data.task_column,
+            n_tasks=data.n_tasks,
+            classes_per_task=data.classes_per_task,
+            classes=data.classes,
+            seed=data.seed,
+            train_per_class=data.train_per_class,
+            test_per_class=data.test_per_class,
+            test_share=data.test_share,
+            validation_share=data.validation_share,
+            protocol=data.protocol,
+            name=config.name,
+        )
     raise ValueError(f"unknown dataset {data.dataset!r}")  # unreachable: the config's Literal type checks it
 
 
@@ -89,6 +110,17 @@ def run_job(
     base, tokenizer = load_text_classifier(
         config.model.backbone, sequence.num_classes, config.model.dropout, seed=config.train.seed
     )
+    if config.data.dataset == "files":
+        # tokenized once (cached by `datasets`), not by every method's collate
+        from ..data.user_data import tokenize_sequence
+
+        sequence = tokenize_sequence(sequence, tokenizer, config.model.max_length, config.train.progress)
+        if sequence.meta["truncated"]:
+            total = sum(len(t.train) + len(t.test) + len(t.validation) for t in sequence.tasks)
+            echo(
+                f"  {sequence.meta['truncated']} of {total} distinct texts are longer than model.max_length="
+                f"{config.model.max_length} tokens and are truncated to it (raise model.max_length to keep more)"
+            )
     collate = TextCollator(tokenizer, config.model.max_length)
     task_names = [t.name for t in sequence.tasks]
     meta = {
