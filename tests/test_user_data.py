@@ -110,6 +110,28 @@ def test_tokenized_once_and_padded_exactly_as_tokenizing_the_text(tmp_path):
         assert from_ids[key].tolist() == from_text[key].tolist(), key
 
 
+def test_tokenization_is_cached_on_disk_for_the_next_run(tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from peft_ext.data.user_data import tokenize_sequence
+    from peft_ext.models import minilm_path
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    seq = file_task_sequence(write_csv(tmp_path / "d.csv", rows()), n_tasks=3, classes_per_task=2)
+    calls = []
+    original = type(tokenizer).__call__
+    monkeypatch.setattr(type(tokenizer), "__call__", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    first = tokenize_sequence(seq, tokenizer, 16, progress=False)
+    assert calls and list((tmp_path / "cache" / "peft_ext_tokenized").glob("*.arrow"))
+    calls.clear()
+    again = tokenize_sequence(seq, tokenizer, 16, progress=False)
+    assert not calls, "the second run tokenized again instead of reading the cache"
+    assert summary(again) == summary(first) and again.meta["truncated"] == first.meta["truncated"]
+    other = tokenize_sequence(seq, tokenizer, 12, progress=False)  # another max_length: another cache entry
+    assert calls and all(len(e.inputs.input_ids) <= 12 for e in other.tasks[0].train)
+
+
 @pytest.mark.parametrize(
     ("make", "kwargs", "message"),
     [
