@@ -251,3 +251,18 @@ def test_bad_input_is_refused_before_training(seq, collate):
         CausalLMCollator(TOK, separator_id=TOK.eos_token_id)
     with pytest.raises(ValueError, match="families"):
         instruction_task_sequence(("reverse", "nope"))
+
+
+def test_the_docs_cpu_example_runs_as_written():
+    """docs/continual_instruct.md's "On a CPU, as written" example, exactly as printed there."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "continual_instruct.md").read_text()
+    section = text[text.index("## On a CPU, as written") : text.index("## A real run")]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    scope: dict = {}
+    exec(compile(code, "continual_instruct.md", "exec"), scope)
+    result = scope["result"]
+    assert len(result.accuracy_matrix) == 3 and set(result.metrics) >= {"final_acc", "forgetting"}
+
