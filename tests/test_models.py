@@ -95,3 +95,21 @@ def test_head_initialization_is_seeded_independently_of_global_state():
     assert torch.equal(a.classifier.weight, b.classifier.weight) and torch.equal(a.classifier.bias, b.classifier.bias)
     assert not torch.equal(a.classifier.weight, c.classifier.weight)
     assert a.classifier.weight.abs().max() <= 1 / 32**0.5  # nn.Linear's default bound for 32 inputs
+
+
+def test_a_tokenizer_without_a_pad_token_pads_with_eos_or_is_refused():
+    from transformers import AutoTokenizer
+
+    from peft_ext.models import minilm_path
+    from peft_ext.models.text import ensure_pad_token
+
+    tok = AutoTokenizer.from_pretrained(minilm_path())
+    assert ensure_pad_token(tok, "minilm").pad_token == "[PAD]"  # its own pad token stays
+    tok.pad_token = None
+    tok.eos_token = "[SEP]"
+    with pytest.warns(UserWarning, match=r"no pad token; padding with its end-of-sequence token '\[SEP\]'"):
+        assert ensure_pad_token(tok, "m").pad_token == "[SEP]"
+    tok.pad_token = None
+    tok.eos_token = None
+    with pytest.raises(ValueError, match=r"'m' has no pad token and no end-of-sequence token"):
+        ensure_pad_token(tok, "m")

@@ -162,5 +162,29 @@ def load_text_classifier(
     if os.path.isdir(path) and not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"{path} is a directory but has no config.json: not a transformers model")
     encoder = load_pretrained_quietly(AutoModel, path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = ensure_pad_token(AutoTokenizer.from_pretrained(path), name_or_path)
     return SentenceClassifier(encoder, num_labels, dropout=dropout, seed=seed), tokenizer
+
+
+def ensure_pad_token(tokenizer: PreTrainedTokenizerBase, name: str) -> PreTrainedTokenizerBase:
+    """``tokenizer`` with a pad token: its own, else its end-of-sequence token with a warning (what Trainer users
+    do; padded positions are masked, so the choice does not change the result).
+
+    Raises:
+        ValueError: The tokenizer has neither a pad nor an end-of-sequence token (batches cannot be padded).
+    """
+    if tokenizer.pad_token is not None:
+        return tokenizer
+    if tokenizer.eos_token is None:
+        raise ValueError(
+            f"the tokenizer of {name!r} has no pad token and no end-of-sequence token to pad with; add one "
+            "(`tokenizer.add_special_tokens({'pad_token': '[PAD]'})`, then resize the model's embeddings) and save it"
+        )
+    warnings.warn(
+        f"the tokenizer of {name!r} has no pad token; padding with its end-of-sequence token {tokenizer.eos_token!r} "
+        "(padded positions are masked out)",
+        UserWarning,
+        stacklevel=3,
+    )
+    tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
