@@ -151,6 +151,12 @@ def test_tokenization_is_cached_on_disk_for_the_next_run(tmp_path, monkeypatch):
         (lambda p: write_csv(p / "d.csv", rows()), {"n_tasks": 4}, "4 x 2 = 8 classes needed, but the training data"),
         (lambda p: write_csv(p / "d.csv", rows()), {"classes": ["bird", "bridge"]}, "`classes` names 'bridge'"),
         (lambda p: write_csv(p / "d.yaml", rows()), {}, "files must share one of the formats"),
+        (lambda p: "data/missing.csv", {}, "data file 'data/missing.csv' does not exist"),
+        (
+            lambda p: "nobody/no-such-data-xyz",
+            {},
+            "'nobody/no-such-data-xyz' is not a local file or folder, and as a hub",
+        ),
     ],
 )
 def test_bad_input_is_one_line_naming_what_is_wrong(tmp_path, make, kwargs, message):

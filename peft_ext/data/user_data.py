@@ -105,14 +105,16 @@ def read_source(source: Source, split: str = "train") -> Any:
         with _quiet(datasets):
             loaded = datasets.load_from_disk(str(local[0]))
         return read_source(loaded, split)
-    if (
-        not any(p.exists() for p in local)
-        and len(files) == 1
-        and "/" in str(source)
-        and not str(source).startswith((".", "/", "~"))
-    ):
-        with _quiet(datasets):
-            return datasets.load_dataset(str(source), split=split)  # a hub id (needs the network or the local cache)
+    looks_like_file = local[0].suffix.lower() in BUILDERS or str(source).startswith((".", "/", "~"))
+    if len(files) == 1 and not local[0].exists() and "/" in str(source) and not looks_like_file:
+        try:
+            with _quiet(datasets):
+                return datasets.load_dataset(str(source), split=split)  # a hub id (network, or the local cache)
+        except Exception as err:  # noqa: BLE001 - offline, unknown id, missing split: one line naming the source
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise ValueError(
+                f"{str(source)!r} is not a local file or folder, and as a hub data set it cannot be loaded: {first}"
+            ) from None
     missing = [str(p) for p in local if not p.is_file()]
     if missing:
         raise FileNotFoundError(f"data file {missing[0]!r} does not exist")
