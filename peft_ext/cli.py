@@ -67,15 +67,40 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from peft_ext.jobs import run_job_config
+    from peft_ext.jobs.continual import job_processes
 
     config = _load_and_preflight(args)
+    with job_processes(config):
+        return _run_job(args, config)
+
+
+def _run_job(args: argparse.Namespace, config) -> int:
+    """``peft-ext run`` once the processes (one, or those torchrun started) are joined; only rank 0 explains a
+    failure, the others exit with the same status."""
+    from peft_ext.continual.config import ConfigError
+    from peft_ext.distributed import on_rank_zero, rank, world_size
+    from peft_ext.jobs import JobFailed, run_job_config
+    from peft_ext.jobs.resume import claim_output_dir
+
     try:
+        if world_size() > 1:
+            # rank 0 alone moves an earlier run aside (--overwrite); every process then finds output.dir claimed, and
+            # run_job waits for all of them before rank 0 writes into it
+            on_rank_zero(lambda: claim_output_dir(config.output.dir, args.resume, args.overwrite))
         run_job_config(
             config, progress=not args.no_progress, debug=args.debug, resume=args.resume, overwrite=args.overwrite
         )
+    except (ConfigError, JobFailed) as err:
+        if rank() == 0:
+            raise
+        return 2 if isinstance(err, ConfigError) else 1
     except KeyboardInterrupt:
-        command = ["peft-ext", "run", args.config, *(f"--set={s}" for s in args.set)]
+        if rank() != 0:
+            return 130
+        launch = (
+            ["peft-ext"] if world_size() == 1 else ["torchrun", f"--nproc_per_node={world_size()}", "-m", "peft_ext"]
+        )
+        command = [*launch, "run", args.config, *(f"--set={s}" for s in args.set)]
         if args.only is not None:
             command.append(f"--only={args.only}")
         if (Path(config.output.dir) / "results.json").is_file():

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Iterable, Iterator, Sequence
+import pickle
+import random
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -35,9 +38,14 @@ __all__ = [
     "gathered_parameters",
     "is_dtensor",
     "local_part",
+    "on_rank_zero",
+    "raise_shared",
+    "rank",
     "registered_parameters",
     "reject_zero3",
+    "share_random_state",
     "sharding_of",
+    "sync_model",
     "world_size",
     "write_full_",
 ]
@@ -335,3 +343,85 @@ def all_reduce_over_row_shards_(t: torch.Tensor, op: str = "sum", *, like: torch
     for dim, placement in enumerate(like.placements):
         if placement.is_shard(0) and like.device_mesh.size(dim) > 1:
             dist.all_reduce(t, op=reduce_op, group=like.device_mesh.get_group(dim))
+
+
+# --- one job on several processes (`torchrun -m peft_ext run`) ------------------------------------------------
+
+T = TypeVar("T")
+
+
+def rank() -> int:
+    """This process's rank: 0 when ``torch.distributed`` is not initialized."""
+    return dist.get_rank() if world_size() > 1 else 0
+
+
+def raise_shared(error: Optional[BaseException], messages: list[Optional[str]]) -> None:
+    """Raise ``error`` here, or, when another process failed, a ``RuntimeError`` naming the first one."""
+    if error is not None:
+        raise error
+    first = next(r for r, m in enumerate(messages) if m is not None)
+    raise RuntimeError(f"process {first} of {len(messages)} failed: {messages[first]}")
+
+
+def on_rank_zero(fn: Callable[[], T]) -> Optional[T]:
+    """Run ``fn`` on rank 0 only (a write to disk, or filling a cache the others then read); every process returns
+    once it is done (with ``fn``'s result on rank 0, ``None`` elsewhere) and raises when it raised. Without several
+    processes: ``fn()``.
+
+    Sharing the outcome is what keeps a failed write from leaving the other processes waiting forever: they raise the
+    same exception (a ``RuntimeError`` with its message when it cannot be pickled).
+    """
+    if world_size() == 1:
+        return fn()
+    error: Optional[Exception] = None
+    shared: Optional[Exception] = None
+    result = None
+    if rank() == 0:
+        try:
+            result = fn()
+        except Exception as err:
+            error = shared = err
+            try:
+                pickle.dumps(err)
+            except Exception:
+                shared = RuntimeError(f"{type(err).__name__}: {err}")
+    box: list[Any] = [shared]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise error if error is not None else box[0]
+    return result
+
+
+def share_random_state() -> None:
+    """Give every process rank 0's random generators (torch's CPU one, the current CUDA device's, Python's).
+
+    Training draws differently on each process (dropout over its own share of the batch); the method's hooks that
+    follow (a re-wrapped adapter's initialization, random keys) must draw the same numbers everywhere.
+    """
+    if world_size() == 1:
+        return
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    box: list[Any] = [state]
+    dist.broadcast_object_list(box, src=0)
+    torch.set_rng_state(box[0]["torch"])
+    random.setstate(box[0]["python"])
+    if "cuda" in box[0]:
+        torch.cuda.set_rng_state(box[0]["cuda"])
+
+
+@torch.no_grad()
+def sync_model(model: nn.Module) -> None:
+    """Overwrite every parameter and buffer of ``model`` with rank 0's (no-op on one process).
+
+    The processes compute the same model already; this guards against kernels that are not bitwise reproducible
+    across processes (GPU atomics) drifting them apart over a sequence.
+    """
+    if world_size() == 1:
+        return
+    for t in model.state_dict().values():
+        buffer = t if t.is_contiguous() else t.contiguous()
+        dist.broadcast(buffer, src=0)
+        if buffer is not t:
+            t.copy_(buffer)

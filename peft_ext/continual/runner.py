@@ -4,6 +4,12 @@ After training task ``i`` the runner evaluates on the test sets of every task ``
 ``R[i][j]``. Class-incremental evaluation scores against every class seen so far; task-incremental evaluation
 restricts the prediction to task ``j``'s classes (the task id is known at test time). The phases are
 :class:`~peft_ext.continual.engine.ContinualEngine`'s; this module supplies the plain training loop.
+
+Under ``torch.distributed`` with several processes (``torchrun -m peft_ext run``, docs/distributed.md) every process
+runs the same engine on the same data; only training is split: each process trains on its share of every batch and
+the gradients are averaged, so each step is the whole batch's step. Everything else (the method's hooks, their data
+passes, the evaluation) runs whole on every process, which therefore stays identical; after every task the model is
+broadcast from rank 0 as a guard, and rank 0 alone writes the snapshots (:func:`on_rank_zero`).
 """
 
 from __future__ import annotations
@@ -14,16 +20,68 @@ from collections.abc import Sequence
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
 from ..data.tasks import Example, TaskSequence
-from .context import Collate, RunContext, TrainConfig, lr_factor
+from ..distributed import (
+    all_reduce_,
+    average_gradients,
+    on_rank_zero,
+    raise_shared,
+    rank,
+    share_random_state,
+    sync_model,
+    world_size,
+)
+from .context import Collate, RunContext, TrainConfig, lr_factor, split_batches
 from .engine import ContinualEngine, MethodResult, Phase, RunRecord, TaskTrainer, trainable_parameters, training_loss
 from .methods import ContinualMethod
 from .progress import TaskProgress
 
 __all__ = ["LoopTrainer", "run_sequence", "train_examples"]
+
+
+def _share(examples: list[Example], where: int, world: int) -> list[Example]:
+    # contiguous shares whose sizes differ by at most one (torch.tensor_split's rule)
+    size, extra = divmod(len(examples), world)
+    start = where * size + min(where, extra)
+    return examples[start : start + size + (where < extra)]
+
+
+def _shared_backward(
+    model: nn.Module,
+    method: ContinualMethod,
+    batch: list[Example],
+    task_id: int,
+    mask: Optional[torch.Tensor],
+    ctx: RunContext,
+) -> float:
+    """Backward of this process's share of ``batch``; returns the loss of the whole batch (the same on every rank).
+
+    Each process's loss is weighted by ``world * share / len(batch)`` before the backward, so the average of the
+    processes' gradients (:func:`~peft_ext.distributed.average_gradients`, run by the caller) is the gradient of the
+    whole batch's mean loss plus the method's ``extra_loss``, even when the shares differ by one example.
+    """
+    world = world_size()
+    share = _share(batch, rank(), world)
+    weight = len(share) / len(batch)
+    local, error = 0.0, None
+    try:
+        if share:
+            loss, _ = training_loss(model, method, ctx.to_device(ctx.collate(share)), task_id, mask)
+            (loss * (world * weight)).backward()
+            local = loss.item() * weight
+    except Exception as err:  # every process must learn of it, or the others wait in the next collective forever
+        error = err
+    status = torch.tensor([local, float(error is not None)], dtype=torch.float64)
+    all_reduce_([status])
+    if status[1].item() > 0:
+        messages: list[Optional[str]] = [None] * world
+        dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
+        raise_shared(error, messages)
+    return status[0].item()
 
 
 def train_examples(
@@ -36,6 +94,9 @@ def train_examples(
     desc: str = "train",
 ) -> float:
     """Train ``model`` on ``examples`` with the method's optimizer; return the mean training loss.
+
+    Under ``torch.distributed`` with several processes, each one trains on its share of every batch (the batches are
+    drawn in the same seeded order everywhere) and the gradients are averaged before clipping and the step.
 
     Args:
         model: The model.
@@ -57,27 +118,36 @@ def train_examples(
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, n_batches, cfg.lr_schedule, cfg.warmup_ratio)
     )
-    bar = tqdm(total=n_batches, desc=desc, disable=not cfg.progress, leave=False)
+    world = world_size()
+    bar = tqdm(total=n_batches, desc=desc, disable=not cfg.progress or rank() != 0, leave=False)
     for _ in range(cfg.epochs):
-        for batch in ctx.iter_batches(examples, cfg.batch_size, rng):
-            loss, _ = training_loss(model, method, batch, task_id, mask)
+        for chunk in split_batches(examples, cfg.batch_size, rng):
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            if world == 1:
+                loss, _ = training_loss(model, method, ctx.to_device(ctx.collate(chunk)), task_id, mask)
+                loss.backward()
+                value = loss.item()
+            else:
+                value = _shared_backward(model, method, chunk, task_id, mask, ctx)
+                average_gradients(params)
             if cfg.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             optimizer.step()
             scheduler.step()
-            total += loss.item()
+            total += value
             steps += 1
             bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+            bar.set_postfix(loss=f"{value:.3f}")
     bar.close()
     return total / max(steps, 1)
 
 
 class LoopTrainer(TaskTrainer):
     """Trains each phase with :func:`train_examples` (the runner's own loop); saves a snapshot after each phase when
-    given a :class:`~peft_ext.continual.progress.TaskProgress`."""
+    given a :class:`~peft_ext.continual.progress.TaskProgress` (rank 0 writes it, the other processes wait).
+
+    Under ``torch.distributed`` it also keeps the processes identical: after training (before the method's
+    ``after_task``) they take rank 0's random generators, and after every phase rank 0's model."""
 
     def __init__(self, method: ContinualMethod, ctx: RunContext, progress: Optional[TaskProgress] = None) -> None:
         self.method = method
@@ -89,9 +159,14 @@ class LoopTrainer(TaskTrainer):
             model, self.method, phase.task.train, phase.allowed_classes, phase.task_id, self.ctx, desc=phase.desc
         )
 
+    def finish(self, model: nn.Module, phase: Phase) -> None:
+        share_random_state()
+
     def phase_done(self, model: nn.Module, phase: Phase, record: RunRecord) -> None:
+        sync_model(model)
         if self.progress is not None:
-            self.progress.save(model, self.ctx.state, record)
+            progress = self.progress
+            on_rank_zero(lambda: progress.save(model, self.ctx.state, record))
 
 
 def run_sequence(
@@ -126,5 +201,6 @@ def run_sequence(
     if progress is not None:
         record = progress.record(len(sequence))
         progress.restore(model, engine.ctx.state, record)
+        share_random_state()  # the snapshot holds the generators of rank 0's CUDA device
     model = engine.run(model, LoopTrainer(method, engine.ctx, progress), record)
     return engine.result(model, record)

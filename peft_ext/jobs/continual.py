@@ -1,26 +1,38 @@
 """The ``continual`` job (the default of ``peft-ext run``): build the task sequence and the backbone from a
-:class:`~peft_ext.continual.config.RunConfig`, run every method, report."""
+:class:`~peft_ext.continual.config.RunConfig`, run every method, report.
+
+Launched by ``torchrun`` or ``accelerate launch`` (``WORLD_SIZE`` > 1 in the environment), every process runs the job
+and :func:`job_processes` joins them into a process group: each method trains data-parallel
+(:func:`~peft_ext.continual.runner.train_examples`), rank 0 alone prints and writes, and the others wait for it.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
+import os
 import platform
 import re
 import shutil
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from ..continual.config import RunConfig
+from ..continual.config import ConfigError, RunConfig
 from ..continual.engine import MethodResult
 from ..continual.methods import get_continual_method
 from ..continual.progress import TaskProgress
 from ..continual.report import matrix_table, metrics_table, save_results
 from ..continual.runner import run_sequence
 from ..data.tasks import TaskSequence
+from ..distributed import on_rank_zero, rank, world_size
 from .errors import JobFailed, one_line
 from .resume import config_hash, finished_results
 
@@ -67,8 +79,72 @@ def build_sequence(config: RunConfig) -> TaskSequence:
 def method_progress(config: RunConfig, index: int, name: str, label: str, fingerprint: str) -> TaskProgress:
     """Where method ``index`` of the job keeps its end-of-task snapshots: ``output.dir/progress/{index}-{label}``."""
     folder = f"{index:02d}-{re.sub(r'[^A-Za-z0-9_.+-]', '_', label)}"
-    identity = {"method": name, "label": label, "config_hash": fingerprint}
+    identity: dict[str, Any] = {"method": name, "label": label, "config_hash": fingerprint}
+    if world_size() > 1:  # only then: the snapshots of one-process runs (older ones too) carry no world size
+        identity["world_size"] = world_size()
     return TaskProgress(Path(config.output.dir) / "progress" / folder, identity)
+
+
+@contextmanager
+def job_processes(config: Any) -> Iterator[None]:
+    """Join the process group that ``torchrun`` / ``accelerate launch`` describe in the environment (``WORLD_SIZE``,
+    ``RANK``, ``MASTER_ADDR``, ...) for the block, and leave it after; nothing happens for one process or when a
+    group is already initialized (a script that calls the job itself).
+
+    The backend is gloo on CPUs; with CUDA, each process takes the GPU of its ``LOCAL_RANK`` and CUDA tensors go
+    through NCCL while CPU tensors (flags, random states) still go through gloo.
+
+    Args:
+        config: The job's config (a continual one: the other jobs run on one process).
+
+    Raises:
+        ConfigError: Several processes for a job other than ``continual``, or a ``train.device`` that names one GPU.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 or (dist.is_available() and dist.is_initialized()):
+        yield
+        return
+    if not isinstance(config, RunConfig):
+        raise ConfigError(
+            f"this job runs on one process, but WORLD_SIZE={world}: only `job: continual` runs data-parallel under "
+            "torchrun / accelerate launch; start it with plain `peft-ext run`"
+        )
+    if config.train.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(
+            f"`train.device` {config.train.device!r} would put all {world} processes on one GPU; use 'auto' or 'cuda' "
+            "(each process takes the GPU of its LOCAL_RANK) or 'cpu'"
+        )
+    backend = "gloo"
+    if config.train.device != "cpu" and torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "cpu:gloo,cuda:nccl"
+    dist.init_process_group(backend)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def check_world_size(out_dir: str) -> None:
+    """Refuse to resume, on a different number of processes, a run whose ``results.json`` names another.
+
+    Each process trains on its share of every batch, so the rounding (and, with dropout, the random draws) depend on
+    the number of processes: a resumed run equals the uninterrupted one only on the same number.
+
+    Raises:
+        ConfigError: The stored ``world_size`` (1 when absent: runs from before it was stored) differs.
+    """
+    try:
+        stored = json.loads((Path(out_dir) / "results.json").read_text())["meta"].get("world_size", 1)
+    except (OSError, ValueError, KeyError, AttributeError):
+        return  # finished_results already said what is wrong with the file
+    if stored != world_size():
+        launch = "plain `peft-ext run`" if stored == 1 else f"`torchrun --nproc_per_node {stored} -m peft_ext run`"
+        raise ConfigError(
+            f"--resume: the run in {out_dir!r} was made on {stored} process(es), this one has {world_size()}; a "
+            f"resumed run must use the same number to equal an uninterrupted one: resume it with {launch} (or start "
+            "over with --overwrite)"
+        )
 
 
 def run_job(
@@ -89,17 +165,31 @@ def run_job(
             ``output.dir``), continue an unfinished one after its last finished task, and run the others
             (:mod:`peft_ext.jobs.resume`).
 
+    Under ``torch.distributed`` with several processes (:func:`job_processes`) every process calls this; only rank 0
+    echoes, shows progress bars and writes, and every process returns the same results.
+
     Raises:
         JobFailed: After every method ran, when at least one failed.
-        ConfigError: ``resume`` with no results, or results of a different config, in ``output.dir``.
+        ConfigError: ``resume`` with no results, or results of a different config or number of processes, in
+            ``output.dir``.
     """
     from ..data.collate import TextCollator
     from ..models import load_text_classifier
 
     start = time.perf_counter()
+    if rank() != 0:
+        echo = _silent
+        config = dataclasses.replace(config, train=dataclasses.replace(config.train, progress=False))
+    if world_size() > 1:
+        dist.barrier()  # every process has checked `output.dir` (claim_output_dir) before rank 0 writes into it
     fingerprint = config_hash(config)
     done = {(r.method, r.label): r for r in finished_results(config, fingerprint)} if resume else {}
-    sequence = build_sequence(config)
+    if resume:
+        check_world_size(config.output.dir)
+    # rank 0 first: reading user files fills the `datasets` cache, which the others then only read
+    sequence = on_rank_zero(lambda: build_sequence(config))
+    if sequence is None:  # a rank other than 0, once rank 0 built it
+        sequence = build_sequence(config)
     echo(
         f"[peft-ext] {config.name}: {sequence.name} ({sequence.protocol}), {len(sequence)} tasks, "
         f"{sequence.num_classes} classes, {sum(len(t.train) for t in sequence.tasks)} train / "
@@ -114,7 +204,11 @@ def run_job(
         # tokenized once (cached by `datasets`), not by every method's collate
         from ..data.user_data import tokenize_sequence
 
-        sequence = tokenize_sequence(sequence, tokenizer, config.model.max_length, config.train.progress)
+        tokenize = functools.partial(
+            tokenize_sequence, sequence, tokenizer, config.model.max_length, config.train.progress
+        )
+        tokenized = on_rank_zero(tokenize)
+        sequence = tokenize() if tokenized is None else tokenized
         if sequence.meta["truncated"]:
             total = sum(len(t.train) + len(t.test) + len(t.validation) for t in sequence.tasks)
             echo(
@@ -134,12 +228,13 @@ def run_job(
         "threads": torch.get_num_threads(),
         "machine": platform.machine(),
         "config_hash": fingerprint,
+        "world_size": world_size(),
     }
     results: list[MethodResult] = []
     failures: list[dict[str, str]] = []
     # The report exists (with the config's fingerprint) before any training, so an interruption during the first
     # method is resumable too.
-    paths = save_results(list(done.values()), config.output.dir, meta, task_names)
+    paths = on_rank_zero(lambda: save_results(list(done.values()), config.output.dir, meta, task_names))
     for index, entry in enumerate(config.methods):
         label = entry.name
         progress = finished = None
@@ -166,17 +261,38 @@ def run_job(
             finished = progress
         # Written after every method, so the report on disk always holds every method finished so far.
         meta["wall_seconds"] = round(time.perf_counter() - start, 1)
-        paths = save_results(results, config.output.dir, meta, task_names, failures)
-        if finished is not None:
-            shutil.rmtree(finished.directory, ignore_errors=True)  # the result is written; its snapshots are done
-    progress_root = Path(config.output.dir) / "progress"
-    if progress_root.is_dir() and not any(progress_root.iterdir()):
-        progress_root.rmdir()
+        paths = on_rank_zero(functools.partial(_save, results, config, meta, task_names, failures, finished))
+    on_rank_zero(lambda: _remove_empty(Path(config.output.dir) / "progress"))
     wall = time.perf_counter() - start
     echo(f"\n[peft-ext] metrics (percent), {len(sequence)} tasks, wall time {wall:.0f} s\n")
     echo(metrics_table(results))
-    written = [paths["json"], paths["markdown"]] + ([paths["png"]] if results else [])
-    echo(f"\n[peft-ext] wrote {', '.join(str(p) for p in written)}")
+    if paths is not None:  # rank 0
+        written = [paths["json"], paths["markdown"]] + ([paths["png"]] if results else [])
+        echo(f"\n[peft-ext] wrote {', '.join(str(p) for p in written)}")
     if failures:
         raise JobFailed(failures, config.output.dir)
     return results
+
+
+def _silent(*args: Any) -> None:
+    """The echo of ranks other than 0."""
+
+
+def _save(
+    results: list[MethodResult],
+    config: RunConfig,
+    meta: dict[str, Any],
+    task_names: list[str],
+    failures: list[dict[str, str]],
+    finished: TaskProgress | None,
+) -> dict[str, Path]:
+    """Write the report; then drop the snapshots of the method just finished (``finished``), now in the report."""
+    paths = save_results(results, config.output.dir, meta, task_names, failures)
+    if finished is not None:
+        shutil.rmtree(finished.directory, ignore_errors=True)
+    return paths
+
+
+def _remove_empty(folder: Path) -> None:
+    if folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()
