@@ -33,7 +33,7 @@ from typing import Any, Optional, Union
 
 from .tasks import PROTOCOLS, Example, Task, TaskSequence
 
-__all__ = ["Tokenized", "file_task_sequence", "read_source"]
+__all__ = ["Tokenized", "describe_source", "file_task_sequence", "read_source", "split_share", "tokenize_sequence"]
 
 #: File suffixes and the ``datasets`` builder that reads them.
 BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
@@ -78,7 +78,7 @@ def _quiet(datasets: Any, quiet: bool = True) -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
-def _describe(source: Any) -> str:
+def describe_source(source: Any) -> str:
     if isinstance(source, (list, tuple)):
         return ", ".join(map(str, source))
     return str(source) if isinstance(source, (str, Path)) else type(source).__name__
@@ -122,7 +122,7 @@ def read_source(source: Source, split: str = "train") -> Any:
     builders = {BUILDERS.get(s) for s in suffixes}
     if None in builders or len(builders) != 1:
         raise ValueError(
-            f"cannot read {_describe(source)}: files must share one of the formats {sorted(BUILDERS)} "
+            f"cannot read {describe_source(source)}: files must share one of the formats {sorted(BUILDERS)} "
             f"(got suffixes {sorted(suffixes)})"
         )
     for p in local:
@@ -134,7 +134,7 @@ def read_source(source: Source, split: str = "train") -> Any:
             return datasets.load_dataset(builder, data_files=[str(p) for p in local], split="train", **options)
     except Exception as err:  # noqa: BLE001 - the reader's failure, named with the file
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ValueError(f"cannot read {_describe(source)} as {builder}: {first}") from None
+        raise ValueError(f"cannot read {describe_source(source)} as {builder}: {first}") from None
 
 
 def _check_utf8(path: Path) -> None:
@@ -204,7 +204,7 @@ def _rows(
     return rows
 
 
-def _share(seed: int, text: str) -> float:
+def split_share(seed: int, text: str) -> float:
     """A fixed number in [0, 1) per (seed, text): SHA-1, not Python's salted ``hash()``."""
     return int.from_bytes(hashlib.sha1(f"{seed}:{text}".encode()).digest()[:8], "big") / 2**64
 
@@ -278,7 +278,7 @@ def file_task_sequence(
     text_columns = [text_column] if isinstance(text_column, str) else list(text_column)
 
     def load(source: Source, split: str) -> list[tuple[str, str, Optional[str]]]:
-        where = f"{split} data {_describe(source)!r}"
+        where = f"{split} data {describe_source(source)!r}"
         table = read_source(source, split)
         _columns(table, where, text_columns, label_column, task_column)
         return _rows(table, where, text_columns, label_column, task_column, text_separator)
@@ -291,7 +291,7 @@ def file_task_sequence(
     if carved:
         kept, pieces = [], {s: [] for s in carved}
         for row in rows["train"]:
-            u = _share(seed, row[0])
+            u = split_share(seed, row[0])
             if "test" in pieces and u < test_share:
                 pieces["test"].append(row)
             elif "validation" in pieces and u < test_share * ("test" in pieces) + validation_share:
@@ -334,7 +334,7 @@ def file_task_sequence(
             chosen = [r for r in rows.get(split, []) if key(r) in wanted]
             if cap is not None:
                 by_class: dict[str, list] = {}
-                for r in sorted(chosen, key=lambda r: _share(seed + 1, r[0])):
+                for r in sorted(chosen, key=lambda r: split_share(seed + 1, r[0])):
                     by_class.setdefault(key(r), []).append(r)
                 chosen = [r for c in group_classes for r in by_class.get(c, [])[:cap]]
             examples = [Example(r[0], index[key(r)]) for r in chosen]
@@ -345,7 +345,7 @@ def file_task_sequence(
             raise ValueError(f"task {task_name!r} has no test examples (classes {group_classes})")
         tasks.append(Task(f"t{t}:{task_name}", [index[c] for c in group_classes], **splits))
     meta = {
-        "source": _describe(train),
+        "source": describe_source(train),
         "text_columns": text_columns,
         "label_column": label_column,
         "task_column": task_column,
@@ -353,7 +353,7 @@ def file_task_sequence(
         "carved": carved,
         "test_shares_train_text": shared,
     }
-    sequence = TaskSequence(name or Path(_describe(train)).stem, class_names, tasks, protocol, meta)
+    sequence = TaskSequence(name or Path(describe_source(train)).stem, class_names, tasks, protocol, meta)
     if tokenizer is not None:
         sequence = tokenize_sequence(sequence, tokenizer, max_length)
     return sequence

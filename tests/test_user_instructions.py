@@ -1,0 +1,127 @@
+"""Instruction sequences from files in TRL's formats (peft_ext.data.user_instructions): prompt-completion and
+conversational rows, one file per task or a task column, hash-carved splits, bad rows named, and a run of the
+engine on the shipped JSONL tasks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+datasets = pytest.importorskip("datasets")
+
+from peft_ext.data.tasks import Instruction  # noqa: E402
+from peft_ext.data.user_instructions import instruction_sequence_from_files  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((ROOT / "configs" / "data" / "instructions").glob("*.jsonl"))
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<assistant>"
+    "{% endif %}"
+)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer():
+    from transformers import AutoTokenizer
+
+    from peft_ext.models import minilm_path
+
+    tok = AutoTokenizer.from_pretrained(minilm_path())
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+def test_one_file_per_task_in_the_prompt_completion_format():
+    seq = instruction_sequence_from_files(SHIPPED, seed=0)
+    assert seq.kind == "generation" and seq.class_names == ["first_letter", "reverse", "upper"]
+    for t, task in enumerate(seq.tasks):
+        assert task.classes == [t] and all(isinstance(e.inputs, Instruction) and e.label == t for e in task.train)
+        train, test = {e.inputs.prompt for e in task.train}, {e.inputs.prompt for e in task.test}
+        assert not train & test and len(train) + len(test) == 24 and test
+    reverse = seq.tasks[1]
+    assert all(e.inputs.answer == e.inputs.prompt.rsplit(" ", 1)[1][::-1] for e in reverse.train)
+    again = instruction_sequence_from_files(SHIPPED, seed=0)
+    assert [[e.inputs for e in t.test] for t in again.tasks] == [[e.inputs for e in t.test] for t in seq.tasks]
+
+
+def test_conversational_rows_render_the_prompt_with_the_chat_template(tmp_path, chat_tokenizer):
+    messages = [
+        {"messages": [{"role": "user", "content": f"say {w}"}, {"role": "assistant", "content": w}]}
+        for w in ("one", "two", "three", "four", "five", "six", "seven", "eight")
+    ]
+    pc = [
+        {"prompt": [{"role": "user", "content": f"echo {w}"}], "completion": [{"role": "assistant", "content": w}]}
+        for w in ("red", "blue", "green", "pink", "gray", "teal", "gold", "navy")
+    ]
+    seq = instruction_sequence_from_files(
+        [write_jsonl(tmp_path / "say.jsonl", messages), write_jsonl(tmp_path / "echo.jsonl", pc)],
+        tokenizer=chat_tokenizer,
+        test_share=0.25,
+    )
+    example = (seq.tasks[0].train + seq.tasks[0].test)[0].inputs
+    assert example.prompt.startswith("<user>say ") and example.prompt.endswith("<assistant>")
+    assert example.answer == example.prompt[len("<user>say ") : -len("<assistant>")]
+    echo = (seq.tasks[1].train + seq.tasks[1].test)[0].inputs
+    assert echo.prompt.startswith("<user>echo ") and echo.answer in {
+        "red",
+        "blue",
+        "green",
+        "pink",
+        "gray",
+        "teal",
+        "gold",
+        "navy",
+    }
+
+
+def test_one_file_with_a_task_column(tmp_path):
+    rows = [{"prompt": f"{task}: {w}", "completion": w, "task": task} for task in ("a", "b") for w in "pqrstuvwxyz"]
+    seq = instruction_sequence_from_files(source=write_jsonl(tmp_path / "all.jsonl", rows), task_column="task")
+    assert [t.name for t in seq.tasks] == ["t0:a", "t1:b"] and seq.class_names == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([{"prompt": "p", "completion": ""}], "row 1: the completion (the answer) is empty"),
+        ([{"prompt": "p", "completion": "c"}, {"prompt": " ", "completion": "c"}], "row 2: the prompt is empty"),
+        ([{"question": "p", "answer": "c"}], "is in neither of TRL's formats"),
+        (
+            [{"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "q"}]}],
+            "row 1: the conversation must end with the assistant's message",
+        ),
+        (
+            [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}],
+            "row 1: a conversational row needs a tokenizer with a chat template",
+        ),
+    ],
+)
+def test_bad_rows_are_named(tmp_path, rows, message):
+    with pytest.raises(ValueError) as info:
+        instruction_sequence_from_files([write_jsonl(tmp_path / "t.jsonl", rows)])
+    assert message in str(info.value) and "t.jsonl" in str(info.value)
+
+
+def test_the_engine_trains_and_scores_the_shipped_tasks():
+    """The shipped JSONL tasks through ``run_sequence`` on the tiny Llama with the character tokenizer."""
+    from peft_ext.continual import TrainConfig, get_continual_method, run_sequence
+    from peft_ext.data.collate import AsciiTokenizer, CausalLMCollator
+    from peft_ext.models import tiny_llama
+
+    tokenizer = AsciiTokenizer()
+    seq = instruction_sequence_from_files(SHIPPED, seed=0)
+    method = get_continual_method("seq_lora")(lr=1e-2, adapter={"r": 4, "target_modules": ["q_proj", "v_proj"]})
+    config = TrainConfig(epochs=1, batch_size=8, device="cpu", progress=False)
+    result = run_sequence(
+        seq, method, tiny_llama(vocab_size=tokenizer.vocab_size), CausalLMCollator(tokenizer, 64), config
+    )
+    R = result.accuracy_matrix
+    assert len(R) == 3 and all(R[i][j] is not None for i in range(3) for j in range(i + 1))
+    assert all(0.0 <= R[i][j] <= 1.0 for i in range(3) for j in range(i + 1))
