@@ -125,3 +125,64 @@ def test_the_engine_trains_and_scores_the_shipped_tasks():
     R = result.accuracy_matrix
     assert len(R) == 3 and all(R[i][j] is not None for i in range(3) for j in range(i + 1))
     assert all(0.0 <= R[i][j] <= 1.0 for i in range(3) for j in range(i + 1))
+
+
+# --- the job ------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_causal_lm(tmp_path_factory):
+    """A tiny random Llama with MiniLM's real (WordPiece) tokenizer, saved as a user's local model folder."""
+    from transformers import AutoTokenizer
+
+    from peft_ext.models import minilm_path, tiny_llama
+
+    path = tmp_path_factory.mktemp("tiny-causal-lm")
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    tokenizer.eos_token = "[unused1]"  # a causal LM's tokenizer ends answers with its own eos
+    tiny_llama(vocab_size=len(tokenizer)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_the_shipped_instruction_example_runs_on_a_local_causal_lm(tmp_path, tiny_causal_lm, capsys):
+    from peft_ext.cli import main
+
+    out = tmp_path / "out"
+    sets = [f"model.backbone={tiny_causal_lm}", "model.dtype=float32", "model.separator=null", f"output.dir={out}"]
+    sets += ["train.epochs=1", "methods.seq_lora.adapter.target_modules=[q_proj, v_proj]"]
+    argv = ["run", "instructions_jsonl", "--no-progress", "--only", "seq_lora"]
+    assert main(argv + [a for s in sets for a in ("--set", s)]) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert "3 tasks" in printed and "t0:t0:reverse" not in printed
+    (row,) = json.loads((out / "results.json").read_text())["results"]
+    R = row["accuracy_matrix"]
+    assert [t for t in json.loads((out / "results.json").read_text())["tasks"]] == [
+        "t0:reverse",
+        "t1:upper",
+        "t2:first_letter",
+    ]
+    assert all(R[i][j] is not None for i in range(3) for j in range(i + 1))
+
+
+def test_instruction_configs_are_checked_before_any_work(tmp_path, tiny_causal_lm, capsys):
+    from peft_ext.cli import main
+
+    base = [
+        "--set",
+        f"model.backbone={tiny_causal_lm}",
+        "--set",
+        "model.dtype=float32",
+        "--set",
+        f"output.dir={tmp_path}/o",
+    ]
+    assert main(["check", "instructions_jsonl", *base]) == 2  # the shipped separator is not in this vocabulary
+    assert "`model.separator` '<|im_start|>' is not a token of the tokenizer's vocabulary" in capsys.readouterr().err
+    base += ["--set", "model.separator=null"]
+    assert main(["check", "instructions_jsonl", *base, "--set", "model.kind=classifier"]) == 2
+    assert "`data.dataset: instructions` and `model.kind: causal_lm` go together" in capsys.readouterr().err
+    inflora = "methods=[{name: inflora, r: 2, target_modules: [q_proj]}]"
+    assert main(["check", "instructions_jsonl", *base, "--set", inflora]) == 2
+    assert "`methods.inflora` runs ['classification'] sequences, not the generation tasks" in capsys.readouterr().err
+    assert main(["check", "instructions_jsonl", *base]) == 0
+    assert not (tmp_path / "o").exists()

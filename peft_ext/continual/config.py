@@ -31,19 +31,33 @@ class ModelSection:
 
     Args:
         backbone: ``"minilm"`` (offline, packaged), a hub id, or a local model directory.
-        max_length: Truncation length in tokens.
+        max_length: Truncation length in tokens (``causal_lm``: of prompt, separator, answer and end of sequence).
         dropout: Dropout before the classification head.
+        kind: ``classifier`` (an encoder with a linear head, for classification data) or ``causal_lm`` (a causal LM
+            trained on instruction tasks, ``data.dataset: instructions``).
+        dtype: ``causal_lm``: the weights' dtype (``float32``, ``bfloat16`` or ``float16``).
+        load_in_4bit: ``causal_lm``: an NF4 base through bitsandbytes (compute in ``dtype``); adapters stay float32.
+        separator: ``causal_lm``: the token that ends every prompt (default: the tokenizer's separator token); it
+            must be a single token of the vocabulary that appears in no prompt.
     """
 
     backbone: str = "minilm"
     max_length: int = 32
     dropout: float = 0.1
+    kind: Literal["classifier", "causal_lm"] = "classifier"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    load_in_4bit: bool = False
+    separator: str | None = None
 
     def validate(self) -> None:
         if self.max_length < 2:
             raise ValueError(f"`max_length` must be >= 2, got {self.max_length}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"`dropout` must be in [0, 1), got {self.dropout}")
+        if self.kind == "classifier":
+            for key, default in (("dtype", "float32"), ("load_in_4bit", False), ("separator", None)):
+                if getattr(self, key) != default:
+                    raise ValueError(f"`{key}` is for `kind: causal_lm`; a classifier trains in float32")
         check_local_model_path("backbone", self.backbone)
 
 
@@ -52,8 +66,9 @@ class DataSection:
     """The task sequence.
 
     Args:
-        dataset: ``wordnet`` (WordNet 3.0 gloss -> supersense, shipped) or ``files`` (your own data, read by
-            Hugging Face ``datasets``: docs/own_data.md).
+        dataset: ``wordnet`` (WordNet 3.0 gloss -> supersense, shipped), ``files`` (your own classification data,
+            read by Hugging Face ``datasets``: docs/own_data.md) or ``instructions`` (instruction tasks in TRL's
+            formats for a ``causal_lm``: docs/continual_instruct.md).
         n_tasks: Number of tasks (``files``: default all classes in tasks of ``classes_per_task``, or one per
             ``task_column`` value).
         classes_per_task: Classes each task introduces.
@@ -71,9 +86,11 @@ class DataSection:
         task_column: ``files``: a column naming each row's task (one task per value, each with its own classes).
         test_share: ``files``: share of ``train`` carved off as test when ``test`` is unset.
         validation_share: ``files``: share of ``train`` carved off as validation when ``validation`` is unset.
+        tasks: ``instructions``: one file (or folder, hub id) per task, in order; relative paths are read from the
+            config file's folder.
     """
 
-    dataset: Literal["wordnet", "files"] = "wordnet"
+    dataset: Literal["wordnet", "files", "instructions"] = "wordnet"
     n_tasks: int | None = None
     classes_per_task: int | None = None
     train_per_class: int | None = None
@@ -89,6 +106,7 @@ class DataSection:
     task_column: str | None = None
     test_share: float = 0.2
     validation_share: float = 0.0
+    tasks: list[str] | None = None
 
     #: The ``wordnet`` defaults of the fields that ``files`` leaves open.
     WORDNET_DEFAULTS: typing.ClassVar[dict[str, int]] = {
@@ -106,6 +124,7 @@ class DataSection:
         "task_column",
         "test_share",
         "validation_share",
+        "tasks",
     )
 
     def validate(self) -> None:
@@ -117,6 +136,13 @@ class DataSection:
             given = [k for k in self.FILES_ONLY if getattr(self, k) != getattr(defaults, k)]
             if given:
                 raise ValueError(f"`{given[0]}` is for `dataset: files`, not `wordnet`")
+        elif self.dataset == "instructions":
+            if (self.tasks is None) == (self.train is None):
+                raise ValueError(
+                    "`dataset: instructions` needs `tasks` (one file per task) or `train` with a `task_column`"
+                )
+            if self.train is not None and self.task_column is None:
+                raise ValueError("`train` of `dataset: instructions` needs a `task_column` naming each row's task")
         elif self.train is None:
             raise ValueError("`dataset: files` needs `train`: the file(s), folder or hub id of the training data")
         for key in ("n_tasks", "classes_per_task", "train_per_class", "test_per_class"):
@@ -374,6 +400,13 @@ def config_from_dict(data: Any) -> RunConfig:
     if not isinstance(name, str) or not name:
         raise ConfigError(f"`name` must be a non-empty string, got {name!r}")
     built = {key: build_section(cls, data.get(key), f"{key}.") for key, cls in sections.items()}
+    generation = built["data"].dataset == "instructions"
+    if generation != (built["model"].kind == "causal_lm"):
+        raise ConfigError(
+            "`data.dataset: instructions` and `model.kind: causal_lm` go together (instruction tasks train a causal "
+            f"LM; classification data an encoder with a head), got dataset {built['data'].dataset!r} with kind "
+            f"{built['model'].kind!r}"
+        )
     methods = data.get("methods")
     if not isinstance(methods, list) or not methods:
         raise ConfigError(f"`methods` must be a non-empty list of methods, got {methods!r}")

@@ -26,7 +26,7 @@ def resolve_data_paths(data: Any, folder: Path) -> None:
     the config file's ``folder`` (where a shipped config's data lives), when the file is there; a hub id or a path
     found nowhere is left as written (the reader then names it)."""
     section = data.get("data") if isinstance(data, dict) else None
-    if not isinstance(section, dict) or section.get("dataset") != "files":
+    if not isinstance(section, dict) or section.get("dataset") not in ("files", "instructions"):
         return
 
     def resolve(value: Any) -> Any:
@@ -37,7 +37,7 @@ def resolve_data_paths(data: Any, folder: Path) -> None:
         there = folder / value
         return str(there) if there.exists() else value
 
-    for key in ("train", "test", "validation"):
+    for key in ("train", "test", "validation", "tasks"):
         if key in section:
             section[key] = resolve(section[key])
 

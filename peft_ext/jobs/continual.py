@@ -37,9 +37,23 @@ from .errors import JobFailed, one_line
 from .resume import config_hash, finished_results
 
 
-def build_sequence(config: RunConfig) -> TaskSequence:
-    """The task sequence the config's ``data`` section describes."""
+def build_sequence(config: RunConfig, tokenizer: Any = None) -> TaskSequence:
+    """The task sequence the config's ``data`` section describes (``tokenizer``: renders conversational instruction
+    rows with its chat template)."""
     data = config.data
+    if data.dataset == "instructions":
+        from ..data.user_instructions import instruction_sequence_from_files
+
+        return instruction_sequence_from_files(
+            data.tasks,
+            None if data.tasks is not None else data.train,
+            task_column=data.task_column,
+            tokenizer=tokenizer,
+            test_share=data.test_share,
+            validation_share=data.validation_share,
+            seed=data.seed,
+            name=config.name,
+        )
     if data.dataset == "wordnet":
         from ..data.wordnet import wordnet_task_sequence
 
@@ -74,6 +88,28 @@ def build_sequence(config: RunConfig) -> TaskSequence:
             name=config.name,
         )
     raise ValueError(f"unknown dataset {data.dataset!r}")  # unreachable: the config's Literal type checks it
+
+
+def separator_id(tokenizer: Any, token: str | None) -> int:
+    """The id of the token that ends every prompt of an instruction sequence: ``token`` (``model.separator``), else
+    the tokenizer's separator token.
+
+    Raises:
+        ValueError: ``token`` is not one token of the vocabulary, or neither is set.
+    """
+    if token is None:
+        if getattr(tokenizer, "sep_token_id", None) is None:
+            raise ValueError(
+                f"the tokenizer ({type(tokenizer).__name__}) has no separator token to end prompts with: set "
+                "`model.separator` to a special token of its vocabulary that no prompt contains (e.g. an unused "
+                "reserved token)"
+            )
+        return int(tokenizer.sep_token_id)
+    ids = tokenizer.convert_tokens_to_ids([token])
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if not ids or ids[0] is None or (unk is not None and ids[0] == unk and token != tokenizer.unk_token):
+        raise ValueError(f"`model.separator` {token!r} is not a token of the tokenizer's vocabulary")
+    return int(ids[0])
 
 
 def method_progress(config: RunConfig, index: int, name: str, label: str, fingerprint: str) -> TaskProgress:
@@ -173,8 +209,8 @@ def run_job(
         ConfigError: ``resume`` with no results, or results of a different config or number of processes, in
             ``output.dir``.
     """
-    from ..data.collate import TextCollator
-    from ..models import load_text_classifier
+    from ..data.collate import CausalLMCollator, TextCollator
+    from ..models import load_causal_lm, load_text_classifier
 
     start = time.perf_counter()
     if rank() != 0:
@@ -186,10 +222,15 @@ def run_job(
     done = {(r.method, r.label): r for r in finished_results(config, fingerprint)} if resume else {}
     if resume:
         check_world_size(config.output.dir)
+    causal = config.model.kind == "causal_lm"
+    if causal:  # the tokenizer renders conversational rows, so it comes first
+        base, tokenizer = load_causal_lm(config.model.backbone, config.model.dtype, config.model.load_in_4bit)
+    else:
+        tokenizer = None
     # rank 0 first: reading user files fills the `datasets` cache, which the others then only read
-    sequence = on_rank_zero(lambda: build_sequence(config))
+    sequence = on_rank_zero(lambda: build_sequence(config, tokenizer))
     if sequence is None:  # a rank other than 0, once rank 0 built it
-        sequence = build_sequence(config)
+        sequence = build_sequence(config, tokenizer)
     echo(
         f"[peft-ext] {config.name}: {sequence.name} ({sequence.protocol}), {len(sequence)} tasks, "
         f"{sequence.num_classes} classes, {sum(len(t.train) for t in sequence.tasks)} train / "
@@ -197,9 +238,10 @@ def run_job(
     )
     for i, task in enumerate(sequence.tasks):
         echo(f"  t{i}: {task.name}")
-    base, tokenizer = load_text_classifier(
-        config.model.backbone, sequence.num_classes, config.model.dropout, seed=config.train.seed
-    )
+    if not causal:
+        base, tokenizer = load_text_classifier(
+            config.model.backbone, sequence.num_classes, config.model.dropout, seed=config.train.seed
+        )
     if config.data.dataset == "files":
         # tokenized once (cached by `datasets`), not by every method's collate
         from ..data.user_data import tokenize_sequence
@@ -215,7 +257,10 @@ def run_job(
                 f"  {sequence.meta['truncated']} of {total} distinct texts are longer than model.max_length="
                 f"{config.model.max_length} tokens and are truncated to it (raise model.max_length to keep more)"
             )
-    collate = TextCollator(tokenizer, config.model.max_length)
+    if causal:
+        collate = CausalLMCollator(tokenizer, config.model.max_length, separator_id(tokenizer, config.model.separator))
+    else:
+        collate = TextCollator(tokenizer, config.model.max_length)
     task_names = [t.name for t in sequence.tasks]
     meta = {
         "name": config.name,

@@ -75,7 +75,7 @@ def check_output_dir(path: str, key: str = "output.dir") -> None:
         raise ConfigError(f"`{key}` {path!r} is not writable ({str(existing)!r}: {err.strerror})") from None
 
 
-def check_data(config: RunConfig) -> None:
+def check_data(config: RunConfig, tokenizer: Any = None) -> None:
     """Raise ``ConfigError`` when the ``data`` section asks for classes the data set does not have: an unknown
     ``data.classes`` name, or more classes than the data set has at the per-class caps (``data.n_tasks``)."""
     from ..data.wordnet import LEXNAMES
@@ -89,13 +89,21 @@ def check_data(config: RunConfig) -> None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the job itself warns (once) when it builds the sequence
-            build_sequence(config)
+            sequence = build_sequence(config, tokenizer)
     except (ValueError, FileNotFoundError, ImportError) as err:
-        if data.dataset == "files":
+        if data.dataset != "wordnet":
             raise ConfigError(f"`data`: {err}") from None
         raise ConfigError(
             f"`data` (n_tasks={data.n_tasks}, classes_per_task={data.classes_per_task}): {err}"
         ) from None
+    from ..continual.methods import get_continual_method
+
+    for entry in config.methods:
+        kinds = get_continual_method(entry.name).task_kinds
+        if sequence.kind not in kinds:
+            raise ConfigError(
+                f"`methods.{entry.name}` runs {list(kinds)} sequences, not the {sequence.kind} tasks of `data`"
+            )
 
 
 def _offline() -> bool:
@@ -144,7 +152,7 @@ TOKENIZER_FILES = (
 MIN_VOCAB = 100
 
 
-def check_tokenizer(name: str, key: str = "model.backbone") -> None:
+def check_tokenizer(name: str, key: str = "model.backbone") -> Any:
     """Raise ``ConfigError`` unless the backbone has a usable tokenizer.
 
     Without tokenizer files, a local model folder still loads: transformers builds a placeholder tokenizer of a few
@@ -175,6 +183,7 @@ def check_tokenizer(name: str, key: str = "model.backbone") -> None:
             f"`{key}` {name!r}: its tokenizer has only {len(tokenizer)} tokens ({sorted(tokenizer.get_vocab())[:8]}), "
             f"a placeholder, not a vocabulary; {fix}"
         )
+    return tokenizer
 
 
 def _targets_and_rank(options: Any) -> tuple[Any, Any]:
@@ -205,10 +214,21 @@ def check_adapters(config: RunConfig, model_config: Any) -> None:
     from torch import nn
     from transformers import AutoModel
 
+    causal = config.model.kind == "causal_lm"
     with torch.device("meta"):
-        encoder = AutoModel.from_config(model_config)
-    # The job wraps the encoder as ``SentenceClassifier.encoder``: names as PEFT will see them.
-    linears = {f"encoder.{n}": m for n, m in encoder.named_modules() if isinstance(m, nn.Linear)}
+        if causal:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_config(model_config)
+        else:
+            model = AutoModel.from_config(model_config)
+    # A classifier wraps the encoder as ``SentenceClassifier.encoder``; a causal LM's LM head is no target
+    prefix = "" if causal else "encoder."
+    linears = {
+        f"{prefix}{n}": m
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and not (causal and n.endswith("lm_head"))
+    }
     for entry in config.methods:
         targets, r = _targets_and_rank(entry.options)
         if not targets or targets == "all-linear":
@@ -251,7 +271,15 @@ def preflight(config: Any) -> None:
     """
     check_output_dir(config.output.dir)
     if isinstance(config, RunConfig):
-        check_data(config)
         model_config = check_backbone(config.model.backbone)
-        check_tokenizer(config.model.backbone)
+        tokenizer = check_tokenizer(config.model.backbone)
+        check_data(config, tokenizer)
+        if config.model.kind == "causal_lm":  # what the job's collate needs of the tokenizer: a separator, an eos
+            from ..data.collate import CausalLMCollator
+            from .continual import separator_id
+
+            try:
+                CausalLMCollator(tokenizer, config.model.max_length, separator_id(tokenizer, config.model.separator))
+            except ValueError as err:
+                raise ConfigError(f"`model` {config.model.backbone!r}: {err}") from None
         check_adapters(config, model_config)

@@ -188,3 +188,40 @@ def ensure_pad_token(tokenizer: PreTrainedTokenizerBase, name: str) -> PreTraine
     )
     tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def load_causal_lm(
+    name_or_path: str, dtype: str = "float32", load_in_4bit: bool = False
+) -> tuple[nn.Module, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer for instruction tasks (``model.kind: causal_lm``).
+
+    Args:
+        name_or_path: A hub id or a local model directory.
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``: the weights' dtype (the compute dtype of a 4-bit base).
+        load_in_4bit: An NF4 base through bitsandbytes, every 4-bit layer kept in the standard layout on CPU
+            (:func:`peft_ext.disable_bnb_cpu_repacking`) so it trains after an evaluation.
+
+    Returns:
+        ``(model, tokenizer)``; the tokenizer pads with its own pad token or, with a warning, its end-of-sequence
+        token (:func:`ensure_pad_token`).
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_backbone(name_or_path)
+    if os.path.isdir(path) and not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is a directory but has no config.json: not a transformers model")
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    kwargs: dict[str, Any] = {"dtype": torch_dtype}
+    if load_in_4bit:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_compute_dtype=torch_dtype, bnb_4bit_quant_type="nf4"
+        )
+        kwargs["device_map"] = "cuda" if torch.cuda.is_available() else "cpu"
+    model = load_pretrained_quietly(AutoModelForCausalLM, path, **kwargs)
+    if load_in_4bit:
+        from ..quantization import disable_bnb_cpu_repacking
+
+        disable_bnb_cpu_repacking(model)
+    return model, ensure_pad_token(AutoTokenizer.from_pretrained(path), name_or_path)
