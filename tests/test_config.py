@@ -45,7 +45,10 @@ def test_quickstart_values(data):
         (lambda d: d["train"].update(epochs=0), r"`train.epochs` must be a positive integer, got 0"),
         (lambda d: d["train"].update(progress="yes"), r"`train.progress` must be true or false"),
         (lambda d: d["data"].update(protocol="online"), r"`data.protocol` must be one of"),
-        (lambda d: d["data"].update(dataset="imagenet"), r"`data.dataset` must be one of \['wordnet', 'files'\]"),
+        (
+            lambda d: d["data"].update(dataset="imagenet"),
+            r"`data.dataset` must be one of \['wordnet', 'files', 'instructions'\]",
+        ),
         (lambda d: d["data"].update(classes=["noun.animal"]), r"`data.classes` lists 1 names"),
         (lambda d: d["methods"][1].update(lr=-1), r"`methods\[1\].lr` must be > 0, got -1.0"),
         (lambda d: d["methods"][6]["adapter"].update(pool_size=0), r"`methods\[6\].adapter.pool_size` must be a pos"),

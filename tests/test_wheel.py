@@ -82,6 +82,9 @@ def test_wheel_carries_license_configs_and_every_package(installed):
     assert "License-Expression: Apache-2.0" in metadata
     for config in (ROOT / "configs").glob("*.yaml"):
         assert f"peft_ext/configs/{config.name}" in names, config.name
+    for data in [*(ROOT / "configs" / "data").rglob("*.csv"), *(ROOT / "configs" / "data").rglob("*.jsonl")]:
+        shipped = f"peft_ext/configs/{data.relative_to(ROOT / 'configs').as_posix()}"
+        assert shipped in names, data.name  # the examples' data travels with their configs
     # pyproject.toml lists the packages (configs/ is mapped in): every package of the checkout must be listed.
     for init in (ROOT / "peft_ext").rglob("__init__.py"):
         assert init.relative_to(ROOT).as_posix() in names, f"{init.parent} is missing from pyproject's packages"
