@@ -266,3 +266,52 @@ def test_the_docs_cpu_example_runs_as_written():
     result = scope["result"]
     assert len(result.accuracy_matrix) == 3 and set(result.metrics) >= {"final_acc", "forgetting"}
 
+
+def test_rouge_l_against_a_full_lcs_table():
+    import random
+
+    from peft_ext.continual.generation import rouge_l
+
+    def reference(a: str, b: str) -> float:
+        x, y = a.split(), b.split()
+        if not x or not y:
+            return float(x == y)
+        table = [[0] * (len(y) + 1) for _ in range(len(x) + 1)]
+        for i in range(1, len(x) + 1):
+            for j in range(1, len(y) + 1):
+                table[i][j] = (
+                    table[i - 1][j - 1] + 1 if x[i - 1] == y[j - 1] else max(table[i - 1][j], table[i][j - 1])
+                )
+        lcs = table[-1][-1]
+        return 0.0 if lcs == 0 else 2 * lcs / (len(x) + len(y))  # F1 of P = lcs/|x|, R = lcs/|y|
+
+    assert rouge_l("the cat sat", "the cat sat") == 1.0 and rouge_l("a b", "c d") == 0.0 and rouge_l("", "") == 1.0
+    assert rouge_l("the cat", "the cat sat on") == pytest.approx(2 * (1.0 * 0.5) / 1.5)
+    rng = random.Random(0)
+    for _ in range(200):
+        a = " ".join(rng.choice("abcde") for _ in range(rng.randint(0, 8)))
+        b = " ".join(rng.choice("abcde") for _ in range(rng.randint(0, 8)))
+        assert rouge_l(a, b) == pytest.approx(reference(a, b))
+
+
+def test_generation_scores_and_the_answers_per_token_loss(seq, collate):
+    """``generation_scores``: exact match as ``evaluate_generation``, ROUGE-L of the same answers, and the answers'
+    loss as the token-weighted mean of each example's own next-token loss."""
+    from peft_ext.continual.generation import evaluate_generation, generation_scores, next_token_loss, rouge_l
+
+    model = tiny_llama(vocab_size=TOK.vocab_size, hidden_size=32).eval()
+    test = seq.tasks[0].test
+    scores = generation_scores(model, test, collate, torch.device("cpu"), batch_size=3)
+    assert scores["exact_match"] == evaluate_generation(model, test, collate, torch.device("cpu"), batch_size=5)
+    answers = generate_answers(model, test, collate, torch.device("cpu"))
+    assert scores["rouge_l"] == pytest.approx(
+        sum(rouge_l(a, e.inputs.answer) for a, e in zip(answers, test)) / len(test)
+    )
+    total = tokens = 0.0
+    with torch.no_grad():
+        for example in test:
+            batch = collate([example])
+            n = int((batch["labels"][:, 1:] != -100).sum())
+            total += float(next_token_loss(model(input_ids=batch["input_ids"]).logits, batch["labels"])) * n
+            tokens += n
+    assert scores["answer_loss"] == pytest.approx(total / tokens, rel=1e-5)

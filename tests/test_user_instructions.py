@@ -163,6 +163,11 @@ def test_the_shipped_instruction_example_runs_on_a_local_causal_lm(tmp_path, tin
         "t2:first_letter",
     ]
     assert all(R[i][j] is not None for i in range(3) for j in range(i + 1))
+    for name in ("rouge_l_matrix", "answer_loss_matrix"):  # beside exact match, the same shape
+        matrix = row["extras"][name]
+        assert all((matrix[i][j] is not None) == (j <= i) for i in range(3) for j in range(3)), name
+    assert all(0 <= row["extras"]["rouge_l_matrix"][i][j] <= 1 for i in range(3) for j in range(i + 1))
+    assert all(row["extras"]["answer_loss_matrix"][i][j] > 0 for i in range(3) for j in range(i + 1))
 
 
 def test_instruction_configs_are_checked_before_any_work(tmp_path, tiny_causal_lm, capsys):

@@ -34,7 +34,7 @@ from .context import (
     split_batches,
     to_device,
 )
-from .generation import evaluate_generation, next_token_loss, require_causal_collate
+from .generation import generation_scores, next_token_loss, require_causal_collate
 from .methods import CONTINUAL_METHODS, ContinualMethod
 from .metrics import summarize
 
@@ -79,6 +79,8 @@ class RunRecord:
         task_losses: Mean training loss of each finished phase.
         train_seconds: Time in ``before_task``, training and ``after_task``.
         eval_seconds: Time evaluating.
+        scores: Further score matrices by name, like ``accuracy_matrix`` (a generation sequence: ``rouge_l`` and
+            ``answer_loss``, the answers' per-token loss).
     """
 
     accuracy_matrix: list[list[Optional[float]]]
@@ -86,10 +88,18 @@ class RunRecord:
     task_losses: list[float] = field(default_factory=list)
     train_seconds: float = 0.0
     eval_seconds: float = 0.0
+    scores: dict[str, list[list[Optional[float]]]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, num_tasks: int) -> RunRecord:
         return cls(accuracy_matrix=[[None] * num_tasks for _ in range(num_tasks)])
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any]) -> RunRecord:
+        """The record of a saved ``asdict`` (fields added since it was written keep their defaults)."""
+        from dataclasses import fields
+
+        return cls(**{f.name: saved[f.name] for f in fields(cls) if f.name in saved})
 
 
 @dataclass
@@ -260,7 +270,13 @@ class ContinualEngine:
     def evaluate_row(self, model: nn.Module, row: int) -> list[float]:
         """Accuracy (exact match for a generation sequence) on the test sets of tasks ``0..row`` after training up to
         phase row ``row``."""
+        return self.score_row(model, row)[0]
+
+    def score_row(self, model: nn.Module, row: int) -> tuple[list[float], dict[str, list[float]]]:
+        """:meth:`evaluate_row`'s scores, and the further scores of the row by name (a generation sequence:
+        ``rouge_l`` and ``answer_loss`` of :func:`~.generation.generation_scores`; none for classification)."""
         ctx, sequence = self.ctx, self.sequence
+        extra: dict[str, list[float]] = {}
         row_scores = []
         for j in range(row + 1):
             test = sequence.tasks[j].test
@@ -270,12 +286,15 @@ class ContinualEngine:
                 desc=f"{self.method.label} eval t{j}",
             )
             if sequence.kind == "generation":
-                score = evaluate_generation(model, test, ctx.collate, ctx.device, **options)
+                scores = generation_scores(model, test, ctx.collate, ctx.device, **options)
+                score = scores.pop("exact_match")
+                for name, value in scores.items():
+                    extra.setdefault(name, []).append(value)
             else:
                 classes = ctx.eval_classes(row, j)
                 score = evaluate(model, test, classes, sequence.num_classes, ctx.collate, ctx.device, **options)
             row_scores.append(score)
-        return row_scores
+        return row_scores, extra
 
     def run(self, model: nn.Module, trainer: TaskTrainer, record: RunRecord) -> nn.Module:
         """Run the phases not yet in ``record``; return the final model.
@@ -296,7 +315,11 @@ class ContinualEngine:
             model = method.after_task(model, phase.task_id, phase.task, ctx)
             record.train_seconds += time.perf_counter() - start
             start = time.perf_counter()
-            record.accuracy_matrix[phase.row][: phase.row + 1] = self.evaluate_row(model, phase.row)
+            scores, extra = self.score_row(model, phase.row)
+            record.accuracy_matrix[phase.row][: phase.row + 1] = scores
+            for name, values in extra.items():
+                T = len(record.accuracy_matrix)
+                record.scores.setdefault(name, [[None] * T for _ in range(T)])[phase.row][: phase.row + 1] = values
             record.eval_seconds += time.perf_counter() - start
             record.task_losses.append(loss)
             record.completed += 1
@@ -327,5 +350,5 @@ class ContinualEngine:
             train_seconds=record.train_seconds,
             eval_seconds=record.eval_seconds,
             task_losses=record.task_losses,
-            extras=self.method.report(self.ctx),
+            extras={**self.method.report(self.ctx), **{f"{k}_matrix": v for k, v in record.scores.items()}},
         )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
@@ -154,7 +154,7 @@ class TaskProgress:
         differs = {k: (saved.get(k), v) for k, v in self.identity.items() if saved.get(k) != v}
         if differs:
             raise ValueError(f"{path} belongs to another run; (saved, now) differ in {differs}")
-        return RunRecord(**{f.name: saved[f.name] for f in fields(RunRecord)})
+        return RunRecord.from_dict(saved)
 
     def restore(self, model: nn.Module, method_state: dict[str, Any], record: RunRecord) -> None:
         """Load the snapshot of ``record``'s last finished task into a freshly built ``model`` and ``method_state``

@@ -30,7 +30,7 @@ import copy
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
@@ -259,7 +259,7 @@ def run_continual_with_trainer(
         differs = {k: (saved.get(k), v) for k, v in identity.items() if saved.get(k) != v}
         if differs:
             raise ValueError(f"{state_path} belongs to another run; (saved, now) differ in {differs}")
-        record = RunRecord(**{f.name: saved[f.name] for f in fields(RunRecord)})
+        record = RunRecord.from_dict(saved)
 
     model = engine.build(base_model)
     if record.completed:
