@@ -127,6 +127,10 @@ class CausalLMCollator:
             return self.tokenizer.decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode(ids)
 
+    def length(self, example: Example) -> int:
+        """Tokens ``example`` takes in a training row: prompt, separator, answer and eos (``max_length`` caps it)."""
+        return len(self.encode(example.inputs.prompt)) + len(self.encode(example.inputs.answer)) + 2
+
     def _parts(self, example: Example) -> tuple[list[int], list[int]]:
         if not isinstance(example.inputs, Instruction):
             raise TypeError(

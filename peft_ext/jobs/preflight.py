@@ -75,7 +75,7 @@ def check_output_dir(path: str, key: str = "output.dir") -> None:
         raise ConfigError(f"`{key}` {path!r} is not writable ({str(existing)!r}: {err.strerror})") from None
 
 
-def check_data(config: RunConfig, tokenizer: Any = None) -> None:
+def check_data(config: RunConfig, tokenizer: Any = None) -> Any:
     """Raise ``ConfigError`` when the ``data`` section asks for classes the data set does not have: an unknown
     ``data.classes`` name, or more classes than the data set has at the per-class caps (``data.n_tasks``)."""
     from ..data.wordnet import LEXNAMES
@@ -104,6 +104,7 @@ def check_data(config: RunConfig, tokenizer: Any = None) -> None:
             raise ConfigError(
                 f"`methods.{entry.name}` runs {list(kinds)} sequences, not the {sequence.kind} tasks of `data`"
             )
+    return sequence
 
 
 def _offline() -> bool:
@@ -262,6 +263,34 @@ def check_adapters(config: RunConfig, model_config: Any) -> None:
                 )
 
 
+def check_instruction_lengths(config: RunConfig, tokenizer: Any, sequence: Any) -> None:
+    """Raise ``ConfigError`` when the job's collate cannot be built on the tokenizer (no separator, no eos), or when
+    an example needs more than ``model.max_length`` tokens: answers are never truncated (a cut answer would train
+    and score the model on the wrong text), so such an example would fail its batch in the middle of training."""
+    from ..data.collate import CausalLMCollator
+    from .continual import separator_id
+
+    try:
+        collate = CausalLMCollator(tokenizer, config.model.max_length, separator_id(tokenizer, config.model.separator))
+    except ValueError as err:
+        raise ConfigError(f"`model` {config.model.backbone!r}: {err}") from None
+    over = [
+        (collate.length(ex), task.name, split, ex.inputs.prompt)
+        for task in sequence.tasks
+        for split, examples in (("train", task.train), ("test", task.test), ("validation", task.validation))
+        for ex in examples
+        if collate.length(ex) > config.model.max_length
+    ]
+    if over:
+        longest = max(over)
+        total = sum(len(t.train) + len(t.test) + len(t.validation) for t in sequence.tasks)
+        raise ConfigError(
+            f"`model.max_length` {config.model.max_length}: {len(over)} of {total} examples need more tokens (prompt, "
+            f"separator, answer, eos); the longest, {longest[0]} tokens, is in the {longest[2]} split of task "
+            f"{longest[1]!r} (prompt {longest[3][:40]!r}). Raise `model.max_length` (answers are never truncated)"
+        )
+
+
 def preflight(config: Any) -> None:
     """Everything knowable before training, for any job's config: the output folder, and for continual jobs the data,
     the backbone and each method's adapter against the backbone's structure.
@@ -273,13 +302,7 @@ def preflight(config: Any) -> None:
     if isinstance(config, RunConfig):
         model_config = check_backbone(config.model.backbone)
         tokenizer = check_tokenizer(config.model.backbone)
-        check_data(config, tokenizer)
-        if config.model.kind == "causal_lm":  # what the job's collate needs of the tokenizer: a separator, an eos
-            from ..data.collate import CausalLMCollator
-            from .continual import separator_id
-
-            try:
-                CausalLMCollator(tokenizer, config.model.max_length, separator_id(tokenizer, config.model.separator))
-            except ValueError as err:
-                raise ConfigError(f"`model` {config.model.backbone!r}: {err}") from None
+        sequence = check_data(config, tokenizer)
+        if config.model.kind == "causal_lm":
+            check_instruction_lengths(config, tokenizer, sequence)
         check_adapters(config, model_config)
