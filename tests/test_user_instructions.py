@@ -194,3 +194,20 @@ def test_instruction_configs_are_checked_before_any_work(tmp_path, tiny_causal_l
     assert "`model.max_length` 8: " in err and "of 72 examples need more tokens" in err and "never truncated" in err
     assert main(["check", "instructions_jsonl", *base]) == 0
     assert not (tmp_path / "o").exists()
+
+
+def test_the_instruction_job_on_a_4bit_bfloat16_base(tmp_path, tiny_causal_lm, capsys):
+    """``model.load_in_4bit`` with ``dtype: bfloat16``: an NF4 base, float32 adapters, trained and scored."""
+    pytest.importorskip("bitsandbytes")
+    from peft_ext.cli import main
+
+    out = tmp_path / "out"
+    sets = [f"model.backbone={tiny_causal_lm}", "model.dtype=bfloat16", "model.load_in_4bit=true"]
+    sets += ["model.separator=null", f"output.dir={out}", "train.epochs=1"]
+    sets += ["methods.seq_lora.adapter.target_modules=[q_proj, v_proj]"]
+    argv = ["run", "instructions_jsonl", "--no-progress", "--only", "seq_lora"]
+    assert main(argv + [a for s in sets for a in ("--set", s)]) == 0, capsys.readouterr().err
+    (row,) = json.loads((out / "results.json").read_text())["results"]
+    assert all(row["accuracy_matrix"][i][j] is not None for i in range(3) for j in range(i + 1))
+    # the shipped r = 16 on q_proj (32 -> 32) and v_proj (32 -> 16, two key-value heads) of both layers
+    assert row["trainable_params"] == 2 * (16 * (32 + 32) + 16 * (32 + 16))
