@@ -315,3 +315,17 @@ def test_generation_scores_and_the_answers_per_token_loss(seq, collate):
             total += float(next_token_loss(model(input_ids=batch["input_ids"]).logits, batch["labels"])) * n
             tokens += n
     assert scores["answer_loss"] == pytest.approx(total / tokens, rel=1e-5)
+
+
+def test_a_set_max_new_tokens_is_the_generation_budget(seq):
+    fixed = CausalLMCollator(TOK, max_length=48, max_new_tokens=3)
+    examples = seq.tasks[0].test[:4]
+    assert fixed.answer_budget(examples) == 3
+    assert (
+        CausalLMCollator(TOK, max_length=48).answer_budget(examples) == max(len(e.inputs.answer) for e in examples) + 1
+    )
+    model = tiny_llama(vocab_size=TOK.vocab_size, hidden_size=32).eval()
+    answers = generate_answers(model, examples, fixed, torch.device("cpu"))
+    assert all(len(a) <= 3 for a in answers)
+    with pytest.raises(ValueError, match=r"`max_new_tokens` must be a positive integer or None, got 0"):
+        CausalLMCollator(TOK, max_length=48, max_new_tokens=0)

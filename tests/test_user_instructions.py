@@ -150,12 +150,20 @@ def test_the_shipped_instruction_example_runs_on_a_local_causal_lm(tmp_path, tin
 
     out = tmp_path / "out"
     sets = [f"model.backbone={tiny_causal_lm}", "model.dtype=float32", "model.separator=null", f"output.dir={out}"]
-    sets += ["train.epochs=1", "methods.seq_lora.adapter.target_modules=[q_proj, v_proj]"]
-    argv = ["run", "instructions_jsonl", "--no-progress", "--only", "seq_lora"]
+    sets += ["train.epochs=1", "model.max_new_tokens=6"]
+    sets += [f"methods.{m}.adapter.target_modules=[q_proj, v_proj]" for m in ("seq_lora", "splitlora")]
+    sets += [
+        "methods.pclr.adapter.pool_size=8",
+        "methods.pclr.adapter.ranks_schedule=[4]",
+        "methods.pclr.adapter.top_k=4",
+    ]
+    argv = ["run", "instructions_jsonl", "--no-progress"]  # every shipped method: seq_lora, splitlora, pclr
     assert main(argv + [a for s in sets for a in ("--set", s)]) == 0, capsys.readouterr().err
     printed = capsys.readouterr().out
     assert "3 tasks" in printed and "t0:t0:reverse" not in printed
-    (row,) = json.loads((out / "results.json").read_text())["results"]
+    rows = json.loads((out / "results.json").read_text())["results"]
+    assert [r["method"] for r in rows] == ["seq_lora", "splitlora", "pclr"]
+    row = rows[0]
     R = row["accuracy_matrix"]
     assert [t for t in json.loads((out / "results.json").read_text())["tasks"]] == [
         "t0:reverse",

@@ -39,6 +39,8 @@ class ModelSection:
         load_in_4bit: ``causal_lm``: an NF4 base through bitsandbytes (compute in ``dtype``); adapters stay float32.
         separator: ``causal_lm``: the token that ends every prompt (default: the tokenizer's separator token); it
             must be a single token of the vocabulary that appears in no prompt.
+        max_new_tokens: ``causal_lm``: tokens greedy generation may produce per answer when scored (default: the
+            longest reference answer of the batch plus its end of sequence).
     """
 
     backbone: str = "minilm"
@@ -48,13 +50,18 @@ class ModelSection:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     load_in_4bit: bool = False
     separator: str | None = None
+    max_new_tokens: int | None = None
 
     def validate(self) -> None:
         if self.max_length < 2:
             raise ValueError(f"`max_length` must be >= 2, got {self.max_length}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"`dropout` must be in [0, 1), got {self.dropout}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"`max_new_tokens` must be a positive integer, got {self.max_new_tokens}")
         if self.kind == "classifier":
+            if self.max_new_tokens is not None:
+                raise ValueError("`max_new_tokens` is for `kind: causal_lm`")
             for key, default in (("dtype", "float32"), ("load_in_4bit", False), ("separator", None)):
                 if getattr(self, key) != default:
                     raise ValueError(f"`{key}` is for `kind: causal_lm`; a classifier trains in float32")

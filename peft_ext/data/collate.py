@@ -92,9 +92,14 @@ class CausalLMCollator:
             ``sep_token_id``; for a transformers tokenizer pick a special token, e.g. Qwen2.5's ``<|im_end|>``).
     """
 
-    def __init__(self, tokenizer: Any, max_length: int = 64, separator_id: int | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, max_length: int = 64, separator_id: int | None = None, max_new_tokens: int | None = None
+    ) -> None:
         if max_length < 3:
             raise ValueError(f"`max_length` must be >= 3 tokens (prompt, separator, eos), got {max_length}")
+        if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or max_new_tokens < 1):
+            raise ValueError(f"`max_new_tokens` must be a positive integer or None, got {max_new_tokens!r}")
+        self.max_new_tokens = max_new_tokens
         separator_id = getattr(tokenizer, "sep_token_id", None) if separator_id is None else separator_id
         if separator_id is None:
             raise ValueError(f"{type(tokenizer).__name__} has no sep_token_id; pass `separator_id=` (a special token)")
@@ -176,5 +181,8 @@ class CausalLMCollator:
         return {"input_ids": ids, "attention_mask": mask}
 
     def answer_budget(self, examples: Sequence[Example]) -> int:
-        """Tokens to generate for ``examples``: the longest answer plus its eos."""
+        """Tokens to generate for ``examples``: ``max_new_tokens`` when set (the same budget whatever the answers,
+        as a deployed model has), else the longest answer plus its eos."""
+        if self.max_new_tokens is not None:
+            return self.max_new_tokens
         return max(len(self._parts(ex)[1]) for ex in examples)

@@ -258,7 +258,8 @@ def run_job(
                 f"{config.model.max_length} tokens and are truncated to it (raise model.max_length to keep more)"
             )
     if causal:
-        collate = CausalLMCollator(tokenizer, config.model.max_length, separator_id(tokenizer, config.model.separator))
+        separator = separator_id(tokenizer, config.model.separator)
+        collate = CausalLMCollator(tokenizer, config.model.max_length, separator, config.model.max_new_tokens)
     else:
         collate = TextCollator(tokenizer, config.model.max_length)
     task_names = [t.name for t in sequence.tasks]
