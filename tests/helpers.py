@@ -153,22 +153,24 @@ def opt_in_accelerate(cost: str) -> str:
     return accelerate
 
 
-def run_launcher(cmd: list[str], timeout: float = 150) -> None:
-    """Run the multi-process launch ``cmd`` from the repository root; fail the test if it fails or outlives
-    ``timeout`` seconds."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+def run_launcher(cmd: list[str], timeout: float = 150, ok: bool = True) -> tuple[str, str]:
+    """Run the multi-process launch ``cmd`` from the repository root, offline; return its stdout and stderr (every
+    rank's). Fail the test if it outlives ``timeout`` seconds, or fails (``ok``) or succeeds (``not ok``)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env["TRANSFORMERS_OFFLINE"] = "1"
     # a session of its own, so a timeout can end the launcher *and* its workers (killing the launcher alone orphans
     # them)
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, start_new_session=True
     )
     try:
-        _, stderr = proc.communicate(timeout=timeout)
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        _, stderr = proc.communicate()
+        stdout, stderr = proc.communicate()
         pytest.fail(f"the 2-process run did not finish in {timeout} s:\n{stderr[-4000:]}")
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{stderr[-4000:]}"
+    assert (proc.returncode == 0) == ok, f"{' '.join(cmd)}: exit status {proc.returncode}:\n{stderr[-4000:]}"
+    return stdout, stderr
 
 
 def torchrun_ranks(worker: Path, out: Path, if_missing: Callable[[str], None]) -> list[dict]:

@@ -13,16 +13,13 @@ and the runs are not comparable.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from peft_ext.cli import main
 
-from .helpers import ROOT, job_config, launcher, save_tiny_bert
+from .helpers import ROOT, job_config, launcher, run_launcher, save_tiny_bert
 
 METHODS = ["seq_lora", "splitlora"]
 LOSS_RTOL = 1e-6
@@ -50,26 +47,11 @@ def _cfg(tmp_path: Path, backbone: Path) -> Path:
 
 
 def _torchrun(*args: str, ok: bool = True, timeout: float = 120) -> tuple[str, str]:
-    """``torchrun --standalone --nproc_per_node=2 ARGS`` from the repository root; its stdout and stderr (every
-    rank's). Fails the test when it outlives ``timeout`` seconds, or fails (``ok``) or succeeds (``not ok``)."""
+    """``torchrun --standalone --nproc_per_node=2 ARGS`` (:func:`~tests.helpers.run_launcher`): stdout, stderr."""
     torchrun = launcher("torchrun")
     if torchrun is None:
         pytest.skip("torchrun is not installed next to this Python (it ships with torch)")
-    cmd = [torchrun, "--standalone", "--nproc_per_node=2", *args]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    env["TRANSFORMERS_OFFLINE"] = "1"
-    # a session of its own, so a timeout ends torchrun and its workers (as helpers.run_launcher)
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, start_new_session=True
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"the 2-process job did not finish in {timeout} s:\n{stderr[-4000:]}")
-    assert (proc.returncode == 0) == ok, f"{' '.join(cmd)}: exit status {proc.returncode}:\n{stderr[-4000:]}"
-    return stdout, stderr
+    return run_launcher([torchrun, "--standalone", "--nproc_per_node=2", *args], timeout=timeout, ok=ok)
 
 
 def _results(out: Path) -> dict:

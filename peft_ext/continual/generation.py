@@ -26,6 +26,7 @@ __all__ = [
     "answer_logits",
     "evaluate_generation",
     "generate_answers",
+    "generation_scores",
     "next_token_loss",
     "prompt_query",
     "require_causal_collate",
@@ -170,7 +171,6 @@ def generation_scores(
     return {"exact_match": correct / n, "rouge_l": rouge / n, "answer_loss": loss_sum / max(tokens, 1)}
 
 
-@torch.no_grad()
 def evaluate_generation(
     model: nn.Module,
     examples: Sequence[Example],
@@ -180,31 +180,11 @@ def evaluate_generation(
     progress: bool = False,
     desc: str = "eval",
 ) -> float:
-    """Exact match of greedy generation (KV cache, at most the longest answer plus eos new tokens, stopping at eos)
-    against each example's answer, as a fraction of ``examples``.
-
-    Args:
-        model: A causal LM (or a PeftModel of one).
-        examples: Instruction examples.
-        collate: A :class:`CausalLMCollator`.
-        device: Where the model runs.
-        batch_size: Prompts per ``generate`` call.
-        progress: Show a progress bar.
-        desc: Progress-bar label.
+    """Exact match of greedy generation (KV cache, at most the longest answer plus eos new tokens, or the collate's
+    ``max_new_tokens``, stopping at eos) against each example's answer, as a fraction of ``examples``: the
+    ``exact_match`` of :func:`generation_scores`, which takes the same arguments.
     """
-    if not examples:
-        raise ValueError("cannot evaluate on an empty test set")
-    collate = require_causal_collate(collate)
-    was_training = model.training
-    model.eval()
-    correct = 0
-    try:
-        for chunk in tqdm(split_batches(examples, batch_size), desc=desc, disable=not progress, leave=False):
-            answers = generate_answers(model, chunk, collate, device)
-            correct += sum(got == ex.inputs.answer for got, ex in zip(answers, chunk))
-    finally:
-        model.train(was_training)
-    return correct / len(examples)
+    return generation_scores(model, examples, collate, device, batch_size, progress, desc)["exact_match"]
 
 
 def prompt_query(separator_id: int) -> QueryFn:
