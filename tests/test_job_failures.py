@@ -75,7 +75,7 @@ def test_results_accumulate_after_each_method(tmp_path, tiny_backbone, monkeypat
 def test_unexpected_error_is_one_line_and_debug_shows_the_traceback(tmp_path, tiny_backbone, capsys, monkeypatch):
     from peft_ext.jobs import continual
 
-    def boom(config):
+    def boom(config, tokenizer=None):
         raise OSError("disk on fire: /nowhere")
 
     monkeypatch.setattr(continual, "build_sequence", boom)
