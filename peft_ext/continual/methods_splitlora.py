@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from ..tuners import matches_targets
 from ..tuners.splitlora import SplitLoRAConfig
 from .methods import (
     AdapterOptions,
@@ -87,11 +88,6 @@ def run_forward(
         model.train(was_training)
 
 
-def _matches(name: str, targets: Sequence[str]) -> bool:
-    # PEFT's rule for a list of target names: the module name equals one or ends with "." + one.
-    return any(name == t or name.endswith("." + t) for t in targets)
-
-
 def _base_layer(module: nn.Module) -> nn.Module:
     return module.get_base_layer() if hasattr(module, "get_base_layer") else module
 
@@ -123,7 +119,7 @@ def input_covariances(
     modules = {
         name: module
         for name, module in backbone.named_modules()
-        if _matches(name, targets) and isinstance(_base_layer(module), nn.Linear)
+        if matches_targets(name, targets) and isinstance(_base_layer(module), nn.Linear)
     }
     if not modules:
         raise ValueError(f"no nn.Linear module matches target_modules {list(targets)}")

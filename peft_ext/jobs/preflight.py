@@ -11,13 +11,13 @@ from __future__ import annotations
 import difflib
 import math
 import os
-import re
 import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
 
 from ..continual.config import ConfigError, RunConfig, unknown_value
+from ..tuners import matches_targets
 
 __all__ = [
     "check_adapters",
@@ -193,14 +193,6 @@ def _targets_and_rank(options: Any) -> tuple[Any, Any]:
     return getattr(source, "target_modules", None), getattr(source, "r", None)
 
 
-def _matches(name: str, targets: Any) -> bool:
-    # PEFT's rule: a string is a regex the whole module name must match; a list matches a name equal to an entry or
-    # ending with "." + an entry.
-    if isinstance(targets, str):
-        return re.fullmatch(targets, name) is not None
-    return any(name == t or name.endswith("." + t) for t in targets)
-
-
 def check_adapters(config: RunConfig, model_config: Any) -> None:
     """Raise ``ConfigError`` when a method's ``target_modules`` match no linear layer of the backbone, or (for the
     methods of :data:`INPUT_WIDTH_RANK_METHODS`) its ``r`` is above a matched layer's input width.
@@ -235,12 +227,12 @@ def check_adapters(config: RunConfig, model_config: Any) -> None:
         if not targets or targets == "all-linear":
             continue
         where = f"methods.{entry.name}"
-        matched = {n: m for n, m in linears.items() if _matches(n, targets)}
+        matched = {n: m for n, m in linears.items() if matches_targets(n, targets)}
         if matched and not isinstance(targets, str):
             # PEFT adapts what any entry matches and says nothing of an entry that matches nothing (a typo)
             suffixes = sorted({n.rsplit(".", 1)[-1] for n in linears})
             for entry_name in targets:
-                if not any(_matches(n, [entry_name]) for n in linears):
+                if not any(matches_targets(n, [entry_name]) for n in linears):
                     close = difflib.get_close_matches(str(entry_name), suffixes, n=1)
                     hint = f" (did you mean {close[0]!r}?)" if close else ""
                     raise ConfigError(

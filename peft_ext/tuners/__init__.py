@@ -6,7 +6,7 @@ A new adapter type needs a config, a layer on :class:`AdapterLayer` / :class:`Ad
 
 from __future__ import annotations
 
-from ._common import require_linear_target, require_positive_int, validate_target_selection
+from ._common import matches_targets, require_linear_target, require_positive_int, validate_target_selection
 from .adapter_config import AdapterConfig
 from .adapter_layer import AdapterLayer, AdapterLinear, delta_matmul
 from .adapter_tuner import AdapterTuner
@@ -17,6 +17,7 @@ __all__ = [
     "AdapterLinear",
     "AdapterTuner",
     "delta_matmul",
+    "matches_targets",
     "require_linear_target",
     "require_positive_int",
     "validate_target_selection",

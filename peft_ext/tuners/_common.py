@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable, Container, Iterable, Iterator
 from contextlib import contextmanager
@@ -21,12 +22,26 @@ if TYPE_CHECKING:  # adapter_layer imports this module
 __all__ = [
     "check_adapter_names_args",
     "forward_adapter_names",
+    "matches_targets",
     "merge_deltas",
     "require_linear_target",
     "require_positive_int",
     "unmerge_deltas",
     "validate_target_selection",
 ]
+
+
+def matches_targets(name: str, targets: str | Iterable[str]) -> bool:
+    """PEFT's rule for ``target_modules``: a string is a regular expression the whole module name must match; a list
+    (or set) selects a name equal to an entry or ending with ``"." + entry``.
+
+    Args:
+        name: A module's name in the model.
+        targets: The ``target_modules`` value.
+    """
+    if isinstance(targets, str):
+        return re.fullmatch(targets, name) is not None
+    return any(name == t or name.endswith("." + t) for t in targets)
 
 
 def require_linear_target(target: nn.Module, current_key: str, method: str) -> None:

@@ -16,7 +16,7 @@ from peft.config import PeftConfig
 from peft.tuners.tuners_utils import BaseTuner
 from torch import nn
 
-from ._common import forward_adapter_names, require_linear_target
+from ._common import forward_adapter_names, matches_targets, require_linear_target
 from .adapter_layer import AdapterLayer
 
 __all__ = ["AdapterTuner"]
@@ -46,7 +46,7 @@ class AdapterTuner(BaseTuner):
         if isinstance(targets, str) or not targets:
             return
         wrapped = list(self.targeted_module_names)
-        missed = sorted(t for t in targets if not any(n == t or n.endswith("." + t) for n in wrapped))
+        missed = sorted(t for t in targets if not any(matches_targets(n, [t]) for n in wrapped))
         if missed and wrapped:
             warnings.warn(
                 f"target_modules entries {missed} match no module of the model; only {len(wrapped)} modules matched "

@@ -10,7 +10,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from ...precision import is_half
-from .._common import require_linear_target
+from .._common import matches_targets, require_linear_target
 from ..adapter_tuner import AdapterTuner
 from .config import MoRAConfig
 from .layer import Linear, MoRALayer, SharedFactors
@@ -33,12 +33,6 @@ class MoRATarget:
     layer: int
     pair_key: str
     width: int
-
-
-def _matches_target(target_modules: str | set[str], key: str) -> bool:
-    if isinstance(target_modules, str):
-        return re.fullmatch(target_modules, key) is not None
-    return any(key == t or key.endswith("." + t) for t in target_modules)
 
 
 def _width(module: nn.Module, key: str) -> int:
@@ -69,7 +63,7 @@ def plan_targets(model: nn.Module, config: MoRAConfig) -> dict[str, MoRATarget]:
     found: dict[str, dict[int, list[tuple[str, nn.Module]]]] = {"text": {}, "vision": {}}
     patterns = {"text": re.compile(config.text_pattern), "vision": re.compile(config.vision_pattern)}
     for key, module in model.named_modules():
-        if not key or not _matches_target(config.target_modules, key):
+        if not key or not matches_targets(key, config.target_modules):
             continue
         hits = {m: p.search(key) for m, p in patterns.items()}
         hits = {m: h for m, h in hits.items() if h is not None}
