@@ -41,6 +41,7 @@ __all__ = [
     "on_rank_zero",
     "raise_shared",
     "rank",
+    "rank_zero_first",
     "registered_parameters",
     "reject_zero3",
     "share_random_state",
@@ -78,12 +79,17 @@ def all_reduce_(tensors: Sequence[torch.Tensor], mean: bool = False) -> None:
         offset += t.numel()
 
 
+@torch.no_grad()
 def broadcast_(tensors: Iterable[torch.Tensor], src: int = 0) -> None:
-    """Overwrite ``tensors`` with rank ``src``'s values (state initialized from each rank's own random numbers)."""
+    """Overwrite ``tensors`` with rank ``src``'s values (state initialized from each rank's own random numbers).
+    A non-contiguous tensor goes through a contiguous copy (collectives need contiguous memory)."""
     if world_size() == 1:
         return
     for t in tensors:
-        dist.broadcast(t.data, src=src)
+        buffer = t.data if t.is_contiguous() else t.data.contiguous()
+        dist.broadcast(buffer, src=src)
+        if buffer is not t.data:
+            t.data.copy_(buffer)
 
 
 def average_gradients(params: Iterable[torch.Tensor]) -> None:
@@ -411,17 +417,17 @@ def share_random_state() -> None:
         torch.cuda.set_rng_state(box[0]["cuda"])
 
 
-@torch.no_grad()
 def sync_model(model: nn.Module) -> None:
     """Overwrite every parameter and buffer of ``model`` with rank 0's (no-op on one process).
 
     The processes compute the same model already; this guards against kernels that are not bitwise reproducible
     across processes (GPU atomics) drifting them apart over a sequence.
     """
-    if world_size() == 1:
-        return
-    for t in model.state_dict().values():
-        buffer = t if t.is_contiguous() else t.contiguous()
-        dist.broadcast(buffer, src=0)
-        if buffer is not t:
-            t.copy_(buffer)
+    broadcast_(model.state_dict().values())
+
+
+def rank_zero_first(fn: Callable[[], T]) -> T:
+    """``fn()`` on rank 0 (:func:`on_rank_zero`), then on the other processes: for work whose first run fills a cache
+    (``datasets``' files) that the later runs only read. Every process returns ``fn``'s result."""
+    result = on_rank_zero(fn)
+    return fn() if rank() != 0 else result

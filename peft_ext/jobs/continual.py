@@ -32,7 +32,7 @@ from ..continual.progress import TaskProgress
 from ..continual.report import matrix_table, metrics_table, save_results
 from ..continual.runner import run_sequence
 from ..data.tasks import TaskSequence
-from ..distributed import on_rank_zero, rank, world_size
+from ..distributed import on_rank_zero, rank, rank_zero_first, world_size
 from .errors import JobFailed, one_line
 from .resume import config_hash, finished_results
 
@@ -227,10 +227,8 @@ def run_job(
         base, tokenizer = load_causal_lm(config.model.backbone, config.model.dtype, config.model.load_in_4bit)
     else:
         tokenizer = None
-    # rank 0 first: reading user files fills the `datasets` cache, which the others then only read
-    sequence = on_rank_zero(lambda: build_sequence(config, tokenizer))
-    if sequence is None:  # a rank other than 0, once rank 0 built it
-        sequence = build_sequence(config, tokenizer)
+    # reading user files fills the `datasets` cache, which the other processes then only read
+    sequence = rank_zero_first(lambda: build_sequence(config, tokenizer))
     echo(
         f"[peft-ext] {config.name}: {sequence.name} ({sequence.protocol}), {len(sequence)} tasks, "
         f"{sequence.num_classes} classes, {sum(len(t.train) for t in sequence.tasks)} train / "
@@ -246,11 +244,9 @@ def run_job(
         # tokenized once (cached by `datasets`), not by every method's collate
         from ..data.user_data import tokenize_sequence
 
-        tokenize = functools.partial(
-            tokenize_sequence, sequence, tokenizer, config.model.max_length, config.train.progress
+        sequence = rank_zero_first(
+            functools.partial(tokenize_sequence, sequence, tokenizer, config.model.max_length, config.train.progress)
         )
-        tokenized = on_rank_zero(tokenize)
-        sequence = tokenize() if tokenized is None else tokenized
         if sequence.meta["truncated"]:
             total = sum(len(t.train) + len(t.test) + len(t.validation) for t in sequence.tasks)
             echo(
