@@ -33,7 +33,19 @@ from typing import Any, Optional, Union
 
 from .tasks import PROTOCOLS, Example, Task, TaskSequence
 
-__all__ = ["Tokenized", "describe_source", "file_task_sequence", "read_source", "split_share", "tokenize_sequence"]
+__all__ = [
+    "SPLITS",
+    "Tokenized",
+    "carved_split",
+    "describe_source",
+    "file_task_sequence",
+    "read_source",
+    "split_share",
+    "tokenize_sequence",
+]
+
+#: The splits a sequence's tasks hold, training first.
+SPLITS = ("train", "test", "validation")
 
 #: File suffixes and the ``datasets`` builder that reads them.
 BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
@@ -209,6 +221,19 @@ def split_share(seed: int, text: str) -> float:
     return int.from_bytes(hashlib.sha1(f"{seed}:{text}".encode()).digest()[:8], "big") / 2**64
 
 
+def carved_split(seed: int, text: str, test_share: float, validation_share: float) -> str:
+    """The split a carved example falls in: ``"test"`` for the first ``test_share`` of :func:`split_share`'s range,
+    ``"validation"`` for the next ``validation_share``, else ``"train"`` (a share of 0 carves nothing)."""
+    u = split_share(seed, text)
+    return "test" if u < test_share else "validation" if u < test_share + validation_share else "train"
+
+
+def _deal(names: Sequence[str], per_task: int, n_tasks: int) -> list[tuple[str, list[str]]]:
+    """``names`` dealt to ``n_tasks`` tasks ``per_task`` at a time, each named by its classes."""
+    groups = [list(names[i * per_task : (i + 1) * per_task]) for i in range(n_tasks)]
+    return [("+".join(g), g) for g in groups]
+
+
 def file_task_sequence(
     train: Source,
     test: Optional[Source] = None,
@@ -289,16 +314,11 @@ def file_task_sequence(
             rows[split] = load(source, split)
     carved = [s for s, share in (("test", test_share), ("validation", validation_share)) if s not in rows and share]
     if carved:
-        kept, pieces = [], {s: [] for s in carved}
+        pieces: dict[str, list] = {"train": [], **{s: [] for s in carved}}
+        carve_test = test_share if "test" in carved else 0.0
+        carve_validation = validation_share if "validation" in carved else 0.0
         for row in rows["train"]:
-            u = split_share(seed, row[0])
-            if "test" in pieces and u < test_share:
-                pieces["test"].append(row)
-            elif "validation" in pieces and u < test_share * ("test" in pieces) + validation_share:
-                pieces["validation"].append(row)
-            else:
-                kept.append(row)
-        rows["train"] = kept
+            pieces[carved_split(seed, row[0], carve_test, carve_validation)].append(row)
         rows.update(pieces)
 
     def key(row: tuple[str, str, Optional[str]]) -> str:
@@ -323,7 +343,7 @@ def file_task_sequence(
         )
 
     groups = _groups(rows["train"], key, task_column, classes, n_tasks, classes_per_task, seed, train_per_class)
-    class_names = [c for group in groups for _, group_classes in [group] for c in group_classes]
+    class_names = [c for _, group_classes in groups for c in group_classes]
     index = {c: i for i, c in enumerate(class_names)}
     rng = random.Random(seed)
     tasks = []
@@ -398,10 +418,7 @@ def _groups(
                 f"a flat `classes` list ({len(flat)} names) needs `n_tasks` x `classes_per_task` equal to its length; "
                 "or give one list of names per task"
             )
-        return [
-            ("+".join(flat[i * per_task : (i + 1) * per_task]), flat[i * per_task : (i + 1) * per_task])
-            for i in range(n_tasks)
-        ]
+        return _deal(flat, per_task, n_tasks)
     if per_task is None:
         raise ValueError("give `classes_per_task` (with `n_tasks`), `classes`, or a `task_column`")
     eligible = sorted(c for c, n in counts.items() if cap is None or n >= cap)
@@ -415,19 +432,7 @@ def _groups(
             f"has {len(eligible)} classes{capped} ({len(counts)} in all): lower `n_tasks` or `classes_per_task`"
             + (" or `train_per_class`" if cap is not None else "")
         )
-    picked = random.Random(seed).sample(eligible, needed)
-    return [
-        ("+".join(picked[i * per_task : (i + 1) * per_task]), picked[i * per_task : (i + 1) * per_task])
-        for i in range(n_tasks)
-    ]
-
-
-def hash_of(items: list) -> str:
-    """A stable SHA-256 of a list of (str, int) pairs."""
-    digest = hashlib.sha256()
-    for key, value in items:
-        digest.update(f"{key}\0{value}\0".encode())
-    return digest.hexdigest()
+    return _deal(random.Random(seed).sample(eligible, needed), per_task, n_tasks)
 
 
 def tokenize_sequence(sequence: TaskSequence, tokenizer: Any, max_length: int, progress: bool = True) -> TaskSequence:
@@ -449,8 +454,9 @@ def tokenize_sequence(sequence: TaskSequence, tokenizer: Any, max_length: int, p
     digest = hashlib.sha256()
     for text in texts:
         digest.update(text.encode() + b"\0")
-    vocab = sorted(tokenizer.get_vocab().items())
-    digest.update(repr((type(tokenizer).__name__, len(vocab), hash_of(vocab), max_length)).encode())
+    for token, index in sorted(tokenizer.get_vocab().items()):
+        digest.update(f"{token}\0{index}\0".encode())
+    digest.update(repr((type(tokenizer).__name__, max_length)).encode())
     cache = Path(datasets.config.HF_DATASETS_CACHE) / "peft_ext_tokenized" / f"{digest.hexdigest()[:32]}.arrow"
     cache.parent.mkdir(parents=True, exist_ok=True)
     with _quiet(datasets, not progress):

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from .tasks import Example, Instruction, Task, TaskSequence
-from .user_data import Source, describe_source, read_source, split_share
+from .user_data import SPLITS, Source, carved_split, describe_source, read_source, split_share
 
 __all__ = ["instruction_sequence_from_files", "instruction_rows"]
 
@@ -152,11 +152,9 @@ def instruction_sequence_from_files(
             grouped = dict(zip(names, grouped.values()))
     built = []
     for t, (task_name, rows) in enumerate(grouped.items()):
-        splits: dict[str, list[tuple[str, str]]] = {"train": [], "test": [], "validation": []}
+        splits: dict[str, list[tuple[str, str]]] = {split: [] for split in SPLITS}
         for row in rows:
-            u = split_share(seed, row[0])
-            split = "test" if u < test_share else "validation" if u < test_share + validation_share else "train"
-            splits[split].append(row)
+            splits[carved_split(seed, row[0], test_share, validation_share)].append(row)
         for split, cap in (("train", train_per_task), ("test", test_per_task), ("validation", test_per_task)):
             if cap is not None:
                 splits[split] = sorted(splits[split], key=lambda r: split_share(seed + 1, r[0]))[:cap]
