@@ -144,6 +144,15 @@ class SentenceClassifier(nn.Module):
         return SequenceClassifierOutput(loss=loss, logits=logits)
 
 
+def model_path(name_or_path: str) -> str:
+    """What ``from_pretrained`` gets for a backbone name (:func:`resolve_backbone`), refusing a local folder that holds
+    no model (no ``config.json``)."""
+    path = resolve_backbone(name_or_path)
+    if os.path.isdir(path) and not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is a directory but has no config.json: not a transformers model")
+    return path
+
+
 def load_text_classifier(
     name_or_path: str = "minilm", num_labels: int = 2, dropout: float = 0.1, seed: int | None = 0
 ) -> tuple[SentenceClassifier, PreTrainedTokenizerBase]:
@@ -158,9 +167,7 @@ def load_text_classifier(
     Returns:
         ``(model, tokenizer)``.
     """
-    path = resolve_backbone(name_or_path)
-    if os.path.isdir(path) and not (Path(path) / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is a directory but has no config.json: not a transformers model")
+    path = model_path(name_or_path)
     encoder = load_pretrained_quietly(AutoModel, path)
     tokenizer = ensure_pad_token(AutoTokenizer.from_pretrained(path), name_or_path)
     return SentenceClassifier(encoder, num_labels, dropout=dropout, seed=seed), tokenizer
@@ -207,9 +214,7 @@ def load_causal_lm(
     """
     from transformers import AutoModelForCausalLM
 
-    path = resolve_backbone(name_or_path)
-    if os.path.isdir(path) and not (Path(path) / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is a directory but has no config.json: not a transformers model")
+    path = model_path(name_or_path)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     kwargs: dict[str, Any] = {"dtype": torch_dtype}
     if load_in_4bit:
