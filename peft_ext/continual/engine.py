@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
 import torch
@@ -97,8 +97,6 @@ class RunRecord:
     @classmethod
     def from_dict(cls, saved: dict[str, Any]) -> RunRecord:
         """The record of a saved ``asdict`` (fields added since it was written keep their defaults)."""
-        from dataclasses import fields
-
         return cls(**{f.name: saved[f.name] for f in fields(cls) if f.name in saved})
 
 

@@ -20,7 +20,7 @@ from ..data.collate import CausalLMCollator
 from ..data.tasks import Example
 from ..tuners.pclr import default_query
 from ..tuners.pclr.router import QueryFn
-from .context import Collate, split_batches, to_device
+from .context import Collate, model_logits, split_batches, to_device
 
 __all__ = [
     "answer_logits",
@@ -161,8 +161,7 @@ def generation_scores(
             correct += sum(got == ex.inputs.answer for got, ex in zip(answers, chunk))
             rouge += sum(rouge_l(got, ex.inputs.answer) for got, ex in zip(answers, chunk))
             batch = to_device(collate(chunk), device)
-            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-            scores, targets = answer_logits(out.logits if hasattr(out, "logits") else out, batch["labels"])
+            scores, targets = answer_logits(model_logits(model, batch), batch["labels"])
             loss_sum += float(F.cross_entropy(scores.float(), targets, reduction="sum"))
             tokens += targets.numel()
     finally:
