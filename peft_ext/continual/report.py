@@ -24,13 +24,14 @@ def _pct(x: float | None) -> str:
     return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}"
 
 
-def metrics_table(results: Sequence[MethodResult]) -> str:
-    """A markdown table, one row per method: metrics in percent, trainable parameters and wall time."""
-    head = ["method", *(title for _, title in METRIC_COLUMNS), "trainable params", "train s", "eval s"]
+def metrics_table(results: Sequence[MethodResult], timings: bool = True) -> str:
+    """A markdown table, one row per method: metrics in percent, trainable parameters and (``timings``) wall time."""
+    head = ["method", *(title for _, title in METRIC_COLUMNS), "trainable params"]
+    head += ["train s", "eval s"] if timings else []
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
     for r in results:
-        cells = [r.label, *(_pct(r.metrics.get(key)) for key, _ in METRIC_COLUMNS)]
-        cells += [f"{r.trainable_params:,}", f"{r.train_seconds:.1f}", f"{r.eval_seconds:.1f}"]
+        cells = [r.label, *(_pct(r.metrics.get(key)) for key, _ in METRIC_COLUMNS), f"{r.trainable_params:,}"]
+        cells += [f"{r.train_seconds:.1f}", f"{r.eval_seconds:.1f}"] if timings else []
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -172,11 +173,7 @@ def published_table(path: str | Path) -> str:
         path: A continual job's ``results.json``.
     """
     meta, results = load_results(path)
-    head = ["method", *(title for _, title in METRIC_COLUMNS), "trainable params"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
-    for r in results:
-        cells = [r.label, *(_pct(r.metrics.get(key)) for key, _ in METRIC_COLUMNS), f"{r.trainable_params:,}"]
-        lines.append("| " + " | ".join(cells) + " |")
+    lines = [metrics_table(results, timings=False)]
     train = sum(r.train_seconds for r in results)
     evaluation = sum(r.eval_seconds for r in results)
     where = f"torch {meta.get('torch', '?')}, {meta.get('threads', '?')} threads, {meta.get('machine', '?')}"
