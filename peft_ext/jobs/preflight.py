@@ -266,13 +266,13 @@ def check_instruction_lengths(config: RunConfig, tokenizer: Any, sequence: Any) 
         collate = CausalLMCollator(tokenizer, config.model.max_length, separator_id(tokenizer, config.model.separator))
     except ValueError as err:
         raise ConfigError(f"`model` {config.model.backbone!r}: {err}") from None
-    over = [
+    lengths = [
         (collate.length(ex), task.name, split, ex.inputs.prompt)
         for task in sequence.tasks
         for split, examples in (("train", task.train), ("test", task.test), ("validation", task.validation))
         for ex in examples
-        if collate.length(ex) > config.model.max_length
     ]
+    over = [entry for entry in lengths if entry[0] > config.model.max_length]
     if over:
         longest = max(over)
         total = sum(len(t.train) + len(t.test) + len(t.validation) for t in sequence.tasks)
