@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import yaml
 
+from .helpers import save_tiny_bert
+
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden" / "runs.json"
 
@@ -69,22 +71,6 @@ def shrunk_config(name: str, backbone: Path, out_dir: Path) -> dict[str, Any]:
     return data
 
 
-def tiny_backbone(path: Path) -> Path:
-    """A tiny random BERT (2 layers, width 32, seed 0) with MiniLM's tokenizer, saved to ``path``."""
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    from peft_ext.models import minilm_path
-
-    tok = AutoTokenizer.from_pretrained(minilm_path())
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
-    )
-    BertModel(config).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
 def run_case(name: str, work: Path, backbone: Path, threads: int = 1) -> dict[str, dict[str, Any]]:
     """Run the shrunk config ``name`` with ``peft-ext run`` on ``threads`` intra-op threads; returns
     ``{label: record}`` with each method's accuracy matrix and per-task mean training loss."""
@@ -112,7 +98,7 @@ def run_case(name: str, work: Path, backbone: Path, threads: int = 1) -> dict[st
 
 def run_all(work: Path, threads: int = 1) -> dict[str, dict[str, dict[str, Any]]]:
     """Every case of :data:`SHRINK`, in ``work``."""
-    backbone = tiny_backbone(work / "tiny-bert")
+    backbone = save_tiny_bert(work / "tiny-bert", num_layers=2, seed=0)
     return {name: run_case(name, work, backbone, threads) for name in SHRINK}
 
 
