@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import TrainerCallback, TrainingArguments
 
 from peft_ext.cli import main
 from peft_ext.continual import TrainConfig, get_continual_method, run_sequence
@@ -36,6 +35,7 @@ from .helpers import (
     token_sequence,
 )
 from .single_thread import single_thread  # noqa: F401  (fixture)
+from .test_continual_trainer import Interrupt, KillAt, targs
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -98,42 +98,10 @@ def backbone_weights(model) -> dict[str, torch.Tensor]:
 # --- the drivers --------------------------------------------------------------------------------------------------
 
 
-class Interrupted(Exception):
-    """Stands for the process being killed."""
-
-
-class StopAt(TrainerCallback):
-    """Raises inside task ``task`` after global step ``step``."""
-
-    def __init__(self, task: int, step: int) -> None:
-        self.task, self.step = task, step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if Path(args.output_dir).name == f"task-{self.task}" and state.global_step == self.step:
-            raise Interrupted(f"killed at step {state.global_step} of task {self.task}")
-
-
 def trainer_run(name: str, seq, tmp_path: Path) -> tuple:
     """The arguments of ``run_continual_with_trainer`` for method ``name`` (a fresh method object each call)."""
     method = get_continual_method(name)(**OPTIONS[name])
-    return seq, method, tiny_classifier(seq.num_classes), stack_collate, targs(tmp_path / "trainer")
-
-
-def targs(out: Path) -> TrainingArguments:
-    return TrainingArguments(
-        output_dir=str(out),
-        per_device_train_batch_size=8,
-        num_train_epochs=2,
-        lr_scheduler_type="constant",
-        save_strategy="steps",
-        save_steps=2,
-        report_to="none",
-        use_cpu=True,
-        disable_tqdm=True,
-        logging_steps=1000,
-        seed=0,
-        dataloader_num_workers=0,
-    )
+    return seq, method, tiny_classifier(seq.num_classes), stack_collate, targs(tmp_path / "trainer", save_steps=2)
 
 
 @pytest.fixture(scope="module")
@@ -158,8 +126,8 @@ def drive(driver: str, name: str, seq, tmp_path: Path, backbone: Path | None = N
         return run_sequence(seq, method, tiny_classifier(seq.num_classes), stack_collate, config).to_dict()
     if driver == "trainer":
         # killed mid-task (task 1, or the joint phase, at step 3: after checkpoint-2) and resumed from there
-        stop = StopAt(0 if get_continual_method(name).joint else 1, step=3)
-        with pytest.raises(Interrupted):
+        stop = KillAt(0 if get_continual_method(name).joint else 1, 3)
+        with pytest.raises(Interrupt):
             run_continual_with_trainer(*trainer_run(name, seq, tmp_path), callbacks=[stop])
         result, _ = run_continual_with_trainer(*trainer_run(name, seq, tmp_path))
         return result.to_dict()
@@ -563,7 +531,7 @@ def run_single_task(driver: str, key: str, tmp_path: Path) -> dict:
     if driver == "loop":
         config = TrainConfig(epochs=2, batch_size=8, progress=False, device="cpu")
         return run_sequence(one, method, base, stack_collate, config).to_dict()
-    result, _ = run_continual_with_trainer(one, method, base, stack_collate, targs(tmp_path / "trainer"))
+    result, _ = run_continual_with_trainer(one, method, base, stack_collate, targs(tmp_path / "trainer", save_steps=2))
     return result.to_dict()
 
 
