@@ -261,7 +261,7 @@ class MoRALayer(AdapterLayer):
         d_sh = a * self.shared_delta(adapter_name)
         d_sp = a * self.specific_delta(adapter_name)
         # Not detached: DoRA (paper section 4.3, and PEFT) treats the norm as a constant to save the d x d graph;
-        # MoRA adapts a few top layers only, so we keep METHODS.md's formula's exact gradient.
+        # MoRA adapts a few top layers only, so we keep the exact gradient of the paper's formula.
         s_sh = magnitude_scale(self.mora_mag_shared[adapter_name], row_norm(weight + d_sh))
         s_sp = magnitude_scale(self.mora_mag_specific[adapter_name], row_norm(weight + d_sp))
         return s_sh, s_sp, d_sh, d_sp
