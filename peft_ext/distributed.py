@@ -421,9 +421,10 @@ def sync_model(model: nn.Module) -> None:
     """Overwrite every parameter and buffer of ``model`` with rank 0's (no-op on one process).
 
     The processes compute the same model already; this guards against kernels that are not bitwise reproducible
-    across processes (GPU atomics) drifting them apart over a sequence.
+    across processes (GPU atomics) drifting them apart over a sequence. FSDP2 shards (DTensors) are left alone: each
+    process holds different rows of them by design.
     """
-    broadcast_(model.state_dict().values())
+    broadcast_(v for v in model.state_dict().values() if not is_dtensor(v))
 
 
 def rank_zero_first(fn: Callable[[], T]) -> T:

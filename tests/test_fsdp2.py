@@ -285,3 +285,97 @@ def test_mora_refuses_zero3_partitions_before_changing_weights():
         r"before fully_shard",
     ):
         get_peft_model(base, MoRAConfig(r=2))
+
+
+# --- the job's sharding (peft_ext.continual.sharding) ---------------------------------------------------------------
+
+
+def _lora_bert(num_layers: int = 2):
+    """A tiny random BERT classifier with PEFT LoRA on its attention and the head trained whole."""
+    from peft import LoraConfig
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=num_layers, num_attention_heads=2, intermediate_size=32
+    )
+    base = BertForSequenceClassification(config).eval()
+    lora = LoraConfig(r=2, target_modules=["query", "value"], modules_to_save=["classifier"], init_lora_weights=False)
+    return get_peft_model(base, lora)
+
+
+def test_the_job_takes_fsdp2_from_an_accelerate_config(monkeypatch):
+    import dataclasses
+
+    from peft_ext.continual.config import ConfigError, load_config
+    from peft_ext.continual.sharding import sharding_from_launcher
+    from peft_ext.jobs.continual import launcher_sharding
+
+    config = load_config(ROOT / "configs" / "quickstart.yaml")
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    assert sharding_from_launcher() is None and launcher_sharding(config) is config
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    assert sharding_from_launcher() == "fsdp2"
+    assert launcher_sharding(config) == dataclasses.replace(
+        config, train=dataclasses.replace(config.train, sharding="fsdp2")
+    )
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(ConfigError, match=r"asks for FSDP version 1; the job shards with FSDP2 only: set `fsdp_"):
+        launcher_sharding(config)
+
+
+def test_sharding_is_checked_and_the_default_keeps_earlier_fingerprints():
+    import dataclasses
+    import hashlib
+    import json
+
+    from peft_ext.continual.config import ConfigError, load_config
+    from peft_ext.jobs.resume import _plain, config_hash
+
+    with pytest.raises(ConfigError, match=r"`train.sharding` must be one of \['none', 'fsdp2'\], got 'fsdp'"):
+        load_config(ROOT / "configs" / "quickstart.yaml", ["train.sharding=fsdp"])
+    config = load_config(ROOT / "configs" / "quickstart.yaml")
+    # the fingerprint as it was computed before the key existed (for the quickstart: c810dc10e5568d87 then and now)
+    data = dataclasses.asdict(config)
+    del data["train"]["progress"], data["train"]["sharding"]
+    before = hashlib.sha256(json.dumps(data, sort_keys=True, default=_plain).encode()).hexdigest()[:16]
+    assert config_hash(config) == before
+    sharded = dataclasses.replace(config, train=dataclasses.replace(config.train, sharding="fsdp2"))
+    assert config_hash(sharded) != before
+
+
+def test_the_units_are_the_layer_stack_entries(monkeypatch):
+    from peft_ext.continual.sharding import transformer_blocks
+
+    model = _lora_bert()
+    monkeypatch.delenv("FSDP_TRANSFORMER_CLS_TO_WRAP", raising=False)
+    layers = list(model.base_model.model.bert.encoder.layer)
+    assert transformer_blocks(model) == layers  # BERT also lists BertEmbeddings in _no_split_modules: root's
+    monkeypatch.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "BertLayer")
+    assert transformer_blocks(model) == layers
+    monkeypatch.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "LlamaDecoderLayer")
+    with pytest.raises(ValueError, match=r"names \['LlamaDecoderLayer'\], which this model does not have.*BertLayer"):
+        transformer_blocks(model)
+
+
+def test_shard_model_keeps_the_function_and_gathers_whole_snapshots(one_process_mesh, monkeypatch):
+    from peft_ext.continual.sharding import fsdp2_units, is_sharded, shard_model, whole_state_dict
+
+    monkeypatch.delenv("FSDP_TRANSFORMER_CLS_TO_WRAP", raising=False)
+    model = _lora_bert()
+    ids = torch.randint(0, 64, (3, 5))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    assert not is_sharded(model) and fsdp2_units(model) == 0
+    assert shard_model(model, torch.device("cpu")) is model
+    assert is_sharded(model) and fsdp2_units(model) == 2 + 1 + 1  # two layers, the head, the root
+    head = model.base_model.model.classifier.modules_to_save["default"].weight
+    assert is_dtensor(head) and is_dtensor(model.base_model.model.bert.encoder.layer[0].attention.self.query.weight)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=0, atol=1e-6)
+    whole = whole_state_dict(model)
+    assert whole.keys() == before.keys() and not any(is_dtensor(v) for v in whole.values())
+    for key, value in before.items():
+        assert torch.equal(whole[key], value), key

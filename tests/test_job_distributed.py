@@ -1,6 +1,7 @@
 """``torchrun --nproc_per_node 2 -m peft_ext run CONFIG`` (gloo, CPU): the job trains every method data-parallel and
 ends with the report of one process on the same config, within rounding; rank 0 alone prints and writes; a resume
-on another number of processes is refused.
+on another number of processes is refused. With ``train.sharding: fsdp2`` the same holds for the methods trained on
+FSDP2 shards, and for a run interrupted and resumed mid-method.
 
 Tolerance: two processes average the gradients of two half-batch means where one process takes the mean of the whole
 batch, so the sums round differently (about 1e-7 relative per step) and the differences grow a little over the
@@ -16,10 +17,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from peft_ext.cli import main
+from peft_ext.distributed import is_dtensor
 
-from .helpers import ROOT, job_config, launcher, run_launcher, save_tiny_bert
+from .helpers import ROOT, job_config, launcher, opt_in_accelerate, run_launcher, save_tiny_bert
 
 METHODS = ["seq_lora", "splitlora"]
 LOSS_RTOL = 1e-6
@@ -34,14 +37,15 @@ def backbone(tmp_path_factory):
     return path
 
 
-def _cfg(tmp_path: Path, backbone: Path) -> Path:
+def _cfg(tmp_path: Path, backbone: Path, methods: list[str] = METHODS, sharding: str = "none") -> Path:
     def edit(data: dict) -> None:
         data["model"].update(backbone=str(backbone), dropout=0.0)
         data["data"].update(n_tasks=2, classes_per_task=2, train_per_class=8, test_per_class=4)
-        data["train"].update(epochs=1, batch_size=4)  # even: two equal halves
-        data["methods"] = [m for m in data["methods"] if m["name"] in METHODS]
+        data["train"].update(epochs=1, batch_size=4, sharding=sharding)  # even: two equal halves
+        data["methods"] = [m for m in data["methods"] if m["name"] in methods]
         for m in data["methods"]:
-            m["adapter"]["r"] = 2
+            if "r" in m.get("adapter", {}):
+                m["adapter"]["r"] = 2
 
     return job_config(tmp_path, "quickstart", edit)
 
@@ -61,6 +65,18 @@ def _results(out: Path) -> dict:
 def _report(out: Path) -> list[dict]:
     """The results without timings (the only part an interruption may change)."""
     return [{k: v for k, v in r.items() if not k.endswith("_seconds")} for r in _results(out)["results"]]
+
+
+def _assert_same_report(one: dict, two: dict) -> None:
+    """The accuracy matrices within one test example and the task losses within LOSS_RTOL (the module docstring)."""
+    one_example = 1 / (2 * 4)  # classes_per_task * test_per_class
+    assert [r["label"] for r in one["results"]] == [r["label"] for r in two["results"]] and not two.get("failed")
+    for a, b in zip(one["results"], two["results"]):
+        for row_a, row_b in zip(a["accuracy_matrix"], b["accuracy_matrix"]):
+            for x, y in zip(row_a, row_b):
+                assert (x is None) == (y is None) and (x is None or abs(x - y) <= one_example + 1e-9), (a, b)
+        for x, y in zip(a["task_losses"], b["task_losses"]):
+            assert abs(x - y) <= LOSS_RTOL * abs(x), (a["label"], a["task_losses"], b["task_losses"])
 
 
 @pytest.fixture(scope="module")
@@ -83,14 +99,8 @@ def test_two_processes_match_one_and_only_rank_zero_prints_and_writes(tmp_path, 
     assert main(["run", str(_cfg(tmp_path, backbone)), "--no-progress"]) == 0
     one, two_ = _results(tmp_path / "out"), _results(out)
     assert (one["meta"]["world_size"], two_["meta"]["world_size"]) == (1, 2)
-    assert [r["label"] for r in two_["results"]] == METHODS and not two_.get("failed")
-    one_example = 1 / (2 * 4)  # classes_per_task * test_per_class
-    for a, b in zip(one["results"], two_["results"]):
-        for row_a, row_b in zip(a["accuracy_matrix"], b["accuracy_matrix"]):
-            for x, y in zip(row_a, row_b):
-                assert (x is None) == (y is None) and (x is None or abs(x - y) <= one_example + 1e-9), (a, b)
-        for x, y in zip(a["task_losses"], b["task_losses"]):
-            assert abs(x - y) <= LOSS_RTOL * abs(x), (a["label"], a["task_losses"], b["task_losses"])
+    assert [r["label"] for r in two_["results"]] == METHODS
+    _assert_same_report(one, two_)
 
 
 @pytest.mark.distributed
@@ -119,3 +129,69 @@ def test_two_processes_resume_mid_method_like_an_uninterrupted_run(tmp_path, bac
     assert stdout.count("[peft-ext] method splitlora: resuming after 1 finished task(s)") == 1, stdout
     assert _report(out) == _report(two[1])
     assert not (out / "progress").exists()
+
+
+# --- FSDP2 ----------------------------------------------------------------------------------------------------------
+
+# seq_lora, splitlora and pclr train on shards; inflora re-wraps its model every task and trains with whole parameters
+SHARDED = ["seq_lora", "splitlora", "pclr"]
+FSDP2_METHODS = ["seq_lora", "inflora", "splitlora", "pclr"]  # in the quickstart's order
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory, backbone):
+    """The job on 2 processes with ``train.sharding: fsdp2``: its config, output dir and stdout."""
+    folder = tmp_path_factory.mktemp("fsdp2")
+    cfg = _cfg(folder, backbone, FSDP2_METHODS, sharding="fsdp2")
+    stdout, _ = _torchrun("-m", "peft_ext", "run", str(cfg), "--no-progress")
+    return cfg, folder / "out", stdout
+
+
+@pytest.mark.distributed
+def test_fsdp2_sharded_job_matches_one_process(tmp_path, backbone, sharded):
+    _, out, stdout = sharded
+    assert "FSDP2: each method's parameters sharded over 2 processes while it trains" in stdout
+    assert stdout.count("trains with whole parameters on every process") == 1
+    assert "inflora trains with whole parameters on every process (data-parallel), not FSDP2 shards: it re-wraps" in (
+        stdout
+    )
+    two = _results(out)
+    assert two["meta"]["sharding"] == "fsdp2" and two["meta"]["world_size"] == 2
+    units = {r["label"]: r["extras"].get("fsdp2_units") for r in two["results"]}
+    # the model's one encoder layer, the classifier head PEFT trains whole, the root
+    assert units == {**{m: 3 for m in SHARDED}, "inflora": None}, units
+
+    assert main(["run", str(_cfg(tmp_path, backbone, FSDP2_METHODS)), "--no-progress"]) == 0
+    _assert_same_report(_results(tmp_path / "out"), two)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp2_job_resumes_mid_method_like_an_uninterrupted_run(tmp_path, backbone, sharded):
+    """Rank 0 stops right after SplitLoRA's first snapshot (gathered whole from the shards); resumed on 2 processes,
+    the job ends with the report of the uninterrupted sharded run."""
+    cfg, out = _cfg(tmp_path, backbone, FSDP2_METHODS, sharding="fsdp2"), tmp_path / "out"
+    worker = str(ROOT / "tests" / "job_interrupt_worker.py")
+    _torchrun(worker, "splitlora", "1", "run", str(cfg), "--no-progress", ok=False)
+    snapshot = torch.load(out / "progress" / "02-splitlora" / "task-0.pt", weights_only=True)
+    assert not any(is_dtensor(v) for v in snapshot["model"].values())  # whole tensors, loadable by one process
+
+    stdout, _ = _torchrun("-m", "peft_ext", "run", str(cfg), "--no-progress", "--resume")
+    assert stdout.count("[peft-ext] method splitlora: resuming after 1 finished task(s)") == 1, stdout
+    assert _report(out) == _report(sharded[1])
+
+
+@pytest.mark.distributed
+def test_accelerate_launch_with_an_fsdp2_config_shards_the_job(tmp_path, backbone):
+    """``accelerate launch --config_file FSDP2.yaml -m peft_ext run CONFIG``: the launcher's FSDP settings (version 2,
+    the layer class to wrap) turn the job's sharding on without `train.sharding` in the config."""
+    accelerate = opt_in_accelerate("launches the job again under accelerate (~30 s)")
+    settings = (ROOT / "tests" / "accelerate_fsdp2.yaml").read_text()
+    launch_config = tmp_path / "accelerate_fsdp2_bert.yaml"
+    launch_config.write_text(settings.replace("LlamaDecoderLayer", "BertLayer"))
+    cfg = _cfg(tmp_path, backbone, ["seq_lora"])
+    launch = [accelerate, "launch", "--config_file", str(launch_config)]
+    stdout, _ = run_launcher([*launch, "-m", "peft_ext", "run", str(cfg), "--no-progress"])
+    assert "FSDP2: each method's parameters sharded over 2 processes" in stdout
+    results = _results(tmp_path / "out")
+    assert results["meta"]["sharding"] == "fsdp2" and results["results"][0]["extras"]["fsdp2_units"] == 3

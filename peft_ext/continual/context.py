@@ -38,6 +38,7 @@ __all__ = [
 Collate = Callable[[Sequence[Example]], dict[str, Any]]
 TRAIN_MASKS = ("task", "seen", "all")
 LR_SCHEDULES = ("constant", "linear", "cosine")
+SHARDINGS = ("none", "fsdp2")
 
 
 def lr_factor(step: int, total: int, schedule: str, warmup_ratio: float) -> float:
@@ -71,6 +72,9 @@ class TrainConfig:
         seed: Seed for the head initialization and the data order; every method of a run uses the same one.
         device: ``"cpu"``, ``"cuda"``, or ``"auto"`` (CUDA when available).
         progress: Show tqdm progress bars.
+        sharding: With several processes (torchrun / accelerate launch): ``"none"`` (each process holds the whole
+            model, gradients are averaged: DDP) or ``"fsdp2"`` (parameters, gradients and optimizer state sharded
+            with FSDP2 while a method trains, :mod:`peft_ext.continual.sharding`). Ignored on one process.
     """
 
     epochs: int = 1
@@ -83,6 +87,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     progress: bool = True
+    sharding: Literal["none", "fsdp2"] = "none"
 
     def validate(self) -> None:
         for key in ("epochs", "batch_size", "eval_batch_size"):
@@ -96,6 +101,8 @@ class TrainConfig:
             raise ValueError(f"`lr_schedule` must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         if self.train_logit_mask not in TRAIN_MASKS:
             raise ValueError(f"`train_logit_mask` must be one of {TRAIN_MASKS}, got {self.train_logit_mask!r}")
+        if self.sharding not in SHARDINGS:
+            raise ValueError(f"`sharding` must be one of {SHARDINGS}, got {self.sharding!r}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"`device` must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 

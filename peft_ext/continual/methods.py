@@ -177,6 +177,9 @@ class ContinualMethod:
     joint: ClassVar[bool] = False
     #: The sequence kinds (``TaskSequence.kind``) the method runs; the engine refuses others.
     task_kinds: ClassVar[tuple[str, ...]] = ("classification",)
+    #: ``before_task`` / ``between_tasks`` return a new model around new modules (merge, then a new adapter): such a
+    #: method trains with whole parameters under ``train.sharding: fsdp2`` (:mod:`.sharding`).
+    rewraps_model: ClassVar[bool] = False
 
     def __init__(self, options: MethodOptions | None = None, **kwargs: Any) -> None:
         if options is None:
@@ -191,6 +194,12 @@ class ContinualMethod:
     @property
     def label(self) -> str:
         return self.options.label or self.name
+
+    @property
+    def needs_whole_parameters(self) -> str | None:
+        """Why the method cannot train on FSDP2 shards (``train.sharding: fsdp2``), or ``None`` when it can; such a
+        method trains data-parallel with whole parameters on every process."""
+        return "it re-wraps its model every task" if self.rewraps_model else None
 
     def build(self, base_model: nn.Module, ctx: RunContext) -> nn.Module:
         """Return the model to train; ``base_model`` is a fresh copy that the method may modify."""

@@ -208,6 +208,12 @@ class LoraOpt(ContinualMethod):
         extra = {"init_lora_weights": "lora_ga", "lora_ga_config": LoraGAConfig()} if lora_ga else {}
         return self.options.adapter_config(modules_to_save=[head_module_name(base_model)], **extra)
 
+    @property
+    def needs_whole_parameters(self) -> str | None:
+        if self.options.optimizer == "riemannian_precond":
+            return "PEFT's Riemannian preconditioner computes with whole factors"
+        return None
+
     def build(self, base_model: nn.Module, ctx: RunContext) -> nn.Module:
         from peft import get_peft_model
 

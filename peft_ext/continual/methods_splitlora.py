@@ -205,6 +205,8 @@ class SplitLoRAMethod(ContinualMethod):
 class _RewrapMethod(ContinualMethod):
     """Wraps a fresh PEFT adapter before every task and merges the previous one into the backbone."""
 
+    rewraps_model = True
+
     def _fold(self, model: nn.Module) -> nn.Module:
         from peft import PeftModel
 

@@ -167,10 +167,16 @@ class TaskProgress:
         method_state.update(decode_state(snapshot["method_state"]))
         set_random_state(snapshot["random"])
 
-    def save(self, model: nn.Module, method_state: dict[str, Any], record: RunRecord) -> None:
-        """Write the snapshot after ``record``'s last finished task, then the record; drop the older snapshot."""
+    def save(
+        self, model: nn.Module | dict[str, torch.Tensor], method_state: dict[str, Any], record: RunRecord
+    ) -> None:
+        """Write the snapshot after ``record``'s last finished task, then the record; drop the older snapshot.
+
+        ``model`` is the model, or its state dict with whole tensors (an FSDP2 model's, gathered from the shards by
+        :func:`~peft_ext.continual.sharding.whole_state_dict`)."""
+        state = model if isinstance(model, dict) else model.state_dict()
         snapshot = {
-            "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+            "model": {k: v.detach().cpu() for k, v in state.items()},
             "method_state": encode_state(method_state),
             "random": random_state(),
         }

@@ -39,6 +39,7 @@ from .context import Collate, RunContext, TrainConfig, lr_factor, split_batches
 from .engine import ContinualEngine, MethodResult, Phase, RunRecord, TaskTrainer, trainable_parameters, training_loss
 from .methods import ContinualMethod
 from .progress import TaskProgress
+from .sharding import fsdp2_units, is_sharded, shard_model, whole_state_dict
 
 __all__ = ["LoopTrainer", "run_sequence", "train_examples"]
 
@@ -155,6 +156,9 @@ class LoopTrainer(TaskTrainer):
         self.progress = progress
 
     def train(self, model: nn.Module, phase: Phase) -> float:
+        if self.shards and not is_sharded(model):
+            # before the optimizer is built: fully_shard replaces the parameters with DTensor ones
+            shard_model(model, self.ctx.device)
         return train_examples(
             model, self.method, phase.task.train, phase.allowed_classes, phase.task_id, self.ctx, desc=phase.desc
         )
@@ -162,11 +166,19 @@ class LoopTrainer(TaskTrainer):
     def finish(self, model: nn.Module, phase: Phase) -> None:
         share_random_state()
 
+    @property
+    def shards(self) -> bool:
+        """Whether the method's model is sharded with FSDP2 for training: ``train.sharding``, several processes, and a
+        method that can train on shards (:attr:`~.methods.ContinualMethod.needs_whole_parameters`)."""
+        return self.ctx.train.sharding == "fsdp2" and world_size() > 1 and not self.method.needs_whole_parameters
+
     def phase_done(self, model: nn.Module, phase: Phase, record: RunRecord) -> None:
         sync_model(model)
         if self.progress is not None:
             progress = self.progress
-            on_rank_zero(lambda: progress.save(model, self.ctx.state, record))
+            # a snapshot holds whole tensors, gathered from the shards by every process
+            state = whole_state_dict(model) if is_sharded(model) else model
+            on_rank_zero(lambda: progress.save(state, self.ctx.state, record))
 
 
 def run_sequence(
@@ -202,5 +214,9 @@ def run_sequence(
         record = progress.record(len(sequence))
         progress.restore(model, engine.ctx.state, record)
         share_random_state()  # the snapshot holds the generators of rank 0's CUDA device
-    model = engine.run(model, LoopTrainer(method, engine.ctx, progress), record)
-    return engine.result(model, record)
+    trainer = LoopTrainer(method, engine.ctx, progress)
+    model = engine.run(model, trainer, record)
+    result = engine.result(model, record)
+    if trainer.shards:
+        result.extras["fsdp2_units"] = fsdp2_units(model)
+    return result

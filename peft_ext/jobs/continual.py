@@ -31,6 +31,7 @@ from ..continual.methods import get_continual_method
 from ..continual.progress import TaskProgress
 from ..continual.report import matrix_table, metrics_table, save_results
 from ..continual.runner import run_sequence
+from ..continual.sharding import sharding_from_launcher
 from ..data.tasks import TaskSequence
 from ..distributed import on_rank_zero, rank, rank_zero_first, world_size
 from .errors import JobFailed, one_line
@@ -161,6 +162,21 @@ def job_processes(config: Any) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def launcher_sharding(config: RunConfig) -> RunConfig:
+    """``config`` with ``train.sharding: fsdp2`` when ``accelerate launch`` runs the job with an FSDP2 config.
+
+    Raises:
+        ConfigError: The accelerate config asks for FSDP1.
+    """
+    try:
+        by_launcher = sharding_from_launcher()
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if by_launcher is None or config.train.sharding == by_launcher:
+        return config
+    return dataclasses.replace(config, train=dataclasses.replace(config.train, sharding=by_launcher))
+
+
 def check_world_size(out_dir: str) -> None:
     """Refuse to resume, on a different number of processes, a run whose ``results.json`` names another.
 
@@ -213,6 +229,8 @@ def run_job(
     from ..models import load_causal_lm, load_text_classifier
 
     start = time.perf_counter()
+    if world_size() > 1:
+        config = launcher_sharding(config)
     if rank() != 0:
         echo = _silent
         config = dataclasses.replace(config, train=dataclasses.replace(config.train, progress=False))
@@ -272,6 +290,11 @@ def run_job(
         "config_hash": fingerprint,
         "world_size": world_size(),
     }
+    if config.train.sharding != "none":
+        meta["sharding"] = config.train.sharding
+    sharded = config.train.sharding == "fsdp2" and world_size() > 1
+    if sharded:
+        echo(f"  FSDP2: each method's parameters sharded over {world_size()} processes while it trains")
     results: list[MethodResult] = []
     failures: list[dict[str, str]] = []
     # The report exists (with the config's fingerprint) before any training, so an interruption during the first
@@ -291,6 +314,11 @@ def run_job(
                 record = progress.record(len(sequence))
                 resumed = f": resuming after {record.completed} finished task(s)" if record.completed else ""
                 echo(f"\n[peft-ext] method {label}{resumed}")
+                if sharded and method.needs_whole_parameters:
+                    echo(
+                        f"  {label} trains with whole parameters on every process (data-parallel), not FSDP2 shards: "
+                        f"{method.needs_whole_parameters}"
+                    )
                 result = run_sequence(sequence, method, base, collate, config.train, progress=progress)
         except Exception as err:  # a failed method is recorded and the others still run
             if debug:

@@ -42,6 +42,8 @@ def config_hash(config: Any) -> str:
     data = dataclasses.asdict(config)
     if isinstance(data.get("train"), dict):
         data["train"].pop("progress", None)
+        if data["train"].get("sharding") == "none":  # the default: fingerprints of runs from before the key stay
+            data["train"].pop("sharding")
     text = json.dumps(data, sort_keys=True, default=_plain)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
