@@ -164,10 +164,16 @@ def _optional_type(module: str, name: str) -> type | tuple:
         return ()
 
 
+# Resolved once, at import: is_dtensor runs inside adapter forwards (PCLR reads its stores through full_tensor), where
+# torch.compile cannot trace an import (importlib is skipped by dynamo: one graph break per call). Importing torch
+# (through peft) has loaded torch.distributed.tensor already where it exists, so this costs nothing.
+_DTENSOR = _optional_type("torch.distributed.tensor", "DTensor")
+
+
 def is_dtensor(t: object) -> bool:
-    """Whether ``t`` (a tensor or parameter) is a DTensor, e.g. an FSDP2 shard outside the forward."""
-    dtensor = _optional_type("torch.distributed.tensor", "DTensor")
-    return isinstance(t, dtensor) or isinstance(getattr(t, "data", None), dtensor)
+    """Whether ``t`` (a tensor or parameter) is a DTensor, e.g. an FSDP2 shard outside the forward. Always ``False``
+    when torch is built without distributed support. Traceable by ``torch.compile`` (no lookup at call time)."""
+    return isinstance(t, _DTENSOR) or isinstance(getattr(t, "data", None), _DTENSOR)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

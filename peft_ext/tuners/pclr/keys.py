@@ -15,7 +15,15 @@ from ...distributed import all_reduce_, gathered_parameters
 from .layer import N_PROTOS
 from .pool import group_layers, pclr_tuner
 
-__all__ = ["pull_keys_to_prototypes", "query_loss", "query_prototype", "routed_as", "task_route"]
+__all__ = [
+    "pull_keys_to_prototypes",
+    "query_loss",
+    "query_prototype",
+    "routed_as",
+    "routed_as_tasks",
+    "stack_batch",
+    "task_route",
+]
 
 Batch = dict[str, Any]
 
@@ -92,26 +100,54 @@ def routed_as(model: nn.Module, prototype: Optional[torch.Tensor]) -> Iterator[N
         prototype: (query_dim,) a task prototype (e.g. a row of the stored prototypes), or ``None``: leave the
             routing alone (each sample by its own query; what :func:`task_route` returns for the current task).
     """
-    if prototype is None:
+    with routed_as_tasks(model, [prototype]):
+        yield
+
+
+@contextmanager
+def routed_as_tasks(model: nn.Module, routes: Sequence[Optional[torch.Tensor]]) -> Iterator[None]:
+    """Route a batch of ``len(routes)`` stacked copies (:func:`stack_batch`): copy ``t`` as :func:`routed_as`
+    ``(routes[t])`` would route it alone, so one forward pass measures every task.
+
+    Args:
+        model: The PCLR model.
+        routes: Per copy, a (query_dim,) prototype or ``None`` (each sample of that copy by its own query).
+
+    Raises:
+        ValueError: In the forward, if the batch's rows are not ``len(routes)`` equal copies' worth.
+    """
+    if all(route is None for route in routes):
         yield
         return
     state = pclr_tuner(model).routing_state
     original = state.query_fn
-    proto = F.normalize(prototype.detach().float().flatten(), dim=0)
+    protos = [None if p is None else F.normalize(p.detach().float().flatten(), dim=0) for p in routes]
 
     def query_fn(m: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Optional[torch.Tensor]:
         query = original(m, args, kwargs)
         if query is None:
             return None
-        if query.shape[-1] != proto.numel():
-            raise ValueError(f"`prototype` has {proto.numel()} entries but the query has width {query.shape[-1]}")
-        return proto.to(query).expand_as(query)
+        if query.shape[0] % len(protos):
+            raise ValueError(f"a batch of {query.shape[0]} rows is not {len(protos)} stacked copies (stack_batch)")
+        copies = query.split(query.shape[0] // len(protos))
+        for proto in protos:
+            if proto is not None and query.shape[-1] != proto.numel():
+                raise ValueError(f"`prototype` has {proto.numel()} entries but the query has width {query.shape[-1]}")
+        return torch.cat([q if p is None else p.to(q).expand_as(q) for q, p in zip(copies, protos)])
 
     state.query_fn = query_fn
     try:
         yield
     finally:
         state.query_fn = original
+
+
+def stack_batch(batch: Batch, copies: int) -> Batch:
+    """``copies`` copies of ``batch`` one after another along the sample axis (dim 0 of every tensor entry; other
+    entries are kept as they are): the input of one :func:`routed_as_tasks` pass."""
+    if copies == 1:
+        return batch
+    return {k: torch.cat([v] * copies) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in batch.items()}
 
 
 @torch.no_grad()

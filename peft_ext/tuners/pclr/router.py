@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import weakref
+import itertools
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Optional
@@ -37,6 +37,9 @@ __all__ = [
 
 #: ``query_fn(model, args, kwargs) -> (batch, query_dim)`` or ``None`` (no query for this call).
 QueryFn = Callable[[nn.Module, tuple, dict[str, Any]], Optional[torch.Tensor]]
+
+#: The attribute of a KV cache (a transformers ``Cache``) holding the query of its prefill, per routing state.
+CACHE_QUERIES_ATTR = "_peft_ext_pclr_queries"
 
 
 def find_input_embeddings(model: nn.Module) -> Optional[nn.Embedding]:
@@ -227,6 +230,9 @@ def _rows(arguments: dict[str, Any]) -> Optional[int]:
     return None
 
 
+_STATE_KEYS = itertools.count()
+
+
 class _Session:
     """One prompt's routing: the query of the first forward pass inside :meth:`RoutingState.session`."""
 
@@ -265,9 +271,8 @@ class RoutingState:
         # Called by every PCLR layer with (layer, adapter, x, A, B, indices, gates) when set (contribution scores).
         self.recorder: Optional[Callable[..., None]] = None
         self._session: Optional[_Session] = None
-        # id(cache) -> (weak reference to the cache, the query of its prefill); keyed by identity because caches
-        # are neither hashable by content nor guaranteed to keep a default hash
-        self._cache_queries: dict[int, tuple[weakref.ref, Optional[torch.Tensor]]] = {}
+        # this state's entry in the queries a KV cache carries (see remember_cache); a copied state is a new one
+        self._cache_key = next(_STATE_KEYS)
 
     @contextmanager
     def session(self) -> Iterator[None]:
@@ -291,9 +296,9 @@ class RoutingState:
         # An empty cache starts a new prompt (generate resets a reused static cache). get_seq_length is what the
         # model's own forward reads to place the new tokens, so asking it here adds no device synchronization.
         if cache is not None and cache.get_seq_length() > 0:
-            entry = self._cache_queries.get(id(cache))
-            if entry is not None and entry[0]() is cache:
-                return entry[1], "the prefill of this KV cache (its prompt)"
+            query = (getattr(cache, CACHE_QUERIES_ATTR, None) or {}).get(self._cache_key)
+            if query is not None:
+                return query, "the prefill of this KV cache (its prompt)"
         return None, ""
 
     def remember_cache(self, cache: Any, query: Optional[torch.Tensor]) -> None:
@@ -303,8 +308,12 @@ class RoutingState:
             cache: The KV cache object a forward pass filled.
             query: The query of the prompt in it.
         """
-        self._cache_queries = {k: v for k, v in self._cache_queries.items() if v[0]() is not None}
-        self._cache_queries[id(cache)] = (weakref.ref(cache), query)
+        # Kept on the cache itself, so the query lives exactly as long as the cache (and travels with a copy of it),
+        # and writing it is an attribute write torch.compile traces; a registry keyed by id() or a weak reference
+        # of a cache made inside the compiled forward is not traceable (one graph break per training step).
+        kept = dict(getattr(cache, CACHE_QUERIES_ATTR, None) or {})
+        kept[self._cache_key] = query
+        setattr(cache, CACHE_QUERIES_ATTR, kept)
 
     def begin(self, model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         """Start a forward pass: choose its query (see the class docstring), forget the previous pass's selections

@@ -17,7 +17,7 @@ from torch import nn
 from ...distributed import all_reduce_
 from .config import COMPRESS_RULES, MEASURED_RULES, PCLRConfig
 from .distill import default_forward, evaluating
-from .keys import routed_as, task_route
+from .keys import routed_as_tasks, stack_batch, task_route
 from .layer import PCLRLayer
 from .pool import adapter_config, group_layers, pclr_tuner, stored_prototypes
 
@@ -66,6 +66,10 @@ def contribution_scores(
     tasks trained at different times) and a rank that no task's routing selects scores zero. Padding tokens count in
     the token mean (the layers do not see the attention mask).
 
+    All tasks are measured in one pass over ``batches``: each batch runs once, stacked once per stored task, copy
+    ``t`` routed as task ``t`` (:func:`~.keys.routed_as_tasks`). The passes do not grow with the number of tasks;
+    the rows of each pass (and its peak activation memory) do.
+
     Args:
         model: The PCLR model (its prototypes stored).
         batches: Input batches (the current task's data).
@@ -83,9 +87,15 @@ def contribution_scores(
     if aggregate not in ("sum", "max"):
         raise ValueError(f"`aggregate` must be 'sum' or 'max', got {aggregate!r}")
     forward = forward or default_forward
+    state = pclr_tuner(model).routing_state
+    protos = stored_prototypes(model, adapter)
+    n_tasks = protos.shape[0]
+    if n_tasks == 0:
+        raise ValueError("no task prototype is stored yet; store the task's prototype before measuring contributions")
+    routes = [task_route(protos, task, route_current_by_input) for task in range(n_tasks)]
     groups = group_layers(model, adapter)
-    totals = {group: torch.zeros(sum(layers[0].counts(adapter)[:2])) for group, layers in groups.items()}
-    current: dict[str, torch.Tensor] = {}
+    # (tasks, active ranks) per group: row t sums what the ranks add to copy t of the stacked batches
+    measured = {group: torch.zeros(n_tasks, sum(layers[0].counts(adapter)[:2])) for group, layers in groups.items()}
 
     def record(layer: PCLRLayer, name: str, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, indices, gates) -> None:
         if name != adapter:
@@ -93,29 +103,27 @@ def contribution_scores(
         x3 = x if x.dim() == 3 else x.unsqueeze(1)
         proj = torch.einsum("btn,bkn->btk", x3.float(), A.detach().float()[indices])
         size = proj.abs().mean(1) * B.detach().float().norm(dim=1)[indices] * gates.float()
-        current[layer.pclr_group].index_add_(0, indices.flatten().cpu(), size.flatten().cpu())
+        sums = measured[layer.pclr_group]
+        copy = torch.arange(indices.shape[0], device=indices.device) // (indices.shape[0] // n_tasks)
+        slots = copy.unsqueeze(1) * sums.shape[1] + indices  # row-major slots of (task, rank)
+        sums.view(-1).index_add_(0, slots.flatten().cpu(), size.flatten().cpu())
 
-    state = pclr_tuner(model).routing_state
-    protos = stored_prototypes(model, adapter)
-    if protos.shape[0] == 0:
-        raise ValueError("no task prototype is stored yet; store the task's prototype before measuring contributions")
     state.recorder = record
     try:
-        with evaluating(model):
-            for task in range(protos.shape[0]):
-                for group in totals:
-                    current[group] = torch.zeros_like(totals[group])
-                with routed_as(model, task_route(protos, task, route_current_by_input)):
-                    for batch in batches:
-                        forward(model, batch)
-                # under torch.distributed: the contributions on every process's data
-                all_reduce_(list(current.values()))
-                for group, value in current.items():
-                    share = value / value.sum().clamp_min(1e-30)
-                    combine = torch.add if aggregate == "sum" else torch.maximum
-                    totals[group] = combine(totals[group], share)
+        with evaluating(model), routed_as_tasks(model, routes):
+            for batch in batches:
+                forward(model, stack_batch(batch, n_tasks))
     finally:
         state.recorder = None
+    # under torch.distributed: the contributions on every process's data
+    all_reduce_(list(measured.values()))
+    combine = torch.add if aggregate == "sum" else torch.maximum
+    totals = {}
+    for group, sums in measured.items():
+        total = torch.zeros(sums.shape[1])
+        for share in sums / sums.sum(1, keepdim=True).clamp_min(1e-30):  # task by task, oldest first
+            total = combine(total, share)
+        totals[group] = total
     return totals
 
 

@@ -1,0 +1,233 @@
+"""``torch.compile`` against eager, per adapter type: graphs, compile time, training-step time, gradient agreement.
+
+Each adapter type of peft_ext (Riemannion, SplitLoRA, PCLR on a random Llama with all 7 projections of every layer
+adapted; MoRA, a dual-encoder adapter, on a random CLIP) and PEFT's LoRA as the reference. Per type two copies of
+one model: one eager, one ``torch.compile``-d (the backend wrapped in a graph counter). The first compiled step
+compiles (its time is the compile column); then the copies take turns, the order alternating per round, each step a
+forward + backward (what ``torch.compile`` compiles; the optimizer step is the same eager code either way). The
+ratio column is the median over rounds of compiled / eager step time, measured side by side in one run (absolute
+times on a shared machine are not comparable between runs). The gradient column is the largest difference between
+the copies' gradients of the first step, relative to the largest gradient.
+
+PCLR runs as it trains a second task (static ranks of task 0 with its prototype stored, new ranks of task 1, a
+shared LoRA), so every branch of its forward is timed.
+
+Usage::
+
+    OMP_NUM_THREADS=1 python benchmarks/compile_speed.py                 # inductor, width 256, every type
+    python benchmarks/compile_speed.py --quick                           # smoke run: aot_eager, toy sizes
+
+Target (issue 31): every type compiles to one graph (0 graph breaks) with gradients equal to eager's to float
+rounding (relative difference < 1e-4 printed as met).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from peft import LoraConfig, get_peft_model  # noqa: E402
+from torch import nn  # noqa: E402
+
+from peft_ext import MoRAConfig, PCLRConfig, RiemannionConfig, SplitLoRAConfig  # noqa: E402
+from peft_ext.models import tiny_clip, tiny_llama  # noqa: E402
+from peft_ext.tuners.pclr import query_loss  # noqa: E402
+
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TYPES = ("lora", "riemannion", "splitlora", "pclr", "mora")
+VOCAB = 256
+#: Gradient agreement counted as float rounding: largest difference / largest gradient.
+GRAD_TOLERANCE = 1e-4
+
+
+class GraphCounter:
+    """A ``torch.compile`` backend counting the graphs dynamo hands it (one per piece between graph breaks)."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = torch._dynamo.lookup_backend(backend)
+        self.graphs = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+        self.graphs += 1
+        return self.backend(gm, example_inputs)
+
+
+def _pclr_second_task(model: nn.Module, batch: dict[str, torch.Tensor]) -> nn.Module:
+    proto = model.query_prototype([batch])
+    model.end_task(0, proto)
+    model.begin_task(1, proto)
+    with torch.no_grad():  # new b_i non-zero, so every factor gets a gradient
+        for name, p in model.named_parameters():
+            if ".pclr_B." in name:
+                p.normal_(0.0, 0.02)
+    return model
+
+
+def _llama_case(name: str, args: argparse.Namespace) -> tuple[Callable[[], nn.Module], Callable[..., torch.Tensor]]:
+    r = args.rank
+    configs = {
+        "lora": lambda: LoraConfig(r=r, target_modules=PROJECTIONS, init_lora_weights=False),
+        "riemannion": lambda: RiemannionConfig(r=r, target_modules=PROJECTIONS, init_weights=False),
+        "splitlora": lambda: SplitLoRAConfig(r=r, target_modules=PROJECTIONS, init_weights=False),
+        "pclr": lambda: PCLRConfig(
+            target_modules=PROJECTIONS,
+            pool_size=4 * r,
+            ranks_schedule=[2 * r],
+            compress_schedule=[0.0],
+            compress_rule="importance",
+            top_k=r,
+            alpha=float(r),
+            shared_r=2,
+            init_weights=False,
+        ),
+    }
+    ids = torch.randint(0, VOCAB, (args.batch, args.tokens), generator=torch.Generator().manual_seed(0))
+
+    def make() -> nn.Module:
+        base = tiny_llama(vocab_size=VOCAB, hidden_size=args.width, num_layers=args.layers)
+        torch.manual_seed(1)
+        model = get_peft_model(base, configs[name]())
+        if name == "pclr":
+            torch.manual_seed(2)
+            model = _pclr_second_task(model, {"input_ids": ids})
+        return model.train()
+
+    def loss(model: nn.Module, call: Callable[..., Any]) -> torch.Tensor:
+        logits = call(input_ids=ids).logits
+        value = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        extra = query_loss(model) if name == "pclr" else None
+        return value if extra is None else value + extra
+
+    return make, loss
+
+
+def _clip_case(args: argparse.Namespace) -> tuple[Callable[[], nn.Module], Callable[..., torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    inputs = {
+        "input_ids": torch.randint(3, 128, (args.batch, 16), generator=g),
+        "pixel_values": torch.randn(args.batch, 3, 16, 16, generator=g),
+    }
+
+    def make() -> nn.Module:
+        base = tiny_clip(text_hidden=args.width, vision_hidden=args.width)
+        torch.manual_seed(1)
+        return get_peft_model(base, MoRAConfig(r=args.rank, init_weights=False)).train()
+
+    def loss(model: nn.Module, call: Callable[..., Any]) -> torch.Tensor:
+        return call(**inputs, return_loss=True).loss
+
+    return make, loss
+
+
+def _step(
+    model: nn.Module, call: Callable[..., Any], loss: Callable[..., torch.Tensor]
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """One forward + backward: its seconds and the gradients it left (then cleared)."""
+    start = time.perf_counter()
+    loss(model, call).backward()
+    seconds = time.perf_counter() - start
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return seconds, grads
+
+
+def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One adapter type: graphs, compile seconds, eager / compiled step times and their ratio, gradient agreement."""
+    make, loss = _clip_case(args) if name == "mora" else _llama_case(name, args)
+    torch._dynamo.reset()
+    eager, compiled = make(), make()
+    counter = GraphCounter(args.backend)
+    compiled_call = torch.compile(compiled, backend=counter)
+    _, reference = _step(eager, eager, loss)
+    compile_s, first = _step(compiled, compiled_call, loss)
+    scale = max(g.abs().max().item() for g in reference.values())
+    diff = max((first[n] - g).abs().max().item() for n, g in reference.items())
+    calls = {"eager": (eager, eager), "compiled": (compiled, compiled_call)}
+    for label in calls:  # one more warm-up step each (allocator, caches)
+        _step(*calls[label], loss)
+    times: dict[str, list[float]] = {"eager": [], "compiled": []}
+    for i in range(args.rounds):
+        order = ("eager", "compiled") if i % 2 == 0 else ("compiled", "eager")
+        for label in order:
+            times[label].append(_step(*calls[label], loss)[0])
+    ratios = [c / e for c, e in zip(times["compiled"], times["eager"])]
+    return {
+        "adapter": name,
+        "graphs": counter.graphs,
+        "compile_s": compile_s,
+        "eager_ms": 1000 * statistics.median(times["eager"]),
+        "compiled_ms": 1000 * statistics.median(times["compiled"]),
+        "ratio": statistics.median(ratios),
+        "grad_rel_diff": diff / scale,
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = "| adapter | graphs | compile s | eager ms / step | compiled ms / step | compiled / eager |"
+    lines = [head + " max grad diff (rel.) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {r['adapter']} | {r['graphs']} | {r['compile_s']:.1f} | {r['eager_ms']:.1f} | {r['compiled_ms']:.1f} "
+            f"| {r['ratio']:.2f}x | {r['grad_rel_diff']:.1e} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--types", nargs="+", default=list(TYPES), choices=TYPES)
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend (inductor, aot_eager, ...)")
+    parser.add_argument("--width", type=int, default=256, help="hidden width of the Llama (and of CLIP's towers)")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=20, help="interleaved timed steps per copy")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument("--quick", action="store_true", help="smoke run: aot_eager, width 32, lora and pclr, 2 rounds")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.backend, args.width, args.rank, args.tokens, args.rounds = "aot_eager", 32, 4, 8, 2
+        args.types = ["lora", "pclr"]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = []
+    for name in args.types:
+        rows.append(measure(name, args))
+        print(f"  {name}: {rows[-1]}", flush=True)
+    print(
+        f"\n### torch.compile ({args.backend}) vs eager, forward + backward, random Llama width {args.width} x "
+        f"{args.layers} layers (CLIP towers width {args.width} for MoRA), r={args.rank}, batch {args.batch} x "
+        f"{args.tokens} tokens, {args.threads} thread(s), median of {args.rounds} interleaved rounds\n"
+    )
+    print(table(rows))
+    ok = all(r["graphs"] == 1 and r["grad_rel_diff"] < GRAD_TOLERANCE for r in rows)
+    print(
+        f"\ntarget: every type one graph (0 graph breaks) with gradients equal to eager's (relative difference < "
+        f"{GRAD_TOLERANCE:g}): {'met' if ok else 'NOT met'}"
+    )
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
