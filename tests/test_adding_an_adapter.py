@@ -49,7 +49,7 @@ def test_registered_and_wrapped():
     assert isinstance(model.base_model, ScaledLowRankModel)
     assert isinstance(model.base_model.model.lin0, Linear)
     assert repr(model.base_model.model.lin0).startswith("scaledlr.Linear(")
-    with pytest.raises(ValueError, match=r"ScaledLowRank supports torch.nn.Linear .* the target 'emb' is a Embedding"):
+    with pytest.raises(ValueError, match=r"ScaledLowRank supports torch.nn.Linear, .* target 'emb' is a Embedding"):
         get_peft_model(nn.ModuleDict({"emb": nn.Embedding(4, 4)}), ScaledLowRankConfig(target_modules=["emb"]))
     with pytest.raises(ValueError, match="`r` must be a positive integer, got 0"):
         ScaledLowRankConfig(r=0)

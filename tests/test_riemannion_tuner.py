@@ -6,12 +6,12 @@ import json
 
 import pytest
 import torch
-from peft import LoraConfig, PeftConfig, get_peft_model
+from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
 from peft.utils import PeftType
 from torch import nn
 
 import peft_ext
-from peft_ext import RiemannionConfig
+from peft_ext import Riemannion, RiemannionConfig
 from peft_ext.manifolds import right_basis
 from peft_ext.models import tiny_llama
 from peft_ext.optim import create_riemannion_optimizer
@@ -111,14 +111,33 @@ def test_config_rejects_bad_values(kwargs, message):
         RiemannionConfig(**kwargs)
 
 
-def test_rank_larger_than_the_layer_is_refused():
-    with pytest.raises(ValueError, match=r"`r`=65 is larger than min\(out_features, in_features\) = min\(64, 64\)"):
-        get_peft_model(MLP(), RiemannionConfig(r=65, target_modules=["lin0"]))
+def test_layers_narrower_than_r_get_their_largest_rank_with_one_warning(tmp_path):
+    """`all-linear`-style configs include small heads: a rank-8 point does not exist on a 5 x 64 layer, so the
+    layer gets rank 5 (named in one warning); the others keep r, and the adapter trains, saves and loads."""
+    with pytest.warns(UserWarning, match=r"`r`=8 is larger .* of 1 layer\(s\).*: head \(5 x 64: rank 5\)\.") as caught:
+        model = get_peft_model(MLP(), RiemannionConfig(r=8, target_modules=["lin0", "head"], init_weights=False))
+    assert sum("is larger than min" in str(w.message) for w in caught) == 1
+    layers = model.base_model.model
+    assert layers.lin0.r["default"] == 8 and layers.head.r["default"] == 5
+    assert layers.head.riemannion_A["default"].shape == (5, 5) and layers.head.riemannion_B["default"].shape == (64, 5)
+    x = torch.randn(4, 64)
+    optimizer = Riemannion(model, lr=1e-2)
+    model(x).square().mean().backward()
+    optimizer.step()
+    A = layers.head.riemannion_A["default"].detach()
+    torch.testing.assert_close(A.T @ A, torch.eye(5), atol=1e-5, rtol=0)  # still a rank-5 point
+    with torch.no_grad():
+        want = model(x)
+    model.save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match="head"):
+        loaded = PeftModel.from_pretrained(MLP(), tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), want)
 
 
 def test_unsupported_target_is_refused():
     model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4))
-    with pytest.raises(ValueError, match=r"supports torch.nn.Linear .* the target '0' is a Embedding"):
+    with pytest.raises(ValueError, match=r"supports torch.nn.Linear, .* the target '0' is a Embedding"):
         get_peft_model(model, RiemannionConfig(r=2, target_modules=["0"]))
 
 

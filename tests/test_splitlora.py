@@ -515,7 +515,7 @@ def test_rank_above_the_input_width_and_unsupported_modules_are_refused():
         def forward(self, x):
             return self.conv(x)
 
-    with pytest.raises(ValueError, match=r"SplitLoRA supports torch.nn.Linear .* the target 'conv' is a Conv1d"):
+    with pytest.raises(ValueError, match=r"SplitLoRA supports torch.nn.Linear, .* the target 'conv' is a Conv1d"):
         get_peft_model(WithConv(), SplitLoRAConfig(r=1, target_modules=["conv"]))
 
 

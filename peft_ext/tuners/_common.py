@@ -15,6 +15,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from peft.utils import resolve_quantization_backend
 from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 if TYPE_CHECKING:  # adapter_layer imports this module
     from .adapter_layer import AdapterLayer
@@ -45,7 +46,8 @@ def matches_targets(name: str, targets: str | Iterable[str]) -> bool:
 
 
 def require_linear_target(target: nn.Module, current_key: str, method: str) -> None:
-    """Raise a ``ValueError`` naming the module unless ``target`` is an ``nn.Linear`` or a quantized linear layer.
+    """Raise a ``ValueError`` naming the module unless ``target`` is an ``nn.Linear``, a transformers ``Conv1D``
+    (GPT-2's linear layer, weight stored ``in x out``) or a quantized linear layer.
 
     Args:
         target: The module ``target_modules`` matched (possibly already wrapped by an adapter layer).
@@ -53,13 +55,14 @@ def require_linear_target(target: nn.Module, current_key: str, method: str) -> N
         method: The adapter type, for the message.
     """
     base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
-    if isinstance(base, nn.Linear):
+    if isinstance(base, (nn.Linear, Conv1D)):
         return
     backend = resolve_quantization_backend(base)
     if backend is not None and backend.layer_type == "linear":
         return
     raise ValueError(
-        f"{method} supports torch.nn.Linear and quantized linear layers (bitsandbytes Linear8bitLt / Linear4bit); "
+        f"{method} supports torch.nn.Linear, transformers' Conv1D and quantized linear layers (bitsandbytes "
+        "Linear8bitLt / Linear4bit); "
         f"the target {current_key!r} is a {type(base).__name__}. Adjust `target_modules`."
     )
 

@@ -16,6 +16,11 @@ What the base owns:
 - **Merging**: :meth:`AdapterLinear.merge` / :meth:`AdapterLinear.unmerge` with ``safe_merge`` (non-finite weights
   are refused and the base weight is left unchanged), through PEFT's ``get_base_weight`` / ``set_base_weight``, so
   quantized bases that can be dequantized merge too.
+- **Layouts**: the base is an ``nn.Linear`` (weight ``out x in``), a quantized linear layer, or transformers'
+  ``Conv1D`` (GPT-2 and the models built on its modules; weight ``in x out``, what PEFT's LoRA calls
+  ``fan_in_fan_out``). Every hook works in the ``out x in`` convention: :meth:`AdapterLayer.get_base_weight` and
+  :meth:`AdapterLayer.set_base_weight` transpose a ``Conv1D`` weight, so deltas, merges and a tuner's own reads of
+  the base weight are the same code for both (``fan_in_fan_out`` tells which one it is).
 - **Quantized bases**: the quantization backend is resolved once (bitsandbytes 8-bit / 4-bit), bitsandbytes' lossy
   CPU repacking is switched off, and the base output is cloned where the backend needs it before adding to it.
 - **Dtypes**: the input is cast to :meth:`AdapterLayer.adapter_dtype` before :meth:`AdapterLayer.adapter_output`
@@ -56,6 +61,7 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features
 from peft.utils import quantization_extra_repr, resolve_quantization_backend
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from ..precision import SUPPORTED_DTYPES, check_dtypes
 from ..quantization import disable_bnb_cpu_repacking
@@ -113,6 +119,23 @@ class AdapterLayer(BaseTunerLayer):
             )
         self.in_features = in_features
         self.out_features = out_features
+        #: The base stores its weight ``in x out`` (transformers' ``Conv1D``): see :meth:`get_base_weight`.
+        self.fan_in_fan_out = isinstance(self.get_base_layer(), Conv1D)
+
+    # -- the base weight, out x in ----------------------------------------------------------------------------------
+
+    def get_base_weight(self) -> torch.Tensor:
+        """The base weight as ``out x in`` (dequantized if quantized; a ``Conv1D`` weight transposed, a view)."""
+        weight = super().get_base_weight()
+        return weight.T if self.fan_in_fan_out else weight
+
+    def set_base_weight(self, weight_data: torch.Tensor) -> None:
+        """Write the base weight from ``weight_data`` given ``out x in`` (stored transposed for a ``Conv1D``).
+
+        Args:
+            weight_data: The new weight, ``out x in``.
+        """
+        super().set_base_weight(weight_data.T.contiguous() if self.fan_in_fan_out else weight_data)
 
     # -- what the layer carries ---------------------------------------------------------------------------------
 

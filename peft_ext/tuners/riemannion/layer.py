@@ -75,13 +75,10 @@ class RiemannionLayer(AdapterLayer):
             config: Its configuration.
             inference_mode: Create it frozen.
         """
-        r = config.r
         m, n = self.out_features, self.in_features
-        if r > min(m, n):
-            raise ValueError(
-                f"`r`={r} is larger than min(out_features, in_features) = min({m}, {n}) = {min(m, n)} for this layer; "
-                f"a rank-{r} point does not exist there. Use r <= {min(m, n)} or exclude the layer."
-            )
+        # a rank-r point needs r <= min(m, n): a narrower layer (a small classification head under `all-linear`) gets
+        # the largest rank it has; the tuner warns once, naming such layers
+        r = min(config.r, m, n)
         self.r[adapter_name] = r
         self._riemannion_B_R.pop(adapter_name, None)
         point = random_point(m, n, r, config.resolved_init_scale)
