@@ -275,3 +275,20 @@ def test_4bit_base_packed_by_an_earlier_inference_is_unpacked_and_stays_mergeabl
         model.merge_adapter()
         merged = model(x)
     assert (merged - adapted).norm() < 0.5 * (adapted - expected_base).norm()  # re-quantization error only
+
+
+def test_low_cpu_mem_usage_loading_creates_on_meta_then_loads_the_point(tmp_path):
+    """PEFT's ``low_cpu_mem_usage=True`` creates the adapter on the meta device and assigns the checkpoint's tensors:
+    the loaded model equals the saved one (no re-orthonormalization of values that do not exist yet)."""
+    model = get_peft_model(
+        MLP().to(torch.bfloat16), RiemannionConfig(r=4, target_modules=["lin0"], init_weights=False)
+    )
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = model(x)
+    model.save_pretrained(tmp_path)
+    loaded = PeftModel.from_pretrained(MLP().to(torch.bfloat16), tmp_path, low_cpu_mem_usage=True)
+    layer = loaded.base_model.model.lin0
+    assert not any(t.is_meta for t in layer.state_dict().values())
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), want)

@@ -67,6 +67,12 @@ def require_linear_target(target: nn.Module, current_key: str, method: str) -> N
     )
 
 
+#: PEFT's wording of the mixed-batch conditions it defines (tools and tests match on it); ours adds the hint.
+MERGED_ADAPTER_NAMES = (
+    "Cannot pass `adapter_names` when there are merged adapters, please call `unmerge_adapter` first."
+)
+
+
 def _adapter_names_pre_forward_hook(
     module: nn.Module, args: tuple, kwargs: dict[str, Any], adapter_names: list[str]
 ) -> tuple[tuple, dict[str, Any]]:
@@ -99,15 +105,19 @@ def forward_adapter_names(
         yield
         return
     if tuner.training:
-        raise ValueError("`adapter_names` is for inference only; call model.eval() first")
+        raise ValueError(
+            "Cannot pass `adapter_names` when the model is in training mode. (`adapter_names` is for inference only; "
+            "call model.eval() first)"
+        )
     available = set(known())
     unknown = {name for name in adapter_names if name != "__base__"} - available
     if unknown:
         raise ValueError(
-            f"`adapter_names` names unknown adapters {sorted(unknown)}; known: {sorted(available)} and '__base__'"
+            f"Trying to infer with non-existing adapter(s): {', '.join(sorted(unknown))} (known: {sorted(available)} "
+            "and '__base__')"
         )
     if merged():
-        raise ValueError("Cannot pass `adapter_names` while adapters are merged; call unmerge_adapter() first.")
+        raise ValueError(MERGED_ADAPTER_NAMES)
     hook = partial(_adapter_names_pre_forward_hook, adapter_names=list(adapter_names))
     handles = [
         module.register_forward_pre_hook(hook, with_kwargs=True)
@@ -127,10 +137,11 @@ def check_adapter_names_args(layer: BaseTunerLayer, x: torch.Tensor, adapter_nam
         return
     if len(x) != len(adapter_names):
         raise ValueError(
-            f"`adapter_names` must have one entry per input, got {len(adapter_names)} names for {len(x)} inputs"
+            "Length of `adapter_names` should be the same as the number of inputs, but got "
+            f"{len(adapter_names)} and {len(x)} respectively. (One adapter name per input row.)"
         )
     if layer.merged:
-        raise ValueError("Cannot pass `adapter_names` while adapters are merged; call `unmerge_adapter()` first")
+        raise ValueError(MERGED_ADAPTER_NAMES)
 
 
 def merge_deltas(

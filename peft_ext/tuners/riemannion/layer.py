@@ -125,6 +125,8 @@ class RiemannionLayer(AdapterLayer):
         """
         A, B = self.riemannion_A[adapter_name], self.riemannion_B[adapter_name]
         X0_A, X0_B = self.riemannion_X0_A[adapter_name], self.riemannion_X0_B[adapter_name]
+        if any(t.is_meta for t in (A, B, X0_A, X0_B)):
+            return  # created without values (PEFT's low_cpu_mem_usage loading): the checkpoint's point is loaded
         at_start = torch.equal(A, X0_A) and torch.equal(B, X0_B)
         point = reorthonormalize(A, B)
         A.copy_(point.A)

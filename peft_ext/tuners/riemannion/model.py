@@ -27,7 +27,7 @@ class RiemannionModel(AdapterTuner):
         model: The model to adapt.
         config: The adapter configuration.
         adapter_name: Name of the first adapter.
-        low_cpu_mem_usage: Accepted for PEFT's signature; Riemannion adapters are small and always materialized.
+        low_cpu_mem_usage: Create the adapter weights on the meta device (PEFT's loading path), as LoRA does.
     """
 
     prefix: str = "riemannion_"
