@@ -27,7 +27,7 @@ linear head 2.6 s, LoRA 21.4 s, LoRA at MoRA's count 20.6 s, MoRA 30.0 s, prompt
 The default is 15 validation runs + 5 methods x 5 seeds x 4 settings = 23 runs per method: about 23 x 101 s + 142 s
 + timing = 42 minutes on one idle core (``--kinds both``: 2 settings, about 25 minutes). Measured: the
 default took 3,693 s wall (2026-12-01, one thread, with up to three other benchmarks on the 2 cores). Five epochs
-are the METHODS.md section 4 schedule, kept from the earlier runs.
+are the docs/methods.md (MoRA) schedule, kept from the earlier runs.
 
 Usage::
 

@@ -30,7 +30,8 @@ pytestmark = pytest.mark.usefixtures("single_thread")  # small transforms; see t
 
 
 def formula_matrix(n: int) -> torch.Tensor:
-    """METHODS.md section 5, entry by entry in float64 (independent of the vectorized, range-reduced builder)."""
+    """docs/methods.md (DCT-AdamW), entry by entry in float64 (independent of the vectorized, range-reduced
+    builder)."""
     q = torch.empty(n, n, dtype=torch.float64)
     for k in range(n):
         for j in range(n):

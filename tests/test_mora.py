@@ -1,4 +1,4 @@
-"""The MoRA adapter type: PEFT's tuner contract on a tiny CLIP, plus what is specific to MoRA (METHODS.md section 4):
+"""The MoRA adapter type: PEFT's tuner contract on a tiny CLIP, plus what is specific to MoRA (docs/methods.md (MoRA)):
 the Gram coupling across towers, the exact identity at init (in every dtype), one-tower forwards and the tie kept
 through save/load."""
 

@@ -77,7 +77,8 @@ def _deltas(model: nn.Module) -> list[torch.Tensor]:
 
 
 def _dense_reference(A, B, grads, *, lr, beta, nesterov, wd, ortho):
-    """METHODS.md's step with m x n matrices: P_T, transport by projection, Ortho by SVD, retraction by SVD."""
+    """docs/methods.md (Riemannion)'s step with m x n matrices: P_T, transport by projection, Ortho by SVD, retraction
+    by SVD."""
     r = A.shape[1]
     X, M, out = A @ B.T, None, []
     for G in grads:

@@ -94,7 +94,7 @@ def _gen(seed: int) -> torch.Generator:
 
 
 def _brute_force_f(p: list[float], t: int, a: float, d: int) -> list[float]:
-    """f(j) of METHODS.md section 2, term by term in plain Python."""
+    """f(j) of docs/methods.md (SplitLoRA), term by term in plain Python."""
     return [(t + 1) * (1 - sum(p[: j + 1])) - a * (d - j) / d for j in range(len(p))]
 
 

@@ -1,6 +1,6 @@
 """Riemannion and its peers as method plugins, so they are compared by the same runner on the same tasks.
 
-- ``riemannion``: the Riemannion adapter (METHODS.md section 1) trained by :class:`~peft_ext.optim.Riemannion`
+- ``riemannion``: the Riemannion adapter (docs/methods.md (Riemannion)) trained by :class:`~peft_ext.optim.Riemannion`
   (``variant: muon``) or :class:`~peft_ext.optim.RiemannLoRA` (``variant: sgd``), started at a random point or at the
   LOI point (``init: loi``, computed on the first task's data before it is trained).
 - ``lora_opt``: PEFT's LoRA with a choice of optimizer and initialization, the peers the paper compares against:

@@ -1,6 +1,7 @@
 """SplitLoRA and the subspace baselines it is compared with, as continual-learning method plugins.
 
-- ``splitlora``: the SplitLoRA adapter type (``peft_ext.tuners.splitlora``, METHODS.md section 2): per task, ``B``
+- ``splitlora``: the SplitLoRA adapter type (``peft_ext.tuners.splitlora``, docs/methods.md (SplitLoRA)): per task,
+  ``B``
   trains on a frozen ``A`` drawn in the minor subspace of the running input covariance of all earlier tasks; after
   the task its ``B A`` is folded into a frozen delta.
 - ``inflora``: InfLoRA-style (Liang & Li, CVPR 2024). Before a task, ``A`` is fixed to the top-``r`` left singular

@@ -1,6 +1,6 @@
 """PCLR's query-key loss in ``transformers.Trainer``: a ``compute_loss_func`` that adds it to the task loss.
 
-PCLR's keys learn only through ``w * mean(1 - cos(q, k))`` over the selected keys (METHODS.md section 3); a model's
+PCLR's keys learn only through ``w * mean(1 - cos(q, k))`` over the selected keys (docs/methods.md (PCLR)); a model's
 own ``outputs.loss`` does not contain it, so a plain ``Trainer`` would leave the keys untrained. Pass
 ``Trainer(..., compute_loss_func=pclr_loss_func(model))``: Trainer then pops ``labels`` from each batch, calls the
 model without them and this function computes the task loss (causal-LM or classification cross entropy, or your

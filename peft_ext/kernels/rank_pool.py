@@ -5,8 +5,8 @@ For a pool of ``N`` rank-1 components ``(a_i, b_i)`` stored as ``A_pool`` (in x 
 
     y[b] = scale * sum_k gates[b, k] * (x[b] @ A_pool[:, S_b[k]]) * B_pool[S_b[k], :]
 
-i.e. ``y[b] = scale * (x[b] @ A_pool[:, S_b]) @ B_pool[S_b, :]`` with hard 0/1 gates (METHODS.md section 3, "the hot
-operation"). ``x[b]`` is a single row or a sequence of tokens. ``gates`` is optional (all ones); a zero gate lets a
+i.e. ``y[b] = scale * (x[b] @ A_pool[:, S_b]) @ B_pool[S_b, :]`` with hard 0/1 gates (docs/methods.md (PCLR), "The
+gather"). ``x[b]`` is a single row or a sequence of tokens. ``gates`` is optional (all ones); a zero gate lets a
 sample use fewer than ``K`` ranks (PCLR sets it when prototype routing leaves a sample fewer than ``K`` usable ranks).
 An index repeated within one sample counts once per occurrence, in every variant.
 

@@ -1,6 +1,6 @@
 """Batched retraction on the fixed-rank manifold: every same-shaped adapter in one pass, CholeskyQR2 on the GPU.
 
-The retraction (METHODS.md section 1, :func:`peft_ext.manifolds.fixed_rank.retr`) takes the best rank-r
+The retraction (docs/methods.md (Riemannion), :func:`peft_ext.manifolds.fixed_rank.retr`) takes the best rank-r
 approximation of ``x_scale * X + u = [A_dot, A] [B_R, x_scale * B + B_dot]^T``: QR both tall m x 2r and n x 2r
 factors, SVD the 2r x 2r core, keep the top r. The Riemannion optimizer stacks adapters of equal shape and retracts
 the stack in one call (:func:`retract`); :func:`stack_by_shape` forms the stacks (the optimizer and

@@ -1,6 +1,7 @@
 """The manifold of fixed-rank matrices M_r = {X in R^{m x n} : rank X = r}, in factored form.
 
-Reference: METHODS.md section 1 (Riemannion, Bogachev et al., arXiv 2507.12142) and the standard fixed-rank geometry
+Reference: docs/methods.md (Riemannion) (Riemannion, Bogachev et al., arXiv 2507.12142) and the standard fixed-rank
+geometry
 (Vandereycken 2013; Absil, Mahony & Sepulchre 2008).
 
 Representation, never an m x n matrix:
@@ -232,7 +233,8 @@ def tangent_to_dense(x: FixedRankPoint, u: TangentVector) -> Tensor:
 def egrad2rgrad(x: FixedRankPoint, grad_right: Tensor, grad_left: Tensor) -> TangentVector:
     """The Riemannian gradient P_T(G) from the two products of the Euclidean gradient G that it needs.
 
-    ``A_dot = (I - A A^T) G B_R`` and ``B_dot = G^T A`` (METHODS.md, "Projection of any Z"). The Riemannion layer
+    ``A_dot = (I - A A^T) G B_R`` and ``B_dot = G^T A`` (docs/methods.md (Riemannion), "Tangent space"). The
+    Riemannion layer
     delivers both products from one backward pass (``dL/dZ1 = G B_R`` and ``dL/dB = G^T A``), so G is never formed.
 
     Args:
@@ -273,7 +275,8 @@ def ortho_lowrank(U: Tensor, V: Tensor, rtol: float | None = None) -> tuple[Tens
     """Orthogonalize the rank <= k matrix ``U V^T``: set its nonzero singular values to 1 (OrthoLR, without P_T).
 
     QR both tall factors, SVD the k x k core ``T_L T_R^T = P S Q^T``; the result is ``(Q_L P D)(Q_R Q)^T`` with
-    ``D = diag(S > rtol * S_max)``. Exact, so no Newton-Schulz iteration is needed (METHODS.md step 3). The mask keeps
+    ``D = diag(S > rtol * S_max)``. Exact, so no Newton-Schulz iteration is needed (docs/methods.md (Riemannion) step
+    3). The mask keeps
     the factor widths fixed (no data-dependent shapes, no host sync).
 
     Args:
@@ -299,7 +302,8 @@ def ortho_lowrank(U: Tensor, V: Tensor, rtol: float | None = None) -> tuple[Tens
 
 
 def orthogonalize(x: FixedRankPoint, u: TangentVector, rtol: float | None = None) -> TangentVector:
-    """The Riemannion direction ``P_T(Ortho(u))`` (METHODS.md step 3): orthogonalize in factored form, re-project.
+    """The Riemannion direction ``P_T(Ortho(u))`` (docs/methods.md (Riemannion) step 3): orthogonalize in factored
+    form, re-project.
 
     The re-projection is needed because the polar factor of a tangent vector is in general not tangent: its part in
     ``range(A_dot) x range(B_dot)`` leaves the tangent space.

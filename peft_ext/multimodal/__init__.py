@@ -1,4 +1,4 @@
-"""Multimodal data and the missing-modality protocol for dual-encoder adapters (MoRA, METHODS.md section 4).
+"""Multimodal data and the missing-modality protocol for dual-encoder adapters (MoRA, docs/methods.md (MoRA)).
 
 - :mod:`.emoji`: the committed emoji image + name pairs (Unicode emoji list x Noto Color Emoji), and its builder;
 - :mod:`.missing`: missing rate / type masks and placeholders (empty text, blank image);

@@ -322,6 +322,7 @@ def pretrain_contrastive(
 
 
 def cosine_with_warmup(steps: int, warmup: float = 0.1) -> Callable[[int], float]:
-    """LambdaLR factor: linear warmup over ``warmup * steps``, then cosine decay to 0 (METHODS.md §4 schedule)."""
+    """LambdaLR factor: linear warmup over ``warmup * steps``, then cosine decay to 0 (docs/methods.md (MoRA)
+    schedule)."""
     warm = max(1, int(warmup * steps))
     return lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, steps - warm)))

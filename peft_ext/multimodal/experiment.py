@@ -83,7 +83,7 @@ class ExperimentSettings:
         prompt_length: Prompt tokens per prompted layer and missing pattern.
         epochs: Fine-tuning epochs per method.
         batch_size: Fine-tuning batch size.
-        lr: AdamW learning rate of every method (METHODS.md §4: 1e-2, cosine, 10% warmup).
+        lr: AdamW learning rate of every method (docs/methods.md (MoRA): 1e-2, cosine, 10% warmup).
         train_limit: Use only the first ``train_limit`` training pairs (tests); ``None``: all.
         timing_batches: Timed rounds of the inference forward (the minimum is reported).
     """

@@ -1,4 +1,5 @@
-"""The missing-modality protocol of MMP (Lee et al., CVPR 2023), which MoRA's paper evaluates on (METHODS.md §4).
+"""The missing-modality protocol of MMP (Lee et al., CVPR 2023), which MoRA's paper evaluates on (docs/methods.md
+(MoRA)).
 
 A split of ``n`` paired examples gets a missing rate ``rate`` and a type: ``"text"`` (``rate * n`` examples lose
 their text), ``"image"`` (they lose their image) or ``"both"`` (``rate * n`` examples lose one modality: a share

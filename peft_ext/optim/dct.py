@@ -1,11 +1,12 @@
 """The orthonormal DCT-II and DCT subspace selection: the pure math behind :class:`~peft_ext.optim.DCTAdamW`.
 
 Reference: Modoranu, Safaryan, Alistarh et al., "SVD-Free Low-Rank Adaptive Gradient Optimization" / "FFT-based
-Dynamic Subspace Selection" (arXiv 2505.17967); formulas in ``shared/METHODS.md`` section 5.
+Dynamic Subspace Selection" (arXiv 2505.17967); formulas in docs/methods.md (DCT-AdamW).
 
 Conventions. ``Q = dct_matrix(n)`` is the orthonormal DCT-II matrix with
 ``Q[k, j] = sqrt(2/n) cos(pi k (2j + 1) / (2n))`` and row 0 scaled by ``1/sqrt(2)``, so ``Q @ x`` is the DCT-II of
-``x`` and the *rows* of ``Q`` are the cosine basis vectors. METHODS.md writes the projection as ``S = G Q`` with
+``x`` and the *rows* of ``Q`` are the cosine basis vectors. docs/methods.md (DCT-AdamW) writes the projection as ``S =
+G Q`` with
 basis vectors as columns; with ``Q`` defined by the row formula above that product would be the DCT-III (the public
 code's ``matmul`` path does exactly that, while its FFT path computes the DCT-II, so its two paths select in
 different bases). Here both paths use the DCT-II basis: ``S = G Q^T`` (the DCT-II of every row of ``G``), computed
@@ -171,7 +172,8 @@ def dct2_fft(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Orthonormal DCT-II of ``x`` along ``dim`` with Makhoul's algorithm: one real FFT, O(n log n) per vector.
 
     Makhoul (1980): reorder ``v = [x0, x2, x4, ..., x5, x3, x1]``; then ``X_k = w_k Re(exp(-i pi k / 2n) V_k)`` with
-    ``V = FFT(v)``, ``w_0 = sqrt(1/n)``, ``w_k = sqrt(2/n)`` (METHODS.md section 5). Because ``v`` is real, ``V`` is
+    ``V = FFT(v)``, ``w_0 = sqrt(1/n)``, ``w_k = sqrt(2/n)`` (docs/methods.md (DCT-AdamW)). Because ``v`` is real,
+    ``V`` is
     Hermitian and only ``V_0 .. V_{n//2}`` are computed (``rfft``); the upper half of the spectrum follows from
     ``X_{n-k} = -w Im(exp(-i pi k / 2n) V_k)``, which halves the FFT work of the textbook form.
     """

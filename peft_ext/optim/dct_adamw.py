@@ -1,7 +1,7 @@
 """DCT-AdamW: AdamW whose moments live in a rank-r subspace picked from a fixed DCT basis, without any SVD.
 
 Reference: Modoranu, Safaryan, Alistarh et al., "SVD-Free Low-Rank Adaptive Gradient Optimization" / "FFT-based
-Dynamic Subspace Selection" (arXiv 2505.17967); formulas in ``shared/METHODS.md`` section 5. The DCT math is in
+Dynamic Subspace Selection" (arXiv 2505.17967); formulas in docs/methods.md (DCT-AdamW). The DCT math is in
 :mod:`peft_ext.optim.dct`, Adam's arithmetic in :mod:`peft_ext.optim.adam_math` (:func:`adam_direction`), the moment
 rotation and 8-bit buffers in :mod:`peft_ext.optim.dct_state`; :class:`DCTAdamW` only manages state.
 
@@ -91,7 +91,8 @@ class DCTAdamW(Optimizer):
       (default) raises ``FloatingPointError`` naming the parameter; ``"skip"`` skips the whole step (no parameter,
       moment or counter changes) with a ``UserWarning``, counted in :attr:`skipped_steps`. A mixed-precision
       ``torch.amp.GradScaler`` already skips such steps before calling ``step()``, so neither path is hit there.
-    * A column that enters the selection starts with zero moments (METHODS.md). By default its bias correction
+    * A column that enters the selection starts with zero moments (docs/methods.md (DCT-AdamW)). By default its bias
+      correction
       uses the parameter's step count, as in the public code; its first updates are then 3 to 6.5 times Adam's
       unit step (``(1 - beta1^k) / sqrt(1 - beta2^k)`` after ``k`` updates, before the moments fill). With
       ``column_bias_correction=True`` each column is corrected by its own age, so a new column starts exactly like
@@ -120,7 +121,8 @@ class DCTAdamW(Optimizer):
         max_shape: Matrices with a dimension ``>= max_shape`` get plain AdamW (embeddings and LM heads, whose rows
             are sparse updates rather than a low-rank signal).
         rotate_moments: When the selection changes, keep the moments of columns present in both selections and
-            zero the new ones (the rotation of METHODS.md section 5). Off: moments stay positional, as in GaLore,
+            zero the new ones (the rotation of docs/methods.md (DCT-AdamW)). Off: moments stay positional, as in
+            GaLore,
             and are reinterpreted in the new basis.
         column_bias_correction: Bias-correct each column by its own age (only with ``rotate_moments``); see above.
             Off by default, as in the paper.

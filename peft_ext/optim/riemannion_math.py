@@ -1,4 +1,4 @@
-"""Riemannion's update for a stack of adapters, as one pure function (METHODS.md section 1).
+"""Riemannion's update for a stack of adapters, as one pure function (docs/methods.md (Riemannion)).
 
 :func:`riemannion_update` takes the current points, the two gradient products the layer's backward pass delivers
 and the momentum, and returns the new points and the transported momentum; it changes nothing in place.

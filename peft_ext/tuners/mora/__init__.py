@@ -1,4 +1,4 @@
-"""MoRA: modality-common and modality-specific low-rank adaptation of dual encoders (METHODS.md section 4).
+"""MoRA: modality-common and modality-specific low-rank adaptation of dual encoders (docs/methods.md (MoRA)).
 
 Registered with PEFT as ``"mora"`` (``PeftType.MORA``; PEFT 0.21 ships no type of that name, and the unrelated
 "MoRA: High-Rank Updating" is not in PEFT either).

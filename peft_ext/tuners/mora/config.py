@@ -1,4 +1,5 @@
-"""Configuration of the MoRA adapter (modality-common + modality-specific low-rank adaptation; METHODS.md §4)."""
+"""Configuration of the MoRA adapter (modality-common + modality-specific low-rank adaptation; docs/methods.md
+(MoRA))."""
 
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ class MoRAConfig(PeftConfig):
 
     Identity at init (``init_weights=True``): ``m_sh = 0`` and ``m_sp = ||W||`` (the magnitudes sum to ``||W||``,
     all of it on the specific branch, whose delta is zero), so ``W' = W`` exactly. The public code starts both
-    magnitudes at ``||W||`` (``W' = 2W``); METHODS.md asks for an exact identity. The shared factors receive gradient
-    once ``m_sh`` leaves zero, which the first optimizer step does (like LoRA's ``B = 0``).
+    magnitudes at ``||W||`` (``W' = 2W``); peft-ext starts at an exact identity instead. The shared factors receive
+    gradient once ``m_sh`` leaves zero, which the first optimizer step does (like LoRA's ``B = 0``).
 
     Args:
         r: Rank of the shared and the specific factors.
@@ -50,7 +51,8 @@ class MoRAConfig(PeftConfig):
             top 2 of 12).
         init_weights: ``True``: identity at init (see above). ``False``: a visible delta for tests (``M_B`` random,
             ``m_sh = m_sp = ||W|| / 2``).
-        shared_init_std: Standard deviation of the Gaussian shared factors; default ``1 / sqrt(r)`` (METHODS.md).
+        shared_init_std: Standard deviation of the Gaussian shared factors; default ``1 / sqrt(r)`` (docs/methods.md
+            (MoRA)).
         modules_to_save: Modules besides the adapters to train and save (e.g. a classification head).
     """
 

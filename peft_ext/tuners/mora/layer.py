@@ -5,7 +5,7 @@ Per adapter the layer holds the modality-specific LoRA pair ``mora_spec_A`` (``r
 factors ``S_A`` / ``S_B`` live once, on the tuner (:class:`~.model.MoRAModel`), and the layer reads them through a
 plain (unregistered) reference, so the state dict holds one copy and every module of the pair uses the same tensors.
 
-The composed weight (METHODS.md section 4) is::
+The composed weight (docs/methods.md (MoRA)) is::
 
     W' = diag(s_sh) (W + a dW_sh) + diag(s_sp) (W + a dW_sp),   s_x = m_x / ||W + a dW_x||_row
 

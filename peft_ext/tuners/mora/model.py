@@ -116,7 +116,7 @@ def plan_targets(model: nn.Module, config: MoRAConfig) -> dict[str, MoRATarget]:
 
 
 class MoRAModel(AdapterTuner):
-    """MoRA adapters (METHODS.md section 4) on the top layers of both towers of a dual encoder.
+    """MoRA adapters (docs/methods.md (MoRA)) on the top layers of both towers of a dual encoder.
 
     Use it through PEFT: ``get_peft_model(clip_model, MoRAConfig(r=4))``. The tuner owns the modality-common factors
     (``mora_shared_text[adapter][pair]`` = ``S_A``, ``mora_shared_vision[adapter][pair]`` = ``S_B``), so they are

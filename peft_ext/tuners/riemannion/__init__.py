@@ -1,4 +1,5 @@
-"""Riemannion: LoRA on the fixed-rank manifold (METHODS.md section 1), registered with PEFT as ``"riemannion"``.
+"""Riemannion: LoRA on the fixed-rank manifold (docs/methods.md (Riemannion)), registered with PEFT as
+``"riemannion"``.
 
 Example::
 

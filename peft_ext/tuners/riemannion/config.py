@@ -1,4 +1,4 @@
-"""Configuration of the Riemannion adapter (LoRA on the fixed-rank manifold, METHODS.md section 1)."""
+"""Configuration of the Riemannion adapter (LoRA on the fixed-rank manifold, docs/methods.md (Riemannion))."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class RiemannionConfig(AdapterConfig):
             initialization; call :func:`peft_ext.tuners.riemannion.initialize_loi` afterwards for the
             gradient-informed LOI point. ``False``: ``X0 = 0``, the delta is the random point itself (for tests).
         init_scale: Every singular value of the initial point (random or LOI). Default ``1e-2 / sqrt(r)``, the order
-            of magnitude METHODS.md gives for the paper's LOI scale.
+            of magnitude docs/methods.md (Riemannion) gives for the paper's LOI scale.
         riemannion_dropout: Dropout on the adapter's input.
     """
 

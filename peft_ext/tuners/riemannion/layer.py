@@ -8,8 +8,8 @@ Per adapter the layer holds
 
 The forward pass is one rank-3r product pair, ``[A, Z, -X0_A] ([B, B_R, X0_B]^T x)`` with ``B_R = qr(B).Q``
 (treated as a constant). Because ``Z = 0`` contributes nothing, the output is ``W x + (A B^T - X0) x``, but one
-ordinary backward pass now yields both products the Riemannian gradient needs (METHODS.md, "Getting G B_R and
-G^T A_L from one backward pass"): ``dL/dZ = G B_R`` and ``dL/dB = G^T A``, with ``G = dL/dW``. Nothing is inverted
+ordinary backward pass now yields both products the Riemannian gradient needs (docs/methods.md (Riemannion), "Both
+products from one backward pass"): ``dL/dZ = G B_R`` and ``dL/dB = G^T A``, with ``G = dL/dW``. Nothing is inverted
 (recovering ``G B_R`` from ``dL/dA = G B`` would need ``R^{-1}`` of ``qr(B)``, unstable for the small B of LOI).
 
 The base weight is never modified outside ``merge``; quantized bases (bitsandbytes 4-bit and 8-bit) go through

@@ -1,4 +1,4 @@
-"""LOI: locally optimal, gradient-informed initialization of Riemannion adapters (METHODS.md section 1, "LOI").
+"""LOI: locally optimal, gradient-informed initialization of Riemannion adapters (docs/methods.md (Riemannion)).
 
 LOI picks the starting point ``X0`` of rank r that maximizes the norm of the first Riemannian gradient
 ``||P_T(G)||_F``, where ``G = dL/dW`` is the loss gradient of the layer's weight. With ``G = U S V^T``, the maximizer

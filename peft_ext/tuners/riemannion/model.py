@@ -16,7 +16,7 @@ __all__ = ["RiemannionModel"]
 
 
 class RiemannionModel(AdapterTuner):
-    """Riemannion adapters (LoRA on the fixed-rank manifold; METHODS.md section 1) on a model's linear layers.
+    """Riemannion adapters (LoRA on the fixed-rank manifold; docs/methods.md (Riemannion)) on a model's linear layers.
 
     Use it through PEFT: ``get_peft_model(model, RiemannionConfig(r=16, target_modules=[...]))``, then train with
     :func:`peft_ext.optim.create_riemannion_optimizer`. Supports several adapters, merging, disabling, deleting and
