@@ -17,7 +17,7 @@ Usage::
     OMP_NUM_THREADS=1 python benchmarks/compile_speed.py                 # inductor, width 256, every type
     python benchmarks/compile_speed.py --quick                           # smoke run: aot_eager, toy sizes
 
-Target (issue 31): every type compiles to one graph (0 graph breaks) with gradients equal to eager's to float
+Target: every type compiles to one graph (0 graph breaks) with gradients equal to eager's to float
 rounding (relative difference < 1e-4 printed as met).
 """
 

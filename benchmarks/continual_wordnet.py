@@ -24,10 +24,10 @@ inflora 99 s, pclr_contribution 148 s of CPU (the issue-18 ``pclr`` entry: 93 s)
 benchmark's: runs long enough to converge come first (the convergence check says whether they are; seq_lora at lr
 1e-3, seed 0: 23.6 -> 19.8 validation final accuracy from 3 to 6 epochs, more epochs only forget more).
 
-Targets (issue 5, judged by 95 % intervals as issue 16 asks): SplitLoRA's final average accuracy at least 1 point
+Targets (judged by 95 % intervals): SplitLoRA's final average accuracy at least 1 point
 above the InfLoRA-style baseline (lower end of the paired interval >= +1), and its forgetting at most half of
 sequential LoRA's (upper end of the paired interval of ``forgetting_splitlora - 0.5 * forgetting_seq_lora`` <= 0; the
-per-seed ratio's interval is printed beside it). Issue 6: PCLR's forgetting at most half of sequential LoRA's (same
+per-seed ratio's interval is printed beside it). PCLR's forgetting at most half of sequential LoRA's (same
 rule) with a pool that stays within its cap. The other PCLR variants (compression rules, integration) stay
 selectable with ``--methods``.
 """
@@ -73,8 +73,8 @@ TOTAL_CLASSES = 20
 TARGET_MODULES = ["query", "value"]
 # Every adapter method gets rank 10 (the SplitLoRA paper's) on query/value. ``lr`` is the centre of each method's
 # 3-point grid (``tuning.log_grid``: lr / sqrt(10), lr, lr * sqrt(10)); the centres are the fixed rates of the
-# benchmark before issue 16: 1e-3, the quickstart's LoRA rate, for the methods that train A and B and for OSF, 5e-3 for
-# both B-only methods (frozen A), 2e-3 for PCLR (benchmarks/pclr.py's rate). The rate also trains the head.
+# benchmark before the protocol: 1e-3, the quickstart's LoRA rate, for the methods that train A and B and for OSF,
+# 5e-3 for both B-only methods (frozen A), 2e-3 for PCLR (benchmarks/pclr.py's rate). The rate also trains the head.
 LORA = {"r": 10, "lora_alpha": 20.0, "target_modules": TARGET_MODULES}
 METHODS: dict[str, dict[str, Any]] = {
     "seq_lora": {"lr": 1e-3, "adapter": LORA},
@@ -84,7 +84,7 @@ METHODS: dict[str, dict[str, Any]] = {
     "splitlora": {"lr": 5e-3, "adapter": {"r": 10, "target_modules": TARGET_MODULES}},
     "joint": {"lr": 1e-3, "adapter": LORA},
 }
-# PCLR variants (issue 6): pool capped at 32 ranks per linear, 16 new ranks per task, top-16, half the pool dropped
+# PCLR variants: pool capped at 32 ranks per linear, 16 new ranks per task, top-16, half the pool dropped
 # after every task but the first (so the pool is at its cap while each task trains), a rank-4 shared LoRA, the
 # learning rate of benchmarks/pclr.py. Variants differ in the compression rule and the integration only (the base
 # entry uses the public code's task-routed integration; ``_input`` routes each sample by its own query, the ``pclr``
@@ -106,7 +106,7 @@ def _pclr(compress_rule: str, **cycle: Any) -> dict[str, Any]:
     return {"lr": 2e-3, "cycle": {"integrate_routing": "tasks", **cycle}, "adapter": adapter}
 
 
-# The PCLR entry of the default run (issue 18, benchmarks/pclr_ablation.py, docs/pclr.md): the library's default
+# The PCLR entry of the default run (benchmarks/pclr_ablation.py, docs/pclr.md): the library's default
 # schedule shape at a size that fits, i.e. a pool capped at 64, 16 new ranks per task, no compression while the pool
 # has room (tasks 1-3), then 25 % and 12.5 % (and whatever the next task's ranks need), the measured-contribution rule.
 PCLR_PAPER_SHAPE = {"pool_size": 64, "compress_schedule": [0.0, 0.0, 0.0, 0.25, 0.125]}
@@ -141,7 +141,7 @@ QUICK = {
     "max_length": 16,
 }
 SPLITS = ("validation", "test")
-RECORD_FORMAT = "tuning-v1"  # run records of the fixed-lr benchmark (before issue 16) are refused, not mixed in
+RECORD_FORMAT = "tuning-v1"  # run records of the fixed-lr benchmark (before the protocol) are refused, not mixed in
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

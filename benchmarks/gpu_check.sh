@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepared GPU check for the Triton kernels (issue 8); not run yet (no GPU has been lent to this project so far).
+# Prepared GPU check for the Triton kernels; not run yet (no GPU has been lent to this project so far).
 #
 # On one H100/H200, from the repository root:   bash benchmarks/gpu_check.sh
 # Budget: under 5 minutes (install ~1 min if the dependencies are missing, tests ~1 min, benchmark ~1-2 min).

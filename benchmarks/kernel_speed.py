@@ -1,4 +1,4 @@
-"""Kernel benchmark (issue 8): the rank-pool gather and the batched Riemannion retraction, fast path vs reference.
+"""Kernel benchmark: the rank-pool gather and the batched Riemannion retraction, fast path vs reference.
 
 Run (CPU: small sizes by default, under a minute on 2 shared cores; CUDA: the issue's sizes)::
 

@@ -1,6 +1,6 @@
 """PCLR on the WordNet supersense sequence with MiniLM-L6: index vs importance compression (and sequential LoRA).
 
-The question (issue 6, docs/methods.md (PCLR)): the public code compresses the rank pool by dropping every s-th rank;
+The question (docs/methods.md (PCLR)): the public code compresses the rank pool by dropping every s-th rank;
 the paper speaks of importance. Which keeps more accuracy? Both PCLR variants see the same sequence, backbone, head
 initialization, batches and schedule; only the compression rule differs. A variant without integration shows what
 the distillation step adds, and sequential LoRA is the forgetting reference.

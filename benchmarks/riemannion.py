@@ -94,7 +94,7 @@ METHODS: list[tuple[str, str, dict[str, Any]]] = [
     ("lora_ga", "lora_opt", {"init": "lora_ga", "lr": 1e-3}),
     ("lora_muon", "lora_opt", {"optimizer": "muon", "lr": 3e-2}),
 ]
-#: The default set: the optimizer comparisons issue 16 asks for. LoRA-GA (an initialization, AdamW after it) stays
+#: The default set: the optimizer comparisons of the protocol. LoRA-GA (an initialization, AdamW after it) stays
 #: selectable with ``--methods``; leaving it out saves 7 of 42 runs.
 DEFAULT_METHODS = ["riemannion_loi", "riemannion_random", "lora_adamw", "lora_rprec", "lora_muon"]
 REFERENCE = "lora_adamw"

@@ -1,4 +1,4 @@
-"""SplitLoRA at LLM scale (issue 19): what the input statistics, the task boundary and the checkpoints cost.
+"""SplitLoRA at LLM scale: what the input statistics, the task boundary and the checkpoints cost.
 
 Part 1, measured on random Llama models (hidden ``w``, intermediate ``4w``, ``w / 64`` heads, 4:1 grouped KV heads,
 r = 16 on all seven projections, ``statistics="auto"``: dense up to 2048 inputs, a frequent-directions sketch of
@@ -24,7 +24,7 @@ Usage::
     OMP_NUM_THREADS=1 python benchmarks/splitlora_scaling.py --json runs/benchmarks/splitlora_scaling.json
     python benchmarks/splitlora_scaling.py --quick       # smoke run at toy sizes
 
-Targets (issue 19): statistics pass <= 1.5x a plain forward at every width; inference checkpoint <= 2x LoRA's;
+Targets: statistics pass <= 1.5x a plain forward at every width; inference checkpoint <= 2x LoRA's;
 ``end_task`` <= 50 LoRA-step equivalents at width 4096. The float32 split's accuracy against float64 (k*, subspace
 angle < 1 degree) is asserted in tests/test_splitlora_stats.py and tabled in docs/splitlora.md.
 """
@@ -93,7 +93,7 @@ def _randomize_b(model: nn.Module) -> None:
 
 def split_agreement(model: nn.Module) -> dict[str, Any]:
     """After the first ``end_task``: the split of every module recomputed from the same statistics in float32 (what
-    ``end_task`` does) and float64 (the computation before issue 19): ``k*`` mismatches and the largest principal
+    ``end_task`` does) and float64 (the earlier computation): ``k*`` mismatches and the largest principal
     angle between the two primary subspaces (which equals that between the minor subspaces the new ``A`` uses)."""
     mismatches, angles = 0, []
     for layer in model.modules():

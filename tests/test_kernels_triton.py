@@ -1,4 +1,4 @@
-"""The Triton kernels (issue 8) against their torch references, on CPU and, where there is one, on a GPU.
+"""The Triton kernels against their torch references, on CPU and, where there is one, on a GPU.
 
 Three kinds of test:
 

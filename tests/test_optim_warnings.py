@@ -1,4 +1,4 @@
-"""Optimizer warnings of issue 15: DCTAdamW whose ``target_modules`` select nothing (it would silently train every
+"""Optimizer warnings: DCTAdamW whose ``target_modules`` select nothing (it would silently train every
 parameter with plain AdamW) warns once at construction, naming the targets and modules that exist."""
 
 from __future__ import annotations

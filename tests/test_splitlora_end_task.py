@@ -1,4 +1,4 @@
-"""SplitLoRA's ``end_task`` is all-or-nothing (issue 15): a module that cannot finish (non-finite ``B`` or inputs)
+"""SplitLoRA's ``end_task`` is all-or-nothing: a module that cannot finish (non-finite ``B`` or inputs)
 is found before any module changes, so nothing is folded, advanced or counted, and a retry after the fix gives
 exactly what a clean run gives."""
 

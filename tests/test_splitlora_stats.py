@@ -40,7 +40,7 @@ def _decaying(rows: int, n: int, seed: int, power: float = 0.8, outliers: int = 
 
 
 def _old_fd_update(sketch: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """The sketch before issue 19, as the reference: a float64 thin SVD of sketch + every chunk of ``ell`` rows."""
+    """The earlier sketch, as the reference: a float64 thin SVD of sketch + every chunk of ``ell`` rows."""
     ell, total = sketch.shape[0], 0.0
     for start in range(0, rows.shape[0], ell):
         _, s, vh = torch.linalg.svd(torch.cat([sketch, rows[start : start + ell]]), full_matrices=False)

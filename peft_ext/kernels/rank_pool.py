@@ -26,7 +26,7 @@ cheaper torch reference by a cost model (:func:`choose_reference`).
 Dispatch
 --------
 ``PEFT_EXT_KERNELS`` and the registry of fast kernels live in :mod:`.dispatch`: in ``auto`` / ``triton`` mode a
-registered kernel that accepts the inputs runs (the fused Triton kernel of :mod:`.triton_rank_pool`, issue 8, is
+registered kernel that accepts the inputs runs (the fused Triton kernel of :mod:`.triton_rank_pool` is
 registered lazily on the first CUDA call), else the cheaper torch reference. PCLR does not need to know which path
 ran.
 """
