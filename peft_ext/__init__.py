@@ -26,7 +26,7 @@ from .quantization import disable_bnb_cpu_repacking  # noqa: E402
 from .registry import register_peft_type, registered_peft_types  # noqa: E402
 from .tuners.mora import MoRAConfig  # noqa: E402
 from .tuners.pclr import PCLRConfig  # noqa: E402
-from .tuners.riemannion import RiemannionConfig  # noqa: E402
+from .tuners.riemannion import RiemannionConfig, initialize_loi  # noqa: E402
 from .tuners.splitlora import SplitLoRAConfig  # noqa: E402
 
 __version__ = "0.1.0"
@@ -41,6 +41,7 @@ __all__ = [
     "SubspaceAdamW",
     "__version__",
     "disable_bnb_cpu_repacking",
+    "initialize_loi",
     "register_peft_type",
     "registered_peft_types",
     "save_pretrained_atomic",

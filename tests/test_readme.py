@@ -34,3 +34,21 @@ def test_readme_adapter_snippet_runs():
         model = scope[name]
         assert type(model).__name__ == "PeftModel"
         assert any(prefix in n for n, _ in model.named_parameters()), name
+
+
+def test_the_readme_method_table_names_what_the_package_exports():
+    """Every name in the "import" column of the README's method table is importable as written: ``from peft_ext
+    import Name`` for a plain name, ``import peft_ext.module`` for a dotted one."""
+    import importlib
+
+    import peft_ext
+
+    text = README.read_text()
+    table = text[text.index("| method | import |") :].split("\n\n")[0]
+    names = [n for row in table.splitlines()[2:] for n in re.findall(r"`([^`]+)`", row.split("|")[2])]
+    assert len(names) >= 6, table
+    for name in names:
+        if "." in name:
+            importlib.import_module(name)
+        else:
+            assert name in peft_ext.__all__ and getattr(peft_ext, name), name
