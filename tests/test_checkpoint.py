@@ -292,3 +292,21 @@ def test_cli_verify_checks_against_the_named_base(tmp_path, capsys):
     _edit_config(path, base_model_name_or_path=str(tmp_path / "gone"))
     assert cli_main(["verify", str(path)]) == 0
     assert "shapes the base model fixes: not checked" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", ["riemannion", "splitlora", "pclr", "mora"])
+def test_a_saved_adapter_says_what_loading_it_needs(kind, tmp_path):
+    """adapter_config.json of every peft-ext type carries a note that PEFT alone cannot load it (a reader who finds
+    the folder learns to install and import peft_ext); loading passes the note through unchanged."""
+    configs = {
+        "riemannion": lambda: RiemannionConfig(r=2, target_modules=["query"]),
+        "splitlora": lambda: SplitLoRAConfig(r=2, target_modules=["query"]),
+        "pclr": lambda: PCLRConfig(target_modules=["query"], pool_size=8, ranks_schedule=[4], top_k=2),
+        "mora": lambda: MoRAConfig(r=2, top_layers=1),
+    }
+    make = tiny_clip if kind == "mora" else tiny_bert
+    get_peft_model(make(), configs[kind]()).save_pretrained(tmp_path)
+    note = json.loads((tmp_path / "adapter_config.json").read_text())["loading_note"]
+    assert "pip install peft-ext" in note and "`import peft_ext`" in note and "KeyError" in note
+    loaded = PeftModel.from_pretrained(make(), tmp_path)
+    assert loaded.peft_config["default"].loading_note == note

@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from peft.config import PeftConfig
 
 from ._common import validate_target_selection
+
+#: Written into every saved peft-ext adapter's ``adapter_config.json`` (the ``loading_note`` field), for whoever opens
+#: the folder: PEFT alone cannot load these types.
+LOADING_NOTE = (
+    "a peft-ext adapter type: `pip install peft-ext`, then `import peft_ext` before PeftModel.from_pretrained "
+    "(without the import PEFT raises KeyError with the type's name)"
+)
+
+
+def loading_note_field() -> Any:
+    """The ``loading_note`` dataclass field every peft-ext config carries (the code never reads it)."""
+    return field(default=LOADING_NOTE, metadata={"help": "What loading this adapter needs; for readers, not read."})
 
 
 @dataclass
@@ -24,6 +36,8 @@ class AdapterConfig(PeftConfig):
         modules_to_save: Modules besides the adapters to train and save (e.g. a classification head).
         layers_to_transform: Layer indices to adapt (with ``layers_pattern``); only with a list ``target_modules``.
         layers_pattern: Name of the ``nn.ModuleList`` that ``layers_to_transform`` indexes.
+        loading_note: What loading a saved adapter of this type needs, kept in ``adapter_config.json`` for whoever
+            opens the folder (:data:`LOADING_NOTE`); the code never reads it.
     """
 
     target_modules: Optional[Union[list[str], str]] = field(
@@ -42,6 +56,7 @@ class AdapterConfig(PeftConfig):
     layers_pattern: Optional[Union[list[str], str]] = field(
         default=None, metadata={"help": "Name of the nn.ModuleList that layers_to_transform indexes."}
     )
+    loading_note: str = loading_note_field()
 
     def __post_init__(self) -> None:
         super().__post_init__()

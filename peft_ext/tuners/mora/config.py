@@ -12,6 +12,7 @@ from peft.config import PeftConfig
 from peft.utils import PeftType
 
 from .._common import require_positive_int, validate_target_selection
+from ..adapter_config import loading_note_field
 
 # transformers' CLIPModel: text_model.encoder.layers.<i>.self_attn.{q,k,v,out}_proj and the same under vision_model.
 CLIP_TEXT_PATTERN = r"(?:^|\.)text_model\.encoder\.layers\.(\d+)\."
@@ -54,6 +55,7 @@ class MoRAConfig(PeftConfig):
         shared_init_std: Standard deviation of the Gaussian shared factors; default ``1 / sqrt(r)`` (docs/methods.md
             (MoRA)).
         modules_to_save: Modules besides the adapters to train and save (e.g. a classification head).
+        loading_note: What loading a saved MoRA adapter needs, kept in ``adapter_config.json``; never read.
     """
 
     r: int = field(default=4, metadata={"help": "Rank of the shared and specific factors (paper default 4)."})
@@ -81,6 +83,7 @@ class MoRAConfig(PeftConfig):
     modules_to_save: Optional[list[str]] = field(
         default=None, metadata={"help": "Modules besides the adapters to set trainable and save (e.g. a head)."}
     )
+    loading_note: str = loading_note_field()
 
     def __post_init__(self) -> None:
         super().__post_init__()
