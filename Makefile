@@ -11,7 +11,7 @@ CONFIG ?= configs/quickstart.yaml
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: run test lint install benchmarks clean golden readme-table
+.PHONY: run test test-fast lint install benchmarks clean golden readme-table
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +31,13 @@ run: $(STAMP)
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)
 
-# Every benchmark at a 2-core size, then docs/benchmarks.md (about 45 minutes; BENCH_ARGS="--reuse" continues).
+# The inner loop: everything but the slow tests (benchmark scripts, notebooks, whole sequences) and the multi-process
+# launches; a few minutes on 2 cores. CI runs `make test`.
+test-fast: $(STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -m "not slow and not distributed" $(PYTEST_ARGS)
+
+# Every benchmark under the protocol, then docs/benchmarks.md (hours on 2 cores: `python benchmarks/run_all.py --list`
+# estimates each; BENCH_ARGS="--quick" runs every smoke run, BENCH_ARGS="--reuse" continues).
 benchmarks: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) benchmarks/run_all.py $(BENCH_ARGS)
 

@@ -9,12 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from .helpers import save_tiny_bert
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["linear_probe", "lora", "mora", "prompts", "lora_matched"]
 
 
+@pytest.mark.slow
 def test_quick_run_tunes_on_validation_and_reports_test(tmp_path):
     text = save_tiny_bert(tmp_path / "tiny-bert", num_layers=3)
     out = tmp_path / "mora.json"

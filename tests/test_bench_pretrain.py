@@ -63,16 +63,17 @@ def test_schedule_and_splits(bench):
     assert 0.08 < share < 0.12  # validation is ~10 % of the training synsets, test stays WordNet's own split
 
 
+@pytest.mark.slow
 def test_quick_run(tmp_path):
     """``--quick`` end to end: every optimizer tuned and tested, the table, the verdicts, the PNG and the JSON."""
     png, out = tmp_path / "loss.png", tmp_path / "pretrain.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     runs = tmp_path / "runs.json"
     cmd = [sys.executable, str(SCRIPT), "--quick", "--png", str(png), "--json", str(out), "--runs", str(runs)]
-    text = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=ROOT).stdout
+    text = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900).stdout
     result = json.loads(out.read_text())
     # a re-started job trains nothing: every run comes from --runs, and it reports the same figures
-    again = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=ROOT).stdout
+    again = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900).stdout
     assert "21 finished run(s) saved" in again and "[round seed" not in again
     assert json.loads(out.read_text())["test"] == result["test"]
     names = ("adamw", "galore", "apollo", "dct_adamw", "subspace_adamw", "dct_channel", "subspace_channel")
