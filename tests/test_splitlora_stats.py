@@ -346,3 +346,74 @@ if __name__ == "__main__":
     _print_per_batch_cost()
     _print_spectrum_accuracy()
     _print_eigh_time()
+
+
+# --- token masks on flattened inputs and on encoder-decoders ------------------------------------------------------
+
+
+def _masked_statistics(arch_name: str, batch: dict) -> tuple[dict[str, dict], dict[str, torch.Tensor], nn.Module]:
+    """A SplitLoRA model of ``arch_name`` whose first task's statistics are ``batch`` (collected with no warning):
+    ``task_state()``, the input each adapted module saw, and the model."""
+    import warnings
+
+    from .architectures import ARCHS
+
+    arch = next(a for a in ARCHS if a.name == arch_name)
+    model = get_peft_model(arch.model(), SplitLoRAConfig(r=2, target_modules="all-linear")).eval()
+    inputs = {}
+    for name, module in model.base_model.model.named_modules():
+        if isinstance(module, SplitLoRALayer):
+            module.register_forward_pre_hook(lambda m, args, name=name: inputs.setdefault(name, args[0]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # "the token mask has shape ...": the mask was dropped
+        with torch.no_grad(), model.collect_statistics():
+            model(**batch)
+    model.end_task()
+    return model.task_state(), inputs, model
+
+
+def _gram(model: nn.Module, key: str, tokens: int) -> torch.Tensor:
+    return model.base_model.model.get_submodule(key).covariance("default") * tokens
+
+
+def test_statistics_of_layers_fed_flattened_tokens_skip_padding():
+    # OPT's MLP sees (batch x seq, d): the (batch, seq) mask is flattened the same way, not dropped
+    ids = torch.randint(4, 96, (3, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :2], mask[2, :4] = 0, 0
+    state, inputs, model = _masked_statistics("opt", {"input_ids": ids, "attention_mask": mask})
+    for key in ("model.decoder.layers.0.fc1", "model.decoder.layers.0.fc2", "model.decoder.layers.0.self_attn.q_proj"):
+        x = inputs[key].reshape(-1, inputs[key].shape[-1])
+        real = x[mask.reshape(-1).bool()]
+        assert state[key]["tokens"] == int(mask.sum()), key
+        torch.testing.assert_close(_gram(model, key, state[key]["tokens"]), real.T @ real, atol=1e-4, rtol=1e-5)
+
+
+def test_statistics_of_an_encoder_decoder_follow_each_stacks_mask():
+    # T5 with as many decoder as encoder positions: the encoder's mask must not be applied to the decoder's tokens
+    ids = torch.randint(4, 96, (2, 5), generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    labels = torch.randint(4, 96, (2, 5), generator=torch.Generator().manual_seed(1))
+    decoder_mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    for extra, decoder_tokens in (({}, 10), ({"decoder_attention_mask": decoder_mask}, 9)):
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": labels, **extra}
+        state, inputs, model = _masked_statistics("t5", batch)
+        tokens = {key: value["tokens"] for key, value in state.items()}
+        assert (
+            tokens["encoder.block.0.layer.0.SelfAttention.q"]
+            == 8
+            == tokens["encoder.block.1.layer.1.DenseReluDense.wi"]
+        )
+        assert tokens["decoder.block.0.layer.0.SelfAttention.q"] == decoder_tokens
+        assert tokens["decoder.block.1.layer.2.DenseReluDense.wo"] == decoder_tokens
+        assert tokens["decoder.block.0.layer.1.EncDecAttention.q"] == decoder_tokens
+        # cross-attention keys and values read the encoder's output: its mask
+        assert (
+            tokens["decoder.block.0.layer.1.EncDecAttention.k"]
+            == 8
+            == tokens["decoder.block.1.layer.1.EncDecAttention.v"]
+        )
+        assert all(count > 0 for count in tokens.values())  # both stacks collect
+        key = "decoder.block.0.layer.1.EncDecAttention.k"
+        real = inputs[key][mask.bool()]
+        torch.testing.assert_close(_gram(model, key, 8), real.T @ real, atol=1e-5, rtol=1e-5)

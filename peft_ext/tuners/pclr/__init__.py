@@ -2,9 +2,10 @@
 (METHODS.md section 3), registered with PEFT as ``"pclr"``.
 
 Modules: ``config`` (:class:`PCLRConfig`, :class:`PCLRCycleConfig`), ``layer`` (the layer and its pool API),
-``router`` (query, selection, query-key loss), ``pool`` (layer groups, folding, snapshots), ``keys`` (prototypes,
-routing as a task, key pulling), ``scoring`` (rank scores, compression), ``distill`` (integration), ``model`` (the
-tuner and the task cycle). The task cycle is the same for every adapter type that has one: docs/task_cycle.md.
+``query`` (the routing query by architecture), ``router`` (routing state, selection, query-key loss), ``pool`` (layer
+groups, folding, snapshots), ``keys`` (prototypes, routing as a task, key pulling), ``scoring`` (rank scores,
+compression), ``distill`` (integration), ``model`` (the tuner and the task cycle). The task cycle is the same for
+every adapter type that has one: docs/task_cycle.md.
 
 Example::
 
@@ -31,15 +32,16 @@ from .keys import pull_keys_to_prototypes, query_loss, query_prototype, routed_a
 from .layer import Linear, PCLRLayer
 from .model import PCLRModel
 from .pool import PoolSnapshot, fold_new_ranks, group_layers, pool_in_use, stored_adapter_parameters, stored_prototypes
-from .router import (
-    RoutingState,
-    allowed_by_prototype,
+from .query import (
+    QuerySource,
     default_query,
+    encoder_decoder_stacks,
     find_input_embeddings,
-    forward_arguments,
-    query_key_loss,
-    select_top_k,
+    find_patch_embeddings,
+    pooled_query,
+    query_source,
 )
+from .router import RoutingState, allowed_by_prototype, forward_arguments, per_sample, query_key_loss, select_top_k
 from .scoring import compress, contribution_scores, importance_scores
 
 __all__ = [
@@ -52,24 +54,30 @@ __all__ = [
     "PCLRLayer",
     "PCLRModel",
     "PoolSnapshot",
+    "QuerySource",
     "RoutingState",
     "allowed_by_prototype",
     "compress",
     "contribution_scores",
     "default_query",
     "distill_loss",
+    "encoder_decoder_stacks",
     "find_input_embeddings",
+    "find_patch_embeddings",
     "fold_new_ranks",
     "forward_arguments",
     "group_layers",
     "importance_scores",
     "integrate",
     "integrate_over_tasks",
+    "per_sample",
     "pool_in_use",
+    "pooled_query",
     "pull_keys_to_prototypes",
     "query_key_loss",
     "query_loss",
     "query_prototype",
+    "query_source",
     "routed_as",
     "task_route",
     "select_top_k",

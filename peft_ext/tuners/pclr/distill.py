@@ -193,8 +193,28 @@ def teacher_outputs(
 
 
 def default_forward(model: nn.Module, batch: Batch) -> Any:
-    """``model(**batch)`` without the ``labels`` entry: the forward the cycle uses when none is given."""
-    return model(**{k: v for k, v in batch.items() if k != "labels"})
+    """``model(**batch)`` without the ``labels`` entry: the forward the cycle uses when none is given.
+
+    An encoder-decoder (T5, BART, ...) gets its decoder inputs from the labels instead, as its own forward builds them
+    for the loss (``prepare_decoder_input_ids_from_labels``: the labels shifted right after the decoder start token,
+    ``-100`` replaced by the pad token), unless the batch has ``decoder_input_ids`` / ``decoder_inputs_embeds``.
+    """
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    labels = batch.get("labels")
+    if labels is not None and "decoder_input_ids" not in inputs and "decoder_inputs_embeds" not in inputs:
+        prepare = _decoder_inputs_from_labels(model)
+        if prepare is not None:
+            inputs["decoder_input_ids"] = prepare(labels=labels)
+    return model(**inputs)
+
+
+def _decoder_inputs_from_labels(model: nn.Module) -> Optional[Callable[..., torch.Tensor]]:
+    # the wrapped transformers encoder-decoder's prepare_decoder_input_ids_from_labels, if the model is one
+    for module in model.modules():
+        if getattr(getattr(module, "config", None), "is_encoder_decoder", False):
+            prepare = getattr(module, "prepare_decoder_input_ids_from_labels", None)
+            return prepare if callable(prepare) else None
+    return None
 
 
 def integrate(

@@ -16,6 +16,7 @@ from .layer import N_PROTOS
 from .pool import group_layers, pclr_tuner
 
 __all__ = [
+    "batch_query",
     "pull_keys_to_prototypes",
     "query_loss",
     "query_prototype",
@@ -38,7 +39,8 @@ def query_loss(model: nn.Module) -> Optional[torch.Tensor]:
 
 @torch.no_grad()
 def query_prototype(model: nn.Module, batches: Sequence[Batch]) -> torch.Tensor:
-    """The task's prototype: the normalized mean of the per-sample queries over ``batches`` (no forward pass needed).
+    """The task's prototype: the normalized mean of the per-sample queries over ``batches`` (no forward pass needed,
+    but for a model without token or patch inputs: :func:`batch_query`).
 
     Under ``torch.distributed`` the query sums are all-reduced, so every process gets the prototype of all the
     processes' batches (each process passes its own shard).
@@ -48,20 +50,39 @@ def query_prototype(model: nn.Module, batches: Sequence[Batch]) -> torch.Tensor:
         batches: Input batches (as passed to ``model(**batch)``; a ``labels`` entry is ignored).
     """
     tuner = pclr_tuner(model)
-    state = tuner.routing_state
     total: Optional[torch.Tensor] = None
     # no forward pass runs, so no FSDP2 unit unshards what the query reads (the root's input embedding): gather it
     with gathered_parameters(tuner.model):
         for batch in batches:
-            inputs = {k: v for k, v in batch.items() if k != "labels"}
-            q = state.query_fn(tuner.model, (), inputs)
-            if q is None:
-                raise ValueError("the query function returned None for a batch; cannot compute a task prototype")
+            q = batch_query(tuner, {k: v for k, v in batch.items() if k != "labels"})
             total = q.sum(0) if total is None else total + q.sum(0)
     if total is None:
         raise ValueError("`batches` is empty; a task prototype needs at least one batch")
     all_reduce_([total])
     return F.normalize(total, dim=0)
+
+
+def batch_query(tuner: nn.Module, inputs: Batch) -> torch.Tensor:
+    """The per-sample queries of one batch: the query function's; for a model without token or patch inputs the
+    pooled input of its first adapted layer, read in an evaluation-mode forward pass.
+
+    Args:
+        tuner: The PCLR tuner.
+        inputs: The batch without labels.
+    """
+    state = tuner.routing_state
+    q = state.query_fn(tuner.model, (), inputs)
+    if q is None and state.query_layer is not None:
+        was_training = tuner.model.training
+        tuner.model.eval()
+        try:
+            tuner.model(**inputs)
+        finally:
+            tuner.model.train(was_training)
+        q = state.query
+    if q is None:
+        raise ValueError("the query function returned None for a batch; cannot compute a task prototype")
+    return q
 
 
 def task_route(prototypes: torch.Tensor, task: int, current_by_input: bool = True) -> Optional[torch.Tensor]:
@@ -120,26 +141,12 @@ def routed_as_tasks(model: nn.Module, routes: Sequence[Optional[torch.Tensor]]) 
         yield
         return
     state = pclr_tuner(model).routing_state
-    original = state.query_fn
-    protos = [None if p is None else F.normalize(p.detach().float().flatten(), dim=0) for p in routes]
-
-    def query_fn(m: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Optional[torch.Tensor]:
-        query = original(m, args, kwargs)
-        if query is None:
-            return None
-        if query.shape[0] % len(protos):
-            raise ValueError(f"a batch of {query.shape[0]} rows is not {len(protos)} stacked copies (stack_batch)")
-        copies = query.split(query.shape[0] // len(protos))
-        for proto in protos:
-            if proto is not None and query.shape[-1] != proto.numel():
-                raise ValueError(f"`prototype` has {proto.numel()} entries but the query has width {query.shape[-1]}")
-        return torch.cat([q if p is None else p.to(q).expand_as(q) for q, p in zip(copies, protos)])
-
-    state.query_fn = query_fn
+    previous = state.routes
+    state.routes = [None if p is None else F.normalize(p.detach().float().flatten(), dim=0) for p in routes]
     try:
         yield
     finally:
-        state.query_fn = original
+        state.routes = previous
 
 
 def stack_batch(batch: Batch, copies: int) -> Batch:

@@ -33,7 +33,7 @@ from ...kernels import rank_pool_gather
 from ...precision import is_half
 from ..adapter_layer import AdapterLayer, AdapterLinear
 from .config import PCLRConfig
-from .router import RoutingState, allowed_by_prototype, query_key_loss, select_top_k
+from .router import RoutingState, allowed_by_prototype, per_sample, query_key_loss, select_top_k
 from .store import N_NEW, N_PROTOS, N_STATIC, TASK, RankPoolStore
 
 __all__ = ["N_NEW", "N_PROTOS", "N_STATIC", "TASK", "Linear", "PCLRLayer"]
@@ -87,6 +87,8 @@ class PCLRLayer(AdapterLayer, RankPoolStore):
         self.pclr_shared_scale: dict[str, float] = {}
         self.pclr_prototype_routing: dict[str, bool] = {}
         self.pclr_group = ""
+        #: The layer's name in the model (for messages).
+        self.pclr_name = ""
         self._pclr_state: Optional[RoutingState] = None
 
     def owns_keys(self, adapter_name: str) -> bool:
@@ -166,12 +168,11 @@ class PCLRLayer(AdapterLayer, RankPoolStore):
         if adapter_name in protos and is_half(protos[adapter_name].dtype):
             protos[adapter_name] = protos[adapter_name].float()
 
-    def selection(self, adapter_name: str, batch: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def selection(self, adapter_name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """This forward pass's per-sample ``(indices, gates)`` for the group (computed once per group and pass).
 
         Args:
             adapter_name: The adapter.
-            batch: Rows of the layer input, checked against the query (``None``: a row subset, not checked).
         """
         state = self._pclr_state
         if state is None:
@@ -179,8 +180,14 @@ class PCLRLayer(AdapterLayer, RankPoolStore):
         cache_key = (self.pclr_group, adapter_name)
         if cache_key in state.selections:
             return state.selections[cache_key]
-        query = state.require_query(batch)
+        query = state.require_query()
         keys = self.keys(adapter_name)
+        if query.shape[-1] != keys.shape[-1]:
+            raise ValueError(
+                f"the routing query has width {query.shape[-1]} but adapter {adapter_name!r}'s keys have width "
+                f"{keys.shape[-1]} (PCLRConfig.query_dim): make the query function return (batch, {keys.shape[-1]}) "
+                "or set query_dim to the query's width"
+            )
         allowed = None
         if self.pclr_prototype_routing[adapter_name]:
             allowed = allowed_by_prototype(query, self.prototypes(adapter_name), self.active_rank_task(adapter_name))
@@ -192,14 +199,16 @@ class PCLRLayer(AdapterLayer, RankPoolStore):
 
     def adapter_output(self, x: torch.Tensor, adapter_name: str, rows: Optional[list[int]] = None) -> torch.Tensor:
         (A_s, B_s), (A_n, B_n) = self.static_ranks(adapter_name), self.new_ranks(adapter_name)
-        # A mixed-adapter batch passes this adapter's rows only: select for the whole batch (one query per sample)
-        # and keep those rows, so each row routes exactly as it would alone.
-        indices, gates = self.selection(adapter_name, None if rows is not None else x.shape[0])
+        # A mixed-adapter batch passes this adapter's samples only: select for the whole batch (one query per
+        # sample) and keep those samples, so each routes exactly as it would alone.
+        indices, gates = self.selection(adapter_name)
         if rows is not None:
             indices, gates = indices[rows], gates[rows]
-        elif self._pclr_state.recorder is not None:
+        # (samples, ..., in): a layer fed flattened tokens (batch x seq, in) routes each row by its sample's query
+        samples = per_sample(x, indices.shape[0], self.pclr_name or self.pclr_group)
+        if rows is None and self._pclr_state.recorder is not None:
             A, B = self.pool(adapter_name)
-            self._pclr_state.recorder(self, adapter_name, x, A, B, indices, gates)
+            self._pclr_state.recorder(self, adapter_name, samples, A, B, indices, gates)
         scale, gates = self.pclr_scale[adapter_name], gates.to(x.dtype)
         # Pool index i < N_s is static row i, else new row i - N_s. The two stores are read in place (no N x in
         # concatenation per call): each gather takes the other store's slots with gate 0, and the two sum to the
@@ -208,13 +217,14 @@ class PCLRLayer(AdapterLayer, RankPoolStore):
         # The router's top-K over this pool's own keys gives in-range indices: skip the range check's host read.
         gather = functools.partial(rank_pool_gather, check_range=False)
         if A_n.shape[0] == 0:
-            out = gather(x, A_s.mT, B_s, indices, scale, gates)
+            out = gather(samples, A_s.mT, B_s, indices, scale, gates)
         elif n_s == 0:
-            out = gather(x, A_n.mT, B_n, indices, scale, gates)
+            out = gather(samples, A_n.mT, B_n, indices, scale, gates)
         else:
             static = indices < n_s
-            out = gather(x, A_s.mT, B_s, indices.clamp(max=n_s - 1), scale, gates * static)
-            out = out + gather(x, A_n.mT, B_n, (indices - n_s).clamp(min=0), scale, gates * ~static)
+            out = gather(samples, A_s.mT, B_s, indices.clamp(max=n_s - 1), scale, gates * static)
+            out = out + gather(samples, A_n.mT, B_n, (indices - n_s).clamp(min=0), scale, gates * ~static)
+        out = out.reshape(*x.shape[:-1], out.shape[-1])
         if adapter_name in self.pclr_shared_A:
             shared_A, shared_B = self.pclr_shared_A[adapter_name], self.pclr_shared_B[adapter_name]
             out = out + (x @ shared_A.mT) @ shared_B.mT * self.pclr_shared_scale[adapter_name]
@@ -271,6 +281,7 @@ class Linear(AdapterLinear, PCLRLayer):
         query_dim: Width of the routing query.
         group: The layer group (all linears of one block share keys and selection).
         state: The model's routing state.
+        name: The layer's name in the model (for messages).
     """
 
     def __init__(
@@ -281,11 +292,13 @@ class Linear(AdapterLinear, PCLRLayer):
         query_dim: int,
         group: str,
         state: RoutingState,
+        name: str = "",
         **kwargs: Any,
     ) -> None:
         super().__init__()
         PCLRLayer.__init__(self, base_layer, **kwargs)
         self.pclr_group = group
+        self.pclr_name = name
         self._pclr_state = state
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config, query_dim, inference_mode=config.inference_mode)

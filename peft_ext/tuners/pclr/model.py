@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
+from peft.tuners.tuners_utils import _get_in_out_features
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from torch import nn
 
@@ -36,7 +37,8 @@ from .distill import IntegrateResult, integrate, integrate_over_tasks, teacher_o
 from .keys import pull_keys_to_prototypes, query_prototype
 from .layer import N_NEW, N_STATIC, TASK, Linear, PCLRLayer
 from .pool import PoolSnapshot, fold_new_ranks, group_layers
-from .router import QueryFn, RoutingState, find_input_embeddings
+from .query import encoder_decoder_stacks, query_source
+from .router import QueryFn, RoutingState
 from .scoring import compress, contribution_scores, drop_count
 
 Batch = dict[str, Any]
@@ -55,10 +57,12 @@ class _QueryHook:
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         self.state.begin(module, args, kwargs)
+        self.state.in_pass = True
 
 
 class _CacheHook:
-    """Forward hook on the wrapped model: a KV cache the forward returns keeps its query (hand-written decoding)."""
+    """Forward hook on the wrapped model (always called, also when the forward raises): the pass is over, and a KV
+    cache it returns keeps its query (hand-written decoding)."""
 
     def __init__(self, state: RoutingState) -> None:
         self.state = state
@@ -67,15 +71,49 @@ class _CacheHook:
         self.state.end(output)
 
 
+class _EncoderQueryHook:
+    """Forward pre-hook on an encoder-decoder's encoder: ``generate`` runs it alone before the decoding steps, and
+    that call starts the prompt's routing (:meth:`RoutingState.begin_encoder`)."""
+
+    def __init__(self, state: RoutingState, model: nn.Module) -> None:
+        self.state = state
+        self.model = model
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        self.state.begin_encoder(self.model, module, args, kwargs)
+
+
+class _EncoderOutputHook:
+    """Forward hook on an encoder-decoder's encoder: its output keeps the query for the decoding steps."""
+
+    def __init__(self, state: RoutingState) -> None:
+        self.state = state
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.state.end_encoder(output)
+
+
+class _LayerQueryHook:
+    """Forward pre-hook on the first adapted layer of a model without token or patch inputs: its pooled input is
+    the query of a forward pass whose query function gave none (:mod:`.query`)."""
+
+    def __init__(self, state: RoutingState) -> None:
+        self.state = state
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        x = args[0] if args else kwargs.get("x", kwargs.get("input"))
+        self.state.take_layer_query(module, x)
+
+
 class PCLRModel(AdapterTuner):
     """PCLR adapters (a capped, keyed LoRA rank pool; METHODS.md section 3) on a model's linear layers.
 
     Use it through PEFT: ``get_peft_model(model, PCLRConfig(target_modules=[...]))``. Each forward pass computes one
-    query per sample (by default the normalized masked mean of the input token embeddings) in a pre-hook on the
-    wrapped model; every layer group then routes each sample to its own top-K ranks. In generation the query of the
-    prompt is kept for the decoding steps (:class:`~.router.RoutingState`; docs/pclr.md). Train the current task's
-    ranks with any optimizer, adding :meth:`query_loss` to the loss so the keys learn; run the task cycle with
-    :meth:`begin_task` / :meth:`end_task` (docs/task_cycle.md).
+    query per sample (by default the normalized masked mean of the input token embeddings; for image and feature
+    models see :mod:`.query`) in a pre-hook on the wrapped model; every layer group then routes each sample to its own
+    top-K ranks. In generation the query of the prompt is kept for the decoding steps (:class:`~.router.RoutingState`;
+    docs/pclr.md). Train the current task's ranks with any optimizer, adding :meth:`query_loss` to the loss so the
+    keys learn; run the task cycle with :meth:`begin_task` / :meth:`end_task` (docs/task_cycle.md).
 
     Merging is exact only while routing is static (``top_k`` covers every active rank and prototypes exclude none);
     otherwise ``merge`` raises ``ValueError``. Several adapters, disabling, deleting, mixed-adapter batches and
@@ -98,7 +136,12 @@ class PCLRModel(AdapterTuner):
             state = RoutingState()
             self.__dict__["_pclr_routing"] = state
             self.model.register_forward_pre_hook(_QueryHook(state), with_kwargs=True)
-            self.model.register_forward_hook(_CacheHook(state))
+            self.model.register_forward_hook(_CacheHook(state), always_call=True)
+            stacks = encoder_decoder_stacks(self.model)
+            if stacks is not None:
+                encoder = stacks[0]
+                encoder.register_forward_pre_hook(_EncoderQueryHook(state, self.model), with_kwargs=True)
+                encoder.register_forward_hook(_EncoderOutputHook(state))
         return state
 
     @contextmanager
@@ -114,36 +157,49 @@ class PCLRModel(AdapterTuner):
         return self._routing_state()
 
     def set_query_fn(self, query_fn: QueryFn) -> None:
-        """Replace the default query (normalized mean input embedding) with ``query_fn(model, args, kwargs)``.
+        """Replace the default query (:func:`~.query.default_query`) with ``query_fn(model, args, kwargs)``.
 
         Args:
-            query_fn: Returns the (batch, query_dim) query for a forward call of the wrapped model.
+            query_fn: Returns the (batch, query_dim) query for a forward call of the wrapped model, or ``None``: the
+                pooled input of the first adapted layer, for a model without token or patch inputs.
         """
         if not callable(query_fn):
             raise TypeError(f"`query_fn` must be callable, got {type(query_fn).__name__}")
         self._routing_state().query_fn = query_fn
 
-    def _query_dim(self, config: PCLRConfig) -> int:
+    def _query_dim(self, config: PCLRConfig, target: nn.Module) -> int:
         if config.query_dim is not None:
             return config.query_dim
-        embedding = find_input_embeddings(self.model)
-        if embedding is None:
-            raise ValueError(
-                f"cannot infer PCLR's `query_dim`: {type(self.model).__name__} has no input embedding; set "
-                "PCLRConfig(query_dim=...) and, if its inputs are not features of that width, a query_fn"
-            )
-        return embedding.embedding_dim
+        source = query_source(self.model)
+        if source is not None:
+            return source.dim
+        state = self._routing_state()
+        if state.query_layer is not None:
+            return state.query_layer.in_features
+        # neither token nor patch inputs: this target, the first adapted layer, will give the query
+        return target.in_features if isinstance(target, PCLRLayer) else _get_in_out_features(target)[0]
+
+    def _designate_query_layer(self, layer: PCLRLayer, current_key: str) -> None:
+        # A model without token or patch inputs routes by the pooled input of its first adapted layer (module order,
+        # the order PEFT creates the layers in): docs/pclr.md, "Routing query by architecture".
+        state = self._routing_state()
+        if state.query_layer is not None or query_source(self.model) is not None:
+            return
+        state.query_layer, state.query_layer_name = layer, current_key
+        layer.register_forward_pre_hook(_LayerQueryHook(state), with_kwargs=True)
 
     def _update_target(self, target: PCLRLayer, peft_config: PCLRConfig, adapter_name: str, current_key: str) -> None:
-        target.update_layer(
-            adapter_name, peft_config, self._query_dim(peft_config), inference_mode=peft_config.inference_mode
-        )
+        query_dim = self._query_dim(peft_config, target)
+        target.update_layer(adapter_name, peft_config, query_dim, inference_mode=peft_config.inference_mode)
+        self._designate_query_layer(target, current_key)
 
     def _new_layer(self, peft_config: PCLRConfig, adapter_name: str, target: nn.Module, current_key: str) -> Linear:
-        query_dim = self._query_dim(peft_config)
+        query_dim = self._query_dim(peft_config, target)
         match = re.match(peft_config.group_pattern, current_key)
         group = match.group(1) if match else current_key
-        return Linear(target, adapter_name, peft_config, query_dim, group, self._routing_state())
+        layer = Linear(target, adapter_name, peft_config, query_dim, group, self._routing_state(), name=current_key)
+        self._designate_query_layer(layer, current_key)
+        return layer
 
     def query_loss(self) -> Optional[torch.Tensor]:
         """The weighted query-key loss of the last forward pass (``None`` if no trainable key was routed)."""

@@ -1,9 +1,9 @@
 """PCLR routing: one query per sample and prompt, hard top-K selection per layer group, the query-key loss.
 
-METHODS.md section 3: the query is the L2-normalized mean of the input token embeddings (attention-mask aware), each
-rank has a key, the score is ``cos(q, k_i)``, the top-K ranks get a hard gate of 1, and the keys learn only through
-``1 - cos(q, k)`` over the selected keys. The public code selects once per batch; here every sample has its own
-selection, so a mixed batch of tasks routes each sample as if it ran alone.
+METHODS.md section 3: the query is the L2-normalized mean of the input token embeddings (attention-mask aware;
+other architectures: :mod:`.query`), each rank has a key, the score is ``cos(q, k_i)``, the top-K ranks get a hard
+gate of 1, and the keys learn only through ``1 - cos(q, k)`` over the selected keys. The public code selects once per
+batch; here every sample has its own selection, so a mixed batch of tasks routes each sample as if it ran alone.
 
 The paper routes an instruction by its prompt. In generation the model runs once per new token, so the query of a
 sequence is computed at its prefill and kept for its decoding steps (:meth:`RoutingState.begin`; docs/pclr.md,
@@ -24,13 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .query import default_query, pooled_query
+
 __all__ = [
     "QueryFn",
     "RoutingState",
     "allowed_by_prototype",
-    "default_query",
-    "find_input_embeddings",
     "forward_arguments",
+    "per_sample",
     "query_key_loss",
     "select_top_k",
 ]
@@ -38,23 +39,9 @@ __all__ = [
 #: ``query_fn(model, args, kwargs) -> (batch, query_dim)`` or ``None`` (no query for this call).
 QueryFn = Callable[[nn.Module, tuple, dict[str, Any]], Optional[torch.Tensor]]
 
-#: The attribute of a KV cache (a transformers ``Cache``) holding the query of its prefill, per routing state.
+#: The attribute of a KV cache (a transformers ``Cache``) or of an encoder's output (a ``ModelOutput``) holding the
+#: query of its prompt, per routing state.
 CACHE_QUERIES_ATTR = "_peft_ext_pclr_queries"
-
-
-def find_input_embeddings(model: nn.Module) -> Optional[nn.Embedding]:
-    """The model's input token embedding: ``get_input_embeddings()`` of the model or of its first submodule that
-    has one (wrappers such as ``SentenceClassifier`` hold a transformers encoder); ``None`` if there is none."""
-    for module in model.modules():
-        getter = getattr(module, "get_input_embeddings", None)
-        if callable(getter):
-            try:
-                embedding = getter()
-            except (NotImplementedError, AttributeError):
-                continue
-            if isinstance(embedding, nn.Embedding):
-                return embedding
-    return None
 
 
 @functools.lru_cache(maxsize=64)
@@ -100,51 +87,6 @@ def forward_arguments(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> 
         elif kind is not inspect.Parameter.VAR_POSITIONAL and not (i == 0 and call_args[0] is model):
             named[name] = value
     return named
-
-
-def default_query(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Optional[torch.Tensor]:
-    """The public code's query: the L2-normalized masked mean of the input token embeddings, shape (batch, d).
-
-    Reads the arguments by name (the routing state binds positional arguments to the forward's parameter names, see
-    :func:`forward_arguments`): ``inputs_embeds`` if given, else ``input_ids`` embedded with the model's input
-    embedding (an integer tensor passed first positionally counts as ``input_ids`` too), averaged over the tokens
-    that ``attention_mask`` marks (left or right padding alike). A model without token inputs (e.g. an MLP on
-    features) gets the normalized mean of its first floating-point argument (in the forward's parameter order; 3-D
-    inputs are averaged over their middle axis, others flattened per sample). Pass a custom ``query_fn`` to
-    :meth:`PCLRModel.set_query_fn` for anything else (e.g. a vision CLS feature).
-
-    Args:
-        model: The wrapped (base) model.
-        args: Positional arguments of its forward, as passed.
-        kwargs: Every argument of its forward by name.
-    """
-    embeds = kwargs.get("inputs_embeds")
-    ids = kwargs.get("input_ids")
-    if ids is None and args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
-        ids = args[0]
-    if embeds is None and ids is not None:
-        embedding = find_input_embeddings(model)
-        if embedding is None:
-            raise ValueError(
-                f"{type(model).__name__} takes input_ids but has no input embedding (get_input_embeddings()); "
-                "pass query_fn= to compute PCLR's routing query"
-            )
-        with torch.no_grad():
-            embeds = embedding(ids)
-    if embeds is None:
-        candidates = [v for name, v in kwargs.items() if name != "attention_mask"] + list(args)
-        features = next((v for v in candidates if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
-        if features is None:
-            return None
-        embeds = features.detach() if features.dim() == 3 else features.detach().reshape(features.shape[0], 1, -1)
-    embeds = embeds.detach().float()
-    mask = kwargs.get("attention_mask")
-    if mask is not None and mask.dim() == 2 and mask.shape == embeds.shape[:2]:
-        weights = mask.to(embeds.dtype).unsqueeze(-1)
-        mean = (embeds * weights).sum(1) / weights.sum(1).clamp_min(1.0)
-    else:
-        mean = embeds.mean(1)
-    return F.normalize(mean, dim=-1)
 
 
 def allowed_by_prototype(
@@ -224,10 +166,38 @@ def _cache_argument(arguments: Mapping[str, Any]) -> Optional[Any]:
 
 
 def _rows(arguments: dict[str, Any]) -> Optional[int]:
-    for name in ("input_ids", "inputs_embeds"):
+    # the sequences of this forward pass: the (encoder) input's, else the decoder input's (an encoder-decoder's
+    # decoding steps pass only decoder inputs and the encoder's output)
+    for name in ("input_ids", "inputs_embeds", "decoder_input_ids", "decoder_inputs_embeds"):
         if isinstance(arguments.get(name), torch.Tensor):
             return arguments[name].shape[0]
     return None
+
+
+def per_sample(x: torch.Tensor, samples: int, layer: str) -> torch.Tensor:
+    """A layer input as (samples, ..., width): as it is when its first axis is the batch, viewed as (samples, tokens,
+    width) when it holds flattened tokens (batch x seq, width).
+
+    Some models flatten the tokens before a linear layer: OPT's decoder MLP reshapes the hidden states to (batch x
+    seq, d) before ``fc1`` / ``fc2``. Of the architectures tests/architectures.py covers, OPT is the only one (found
+    by recording every linear's input shape, tests/test_pclr_architectures.py); GPT-2, Llama, Falcon, T5, BART and
+    ViT keep (batch, seq, d) everywhere, and classifier heads and BERT's pooler see (batch, d). Flattening keeps the
+    samples in order, so row ``i`` is a token of sample ``i // seq``.
+
+    Args:
+        x: The layer input, (batch, ..., width) or (batch x seq, width).
+        samples: The number of samples the routing query has.
+        layer: The layer's name, for the error.
+    """
+    if x.shape[0] == samples:
+        return x
+    if x.dim() == 2 and samples > 0 and x.shape[0] % samples == 0:
+        return x.reshape(samples, x.shape[0] // samples, x.shape[1])
+    raise ValueError(
+        f"PCLR layer {layer!r} got an input of shape {tuple(x.shape)} but the routing query has {samples} samples: "
+        f"its first axis must be the batch ({samples}), or a multiple of it for flattened tokens (batch x seq, "
+        "width); a model that mixes its samples before a linear layer needs a query_fn with one query per row"
+    )
 
 
 _STATE_KEYS = itertools.count()
@@ -253,13 +223,18 @@ class RoutingState:
        ``PeftModel.generate`` each run in a session, so every step of one ``generate`` call routes by the prompt
        (its first forward), with or without the KV cache;
     2. else, a forward that continues a non-empty KV cache (``cache`` / ``past_key_values``) whose prefill this
-       state saw: the query of that prefill (a hand-written decoding loop, or ``generate`` of the base model);
-    3. else (training, a new prompt, an empty cache): ``query_fn`` of this forward's arguments.
+       state saw, or the output of an encoder pass this state saw (``encoder_outputs``): the query of that prefill
+       or encoder input (a hand-written decoding loop, or ``generate`` of the base model);
+    3. else (training, a new prompt, an empty cache): ``query_fn`` of this forward's arguments; when it gives none,
+       the pooled input of :attr:`query_layer` (a model without token or patch inputs, :mod:`.query`).
 
-    A kept query is only reused for a forward with the same number of sequences (``ValueError`` otherwise).
+    An encoder-decoder's ``generate`` runs its encoder alone first: :meth:`begin_encoder` makes that the first
+    forward pass of the session. A kept query is only reused for a forward with the same number of sequences, or, for
+    a forward that continues encoder outputs, a multiple of it (``generate`` repeats each encoder output per beam or
+    returned sequence, sample by sample; the query is repeated the same way); ``ValueError`` otherwise.
 
     Args:
-        query_fn: Computes the query from the model's forward arguments (default :func:`default_query`).
+        query_fn: Computes the query from the model's forward arguments (default :func:`~.query.default_query`).
     """
 
     def __init__(self, query_fn: QueryFn = default_query) -> None:
@@ -270,6 +245,14 @@ class RoutingState:
         self.owners: dict[tuple[str, str], nn.Module] = {}
         # Called by every PCLR layer with (layer, adapter, x, A, B, indices, gates) when set (contribution scores).
         self.recorder: Optional[Callable[..., None]] = None
+        #: The layer whose pooled input is the query when ``query_fn`` gives none, and its name (:mod:`.query`).
+        self.query_layer: Optional[nn.Module] = None
+        self.query_layer_name = ""
+        #: Per stacked copy of the batch, the prototype that replaces its queries (``None``: its own); see
+        #: :func:`~.keys.routed_as_tasks`.
+        self.routes: Optional[list[Optional[torch.Tensor]]] = None
+        # whether a forward pass of the wrapped model is running (an encoder called inside it is part of it)
+        self.in_pass = False
         self._session: Optional[_Session] = None
         # this state's entry in the queries a KV cache carries (see remember_cache); a copied state is a new one
         self._cache_key = next(_STATE_KEYS)
@@ -290,22 +273,28 @@ class RoutingState:
         finally:
             self._session = None
 
-    def _kept_query(self, cache: Optional[Any]) -> tuple[Optional[torch.Tensor], str]:
+    def _kept_query(self, arguments: Mapping[str, Any]) -> tuple[Optional[torch.Tensor], str]:
         if self._session is not None and self._session.query is not None:
             return self._session.query, "the first forward pass of this call (its prompt)"
         # An empty cache starts a new prompt (generate resets a reused static cache). get_seq_length is what the
         # model's own forward reads to place the new tokens, so asking it here adds no device synchronization.
+        cache = _cache_argument(arguments)
         if cache is not None and cache.get_seq_length() > 0:
             query = (getattr(cache, CACHE_QUERIES_ATTR, None) or {}).get(self._cache_key)
             if query is not None:
                 return query, "the prefill of this KV cache (its prompt)"
+        encoded = arguments.get("encoder_outputs")
+        query = (getattr(encoded, CACHE_QUERIES_ATTR, None) or {}).get(self._cache_key)
+        if query is not None:
+            return query, "the encoder pass these encoder outputs come from (its prompt)"
         return None, ""
 
     def remember_cache(self, cache: Any, query: Optional[torch.Tensor]) -> None:
-        """Keep ``query`` for the forward passes that continue ``cache`` (a transformers ``Cache``).
+        """Keep ``query`` for the forward passes that continue ``cache`` (a transformers ``Cache``, or an encoder's
+        output).
 
         Args:
-            cache: The KV cache object a forward pass filled.
+            cache: The KV cache object a forward pass filled, or the ``ModelOutput`` an encoder pass returned.
             query: The query of the prompt in it.
         """
         # Kept on the cache itself, so the query lives exactly as long as the cache (and travels with a copy of it),
@@ -314,6 +303,19 @@ class RoutingState:
         kept = dict(getattr(cache, CACHE_QUERIES_ATTR, None) or {})
         kept[self._cache_key] = query
         setattr(cache, CACHE_QUERIES_ATTR, kept)
+
+    def _reused(self, query: torch.Tensor, source: str, arguments: Mapping[str, Any]) -> torch.Tensor:
+        rows = _rows(arguments)
+        if rows is None or rows == query.shape[0]:
+            return query
+        if arguments.get("encoder_outputs") is not None and rows % query.shape[0] == 0:
+            # generate expands each encoder output per beam / returned sequence with repeat_interleave
+            return query.repeat_interleave(rows // query.shape[0], dim=0)
+        raise ValueError(
+            f"PCLR routes this forward pass by the query of {source}, computed for {query.shape[0]} "
+            f"sequences, but the forward passes {rows}; start a new generate call (or a new KV cache) for "
+            "a new batch of prompts"
+        )
 
     def begin(self, model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         """Start a forward pass: choose its query (see the class docstring), forget the previous pass's selections
@@ -327,23 +329,31 @@ class RoutingState:
         self.selections = {}
         self.losses = []
         arguments = forward_arguments(model, args, kwargs)
-        cache = _cache_argument(arguments)
-        query, source = self._kept_query(cache)
+        query, source = self._kept_query(arguments)
         if query is not None:
-            rows = _rows(arguments)
-            if rows is not None and rows != query.shape[0]:
-                raise ValueError(
-                    f"PCLR routes this forward pass by the query of {source}, computed for {query.shape[0]} "
-                    f"sequences, but the forward passes {rows}; start a new generate call (or a new KV cache) for "
-                    "a new batch of prompts"
-                )
+            query = self._reused(query, source, arguments)
         else:
             query = self.query_fn(model, args, arguments)
-        if self._session is not None and self._session.query is None:
-            self._session.query = query
+            if query is not None:
+                query = self.routed(query)
+        self.query = query
+        self._remember_in_session(query)
+        cache = _cache_argument(arguments)
         if cache is not None:
             self.remember_cache(cache, query)
-        self.query = query
+
+    def begin_encoder(self, model: nn.Module, encoder: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        """An encoder-decoder's encoder is called: outside a forward pass of the wrapped model (``generate`` runs it
+        alone first) this starts one, its query computed from the encoder's arguments as from the model's.
+
+        Args:
+            model: The wrapped model (what ``query_fn`` is given).
+            encoder: Its encoder being called.
+            args: The encoder's positional arguments.
+            kwargs: Its keyword arguments.
+        """
+        if not self.in_pass:
+            self.begin(model, (), forward_arguments(encoder, args, kwargs))
 
     def end(self, output: Any) -> None:
         """Finish a forward pass: a KV cache it returns keeps this pass's query for its continuation.
@@ -351,22 +361,67 @@ class RoutingState:
         Args:
             output: The wrapped model's output (a ``ModelOutput`` with ``cache`` / ``past_key_values``, or anything).
         """
+        self.in_pass = False
         if isinstance(output, Mapping):  # transformers' ModelOutput is one
             cache = _cache_argument(output)
             if cache is not None:
                 self.remember_cache(cache, self.query)
 
-    def require_query(self, batch: Optional[int] = None) -> torch.Tensor:
-        """The query of this forward pass; ``batch`` (if given) must equal its number of rows."""
+    def end_encoder(self, output: Any) -> None:
+        """An encoder-decoder's encoder returned ``output``: it keeps this pass's query for the decoding steps that
+        continue it (``encoder_outputs=``), as a KV cache does.
+
+        Args:
+            output: The encoder's output (a ``ModelOutput``; a tuple keeps nothing).
+        """
+        if isinstance(output, Mapping) and self.query is not None:
+            self.remember_cache(output, self.query)
+
+    def _remember_in_session(self, query: Optional[torch.Tensor]) -> None:
+        if self._session is not None and self._session.query is None:
+            self._session.query = query
+
+    def routed(self, query: torch.Tensor) -> torch.Tensor:
+        """``query`` with the rows of each stacked copy replaced by its route's prototype (:attr:`routes`), if set.
+
+        Args:
+            query: (batch, d) the queries a forward pass computed.
+        """
+        if self.routes is None:
+            return query
+        protos = self.routes
+        if query.shape[0] % len(protos):
+            raise ValueError(f"a batch of {query.shape[0]} rows is not {len(protos)} stacked copies (stack_batch)")
+        for proto in protos:
+            if proto is not None and query.shape[-1] != proto.numel():
+                raise ValueError(f"`prototype` has {proto.numel()} entries but the query has width {query.shape[-1]}")
+        copies = query.split(query.shape[0] // len(protos))
+        return torch.cat([q if p is None else p.to(q).expand_as(q) for q, p in zip(copies, protos)])
+
+    def take_layer_query(self, layer: nn.Module, x: torch.Tensor) -> None:
+        """Forward pre-hook of :attr:`query_layer`: its pooled input becomes the query of a forward pass that has
+        none (:func:`~.query.pooled_query`).
+
+        Args:
+            layer: The layer about to run.
+            x: Its input.
+        """
+        if self.query is None and layer is self.query_layer and isinstance(x, torch.Tensor):
+            self.query = self.routed(pooled_query(x))
+            self._remember_in_session(self.query)
+
+    def require_query(self) -> torch.Tensor:
+        """The query of this forward pass."""
         if self.query is None:
+            hint = ""
+            if self.query_layer is not None:
+                hint = (
+                    f" (this model has no token or patch inputs: the input of its first adapted layer "
+                    f"{self.query_layer_name!r} is the query, but another PCLR layer ran before it)"
+                )
             raise ValueError(
-                "PCLR layers need a routing query: call the whole model (its forward computes the query), or set "
-                "one with model.base_model.set_query_fn"
-            )
-        if batch is not None and self.query.shape[0] != batch:
-            raise ValueError(
-                f"the routing query has {self.query.shape[0]} rows but the layer input has batch {batch}; PCLR "
-                "needs one query per sample"
+                f"PCLR layers need a routing query{hint}: call the whole model (its forward computes the query), or "
+                "set one with model.base_model.set_query_fn"
             )
         return self.query
 
@@ -379,8 +434,11 @@ class RoutingState:
         return loss
 
     def __deepcopy__(self, memo: dict) -> RoutingState:
-        # Per-forward tensors are not state; the owners are copied through the memo, so they are the copied layers.
+        # Per-forward tensors are not state; the owners and the query layer are copied through the memo, so they are
+        # the copied layers.
         new = RoutingState(self.query_fn)
         memo[id(self)] = new
         new.owners = {key: copy.deepcopy(layer, memo) for key, layer in self.owners.items()}
+        new.query_layer = copy.deepcopy(self.query_layer, memo)
+        new.query_layer_name = self.query_layer_name
         return new

@@ -17,6 +17,7 @@ from torch import nn
 from ...distributed import reject_zero3
 from .._cycle import resolve_cycle_adapter
 from ..adapter_tuner import AdapterTuner
+from ..pclr.query import encoder_decoder_stacks
 from .config import SplitLoRAConfig
 from .layer import Linear, SplitLoRALayer
 from .sequence_state import (
@@ -51,10 +52,16 @@ class TaskSplit:
 class _MaskHolder:
     """State shared by the statistics hooks of one ``collect_statistics`` block: the token mask of the forward pass in
     progress, and the last input seen with its ``x^T x`` so that modules fed the very same tensor (a Llama block's
-    ``q_proj`` / ``k_proj`` / ``v_proj``, its ``gate_proj`` / ``up_proj``) compute the product once."""
+    ``q_proj`` / ``k_proj`` / ``v_proj``, its ``gate_proj`` / ``up_proj``) compute the product once.
+
+    On an encoder-decoder the mask follows the stack that runs: the encoder's ``attention_mask`` in the encoder, the
+    decoder's own (``decoder_attention_mask``; none: every position counts) in the decoder, and the encoder's mask
+    again for the decoder's cross-attention inputs (``memory``: the encoder's output, the very tensor the decoder's
+    cross-attention key / value projections read)."""
 
     def __init__(self) -> None:
         self.mask: torch.Tensor | None = None
+        self.memory: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.warned = False
         # (input, mask, module, its x^T x or None); the reference keeps the input alive, so `is` cannot match a new
         # tensor allocated at a freed one's address
@@ -63,25 +70,70 @@ class _MaskHolder:
 
     def reset(self) -> None:
         self.last = None
+        self.memory = None
+
+    def mask_for(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The token mask of input ``x``: the encoder's for the encoder's output read by the decoder, else the
+        current stack's."""
+        if self.memory is not None and x is self.memory[0]:
+            return self.memory[1]
+        return self.mask
+
+
+def _tensor_or_none(value: Any) -> torch.Tensor | None:
+    return value if isinstance(value, torch.Tensor) else None
 
 
 def _capture_mask(holder: _MaskHolder, key: str | None, module: nn.Module, args: tuple, kwargs: dict) -> None:
     holder.reset()  # a new forward pass: nothing from the last one may be shared
-    mask = kwargs.get(key) if key is not None else None
-    holder.mask = mask if isinstance(mask, torch.Tensor) else None
+    holder.mask = _tensor_or_none(kwargs.get(key)) if key is not None else None
+
+
+def _capture_encoder_mask(holder: _MaskHolder, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    # an encoder-decoder's encoder: its own mask (the same as the model's when called by the model's forward)
+    holder.reset()
+    holder.mask = _tensor_or_none(kwargs.get("attention_mask"))
+
+
+def _capture_decoder_mask(holder: _MaskHolder, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    # an encoder-decoder's decoder: its own mask for its tokens, the encoder's for the encoder output it attends to
+    holder.last = None
+    holder.mask = _tensor_or_none(kwargs.get("attention_mask"))
+    memory = _tensor_or_none(kwargs.get("encoder_hidden_states"))
+    holder.memory = None if memory is None else (memory, _tensor_or_none(kwargs.get("encoder_attention_mask")))
+
+
+def token_rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The rows of a layer input ``x`` that ``mask`` (``(batch, seq)``, nonzero = real token) keeps, one token per
+    row; ``None`` when the mask does not fit ``x``.
+
+    ``x`` is ``(batch, seq, width)``, or flattened tokens ``(batch x seq, width)`` (OPT's decoder MLP reshapes its
+    input to that before ``fc1`` / ``fc2``; flattening keeps the samples in order, so the mask flattens the same way).
+
+    Args:
+        x: The layer input.
+        mask: The token mask, or ``None`` (every row).
+    """
+    if mask is None:
+        return x.reshape(-1, x.shape[-1])
+    keep = mask.to(device=x.device, dtype=torch.bool)
+    if tuple(x.shape[:-1]) == tuple(mask.shape):
+        return x[keep]
+    if x.dim() == 2 and x.shape[0] == mask.numel():
+        return x[keep.reshape(-1)]
+    return None
 
 
 def _statistics_hook(holder: _MaskHolder, adapter_name: str, module: SplitLoRALayer, args: tuple, kwargs: dict):
     x = args[0] if args else kwargs.get("input", kwargs.get("x"))
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"SplitLoRA statistics hook: cannot find the input tensor of {module._splitlora_seed_key!r}")
-    mask = holder.mask
-    if mask is not None and tuple(x.shape[:-1]) == tuple(mask.shape):
-        # Padded positions never reach a masked-mean or last-token head, so they do not belong to the task's input
-        # distribution; the public code (ViT, no padding) never meets them.
-        rows = x[mask.to(device=x.device, dtype=torch.bool)]
-    else:
-        if mask is not None and not holder.warned:
+    mask = holder.mask_for(x)
+    # Padded positions never reach a masked-mean or last-token head, so they do not belong to the task's input
+    # distribution; the public code (ViT, no padding) never meets them.
+    rows = token_rows(x, mask)
+    if rows is None:
+        if not holder.warned:
             holder.warned = True
             warnings.warn(
                 f"SplitLoRA statistics: the token mask has shape {tuple(mask.shape)} but the input of "
@@ -330,7 +382,11 @@ class SplitLoRAModel(AdapterTuner):
         Args:
             adapter_name: The SplitLoRA adapter (default: the single active one).
             mask_key: Name of the forward keyword argument holding the token mask (``(batch, seq)``, nonzero = real
-                token); positions where it is 0 are skipped. ``None`` counts every position.
+                token); positions where it is 0 are skipped, in layers fed flattened tokens (``(batch x seq, d)``,
+                OPT's MLP) too. ``None`` counts every position. With the default ``mask_key`` on an encoder-decoder
+                (T5, BART) the encoder's tokens and the decoder's cross-attention inputs follow the encoder's
+                ``attention_mask``, the decoder's tokens ``decoder_attention_mask`` (every decoder position when it
+                is not given).
         """
         name = self._resolve_adapter(adapter_name)
         layers = self._layers(name)
@@ -342,6 +398,12 @@ class SplitLoRAModel(AdapterTuner):
             handles.append(
                 self.model.register_forward_pre_hook(partial(_capture_mask, holder, mask_key), with_kwargs=True)
             )
+            # the stacks' own masks have the names of a transformers model's: with the default mask_key only
+            stacks = encoder_decoder_stacks(self.model) if mask_key == "attention_mask" else None
+            if stacks is not None:
+                encoder, decoder = stacks
+                hooks = ((encoder, _capture_encoder_mask), (decoder, _capture_decoder_mask))
+                handles.extend(m.register_forward_pre_hook(partial(h, holder), with_kwargs=True) for m, h in hooks)
             for _, layer in layers:
                 handles.append(
                     layer.register_forward_pre_hook(partial(_statistics_hook, holder, name), with_kwargs=True)
