@@ -10,6 +10,10 @@ Cases: Riemannion adapters (LOI after sharding, then the Riemannion optimizer) o
 row count (r = 5) + DCT-AdamW; DCT-AdamW on a plain MLP whose first weight has 45 rows (23 + 22 per rank). The
 optimizer steps are split in two halves with a save / load of every rank's own state in between (a fresh model and
 optimizer continue), so the comparison also covers an exact resume.
+
+Also: the Riemannion run again with the per-tensor reference of the step's bucketed gather and write-back (must be
+equal bit for bit), ``full_tensors`` / ``write_full_tensors_`` against ``full_tensor`` / ``write_full_`` on padded
+shards, and the collectives of a Riemannion step for 1 and for 14 adapters (``count_collectives``).
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from __future__ import annotations
 import io
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +33,15 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from peft_ext import RiemannionConfig
-from peft_ext.distributed import full_tensor, local_part
+from peft_ext.distributed import (
+    count_collectives,
+    full_tensor,
+    full_tensors,
+    is_dtensor,
+    local_part,
+    write_full_,
+    write_full_tensors_,
+)
 from peft_ext.models import tiny_llama
 from peft_ext.optim import DCTAdamW, create_riemannion_optimizer
 from peft_ext.tuners.riemannion import find_adapters, initialize_loi
@@ -228,6 +241,83 @@ def nonfinite_on_one_rank(rank: int) -> dict:
     return skipped
 
 
+@contextmanager
+def per_tensor_gathers() -> Iterator[None]:
+    """Riemannion's step with the per-tensor reference of its bucketed gather and write-back: ``full_tensor`` and
+    ``write_full_`` of each tensor, as the step did before ``full_tensors`` / ``write_full_tensors_``."""
+    from peft_ext.optim import riemannion as module
+
+    def write(tensors: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        for t, value in zip(tensors, values):
+            write_full_(t, value)
+
+    saved = module.full_tensors, module.write_full_tensors_
+    module.full_tensors, module.write_full_tensors_ = (lambda ts: [full_tensor(t) for t in ts]), write
+    try:
+        yield
+    finally:
+        module.full_tensors, module.write_full_tensors_ = saved
+
+
+def bucketed_gather() -> dict:
+    """``full_tensors`` / ``write_full_tensors_`` against the per-tensor ``full_tensor`` / ``write_full_`` on shards
+    that FSDP2 pads: uneven rows (45 = 23 + 22), a one-row tensor (rank 1 holds nothing), no rows, a 3-D tensor and
+    mixed dtypes, next to a replicated DTensor and a plain tensor; and the collectives of one gather."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    g = torch.Generator().manual_seed(7)
+    wholes = [
+        torch.randn(45, 3, generator=g),
+        torch.randn(1, 4, generator=g).bfloat16(),
+        torch.randn(5, generator=g).double(),
+        torch.randn(0, 3, generator=g),
+        torch.randn(7, 2, 3, generator=g).half(),
+    ]
+    tensors = [distribute_tensor(w, mesh, [Shard(0)]) for w in wholes]
+    tensors += [distribute_tensor(wholes[0], mesh, [Replicate()]), torch.randn(3, 3, generator=g)]
+    with count_collectives() as counted:
+        gathered = full_tensors(tensors)
+    expected = [full_tensor(t) for t in tensors]
+    same = [torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(gathered, expected)]
+    # write new whole values back both ways; every rank's shards must hold the same bits either way
+    values = [torch.randn(t.shape, generator=g, dtype=torch.float64) for t in tensors]
+    copies = [
+        distribute_tensor(w, mesh, t.placements) if is_dtensor(t) else w.clone() for w, t in zip(expected, tensors)
+    ]
+    write_full_tensors_(tensors, values)
+    for t, value in zip(copies, values):
+        write_full_(t, value)
+    written = [torch.equal(local_part(a), local_part(b)) for a, b in zip(tensors, copies)]
+    return {
+        "same": same,
+        "written": written,
+        "collectives": counted.names,
+        "local_rows": local_part(tensors[1]).shape[0],
+    }
+
+
+def riemannion_collectives() -> dict[int, list[int]]:
+    """Collectives per Riemannion step on FSDP2 shards, for 1 adapter and for 14 (two steps each: the first creates
+    the momentum)."""
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    counts = {}
+    for layers, modules in ((1, ["q_proj"]), (2, targets)):
+        model = get_peft_model(tiny_llama(num_layers=layers), RiemannionConfig(r=2, target_modules=modules))
+        shard_model(model, list(model.base_model.model.model.layers))
+        optimizer = create_riemannion_optimizer(model, lr=0.05)
+        calls = []
+        for x in tokens(4, 2):
+            optimizer.zero_grad()
+            model(input_ids=x[:4], labels=x[:4]).loss.backward()
+            with count_collectives() as counted:
+                optimizer.step()
+            calls.append(counted.calls)
+        counts[len(find_adapters(model))] = calls
+    return counts
+
+
 def main(out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -240,6 +330,10 @@ def main(out_dir: str) -> None:
         name: CASES[name](part, shard=True, resume=False) for name in ("riemannion", "full_dct", "full_power_channel")
     }
     results["nonfinite"] = nonfinite_on_one_rank(rank)
+    with per_tensor_gathers():
+        results["per_tensor_gathers"] = {"riemannion": riemannion(part, shard=True, resume=False)}
+    results["bucketed_gather"] = bucketed_gather()
+    results["riemannion_collectives"] = riemannion_collectives()
     torch.save({"world": world, **results}, Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()

@@ -2,7 +2,9 @@
 
 Two ranks, each on its half of every batch, equal one process on the whole batches to fp32 tolerance after several
 steps and a save / load of each rank's state in the middle (tests/fsdp_optim_worker.py); DCT-AdamW's moments are
-split by rows (each rank holds about half of one process's). One torchrun launch for the module.
+split by rows (each rank holds about half of one process's). Riemannion's step gathers every adapter in one
+collective (counted, for 1 and 14 adapters), bit for bit as a gather per tensor would. One torchrun launch for the
+module.
 """
 
 from __future__ import annotations
@@ -99,6 +101,34 @@ def test_a_nonfinite_gradient_on_one_rank_skips_the_step_everywhere(ranks):
     for rank in ranks:
         for optimizer in ("dct", "riemannion"):
             assert rank["nonfinite"][optimizer] == {"unchanged": True, "skipped": 1}, (optimizer, rank["nonfinite"])
+
+
+def test_the_riemannion_step_makes_two_collectives_for_any_number_of_adapters(ranks):
+    for rank in ranks:
+        counts = rank["riemannion_collectives"]  # adapters -> collectives of the first and the second step
+        assert sorted(counts) == [1, 14]
+        # the non-finite check's all-reduce and one all-gather of every adapter's factors and gradients (per tensor
+        # it was 1 + 4 per adapter: 57 for 14)
+        assert counts[1] == counts[14] == [2, 2], counts
+
+
+def test_the_bucketed_gather_equals_full_tensor_on_padded_shards(ranks):
+    for r, rank in enumerate(ranks):
+        gather = rank["bucketed_gather"]
+        assert all(gather["same"]), gather["same"]
+        assert all(gather["written"]), gather["written"]
+        assert len(gather["collectives"]) == 1, gather["collectives"]
+        # FSDP2 pads: rank 1 holds no row of the one-row tensor
+        assert gather["local_rows"] == (1 if r == 0 else 0)
+
+
+def test_the_bucketed_step_equals_the_per_tensor_step_bit_for_bit(ranks):
+    # the same run with full_tensor / write_full_ per tensor (the step before the bucketed gather)
+    for rank in ranks:
+        reference, now = rank["per_tensor_gathers"]["riemannion"], rank["uninterrupted"]["riemannion"]
+        for layer, X in reference["points"].items():
+            assert torch.equal(now["points"][layer], X), layer
+        assert torch.equal(now["logits"], reference["logits"])
 
 
 def test_without_the_cache_the_forward_sees_a_b_changed_behind_its_version_counter():

@@ -56,10 +56,11 @@ from ..distributed import (
     check_parameters_unchanged,
     check_row_sharded,
     full_tensor,
+    full_tensors,
     is_dtensor,
     local_part,
     registered_parameters,
-    write_full_,
+    write_full_tensors_,
 )
 from ..kernels.retraction import stack_by_shape
 from ..manifolds.fixed_rank import FixedRankPoint, TangentVector, right_basis, stack_bases
@@ -120,10 +121,11 @@ class Riemannion(Optimizer):
             ``step`` also refuses parameters that DeepSpeed ZeRO replaced with flat partitions): use FSDP2 or DDP
             (docs/distributed.md).
 
-    FSDP2 (``fully_shard``): every step all-gathers each adapter's ``A``, ``B`` and the gradients of ``Z`` and ``B``
-    (``(m + n) x r`` each), runs the step above on the whole factors identically on every process and writes back
-    each process's rows. The momentum is kept whole on every process (the same there); the AdamW state is the
-    shard's.
+    FSDP2 (``fully_shard``): every step all-gathers every adapter's ``A``, ``B`` and the gradients of ``Z`` and ``B``
+    (``(m + n) x r`` each) in one collective (:func:`~peft_ext.distributed.full_tensors`), runs the step above on the
+    whole factors identically on every process and writes back each process's rows. With the check for non-finite
+    gradients (one all-reduce) a step makes two collectives, however many adapters there are. The momentum is kept
+    whole on every process (the same there); the AdamW state is the shard's.
     """
 
     def __init__(
@@ -346,15 +348,19 @@ class Riemannion(Optimizer):
     def _step_manifold(self, group: dict[str, Any]) -> None:
         # Adapters of the same shape are stacked and updated in one batched call (the geometry takes leading batch
         # dimensions; kernels.retraction.stack_by_shape forms the stacks).
-        rows, has_momentum, refs, params = [], [], [], []
+        has_momentum, refs, params, parts = [], [], [], []
         for A, B, Z in _triples(group):
             if B.grad is None and Z.grad is None:
                 continue  # the adapter took no part in the loss (e.g. inactive): nothing to do, like torch optimizers
-            # FSDP2 row shards are gathered whole (identical on every process, so every process takes the same step)
-            rows.append(tuple(full_tensor(t) for t in (A, B, _grad_or_zeros(Z), _grad_or_zeros(B))))
+            parts += (A, B, _grad_or_zeros(Z), _grad_or_zeros(B))
             params.append((A, B))
             has_momentum.append("momentum_A" in self.state[A])
             refs.append(self._ref_by_A[id(A)])
+        # FSDP2 row shards are gathered whole (identical on every process, so every process takes the same step), all
+        # adapters' factors and gradients in one collective: gathered one by one, each small tensor pays a DTensor
+        # redistribution and a round trip (4 per adapter)
+        whole = full_tensors(parts)
+        rows = [tuple(whole[i : i + 4]) for i in range(0, len(whole), 4)]
         for indices, (A, B, grad_right, grad_left) in stack_by_shape(rows, has_momentum):
             buf = None
             if has_momentum[indices[0]]:
@@ -381,10 +387,11 @@ class Riemannion(Optimizer):
                 orthogonalize_step=group["orthogonalize"],
                 rtol=group["rtol"],
             )
+            # each process copies its rows of the new factors into its shards (no communication)
+            new_factors = [(new_point.A[n], new_point.B[n]) for n in range(len(indices))]
+            write_full_tensors_([p for i in indices for p in params[i]], [f for pair in new_factors for f in pair])
             for n, i in enumerate(indices):
                 A_param, B_param = params[i]
-                write_full_(A_param, new_point.A[n])
-                write_full_(B_param, new_point.B[n])
                 if B_param.dtype == new_point.B.dtype and refs[i].layer.cache_right_basis:
                     # the retraction computed right_basis(B) of the new point already: the next forward uses it
                     refs[i].layer.set_right_basis(refs[i].adapter_name, new_point.B_R[n])
