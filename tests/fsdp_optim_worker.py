@@ -220,7 +220,7 @@ def nonfinite_on_one_rank(rank: int) -> dict:
     skipped = {}
     model = mlp()
     shard_model(model, [model[0], model[2]])
-    dct = DCTAdamW(model.named_parameters(), lr=1e-2, rank=4, nonfinite_grad="skip")
+    dct = DCTAdamW(model.named_parameters(), lr=1e-2, rank=4, nonfinite="skip")
     peft_model = get_peft_model(tiny_llama(num_layers=1), RiemannionConfig(r=2, target_modules=["q_proj"]))
     shard_model(peft_model, list(peft_model.base_model.model.model.layers))
     riem = create_riemannion_optimizer(peft_model, lr=0.05, nonfinite="skip")

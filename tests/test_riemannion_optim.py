@@ -394,7 +394,7 @@ def test_non_finite_gradient_raises_and_changes_nothing(bad):
     _loss(model, _batches(1)[0]).backward()
     find_adapters(model)[1].B.grad[0, 0] = bad
     before = copy.deepcopy(model.state_dict())
-    with pytest.raises(ValueError, match=r"non-finite gradient in base_model\.model\.lin1\.riemannion_B\.default"):
+    with pytest.raises(ValueError, match=r"non-finite gradient .* in base_model\.model\.lin1\.riemannion_B\.default"):
         optimizer.step()
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
@@ -405,7 +405,7 @@ def test_non_finite_gradient_is_skipped_when_asked():
     _loss(model, _batches(1)[0]).backward()
     model.base_model.model.head.modules_to_save["default"].bias.grad[0] = float("nan")
     before = copy.deepcopy(model.state_dict())
-    message = r"non-finite gradient in .*head\.modules_to_save\.default\.bias.*; skipping this optimizer step .*1 skip"
+    message = r"non-finite gradient .* .*head\.modules_to_save\.default\.bias.*; skipping this optimizer step .*1 skip"
     with pytest.warns(UserWarning, match=message) as caught:
         optimizer.step()
     assert len(caught) == 1 and caught[0].filename == __file__  # once, pointing at the caller of step()
@@ -428,7 +428,7 @@ def test_non_finite_gradient_is_skipped_when_asked():
         ({"weight_decay": -0.1}, "`weight_decay` must be a finite number >= 0, got -0.1"),
         ({"aux_betas": (0.9, 1.0)}, r"`betas` must be a pair of numbers in \[0, 1\), got \(0.9, 1.0\)"),
         ({"aux_eps": 0.0}, "`eps` must be > 0, got 0.0"),
-        ({"nonfinite": "ignore"}, "`nonfinite` must be 'raise' or 'skip', got 'ignore'"),
+        ({"nonfinite": "ignore"}, r"`nonfinite` must be one of \('raise', 'skip'\), got 'ignore'"),
         ({"variant": "adam"}, r"`variant` must be one of \['muon', 'sgd'\], got 'adam'"),
     ],
 )

@@ -1,5 +1,6 @@
 """DCT-AdamW's SVD-free family (peft_ext.optim.subspace): the power-iteration basis, plain coordinates, APOLLO's
-channel-scaled update; against independent references (SVD, brute force, the formulas), exact resume, errors."""
+channel-scaled update; against independent references (SVD, brute force, the formulas), exact resume, errors; and
+the family's structure: SubspaceAdamW the general optimizer, DCTAdamW its preset, bases and update rules as objects."""
 
 from __future__ import annotations
 
@@ -12,13 +13,17 @@ from torch import nn
 
 from peft_ext import SubspaceAdamW
 from peft_ext.optim import OPTIMIZERS, DCTAdamW
+from peft_ext.optim.bases import BASES, CoordinateBasis, SubspaceBasis
 from peft_ext.optim.subspace import (
+    PROJECTIONS,
+    UPDATES,
     channel_scaled_update,
     coordinate_select,
     limit_norm_growth,
     power_refresh,
     rotate_by_overlap,
 )
+from peft_ext.optim.update_rules import UPDATE_RULES
 
 VARIANTS = [
     {"projection": "power"},
@@ -178,3 +183,67 @@ def test_subspace_adamw_defaults_and_registry():
 def test_bad_options_are_named(options, message):
     with pytest.raises(ValueError, match=message):
         DCTAdamW(nn.Linear(4, 4).parameters(), **options)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the family's structure: the general optimizer, its DCT preset, variation in objects
+
+
+def test_dct_adamw_is_the_dct_preset_of_subspace_adamw():
+    assert issubclass(DCTAdamW, SubspaceAdamW)
+    named = list(nn.Linear(8, 6).named_parameters())
+    dct, general = DCTAdamW(named, rank=2), SubspaceAdamW(named, rank=2)
+    assert (dct.defaults["projection"], dct.defaults["update_proj_gap"]) == ("dct", 1)
+    assert (general.defaults["projection"], general.defaults["update_proj_gap"]) == ("power", 50)
+    assert {k: v for k, v in dct.defaults.items() if k not in ("projection", "update_proj_gap")} == {
+        k: v for k, v in general.defaults.items() if k not in ("projection", "update_proj_gap")
+    }
+
+
+def test_the_registries_name_every_projection_and_update():
+    assert tuple(BASES) == PROJECTIONS and tuple(UPDATE_RULES) == UPDATES
+    assert all(issubclass(cls, SubspaceBasis) for cls in BASES.values())
+
+
+def test_a_subspace_adamw_warning_names_subspace_adamw():
+    model = nn.Linear(8, 6)
+    with pytest.warns(UserWarning, match=r"^SubspaceAdamW: `target_modules` \['nope'\]"):
+        SubspaceAdamW(model.named_parameters(), rank=2, target_modules=["nope"])
+    opt = SubspaceAdamW(model.named_parameters(), rank=9)
+    model(torch.randn(3, 8)).sum().backward()
+    with pytest.warns(UserWarning, match=r"^SubspaceAdamW: `rank` exceeds .* full power-iteration basis") as caught:
+        opt.step()
+    assert "DCTAdamW" not in str(caught[0].message) and caught[0].filename == __file__
+    p = nn.Parameter(torch.randn(6, 4))
+    p.grad = torch.randn(6, 4).to_sparse()
+    with pytest.raises(TypeError, match="^SubspaceAdamW does not support sparse gradients"):
+        SubspaceAdamW([p], rank=2).step()
+
+
+class _LeadingCoordinates(CoordinateBasis):
+    """A basis the package does not ship: always the first ``r`` coordinates."""
+
+    name = "leading"
+
+    def _select(self, grad, spec):
+        indices = torch.arange(spec.rank, device=grad.device)
+        return indices, grad.index_select(spec.dim, indices)
+
+
+def test_a_new_basis_plugs_in_through_the_registry(monkeypatch):
+    """The step speaks only the basis vocabulary: a registered basis needs no other change. With every coordinate
+    kept, Adam in the coordinate basis is AdamW."""
+    monkeypatch.setitem(BASES, "leading", _LeadingCoordinates)
+    torch.manual_seed(0)
+    ours, reference = nn.Linear(5, 7), nn.Linear(5, 7)
+    reference.load_state_dict(ours.state_dict())
+    opt = SubspaceAdamW(ours.parameters(), lr=1e-2, rank=5, projection="leading", weight_decay=0.1)
+    adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    for _ in range(4):
+        x = torch.randn(3, 5)
+        for model, optimizer in ((ours, opt), (reference, adamw)):
+            optimizer.zero_grad()
+            model(x).square().sum().backward()
+            optimizer.step()
+    assert opt.state[ours.weight]["indices"].tolist() == [0, 1, 2, 3, 4]
+    torch.testing.assert_close(ours.weight, reference.weight, rtol=1e-5, atol=1e-6)

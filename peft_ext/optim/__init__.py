@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from torch.optim import Optimizer
 
-from .dct_adamw import DCTAdamW, SubspaceAdamW
+from .dct_adamw import DCTAdamW
+from .nonfinite import NonFiniteGradientError
 from .riemannion import Riemannion, RiemannLoRA, create_riemannion_optimizer
+from .subspace_adamw import SubspaceAdamW
 
 __all__ = [
     "OPTIMIZERS",
     "DCTAdamW",
+    "NonFiniteGradientError",
     "RiemannLoRA",
     "Riemannion",
     "SubspaceAdamW",

@@ -1,31 +1,27 @@
-"""DCT-AdamW's option checks: hyperparameters, target selection, dtypes and sharding layouts of a param group.
+"""The option checks of DCT-AdamW's family (:class:`~peft_ext.optim.SubspaceAdamW` and its presets): hyperparameters,
+target selection, basis and update rule, dtypes and sharding layouts of a param group.
 
 Everything here runs before any state exists (construction and ``add_param_group``), so bad input raises with the
-option's name and what is valid, and nothing changes.
+option's name and what is valid, and nothing changes. ``owner`` is the optimizer's class name, for messages.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import re
-import sys
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from ..distributed import check_row_sharded, is_dtensor
 from ..precision import check_dtypes
+from .bases import BASES
 from .dct import DCT_METHODS, SIDES
 from .dct_state import QUANT_BLOCKSIZES
-from .subspace import PROJECTIONS, UPDATES
+from .nonfinite import NONFINITE_POLICIES, caller_stacklevel
+from .update_rules import UPDATE_RULES
 
+# NONFINITE_POLICIES and caller_stacklevel live in .nonfinite; re-exported here for modules that import them from here
 __all__ = ["NONFINITE_POLICIES", "caller_stacklevel", "check_group", "matches_target", "unmatched_targets"]
-
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-
-NONFINITE_POLICIES = ("raise", "skip")
 
 
 def matches_target(module_name: str, target_modules: str | Sequence[str] | None) -> bool:
@@ -44,13 +40,14 @@ def matches_target(module_name: str, target_modules: str | Sequence[str] | None)
     return any(f".{t}." in padded for t in target_modules)
 
 
-def unmatched_targets(param_groups: Sequence[dict[str, Any]]) -> str | None:
+def unmatched_targets(param_groups: Sequence[dict[str, Any]], owner: str = "DCTAdamW") -> str | None:
     """A warning's text when some group's ``target_modules`` selects none of its named parameters, else ``None``.
 
     Such a group trains every parameter with plain AdamW, which is valid (so not an error) but almost always a typo.
 
     Args:
         param_groups: The optimizer's param groups (checked by :func:`check_group`).
+        owner: The optimizer's class name, for the message.
     """
     missed, available = [], []
     for number, group in enumerate(param_groups):
@@ -66,7 +63,7 @@ def unmatched_targets(param_groups: Sequence[dict[str, Any]]) -> str | None:
         return None
     shown = ", ".join(repr(m) for m in available[:5]) + (", ..." if len(available) > 5 else "")
     return (
-        f"DCTAdamW: `target_modules` {'; '.join(missed)} matches no parameter, so every parameter there gets plain "
+        f"{owner}: `target_modules` {'; '.join(missed)} matches no parameter, so every parameter there gets plain "
         f"AdamW (no projection, no memory saving); the modules holding matrices are e.g. {shown} (a list entry "
         "matches whole dotted components of a module's name, a string must match the whole name as a regex)"
     )
@@ -80,24 +77,8 @@ def positive_int(name: str, value: Any) -> int:
     return value
 
 
-def caller_stacklevel() -> int:
-    """``stacklevel`` that makes a warning point at the code that called ``step()``.
-
-    ``step`` runs under torch's profiling and ``no_grad`` wrappers, whose depth differs between torch versions, so
-    the frames of the optimizer's package and of torch are counted instead of hard-coded.
-    """
-    torch_dir = os.path.dirname(torch.__file__)
-    frame, level = sys._getframe(1), 1
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith(_PACKAGE_DIR) and not filename.startswith(torch_dir):
-            break
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def check_group(group: dict[str, Any]) -> None:
-    """Raise ``ValueError`` / ``TypeError`` naming the first invalid option of DCT-AdamW's param ``group``."""
+def check_group(group: dict[str, Any], owner: str = "DCTAdamW") -> None:
+    """Raise ``ValueError`` / ``TypeError`` naming the first invalid option of a DCT-AdamW-family param ``group``."""
     for key in ("lr", "eps", "weight_decay", "scale"):
         value = group[key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -122,20 +103,12 @@ def check_group(group: dict[str, Any]) -> None:
         if not isinstance(group[key], bool):
             raise TypeError(f"`{key}` must be True or False, got {group[key]!r}")
     projection, update = group.get("projection", "dct"), group.get("update", "projected")
-    if projection not in PROJECTIONS:
-        raise ValueError(f"`projection` must be one of {PROJECTIONS}, got {projection!r}")
-    if update not in UPDATES:
-        raise ValueError(f"`update` must be one of {UPDATES}, got {update!r}")
-    if projection == "power" and group["column_bias_correction"]:
-        raise ValueError(
-            "`column_bias_correction=True` ages individual DCT columns; projection='power' rotates the whole basis, "
-            "so there are no columns to age: turn it off"
-        )
-    if update == "channel" and group["error_feedback"]:
-        raise ValueError(
-            "`error_feedback=True` with update='channel': the channel-scaled update already uses the whole gradient, "
-            "so there is no residual to feed back; turn one of them off"
-        )
+    if projection not in BASES:
+        raise ValueError(f"`projection` must be one of {tuple(BASES)}, got {projection!r}")
+    if update not in UPDATE_RULES:
+        raise ValueError(f"`update` must be one of {tuple(UPDATE_RULES)}, got {update!r}")
+    BASES[projection].check_options(group)
+    UPDATE_RULES[update].check_options(group)
     limit = group.get("norm_growth_limit")
     if limit is not None and (
         isinstance(limit, bool) or not isinstance(limit, (int, float)) or not math.isfinite(limit) or limit < 1
@@ -159,14 +132,14 @@ def check_group(group: dict[str, Any]) -> None:
                 "`target_modules` selects parameters by name, but the parameters came without names: pass "
                 "`model.named_parameters()` (or param groups of (name, parameter) pairs), not `model.parameters()`"
             )
-    check_dtypes(zip(group.get("param_names") or range(len(group["params"])), group["params"]), "DCTAdamW")
+    check_dtypes(zip(group.get("param_names") or range(len(group["params"])), group["params"]), owner)
     names = group.get("param_names") or [f"parameter {i}" for i in range(len(group["params"]))]
     # FSDP2 row shards are projected where they live (side "right"); column shards and ZeRO-3 partitions are not
-    check_row_sharded(zip(names, group["params"]), "DCTAdamW", "the row-local DCT projection")
+    check_row_sharded(zip(names, group["params"]), owner, f"the row-local {BASES[projection].label} projection")
     if group.get("side") == "left":
         for name, p in zip(names, group["params"]):
             if p.ndim == 2 and is_dtensor(p) and any(pl.is_shard(0) for pl in p.placements):
                 raise ValueError(
-                    f"DCTAdamW: side='left' transforms over the rows of `{name}` (shape {tuple(p.shape)}), which "
+                    f"{owner}: side='left' transforms over the rows of `{name}` (shape {tuple(p.shape)}), which "
                     "FSDP2 splits across processes; use side='auto' or 'right' (each process projects its own rows)"
                 )

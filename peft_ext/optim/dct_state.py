@@ -1,6 +1,7 @@
 """DCT-AdamW's per-parameter state: carrying moments between subspace selections and storing buffers in 8 bits.
 
-Pure functions on tensors and on one parameter's state dict; :class:`~peft_ext.optim.dct_adamw.DCTAdamW` calls them.
+Pure functions on tensors and on one parameter's state dict; :class:`~peft_ext.optim.SubspaceAdamW` (and so its
+preset :class:`~peft_ext.optim.DCTAdamW`) and the basis objects of :mod:`.bases` call them.
 A buffer (moment, error feedback) lives in the state either as a float tensor ``key`` or, quantized, as
 ``key_q`` (uint8 codes) + ``key_absmax`` (float32 block scales): :func:`load_buffer` and :func:`store_buffer` hide
 which.

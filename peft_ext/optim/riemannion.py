@@ -42,8 +42,6 @@ The optimizer needs the model to know which parameters form an adapter (``A``, `
 
 from __future__ import annotations
 
-import math
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, Optional, Union
 
@@ -52,7 +50,6 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ..distributed import (
-    all_shards_agree,
     check_parameters_unchanged,
     check_row_sharded,
     full_tensor,
@@ -67,7 +64,8 @@ from ..manifolds.fixed_rank import FixedRankPoint, TangentVector, right_basis, s
 from ..precision import check_dtypes, compute_dtype, is_half
 from ..tuners.riemannion.layer import AdapterRef, find_adapters
 from .adam_math import adamw_update
-from .dct_checks import caller_stacklevel
+from .nonfinite import check_gradients, nonfinite_policy
+from .riemannion_checks import check_group
 from .riemannion_math import riemannion_update
 from .saved_state import restore_saved_dtypes
 
@@ -157,9 +155,7 @@ class Riemannion(Optimizer):
                 "create_riemannion_optimizer(model, ...); with transformers.Trainer put 'model' in the kwargs of "
                 "optimizer_cls_and_kwargs"
             )
-        if nonfinite not in ("raise", "skip"):
-            raise ValueError(f"`nonfinite` must be 'raise' or 'skip', got {nonfinite!r}")
-        self.nonfinite = nonfinite
+        self.nonfinite = nonfinite_policy(nonfinite)
         self._adapters = find_adapters(model)
         self._ref_by_A = {id(ref.A): ref for ref in self._adapters}
         self._names = {id(p): name for name, p in model.named_parameters()}
@@ -192,7 +188,7 @@ class Riemannion(Optimizer):
                 ref.layer.cache_right_basis = False
         super().__init__(groups, defaults)
         for index, group in enumerate(self.param_groups):
-            _check_group(group, index)
+            check_group(group, index)
         self._check_points()
         self._registered = registered_parameters(self.param_groups)
 
@@ -310,21 +306,7 @@ class Riemannion(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        bad = self._first_nonfinite_grad()
-        if bad is not None:
-            if self.nonfinite == "raise":
-                raise ValueError(
-                    f"non-finite gradient in {bad}; no parameter was updated. Fix the loss scale / data, or pass "
-                    "nonfinite='skip' to skip such steps"
-                )
-            for group in self.param_groups:
-                group["skipped_steps"] += 1
-            warnings.warn(
-                f"non-finite gradient in {bad}; skipping this optimizer step (no parameter or state changed; "
-                f"{self.skipped_steps} skipped so far, see `skipped_steps`)",
-                UserWarning,
-                stacklevel=caller_stacklevel(),
-            )
+        if not check_gradients(self, self._describe, self.nonfinite):
             return loss
         for group in self.param_groups:
             if group["manifold"]:
@@ -332,18 +314,6 @@ class Riemannion(Optimizer):
             else:
                 self._step_aux(group)
         return loss
-
-    def _first_nonfinite_grad(self) -> Optional[str]:
-        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if not params:
-            return None
-        # one host sync for the whole model; find the culprit only when something is wrong
-        finite = bool(torch.stack([torch.isfinite(local_part(p.grad)).all() for p in params]).all())
-        # a shard's non-finite entry must stop every process (each holds only its rows of the gradient)
-        if all_shards_agree(finite, params):
-            return None
-        p = next((p for p in params if not torch.isfinite(local_part(p.grad)).all()), None)
-        return self._describe(p) if p is not None else "another process's shard of the gradients"
 
     def _step_manifold(self, group: dict[str, Any]) -> None:
         # Adapters of the same shape are stacked and updated in one batched call (the geometry takes leading batch
@@ -465,29 +435,6 @@ def _grad_or_zeros(p: Tensor) -> Tensor:
 def _triples(group: dict[str, Any]) -> Iterable[tuple[Tensor, Tensor, Tensor]]:
     params = group["params"]
     return zip(params[0::3], params[1::3], params[2::3])
-
-
-def _check_group(group: dict[str, Any], index: int) -> None:
-    def bad(key: str, valid: str) -> ValueError:
-        return ValueError(f"param group {index}: `{key}` must be {valid}, got {group[key]!r}")
-
-    if not (isinstance(group["lr"], (int, float)) and group["lr"] >= 0 and math.isfinite(group["lr"])):
-        raise bad("lr", "a finite number >= 0")
-    if not 0 <= group["weight_decay"] < math.inf:
-        raise bad("weight_decay", "a finite number >= 0")
-    if group["manifold"]:
-        if not 0 <= group["momentum"] < 1:
-            raise bad("momentum", "in [0, 1)")
-        if group["nesterov"] and group["momentum"] == 0:
-            raise bad("nesterov", "False when momentum is 0 (Nesterov needs momentum)")
-        if group["rtol"] is not None and not 0 <= group["rtol"] < 1:
-            raise bad("rtol", "None or in [0, 1)")
-    else:
-        betas = group["betas"]
-        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
-            raise bad("betas", "a pair of numbers in [0, 1)")
-        if not group["eps"] > 0:
-            raise bad("eps", "> 0")
 
 
 def create_riemannion_optimizer(

@@ -19,6 +19,9 @@ And two ways to turn the low-rank Adam direction into an update (``update=``):
   ``side="right"``, column for ``"left"``): ``s_i = ||adam(G B^T)_i|| / ||(G B^T)_i||``, and the update is the whole
   gradient scaled channel-wise, ``s * G``, so directions outside the subspace are not dropped. With APOLLO's
   norm-growth limiter: an update whose norm exceeds ``gamma`` times the previous one's is scaled back to that.
+
+These are pure functions on tensors; the objects the optimizer calls are in :mod:`.bases` (one class per
+``projection``) and :mod:`.update_rules` (one per ``update``).
 """
 
 from __future__ import annotations

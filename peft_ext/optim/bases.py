@@ -1,0 +1,252 @@
+"""The subspace a projected matrix's Adam moments live in, as objects: :class:`SubspaceBasis` and its three kinds.
+
+A basis says how the ``r``-dimensional subspace is chosen from a gradient (:meth:`~SubspaceBasis.select`, on the
+first step and every ``update_proj_gap`` steps), how a gradient enters it and leaves it
+(:meth:`~SubspaceBasis.project`, :meth:`~SubspaceBasis.project_back`), and how Adam's moments follow when it moves
+(:meth:`~SubspaceBasis.carry`). :class:`~peft_ext.optim.SubspaceAdamW` speaks only this vocabulary, as a geoopt
+optimizer speaks only a manifold's ``proju`` / ``retr`` / ``transp`` and GaLore's Adam only its projector's
+``project`` / ``project_back``. The math lives in :mod:`.dct` and :mod:`.subspace`.
+
+Unlike GaLore's projector, a basis object holds options only (score norm, DCT method) and is the same for every
+parameter of a group; what defines one matrix's current basis (``r`` indices, or an ``r x n`` float32 matrix) is kept
+in that parameter's optimizer state under :attr:`SubspaceBasis.key`, so ``state_dict()`` stays tensors and numbers
+(``torch.load(weights_only=True)`` works and a resumed run continues bit for bit).
+
+Every basis is handed to the step as an ``(r, n)`` matrix with orthonormal rows in the gradient's dtype (for the
+index bases, rows of the DCT matrix or unit vectors), so projecting is one product and so is mapping back.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from .dct import ScoreReduce, dct_matrix, dct_select, project, project_back
+from .dct_state import rotate_selected
+from .subspace import coordinate_select, one_hot_rows, power_refresh, rotate_by_overlap
+
+__all__ = ["BASES", "CoordinateBasis", "DCTBasis", "PowerBasis", "SubspaceBasis", "SubspaceSpec"]
+
+
+@dataclass(frozen=True)
+class SubspaceSpec:
+    """Where one projected matrix's subspace lives, as far as a basis needs to know.
+
+    Attributes:
+        side: ``"right"`` (the columns are compressed; moments ``(R, r)``) or ``"left"`` (rows; ``(r, C)``).
+        rank: ``r``.
+        reduce: For this process's rows of an FSDP2 row-sharded matrix: sums (or maxes) per-column partial results
+            over the processes. ``None``: the gradient is the whole matrix.
+        sync: Broadcast every new basis from rank 0, so all processes use the same one.
+    """
+
+    side: str
+    rank: int
+    reduce: ScoreReduce | None = None
+    sync: bool = False
+
+    @property
+    def dim(self) -> int:
+        """The gradient's dimension that is compressed (1 for ``"right"``)."""
+        return 1 if self.side == "right" else 0
+
+
+class SubspaceBasis(ABC):
+    """A way to pick and move the subspace of a projected matrix (see the module docstring).
+
+    Args:
+        norm: Vector norm of a selection score (paper: 1).
+        dct_method: The DCT's implementation, for bases that use it (``"auto"``, ``"matmul"``, ``"fft"``).
+    """
+
+    #: The ``projection=`` value that selects this basis.
+    name: ClassVar[str]
+    #: How messages call its projection ("the row-local DCT projection").
+    label: ClassVar[str]
+    #: The per-parameter state entry that defines the current basis.
+    key: ClassVar[str]
+
+    def __init__(self, norm: float = 1.0, dct_method: str = "auto") -> None:
+        self.norm = norm
+        self.dct_method = dct_method
+
+    @classmethod
+    def from_group(cls, group: dict[str, Any]) -> SubspaceBasis:
+        """The basis configured by a param group's ``selection_norm`` and ``dct_method``."""
+        return cls(group["selection_norm"], group["dct_method"])
+
+    @classmethod
+    def check_options(cls, group: dict[str, Any]) -> None:
+        """Raise ``ValueError`` for a param group's options this basis cannot honour (none by default)."""
+        return None  # the default accepts every combination
+
+    @abstractmethod
+    def select(
+        self, grad: torch.Tensor, state: dict[str, Any], spec: SubspaceSpec
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Choose the basis from ``grad`` (the first one, or a refresh), store it in ``state[self.key]``.
+
+        Returns:
+            ``(basis, low)``: the ``(r, n)`` basis in ``grad``'s dtype and ``grad`` projected onto it.
+        """
+
+    @abstractmethod
+    def current(self, grad: torch.Tensor, state: dict[str, Any], spec: SubspaceSpec) -> torch.Tensor:
+        """The basis stored in ``state`` as an ``(r, n)`` matrix in ``grad``'s dtype and on its device."""
+
+    def project(self, grad: torch.Tensor, basis: torch.Tensor, spec: SubspaceSpec) -> torch.Tensor:
+        """``grad`` in the subspace: ``G B^T`` (right, ``(R, r)``) or ``B G`` (left, ``(r, C)``)."""
+        return project(grad, basis, spec.side)
+
+    def project_back(self, low: torch.Tensor, basis: torch.Tensor, spec: SubspaceSpec) -> torch.Tensor:
+        """A subspace matrix in the full shape: ``u B`` (right) or ``B^T u`` (left)."""
+        return project_back(low, basis, spec.side)
+
+    @abstractmethod
+    def carry(
+        self,
+        m: torch.Tensor,
+        v: torch.Tensor,
+        ages: torch.Tensor | None,
+        old: torch.Tensor,
+        new: torch.Tensor,
+        spec: SubspaceSpec,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Adam's moments ``m``, ``v`` (and per-basis-vector ``ages``, when tracked) carried from the basis stored as
+        ``old`` to the one stored as ``new`` (both as in ``state[self.key]``)."""
+
+
+class _SelectedRows(SubspaceBasis):
+    """A basis of ``r`` rows picked from a fixed orthonormal ``n x n`` matrix; only their indices are stored."""
+
+    key = "indices"
+
+    @abstractmethod
+    def _select(self, grad: torch.Tensor, spec: SubspaceSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(indices sorted ascending, grad projected onto those rows)``."""
+
+    @abstractmethod
+    def rows(self, indices: torch.Tensor, like: torch.Tensor, spec: SubspaceSpec) -> torch.Tensor:
+        """The ``(r, n)`` basis of ``indices`` in ``like``'s dtype and device."""
+
+    def select(
+        self, grad: torch.Tensor, state: dict[str, Any], spec: SubspaceSpec
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        indices, low = self._select(grad, spec)
+        if spec.sync:
+            local = indices.clone()
+            dist.broadcast(indices, src=0)
+            if not torch.equal(local, indices):
+                low = project(grad, self.rows(indices, grad, spec), spec.side)
+        state[self.key] = indices
+        return self.rows(indices, grad, spec), low
+
+    def current(self, grad: torch.Tensor, state: dict[str, Any], spec: SubspaceSpec) -> torch.Tensor:
+        return self.rows(state[self.key], grad, spec)
+
+    def carry(
+        self,
+        m: torch.Tensor,
+        v: torch.Tensor,
+        ages: torch.Tensor | None,
+        old: torch.Tensor,
+        new: torch.Tensor,
+        spec: SubspaceSpec,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        # the rows are orthonormal, so the paper's rotation Q[I_old] Q[I_new]^T is a 0/1 partial permutation: a row in
+        # both selections keeps its moments (and age), a new one starts at zero
+        m = rotate_selected(m, old, new, spec.dim)
+        v = rotate_selected(v, old, new, spec.dim)
+        if ages is not None:
+            ages = rotate_selected(ages, old, new, 0)
+        return m, v, ages
+
+
+class DCTBasis(_SelectedRows):
+    """The ``r`` DCT-II basis vectors on which the gradient scores highest (DCT-AdamW, arXiv 2505.17967).
+
+    The ``n x n`` DCT matrix is built once per size and shared by every layer (:func:`~.dct.dct_matrix`).
+    """
+
+    name = "dct"
+    label = "DCT"
+
+    def _select(self, grad: torch.Tensor, spec: SubspaceSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        return dct_select(grad, spec.rank, spec.side, self.norm, self.dct_method, spec.reduce)
+
+    def rows(self, indices: torch.Tensor, like: torch.Tensor, spec: SubspaceSpec) -> torch.Tensor:
+        return dct_matrix(like.shape[spec.dim], like.dtype, like.device).index_select(0, indices)
+
+
+class CoordinateBasis(_SelectedRows):
+    """The ``r`` plain coordinates (columns, or rows for ``side="left"``) whose gradient slices have the largest norm:
+    a near-free baseline, no transform."""
+
+    name = "coordinates"
+    label = "coordinate"
+
+    def _select(self, grad: torch.Tensor, spec: SubspaceSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        return coordinate_select(grad, spec.rank, spec.side, self.norm, spec.reduce)
+
+    def rows(self, indices: torch.Tensor, like: torch.Tensor, spec: SubspaceSpec) -> torch.Tensor:
+        return one_hot_rows(indices, like.shape[spec.dim], like.dtype, like.device)
+
+
+class PowerBasis(SubspaceBasis):
+    """An orthonormal basis tracked by one warm-started block power iteration per refresh (no SVD).
+
+    The first basis is the DCT selection refined by one iteration. The basis is stored in float32 whatever the
+    parameter's dtype (the QR runs in float64 for float64 gradients); moments are carried through the ``r x r``
+    overlap ``O = B_old B_new^T``: ``m O`` and ``v (O * O)``, clamped at 0.
+    """
+
+    name = "power"
+    label = "power-iteration"
+    key = "basis"
+
+    @classmethod
+    def check_options(cls, group: dict[str, Any]) -> None:
+        if group["column_bias_correction"]:
+            raise ValueError(
+                "`column_bias_correction=True` ages individual DCT columns; projection='power' rotates the whole "
+                "basis, so there are no columns to age: turn it off"
+            )
+
+    def select(
+        self, grad: torch.Tensor, state: dict[str, Any], spec: SubspaceSpec
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        old = state.get(self.key)
+        if old is None:
+            indices, _ = dct_select(grad, spec.rank, spec.side, self.norm, self.dct_method, spec.reduce)
+            start = dct_matrix(grad.shape[spec.dim], grad.dtype, grad.device).index_select(0, indices)
+            new = power_refresh(grad, start.to(torch.float32), spec.side, spec.reduce)
+        else:
+            new = power_refresh(grad, old, spec.side, spec.reduce)
+        if spec.sync:
+            dist.broadcast(new, src=0)
+        state[self.key] = new
+        basis = new.to(grad.dtype)
+        return basis, project(grad, basis, spec.side)
+
+    def current(self, grad: torch.Tensor, state: dict[str, Any], spec: SubspaceSpec) -> torch.Tensor:
+        return state[self.key].to(grad.dtype)
+
+    def carry(
+        self,
+        m: torch.Tensor,
+        v: torch.Tensor,
+        ages: torch.Tensor | None,
+        old: torch.Tensor,
+        new: torch.Tensor,
+        spec: SubspaceSpec,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        m, v = rotate_by_overlap(m, v, old, new, spec.side)
+        return m, v.clamp_min(0), ages
+
+
+#: ``projection=`` name -> basis class; the keys are :data:`~.subspace.PROJECTIONS`.
+BASES: dict[str, type[SubspaceBasis]] = {cls.name: cls for cls in (DCTBasis, CoordinateBasis, PowerBasis)}
