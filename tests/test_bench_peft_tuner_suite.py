@@ -46,5 +46,13 @@ def test_summary_counts_per_type_and_groups_failures():
         "by_design": 0,
         "skipped": 0,
         "failures": {"ValueError: boom": 2},
+        "design_reasons": {},
     }
-    assert rows["pclr"] == {"passed": 0, "failed": 0, "by_design": 1, "skipped": 1, "failures": {}}
+    assert rows["pclr"] == {
+        "passed": 0,
+        "failed": 0,
+        "by_design": 1,
+        "skipped": 1,
+        "failures": {},
+        "design_reasons": {"merging needs static routing": 1},
+    }

@@ -1,4 +1,4 @@
-"""PCLR's pool / top_k / ranks_schedule checks (issue 15): conflicts are refused at construction in the user's terms,
+"""PCLR's pool / top_k / ranks_schedule checks: conflicts are refused at construction in the user's terms,
 and a schedule that fills the pool with task 0 runs a two-task cycle, compressing to make room for task 1."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ TARGETS = ["q_proj", "v_proj"]
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        # the crash of issue 15: task 1's 32 ranks would need every rank of task 0 dropped
+        # a crash before these checks: task 1's 32 ranks would need every rank of task 0 dropped
         (
             {"pool_size": 32, "ranks_schedule": [32], "top_k": 16},
             r"^`ranks_schedule` gives task 1 32 new ranks, which fill `pool_size`=32: .* must be < pool_size\); "

@@ -1,6 +1,6 @@
 """PCLR as a continual-learning method plugin: the rank pool with keyed routing and its task cycle.
 
-Per task (METHODS.md section 3; docs/task_cycle.md): before training, the task's query prototype is computed from
+Per task (docs/methods.md (PCLR); docs/task_cycle.md): before training, the task's query prototype is computed from
 its training inputs and ``PCLRModel.begin_task`` adds the task's trainable ranks; training optimizes the new ranks,
 their keys (through the query loss, added by :meth:`PCLRMethod.extra_loss`) and the classification head; after
 training, ``PCLRModel.end_task`` stores the prototype, compresses and integrates as scheduled, and freezes the

@@ -1,4 +1,4 @@
-"""Riemannion: Muon on the fixed-rank manifold, for Riemannion adapters (METHODS.md section 1).
+"""Riemannion: Muon on the fixed-rank manifold, for Riemannion adapters (docs/methods.md (Riemannion)).
 
 Each adapter's delta ``X = A B^T`` is a point of the manifold of rank-r matrices, and the step moves X itself, not
 its factors, so the result does not depend on how X is split into factors (LoRA's factor ambiguity). Per adapter,
@@ -418,7 +418,8 @@ class Riemannion(Optimizer):
 
 
 class RiemannLoRA(Riemannion):
-    """The SGD variant (METHODS.md: "RiemannLoRA"): heavy-ball momentum on ``P_T(G)``, retraction, no Ortho.
+    """The SGD variant (docs/methods.md (Riemannion), "RiemannLoRA"): heavy-ball momentum on ``P_T(G)``, retraction,
+    no Ortho.
 
     The learning rate is in Frobenius units (a plain gradient step on the manifold), so it is usually larger than
     Riemannion's. Every argument is :class:`Riemannion`'s; ``orthogonalize`` defaults to ``False``.

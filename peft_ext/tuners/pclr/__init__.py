@@ -1,5 +1,5 @@
 """PCLR: a capped LoRA rank pool with keyed per-sample routing and the compress - integrate - learn cycle
-(METHODS.md section 3), registered with PEFT as ``"pclr"``.
+(docs/methods.md (PCLR)), registered with PEFT as ``"pclr"``.
 
 Modules: ``config`` (:class:`PCLRConfig`, :class:`PCLRCycleConfig`), ``layer`` (the layer and its pool API),
 ``query`` (the routing query by architecture), ``router`` (routing state, selection, query-key loss), ``pool`` (layer

@@ -1,4 +1,4 @@
-"""Configuration of PCLR: a capped LoRA rank pool with keyed per-sample routing (METHODS.md section 3)."""
+"""Configuration of PCLR: a capped LoRA rank pool with keyed per-sample routing (docs/methods.md (PCLR))."""
 
 from __future__ import annotations
 
@@ -174,7 +174,7 @@ class PCLRConfig(AdapterConfig):
 
     @property
     def scale(self) -> float:
-        """The pool's output scale ``alpha / top_k`` (METHODS.md section 3)."""
+        """The pool's output scale ``alpha / top_k`` (docs/methods.md (PCLR))."""
         return self.alpha / self.top_k
 
     def ranks_for_task(self, task_id: int) -> int:
@@ -202,7 +202,7 @@ class PCLRCycleConfig:
         integrate_routing: ``"input"`` (each sample routed by its own query) or ``"tasks"`` (public code: each batch
             routed as a stored task drawn by ``sqrt`` of its last distillation loss).
         temperature: Distillation temperature.
-        top_logits: Distill only the teacher's top logits (METHODS.md); ``None``: all.
+        top_logits: Distill only the teacher's top logits (docs/methods.md (PCLR)); ``None``: all.
         key_pull_threshold: Cosine above which a static key counts as close to a task prototype.
         key_pull_strength: How far keys close to several prototypes move toward them, in [0, 1].
         measure_integration: Also measure the distillation loss over the task's data right before and after the

@@ -1,6 +1,6 @@
 """PCLR's integration: distill the uncompressed pool (the teacher) into the compressed pool plus the shared LoRA.
 
-METHODS.md section 3. Two routings of the distillation data (``PCLRCycleConfig.integrate_routing``): ``"input"``
+docs/methods.md (PCLR). Two routings of the distillation data (``PCLRCycleConfig.integrate_routing``): ``"input"``
 (:func:`integrate`) routes each sample by its own query; ``"tasks"`` (:func:`integrate_over_tasks`, the public code's
 scheme) routes each batch as one stored task (its prototype as every sample's query), the task drawn with
 probability proportional to ``sqrt(last distillation loss on it)``, so the student learns to reproduce every task's
@@ -49,7 +49,8 @@ def model_output(out: Any) -> torch.Tensor:
 def distill_loss(
     student: torch.Tensor, teacher: torch.Tensor, temperature: float, top_logits: Optional[int] = None
 ) -> torch.Tensor:
-    """``T^2 * KL(softmax(teacher / T) || softmax(student / T))`` over the teacher's top logits (METHODS.md).
+    """``T^2 * KL(softmax(teacher / T) || softmax(student / T))`` over the teacher's top logits (docs/methods.md
+    (PCLR)).
 
     Args:
         student: (..., C) student logits.
@@ -245,7 +246,7 @@ def integrate(
         epochs: Passes over ``batches``.
         lr: AdamW learning rate.
         temperature: Distillation temperature.
-        top_logits: Distill only the teacher's top logits (METHODS.md); ``None``: all.
+        top_logits: Distill only the teacher's top logits (docs/methods.md (PCLR)); ``None``: all.
         forward: ``forward(model, batch) -> output``; default ``model(**batch without labels)``.
         mask: Optional (C,) bool mask of logits that take part (e.g. the task's classes).
         measure: Measure the mean distillation loss before and after (two evaluation passes); off: ``None``.

@@ -1,5 +1,5 @@
 """PCLR's keys and task prototypes at the model level: the query loss, a task's prototype, routing as a stored task,
-and pulling static keys toward the prototypes of similar tasks (METHODS.md section 3)."""
+and pulling static keys toward the prototypes of similar tasks (docs/methods.md (PCLR))."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ Batch = dict[str, Any]
 def query_loss(model: nn.Module) -> Optional[torch.Tensor]:
     """The weighted query-key loss ``w * mean(1 - cos(q, k))`` of the last forward pass (``None``: nothing to train).
 
-    Add it to the task loss after each training forward; it is what trains the keys (METHODS.md: not the gate).
+    Add it to the task loss after each training forward; it is what trains the keys (docs/methods.md (PCLR): not the
+    gate).
     """
     return pclr_tuner(model).query_loss()
 
@@ -164,7 +165,7 @@ def pull_keys_to_prototypes(
     """Pull every static key that is close to several task prototypes toward all of them (merging similar tasks).
 
     ``k <- normalize((1 - strength) k + strength * mean_{p: cos(k, p) >= threshold} p)`` for keys with at least two
-    such prototypes (METHODS.md: "keys close to several similar tasks' prototypes are pulled toward all of them").
+    such prototypes (docs/methods.md (PCLR): keys near several similar tasks' prototypes move toward all of them).
     Done in closed form because static keys are frozen buffers; the public code uses a loss term during
     distillation, which for frozen keys amounts to the same move.
 

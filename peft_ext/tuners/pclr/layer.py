@@ -1,6 +1,6 @@
 """The PCLR layer: a linear with a capped pool of rank-1 components routed per sample, plus an optional shared LoRA.
 
-Per adapter the layer holds (``N_s`` static and ``N_n`` new ranks in use; METHODS.md section 3)
+Per adapter the layer holds (``N_s`` static and ``N_n`` new ranks in use; docs/methods.md (PCLR))
 
 - ``pclr_A_static`` (pool_size x in), ``pclr_B_static`` (pool_size x out): frozen ranks of finished tasks (buffers,
   so no optimizer or ``set_adapter`` can make them trainable); rows ``>= N_s`` are unused;

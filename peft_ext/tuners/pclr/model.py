@@ -1,7 +1,7 @@
 """The PCLR tuner: wraps target linears in :class:`~.layer.Linear`, groups them by block, computes the query, and
 runs the task cycle (``begin_task`` / ``end_task``; docs/task_cycle.md).
 
-The task cycle (METHODS.md section 3) for task ``t``:
+The task cycle (docs/methods.md (PCLR)) for task ``t``:
 
 1. :meth:`PCLRModel.begin_task`: make room (the pool never exceeds ``pool_size``), add ``ranks_for_task(t)``
    trainable ranks (``a_i`` optionally copied from the static ranks whose keys best match the task's prototype;
@@ -106,7 +106,7 @@ class _LayerQueryHook:
 
 
 class PCLRModel(AdapterTuner):
-    """PCLR adapters (a capped, keyed LoRA rank pool; METHODS.md section 3) on a model's linear layers.
+    """PCLR adapters (a capped, keyed LoRA rank pool; docs/methods.md (PCLR)) on a model's linear layers.
 
     Use it through PEFT: ``get_peft_model(model, PCLRConfig(target_modules=[...]))``. Each forward pass computes one
     query per sample (by default the normalized masked mean of the input token embeddings; for image and feature

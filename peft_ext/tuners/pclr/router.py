@@ -1,6 +1,6 @@
 """PCLR routing: one query per sample and prompt, hard top-K selection per layer group, the query-key loss.
 
-METHODS.md section 3: the query is the L2-normalized mean of the input token embeddings (attention-mask aware;
+docs/methods.md (PCLR): the query is the L2-normalized mean of the input token embeddings (attention-mask aware;
 other architectures: :mod:`.query`), each rank has a key, the score is ``cos(q, k_i)``, the top-K ranks get a hard
 gate of 1, and the keys learn only through ``1 - cos(q, k)`` over the selected keys. The public code selects once per
 batch; here every sample has its own selection, so a mixed batch of tasks routes each sample as if it ran alone.
@@ -94,10 +94,10 @@ def allowed_by_prototype(
 ) -> Optional[torch.Tensor]:
     """Which ranks each sample may use when no task id is given: ranks of tasks up to the nearest prototype's task.
 
-    METHODS.md: "nearest stored prototype decides whether the newest ranks are used". Generalized to any number of
-    tasks: a sample closest to task ``t*``'s prototype may use the ranks of tasks ``0..t*`` (never later tasks' ranks,
-    which were trained after and can only interfere), plus the ranks of a task that has no prototype yet (the task
-    being learnt: its ranks must be usable while it trains).
+    docs/methods.md (PCLR): the nearest stored prototype decides whether the newest ranks take part. Generalized to any
+    number of tasks: a sample closest to task ``t*``'s prototype may use the ranks of tasks ``0..t*`` (never later
+    tasks' ranks, which were trained after and can only interfere), plus the ranks of a task that has no prototype yet
+    (the task being learnt: its ranks must be usable while it trains).
 
     Args:
         query: (batch, d) normalized queries.
@@ -143,7 +143,7 @@ def select_top_k(
 def query_key_loss(
     query: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor, gates: torch.Tensor
 ) -> torch.Tensor:
-    """``mean over selected (gated) slots of 1 - cos(q_b, k_i)`` (METHODS.md section 3); gradients reach the keys.
+    """``mean over selected (gated) slots of 1 - cos(q_b, k_i)`` (docs/methods.md (PCLR)); gradients reach the keys.
 
     Args:
         query: (batch, d).

@@ -1,4 +1,4 @@
-"""PCLR's compression: score the active ranks of each layer group and drop the weakest (METHODS.md section 3).
+"""PCLR's compression: score the active ranks of each layer group and drop the weakest (docs/methods.md (PCLR)).
 
 Rules (``PCLRConfig.compress_rule``): ``"index"`` is the public code's rule (drop every s-th rank); ``"importance"``
 drops the ranks with the smallest ``||a_i|| ||b_i||`` summed over the linears of the layer group (they share one key

@@ -1,4 +1,4 @@
-"""SplitLoRA (METHODS.md section 2): continual learning with LoRA in the minor subspace of old tasks' inputs.
+"""SplitLoRA (docs/methods.md (SplitLoRA)): continual learning with LoRA in the minor subspace of old tasks' inputs.
 
 Importing this package registers the adapter type ``splitlora`` (``PeftType.SPLITLORA``) with PEFT.
 """

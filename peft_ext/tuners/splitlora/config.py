@@ -17,7 +17,7 @@ INIT_SCALINGS = ("inverse_task", "constant")
 
 @dataclass
 class SplitLoRAConfig(AdapterConfig):
-    """Configuration of a SplitLoRA adapter (continual learning in the minor subspace; METHODS.md section 2).
+    """Configuration of a SplitLoRA adapter (continual learning in the minor subspace; docs/methods.md (SplitLoRA)).
 
     A SplitLoRA layer computes ``y = W x + (dW_old + B A) x``: ``A`` (``r x in``) is frozen, ``B`` (``out x r``) is
     the only trainable part, and ``dW_old`` is the frozen sum of the finished tasks' ``B A``, kept as stacked low-rank
@@ -40,7 +40,7 @@ class SplitLoRAConfig(AdapterConfig):
         dense_max_features: Widest input for which ``"auto"`` keeps a dense covariance (2048: 16 MB per module in
             float32).
         init_scaling: Frobenius norm of a new task's ``A``: ``"inverse_task"`` (``||A_kaiming|| / (t + 1)`` before task
-            ``t``, METHODS.md) or ``"constant"`` (``||A_kaiming||``, what the authors' public code does).
+            ``t``, docs/methods.md (SplitLoRA)) or ``"constant"`` (``||A_kaiming||``, as the authors' public code).
         seed: Seed of the frozen ``A`` draws; with the module name and task index it fixes every ``A``, so a sequence
             continued after ``from_pretrained`` or run under DDP draws the same matrices.
         init_weights: ``True`` (default) starts ``B`` at zero, so a new adapter leaves the model unchanged. ``False``

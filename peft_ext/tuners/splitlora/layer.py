@@ -39,7 +39,7 @@ class SplitLoRALayer(AdapterLayer):
     - ``splitlora_cov`` (dense, ``in x in``: running sum of ``x x^T``) or ``splitlora_sketch`` (``l x in``
       frequent-directions sketch) with ``splitlora_sketch_error`` (certified spectral error of the sketch).
     - ``splitlora_tokens`` and ``splitlora_energy`` (token count and sum of ``||x||^2`` over all tasks so far):
-      ``C = sum / tokens`` is the running token-weighted mean that METHODS.md asks for, never reset.
+      ``C = sum / tokens`` is the running token-weighted mean that docs/methods.md (SplitLoRA) asks for, never reset.
     - ``splitlora_tasks`` (finished tasks) and ``splitlora_primary`` (primary directions chosen last).
 
     The statistics of the task in progress are held apart (``_splitlora_pending``, not saved) until ``end_task``:
@@ -432,7 +432,8 @@ class SplitLoRALayer(AdapterLayer):
         param.zero_()  # elementwise: each FSDP2 process zeroes its own shard
 
     def advance_task(self, adapter_name: str, group: Any = None) -> dict[str, Any]:
-        """Split the running statistics, fold the finished task and prepare the next task's ``A`` (METHODS.md 2).
+        """Split the running statistics, fold the finished task and prepare the next task's ``A`` (docs/methods.md
+        (SplitLoRA)).
 
         Call :meth:`finish_statistics` first. ``SplitLoRAModel.end_task`` instead plans every module
         (:func:`~peft_ext.tuners.splitlora.task.plan_task`) before it changes any.

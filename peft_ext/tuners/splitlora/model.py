@@ -38,7 +38,7 @@ class TaskSplit:
 
     Args:
         task: 0-based index of the task that was finished.
-        k_star: ``argmin_j f(j)`` (METHODS.md section 2).
+        k_star: ``argmin_j f(j)`` (docs/methods.md (SplitLoRA)).
         primary: Number of primary directions, ``max(k_star, 1) + 1``; the next ``A`` is orthogonal to them.
         in_features: Input width ``d`` of the module.
     """
@@ -170,7 +170,7 @@ def _reject_pending(model: nn.Module, adapter_name: str) -> None:
 
 
 class SplitLoRAModel(AdapterTuner):
-    """Creates a SplitLoRA model from a base model (METHODS.md section 2).
+    """Creates a SplitLoRA model from a base model (docs/methods.md (SplitLoRA)).
 
     Use it through PEFT: ``model = get_peft_model(base, SplitLoRAConfig(...))``. The task lifecycle is on this tuner
     and reachable from the ``PeftModel``::
@@ -229,7 +229,7 @@ class SplitLoRAModel(AdapterTuner):
         unwanted_adapter_names: list[str],
     ) -> dict[str, torch.Tensor]:
         selected = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
-        # Inference needs the delta only; the input statistics go to save_sequence_state on request (issue 19).
+        # Inference needs the delta only; the input statistics go to save_sequence_state on request.
         return {key: value for key, value in selected.items() if not is_sequence_key(key)}
 
     @classmethod

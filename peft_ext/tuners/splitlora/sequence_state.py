@@ -1,4 +1,4 @@
-"""What continuing a SplitLoRA task sequence needs beyond inference, kept out of the adapter checkpoint (issue 19).
+"""What continuing a SplitLoRA task sequence needs beyond inference, kept out of the adapter checkpoint.
 
 The adapter checkpoint (``save_pretrained``) holds what the forward pass needs: the finished tasks' delta in factored
 form (or dense once that is smaller), the current ``A`` and ``B`` and the count of finished tasks. The running input

@@ -1,6 +1,6 @@
 """Task statistics and the subspace split of SplitLoRA, as pure functions on tensors.
 
-Everything here follows ``METHODS.md`` section 2. A linear layer's weight gradient is ``G = sum_tokens g x^T``, so
+Everything here follows docs/methods.md (SplitLoRA). A linear layer's weight gradient is ``G = sum_tokens g x^T``, so
 its row space lies in the span of the layer's inputs ``x``; SplitLoRA therefore estimates the "gradient space of old
 tasks" from the uncentered input covariance ``C = mean over all tokens of all tasks so far of x x^T``.
 
@@ -222,7 +222,7 @@ def covariance_spectrum(
 
     Args:
         cov_sum: ``(n, n)`` symmetric positive semi-definite matrix.
-        dtype: ``torch.float32`` (default) or ``torch.float64`` (the reference, as before issue 19).
+        dtype: ``torch.float32`` (default) or ``torch.float64`` (the reference).
 
     Returns:
         ``(eigenvalues, eigenvectors, trace)``: eigenvalues in descending order (float64, clamped at 0), the matching
@@ -251,7 +251,7 @@ def sketch_spectrum(
     shrinkage, by which frequent directions underestimate, plus rounding).
     Normalizing by the exact trace (tracked separately as the sum of squared norms) keeps ``p_i`` on the same scale
     as the dense path. Computed from ``eigh`` of the ``ell x ell`` Gram matrix ``S S^T`` in ``dtype`` and
-    ``V = S^T U`` (columns normalized): ``O(ell^2 n)``, no cubic term in ``n`` and no ``ell x n`` SVD (issue 19:
+    ``V = S^T U`` (columns normalized): ``O(ell^2 n)``, no cubic term in ``n`` and no ``ell x n`` SVD (
     0.26 s instead of 3.5 s for ``ell = 256``, ``n = 14336``, one thread).
 
     Args:
@@ -291,7 +291,7 @@ def _shares(eigenvalues: torch.Tensor, total: float | None) -> torch.Tensor:
 def split_objective(
     eigenvalues: torch.Tensor, task_index: int, trade_off: float, dim: int | None = None, total: float | None = None
 ) -> torch.Tensor:
-    """``f(j)`` of METHODS.md section 2 for ``j = 0 .. len(eigenvalues) - 1``.
+    """``f(j)`` of docs/methods.md (SplitLoRA) for ``j = 0 .. len(eigenvalues) - 1``.
 
     Args:
         eigenvalues: Eigenvalues of the covariance, descending.
@@ -362,10 +362,10 @@ def minor_subspace_A(
 ) -> torch.Tensor:
     """A new frozen ``A`` (``r x n``) whose rows lie in the orthogonal complement of ``primary``.
 
-    METHODS.md writes ``A^T = U_minor N`` with ``N`` Gaussian ``(d - k) x r``. We draw ``A^T = (I - U_p U_p^T) G``
-    with ``G`` Gaussian ``n x r`` instead: since ``U_minor^T G`` is again a standard Gaussian ``(d - k) x r`` matrix,
-    this has exactly the same distribution, but it depends only on the primary *subspace*, not on the sign or basis
-    the eigensolver picked for each eigenvector, and it never needs the (large) minor basis.
+    docs/methods.md (SplitLoRA) writes ``A^T = U_minor N`` with ``N`` Gaussian ``(d - k) x r``. We draw ``A^T = (I -
+    U_p U_p^T) G`` with ``G`` Gaussian ``n x r`` instead: since ``U_minor^T G`` is again a standard Gaussian ``(d - k)
+    x r`` matrix, this has exactly the same distribution, but it depends only on the primary *subspace*, not on the
+    sign or basis the eigensolver picked for each eigenvector, and it never needs the (large) minor basis.
 
     Args:
         primary: ``(n, k)`` orthonormal basis of the primary subspace.

@@ -159,7 +159,8 @@ def plan_task(
     reference = kaiming_lora_A(layer.r[adapter_name], n, generator, torch.float64)
     target_norm = float(torch.linalg.matrix_norm(reference))
     if config.init_scaling == "inverse_task":
-        target_norm /= task_index + 2  # the new task has index t = task_index + 1; METHODS.md: / (t + 1)
+        # the new task has index t = task_index + 1; docs/methods.md (SplitLoRA): / (t + 1)
+        target_norm /= task_index + 2
     new_a = minor_subspace_A(vectors[:, :primary], layer.r[adapter_name], target_norm, generator, a.dtype)
     new_a = new_a.to(a.device)
     sync, group = distributed_group(group)
