@@ -32,7 +32,7 @@ def test_run_end_to_end_writes_results(tmp_path, tiny_backbone, capsys):
     cfg = _config(tmp_path, tiny_backbone)
     assert main(["run", str(cfg), "--no-progress", "--set", "methods.seq_lora.adapter.r=2"]) == 0
     out = capsys.readouterr().out
-    assert "| method | final acc | avg incr acc | BWT | forgetting |" in out
+    assert "| method | final acc | acc after learning | avg incr acc | BWT | forgetting | gap to joint |" in out
     every = ["frozen_linear", "seq_lora", "inflora", "olora", "osf", "splitlora", "pclr", "joint"]
     for name in every:
         assert f"| {name} |" in out

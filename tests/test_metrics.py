@@ -45,7 +45,13 @@ def test_forgetting_uses_the_best_earlier_accuracy_not_the_diagonal():
 
 
 def test_single_task_has_no_forgetting():
-    assert summarize([[0.7]]) == {"final_acc": 0.7, "avg_incremental_acc": 0.7, "bwt": 0.0, "forgetting": 0.0}
+    assert summarize([[0.7]]) == {
+        "final_acc": 0.7,
+        "learning_acc": 0.7,
+        "avg_incremental_acc": 0.7,
+        "bwt": 0.0,
+        "forgetting": 0.0,
+    }
 
 
 def test_positive_transfer_gives_negative_forgetting_only_when_it_never_peaked_earlier():
@@ -62,3 +68,27 @@ def test_bad_matrices_are_rejected_with_the_offending_entry():
     with pytest.raises(ValueError, match="empty"):
         backward_transfer([])
     assert math.isnan(R[0][1])  # entries above the diagonal are allowed to be undefined
+
+
+def test_learning_accuracy_is_the_mean_of_the_diagonal():
+    from peft_ext.continual.metrics import learning_accuracy
+
+    R = [[0.9, float("nan")], [0.3, 0.6]]
+    assert learning_accuracy(R) == pytest.approx(0.75) and summarize(R)["learning_acc"] == pytest.approx(0.75)
+
+
+def test_the_table_shows_learning_accuracy_and_the_gap_to_joint():
+    from peft_ext.continual.engine import MethodResult
+    from peft_ext.continual.report import metrics_table
+
+    def result(method: str, R: list, **metrics: float) -> MethodResult:
+        return MethodResult(method, method, R, metrics, 10, 100, 1.0, 0.5, [1.0])
+
+    seq = result("seq_lora", [[0.9, None], [0.2, 0.8]], final_acc=0.5, learning_acc=0.85)
+    joint = result("joint", [[None, None], [0.7, 0.9]], final_acc=0.8, learning_acc=None)
+    table = metrics_table([seq, joint], timings=False)
+    head = "| method | final acc | acc after learning | avg incr acc | BWT | forgetting | gap to joint |"
+    assert table.splitlines()[0] == head + " trainable params |"
+    assert "| seq_lora | 50.0 | 85.0 | — | — | — | 30.0 | 10 |" in table
+    assert "| joint | 80.0 | — | — | — | — | — | 10 |" in table
+    assert "gap to joint" not in metrics_table([seq], timings=False)  # no joint run: no column

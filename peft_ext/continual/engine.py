@@ -327,12 +327,19 @@ class ContinualEngine:
         return model
 
     def metrics(self, record: RunRecord) -> dict[str, Optional[float]]:
-        """Final accuracy, average incremental accuracy, backward transfer and forgetting of ``record``."""
+        """Final accuracy, accuracy right after learning each task, average incremental accuracy, backward transfer and
+        forgetting of ``record``."""
         R = record.accuracy_matrix
         if self.method.joint:
             T = len(R)
             # Only the last row exists: forgetting and transfer are undefined for a model trained once.
-            return {"final_acc": sum(R[T - 1]) / T, "avg_incremental_acc": None, "bwt": None, "forgetting": None}
+            return {
+                "final_acc": sum(R[T - 1]) / T,
+                "learning_acc": None,
+                "avg_incremental_acc": None,
+                "bwt": None,
+                "forgetting": None,
+            }
         return dict(summarize([[0.0 if x is None else x for x in row] for row in R]))
 
     def result(self, model: nn.Module, record: RunRecord) -> MethodResult:

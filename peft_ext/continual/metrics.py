@@ -58,10 +58,18 @@ def forgetting(R: Matrix) -> float:
     return sum(max(R[k][j] for k in range(j, T - 1)) - R[T - 1][j] for j in range(T - 1)) / (T - 1)
 
 
+def learning_accuracy(R: Matrix) -> float:
+    """(1/T) * sum_i R[i][i]: the mean accuracy on each task right after learning it (plasticity: how well a method
+    learns new tasks, whatever it forgets later)."""
+    T = _check(R)
+    return sum(R[i][i] for i in range(T)) / T
+
+
 def summarize(R: Matrix) -> dict[str, float]:
-    """All four metrics in one dict (keys: final_acc, avg_incremental_acc, bwt, forgetting)."""
+    """All metrics in one dict (keys: final_acc, learning_acc, avg_incremental_acc, bwt, forgetting)."""
     return {
         "final_acc": final_average_accuracy(R),
+        "learning_acc": learning_accuracy(R),
         "avg_incremental_acc": average_incremental_accuracy(R),
         "bwt": backward_transfer(R),
         "forgetting": forgetting(R),

@@ -7,13 +7,14 @@ import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from ..fileperm import atomic_write
 from .engine import MethodResult
 
 METRIC_COLUMNS = (
     ("final_acc", "final acc"),
+    ("learning_acc", "acc after learning"),
     ("avg_incremental_acc", "avg incr acc"),
     ("bwt", "BWT"),
     ("forgetting", "forgetting"),
@@ -24,13 +25,33 @@ def _pct(x: float | None) -> str:
     return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}"
 
 
+def _metric(r: MethodResult, key: str) -> Optional[float]:
+    """``r.metrics[key]``; ``learning_acc`` of results saved before it existed comes from the matrix's diagonal."""
+    if key == "learning_acc" and key not in r.metrics and r.method != "joint":
+        diagonal = [r.accuracy_matrix[i][i] for i in range(len(r.accuracy_matrix))]
+        return None if any(x is None for x in diagonal) else sum(diagonal) / len(diagonal)
+    return r.metrics.get(key)
+
+
 def metrics_table(results: Sequence[MethodResult], timings: bool = True) -> str:
-    """A markdown table, one row per method: metrics in percent, trainable parameters and (``timings``) wall time."""
-    head = ["method", *(title for _, title in METRIC_COLUMNS), "trainable params"]
+    """A markdown table, one row per method: metrics in percent, trainable parameters and (``timings``) wall time.
+
+    Beside final accuracy and forgetting, the mean accuracy on each task right after learning it (the diagonal of the
+    accuracy matrix: how well a method learns) and, when a ``joint`` run is among ``results``, each method's gap to
+    joint training's final accuracy in points (what continual training costs): a method with a high "acc after
+    learning" and a large gap forgets; one with a low "acc after learning" does not learn new tasks well.
+    """
+    joint = next((r.metrics.get("final_acc") for r in results if r.method == "joint"), None)
+    columns = [*(title for _, title in METRIC_COLUMNS), *(["gap to joint"] if joint is not None else [])]
+    head = ["method", *columns, "trainable params"]
     head += ["train s", "eval s"] if timings else []
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
     for r in results:
-        cells = [r.label, *(_pct(r.metrics.get(key)) for key, _ in METRIC_COLUMNS), f"{r.trainable_params:,}"]
+        cells = [r.label, *(_pct(_metric(r, key)) for key, _ in METRIC_COLUMNS)]
+        if joint is not None:
+            final = r.metrics.get("final_acc")
+            cells.append("—" if r.method == "joint" or final is None else _pct(joint - final))
+        cells.append(f"{r.trainable_params:,}")
         cells += [f"{r.train_seconds:.1f}", f"{r.eval_seconds:.1f}"] if timings else []
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
