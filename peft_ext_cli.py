@@ -125,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
             help="run only these of the config's methods, comma-separated labels or names (each keeps its settings), "
             "e.g. --only seq_lora,splitlora",
         )
+        p.add_argument(
+            "--tune",
+            action="store_true",
+            help="choose each method's learning rate on the validation split first (the config's `tune:` section)",
+        )
         if name == "run":
             p.add_argument("--no-progress", action="store_true", help="no progress bars")
             p.add_argument(

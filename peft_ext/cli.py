@@ -44,7 +44,8 @@ def _load(args: argparse.Namespace):
     from peft_ext.jobs import load_job_config
 
     only = None if getattr(args, "only", None) is None else args.only.split(",")
-    return load_job_config(args.config, args.set, only)
+    overrides = [*args.set, *(["tune.enabled=true"] if getattr(args, "tune", False) else [])]
+    return load_job_config(args.config, overrides, only)
 
 
 def _method_names(config) -> list[str]:
@@ -103,6 +104,8 @@ def _run_job(args: argparse.Namespace, config) -> int:
         command = [*launch, "run", args.config, *(f"--set={s}" for s in args.set)]
         if args.only is not None:
             command.append(f"--only={args.only}")
+        if getattr(args, "tune", False):
+            command.append("--tune")
         if (Path(config.output.dir) / "results.json").is_file():
             command.append("--resume")
             said = f"the work that finished is in {config.output.dir}. Resume with:"

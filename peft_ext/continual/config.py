@@ -81,6 +81,8 @@ class DataSection:
         classes_per_task: Classes each task introduces.
         train_per_class: Training examples per class (cap; ``wordnet`` default 80, ``files`` default all).
         test_per_class: Test examples per class (cap; ``wordnet`` default 40, ``files`` default all).
+        val_per_class: ``wordnet``: validation examples per class, carved from WordNet's training synsets (for
+            ``tune``; ``files`` use ``validation`` / ``validation_share``).
         protocol: ``class-incremental`` or ``task-incremental``.
         seed: Seed that picks and orders the classes (and, for ``files``, carves the splits).
         classes: Explicit class names in task order (overrides the seed's choice).
@@ -102,6 +104,7 @@ class DataSection:
     classes_per_task: int | None = None
     train_per_class: int | None = None
     test_per_class: int | None = None
+    val_per_class: int | None = None
     protocol: str = "class-incremental"
     seed: int = 0
     classes: list[str] | None = None
@@ -143,6 +146,11 @@ class DataSection:
             given = [k for k in self.FILES_ONLY if getattr(self, k) != getattr(defaults, k)]
             if given:
                 raise ValueError(f"`{given[0]}` is for `dataset: files`, not `wordnet`")
+        elif self.val_per_class is not None:
+            raise ValueError(
+                "`val_per_class` is for `dataset: wordnet`; your own files take `validation` (a file) or "
+                "`validation_share` (carved from `train`)"
+            )
         elif self.dataset == "instructions":
             if (self.tasks is None) == (self.train is None):
                 raise ValueError(
@@ -152,6 +160,8 @@ class DataSection:
                 raise ValueError("`train` of `dataset: instructions` needs a `task_column` naming each row's task")
         elif self.train is None:
             raise ValueError("`dataset: files` needs `train`: the file(s), folder or hub id of the training data")
+        if self.val_per_class is not None and self.val_per_class < 0:
+            raise ValueError(f"`val_per_class` must be >= 0, got {self.val_per_class}")
         for key in ("n_tasks", "classes_per_task", "train_per_class", "test_per_class"):
             value = getattr(self, key)
             if value is not None and value < 1:
@@ -167,6 +177,39 @@ class DataSection:
         for key in ("test_share", "validation_share"):
             if not 0 <= getattr(self, key) < 1:
                 raise ValueError(f"`{key}` must be in [0, 1), got {getattr(self, key)}")
+
+
+TUNE_PROTOCOLS = ("sequence", "first_task")
+
+
+@dataclass
+class TuneSection:
+    """Choosing each method's learning rate on a validation split inside the job (``peft-ext run --tune``).
+
+    Every method gets the same budget: one run per point of a grid around its configured ``lr``, scored by the final
+    accuracy on the validation examples (the tasks' ``validation`` split: ``data.val_per_class`` for WordNet,
+    ``data.validation`` / ``data.validation_share`` for your files); the best point is then run on the test split.
+
+    Args:
+        enabled: Tune (``--tune`` sets it).
+        protocol: ``sequence``: each grid point runs the whole sequence and is scored on every task's validation
+            split (the common offline protocol: it looks at tasks a continual learner has not seen yet).
+            ``first_task``: each grid point trains and scores the first task only (what a continual learner could
+            really do before the sequence goes on).
+        lr_factors: The grid: each method's ``lr`` times each factor (default half a decade each way).
+    """
+
+    enabled: bool = False
+    protocol: str = "sequence"
+    lr_factors: list[float] = field(default_factory=lambda: [0.316, 1.0, 3.16])
+
+    def validate(self) -> None:
+        if self.protocol not in TUNE_PROTOCOLS:
+            raise ValueError(f"`protocol` must be one of {TUNE_PROTOCOLS}, got {self.protocol!r}")
+        if not self.lr_factors or any(not (f > 0) for f in self.lr_factors):
+            raise ValueError(f"`lr_factors` must be a non-empty list of numbers > 0, got {self.lr_factors}")
+        if len(set(self.lr_factors)) != len(self.lr_factors):
+            raise ValueError(f"`lr_factors` lists a factor twice: {self.lr_factors}")
 
 
 @dataclass
@@ -203,6 +246,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     output: OutputSection = field(default_factory=OutputSection)
     methods: list[MethodEntry] = field(default_factory=list)
+    tune: TuneSection = field(default_factory=TuneSection)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -398,7 +442,13 @@ def config_from_dict(data: Any) -> RunConfig:
     """Validate a parsed YAML document and build a :class:`RunConfig`."""
     if not isinstance(data, dict):
         raise ConfigError(f"the config must be a mapping at the top level, got {type(data).__name__}")
-    sections = {"model": ModelSection, "data": DataSection, "train": TrainConfig, "output": OutputSection}
+    sections = {
+        "model": ModelSection,
+        "data": DataSection,
+        "train": TrainConfig,
+        "output": OutputSection,
+        "tune": TuneSection,
+    }
     valid = ["name", *sections, "methods"]
     for key in data:
         if key not in valid:

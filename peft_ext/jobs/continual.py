@@ -64,6 +64,7 @@ def build_sequence(config: RunConfig, tokenizer: Any = None) -> TaskSequence:
             seed=data.seed,
             train_per_class=data.train_per_class,
             test_per_class=data.test_per_class,
+            val_per_class=data.val_per_class or 0,
             protocol=data.protocol,
             supersenses=data.classes,
         )
@@ -271,6 +272,10 @@ def run_job(
                 f"  {sequence.meta['truncated']} of {total} distinct texts are longer than model.max_length="
                 f"{config.model.max_length} tokens and are truncated to it (raise model.max_length to keep more)"
             )
+    if config.tune.enabled:  # refused here, before any training, when a task has no validation examples
+        from .tuning import validation_sequence
+
+        validation_sequence(sequence, config.tune.protocol)
     if causal:
         separator = separator_id(tokenizer, config.model.separator)
         collate = CausalLMCollator(tokenizer, config.model.max_length, separator, config.model.max_new_tokens)
@@ -319,7 +324,15 @@ def run_job(
                         f"  {label} trains with whole parameters on every process (data-parallel), not FSDP2 shards: "
                         f"{method.needs_whole_parameters}"
                     )
+                tuned = None
+                if config.tune.enabled:
+                    from .tuning import tune_methods
+
+                    tuned = tune_methods(config, [entry], sequence, base, collate, fingerprint, echo)[label]
+                    method = get_continual_method(entry.name)(dataclasses.replace(entry.options, lr=tuned["lr"]))
                 result = run_sequence(sequence, method, base, collate, config.train, progress=progress)
+                if tuned is not None:
+                    result.extras["tuning"] = tuned
         except Exception as err:  # a failed method is recorded and the others still run
             if debug:
                 traceback.print_exc()

@@ -27,8 +27,8 @@ from ..continual.engine import MethodResult
 
 __all__ = ["EARLIER_RUN_FILES", "claim_output_dir", "config_hash", "earlier_results", "finished_results"]
 
-# What marks an output dir as holding a run: the report, and the snapshots of unfinished methods.
-EARLIER_RUN_FILES = ("results.json", "results.md", "accuracy_matrix.png", "progress")
+# What marks an output dir as holding a run: the report, the snapshots of unfinished methods, the tuning grid.
+EARLIER_RUN_FILES = ("results.json", "results.md", "accuracy_matrix.png", "progress", "tuning.json")
 
 
 def _plain(value: Any) -> Any:
@@ -44,6 +44,15 @@ def config_hash(config: Any) -> str:
         data["train"].pop("progress", None)
         if data["train"].get("sharding") == "none":  # the default: fingerprints of runs from before the key stay
             data["train"].pop("sharding")
+    # keys added later, at their defaults, leave the fingerprints of earlier runs as they were
+    if isinstance(data.get("data"), dict) and data["data"].get("val_per_class") is None:
+        data["data"].pop("val_per_class", None)
+    if isinstance(data.get("tune"), dict) and not data["tune"].get("enabled"):
+        data.pop("tune")
+    for method in data.get("methods") or []:  # a note saved adapters carry; it changes no result
+        adapter = method.get("options", {}).get("adapter") if isinstance(method, dict) else None
+        if isinstance(adapter, dict):
+            adapter.pop("loading_note", None)
     text = json.dumps(data, sort_keys=True, default=_plain)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
