@@ -100,7 +100,7 @@ def test_learns_logs_and_matches_the_runner_protocol(seq, tmp_path):
     merged = {k: v for entry in logs.logs for k, v in entry.items()}
     assert merged["continual/acc_2_0"] == R[2][0] and merged["continual/acc_1_1"] == R[1][1]
     assert merged["continual/final_acc"] == pytest.approx(result.metrics["final_acc"])
-    assert set(result.metrics) == {"final_acc", "avg_incremental_acc", "bwt", "forgetting"}
+    assert set(result.metrics) == {"final_acc", "learning_acc", "avg_incremental_acc", "bwt", "forgetting"}
     saved = json.loads((tmp_path / STATE_FILE).read_text())
     assert saved["completed"] == 3 and saved["accuracy_matrix"] == R
     assert len(result.task_losses) == 3 and result.trainable_params < result.total_params
