@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--tune",
             action="store_true",
-            help="choose each method's learning rate on the validation split first (the config's `tune:` section)",
+            help="choose each method's learning rate on the validation split first (the config's tune section)",
         )
         if name == "run":
             p.add_argument("--no-progress", action="store_true", help="no progress bars")
