@@ -91,7 +91,8 @@ def tune_methods(
         method_cls = get_continual_method(entry.name)
         label = method_cls(entry.options).label
         scores: dict[str, float] = cache.setdefault(label, {})
-        for lr in _grid(entry, tune.lr_factors):
+        lrs = _grid(entry, tune.lr_factors)
+        for lr in lrs:
             key = f"{lr:g}"
             if key not in scores:
                 method = method_cls(dataclasses.replace(entry.options, lr=lr))
@@ -102,8 +103,8 @@ def tune_methods(
                         {"config_hash": fingerprint, "protocol": tune.protocol, "scores": cache}, path
                     )
                 )
-        grid = {float(k): v for k, v in scores.items() if float(k) in _grid(entry, tune.lr_factors)}
-        chosen = max(grid, key=lambda lr: (grid[lr], -list(grid).index(lr)))
+        grid = {lr: scores[f"{lr:g}"] for lr in lrs}  # in grid order, whatever order tuning.json holds
+        chosen = max(grid, key=lambda lr: (grid[lr], -lrs.index(lr)))
         tuned[label] = {"protocol": tune.protocol, "validation": {f"{k:g}": v for k, v in grid.items()}, "lr": chosen}
         cells = ", ".join(f"{k:g}: {100 * v:.1f}" for k, v in grid.items())
         echo(f"  {label}: lr {chosen:g} chosen on validation ({described}; lr: val acc % {{{cells}}})")
