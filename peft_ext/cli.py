@@ -12,9 +12,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from peft_ext_cli import build_parser, main
-
-__all__ = ["build_parser", "main", "run_command"]
+__all__ = ["run_command"]
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
@@ -206,6 +204,3 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"peft-ext: error: {one_line(err)} (run with --debug for the traceback)", file=sys.stderr)
         return 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -74,7 +74,7 @@ def shrunk_config(name: str, backbone: Path, out_dir: Path) -> dict[str, Any]:
 def run_case(name: str, work: Path, backbone: Path, threads: int = 1) -> dict[str, dict[str, Any]]:
     """Run the shrunk config ``name`` with ``peft-ext run`` on ``threads`` intra-op threads; returns
     ``{label: record}`` with each method's accuracy matrix and per-task mean training loss."""
-    from peft_ext.cli import main
+    from peft_ext_cli import main
 
     cfg = work / f"{name}.yaml"
     out = work / f"{name}-out"

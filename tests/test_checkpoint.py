@@ -22,10 +22,10 @@ from peft_ext import (
     save_pretrained_atomic,
     verify_checkpoint,
 )
-from peft_ext.cli import main as cli_main
 from peft_ext.continual.engine import MethodResult
 from peft_ext.continual.report import save_results
 from peft_ext.models import tiny_bert, tiny_clip
+from peft_ext_cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from peft_ext.cli import main
+from peft_ext_cli import main
 
 from .helpers import job_config, save_tiny_bert
 

@@ -205,7 +205,7 @@ def test_a_killed_process_resumes_to_the_same_accuracy_matrix(seq, tmp_path):
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "killed"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "tests.continual_kill_worker", str(out), "splitlora", "1", "9"]
+    cmd = [sys.executable, "-m", "tests.workers.continual_kill", str(out), "splitlora", "1", "9"]
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert json.loads((out / STATE_FILE).read_text())["completed"] == 1

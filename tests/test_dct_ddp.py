@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from . import ddp_dct_worker as worker
 from .single_thread import single_thread  # noqa: F401  (fixture)
+from .workers import ddp_dct as worker
 
 pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("single_thread")]
 
@@ -29,7 +29,7 @@ def ranks(tmp_path_factory):
         "torch.distributed.run",
         "--standalone",
         "--nproc_per_node=2",
-        str(ROOT / "tests" / "ddp_dct_worker.py"),
+        str(ROOT / "tests" / "workers" / "ddp_dct.py"),
         str(out),
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)

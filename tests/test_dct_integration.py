@@ -261,7 +261,7 @@ def test_shipped_config_uses_every_eligible_class():
 @pytest.mark.slow
 def test_shipped_config_runs_end_to_end(tmp_path, capsys):
     """The real pretrained MiniLM-L6 through the CLI, shrunk to a handful of examples per class."""
-    from peft_ext.cli import main
+    from peft_ext_cli import main
 
     rc = main(
         [

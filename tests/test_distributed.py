@@ -19,9 +19,9 @@ from peft_ext import RiemannionConfig
 from peft_ext.models import tiny_llama
 from peft_ext.optim import DCTAdamW, Riemannion, create_riemannion_optimizer
 
-from . import distributed_worker as worker
 from .helpers import opt_in_accelerate, run_launcher, torchrun_ranks
 from .single_thread import single_thread  # noqa: F401  (fixture)
+from .workers import distributed as worker
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("riemannion", "dct_adamw", "splitlora", "pclr", "mora")
@@ -29,7 +29,7 @@ METHODS = ("riemannion", "dct_adamw", "splitlora", "pclr", "mora")
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return torchrun_ranks(ROOT / "tests" / "distributed_worker.py", tmp_path_factory.mktemp("ddp"), pytest.skip)
+    return torchrun_ranks(ROOT / "tests" / "workers" / "distributed.py", tmp_path_factory.mktemp("ddp"), pytest.skip)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ def test_accelerate_launch_runs_the_same_worker(tmp_path):
             "launch",
             "--config_file",
             str(config),
-            str(ROOT / "tests" / "distributed_worker.py"),
+            str(ROOT / "tests" / "workers" / "distributed.py"),
             str(tmp_path),
         ]
     )

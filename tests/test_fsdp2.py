@@ -5,7 +5,7 @@ Two ranks, each on half of every global batch, with every decoder layer an FSDP2
 DTensor shards between forward passes, end with the same whole adapter tensors on both ranks, equal (to rounding)
 to one process on the whole batches: the statistics, splits and folds of SplitLoRA, and the prototypes, begin_task
 draws, contribution scores, rank drops, distillation and folds of PCLR. One torchrun launch runs every case
-(tests/fsdp2_worker.py). MoRA trains CLIP's contrastive loss with its shared factors on the root unit. Also: the
+(tests/workers/fsdp2.py). MoRA trains CLIP's contrastive loss with its shared factors on the root unit. Also: the
 DTensor helpers of peft_ext.distributed, and the refusals of DeepSpeed ZeRO-3 partitions (task cycles, MoRA) and of
 MoRA's whole-weight operations on FSDP2 shards.
 """
@@ -24,11 +24,11 @@ from peft_ext.distributed import full_tensor, gathered_parameters, is_dtensor, w
 from peft_ext.models import tiny_clip, tiny_llama
 from peft_ext.tuners.pclr import PCLRLayer
 
-from . import fsdp2_worker as worker
 from .helpers import opt_in_accelerate, run_launcher, torchrun_ranks
+from .workers import fsdp2 as worker
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tests" / "fsdp2_worker.py"
+WORKER = ROOT / "tests" / "workers" / "fsdp2.py"
 CASES = tuple(worker.CASES)
 
 

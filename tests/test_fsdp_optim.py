@@ -1,7 +1,7 @@
 """The Riemannion and DCT-AdamW optimizers under FSDP2 (``fully_shard``): ``torchrun --nproc_per_node=2``, gloo, CPU.
 
 Two ranks, each on its half of every batch, equal one process on the whole batches to fp32 tolerance after several
-steps and a save / load of each rank's state in the middle (tests/fsdp_optim_worker.py); DCT-AdamW's moments are
+steps and a save / load of each rank's state in the middle (tests/workers/fsdp_optim.py); DCT-AdamW's moments are
 split by rows (each rank holds about half of one process's). Riemannion's step gathers every adapter in one
 collective (counted, for 1 and 14 adapters), bit for bit as a gather per tensor would. One torchrun launch for the
 module.
@@ -19,9 +19,9 @@ from peft_ext import RiemannionConfig
 from peft_ext.models import tiny_llama
 from peft_ext.tuners.riemannion import find_adapters
 
-from . import fsdp_optim_worker as worker
 from .helpers import torchrun_ranks
 from .single_thread import single_thread  # noqa: F401  (fixture)
+from .workers import fsdp_optim as worker
 
 pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("single_thread")]
 
@@ -31,7 +31,7 @@ TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return torchrun_ranks(ROOT / "tests" / "fsdp_optim_worker.py", tmp_path_factory.mktemp("fsdp"), pytest.fail)
+    return torchrun_ranks(ROOT / "tests" / "workers" / "fsdp_optim.py", tmp_path_factory.mktemp("fsdp"), pytest.fail)
 
 
 @pytest.fixture(scope="module")

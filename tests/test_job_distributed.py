@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from peft_ext.cli import main
 from peft_ext.distributed import is_dtensor
+from peft_ext_cli import main
 
 from .helpers import ROOT, job_config, launcher, opt_in_accelerate, run_launcher, save_tiny_bert
 
@@ -118,7 +118,7 @@ def test_two_processes_resume_mid_method_like_an_uninterrupted_run(tmp_path, bac
     """Rank 0 stops right after SplitLoRA's first snapshot; resumed on 2 processes, the job ends with the report of
     the uninterrupted 2-process run (the model, method state and random generators of task 0 restored)."""
     cfg, out = _cfg(tmp_path, backbone), tmp_path / "out"
-    worker = str(ROOT / "tests" / "job_interrupt_worker.py")
+    worker = str(ROOT / "tests" / "workers" / "job_interrupt.py")
     _, stderr = _torchrun(worker, "splitlora", "1", "run", str(cfg), "--no-progress", ok=False)
     assert f"torchrun --nproc_per_node=2 -m peft_ext run {cfg} --resume" in stderr
     assert [r["label"] for r in _report(out)] == METHODS[:1]
@@ -171,7 +171,7 @@ def test_fsdp2_job_resumes_mid_method_like_an_uninterrupted_run(tmp_path, backbo
     """Rank 0 stops right after SplitLoRA's first snapshot (gathered whole from the shards); resumed on 2 processes,
     the job ends with the report of the uninterrupted sharded run."""
     cfg, out = _cfg(tmp_path, backbone, FSDP2_METHODS, sharding="fsdp2"), tmp_path / "out"
-    worker = str(ROOT / "tests" / "job_interrupt_worker.py")
+    worker = str(ROOT / "tests" / "workers" / "job_interrupt.py")
     _torchrun(worker, "splitlora", "1", "run", str(cfg), "--no-progress", ok=False)
     snapshot = torch.load(out / "progress" / "02-splitlora" / "task-0.pt", weights_only=True)
     assert not any(is_dtensor(v) for v in snapshot["model"].values())  # whole tensors, loadable by one process

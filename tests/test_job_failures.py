@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from peft_ext.cli import main
+from peft_ext_cli import main
 
 from .helpers import job_config, save_tiny_bert
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from peft_ext.cli import main
+from peft_ext_cli import main
 
 from .helpers import job_config, save_tiny_bert
 

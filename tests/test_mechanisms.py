@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import torch
 
-from peft_ext.cli import main
 from peft_ext.continual import TrainConfig, get_continual_method, run_sequence
 from peft_ext.integrations import run_continual_with_trainer
+from peft_ext_cli import main
 
 from .helpers import (
     QUERY_VALUE,

@@ -15,13 +15,13 @@ import torch
 from peft import get_peft_model
 
 from peft_ext import MoRAConfig
-from peft_ext.cli import main
 from peft_ext.fileperm import current_umask
 from peft_ext.multimodal import experiment
 from peft_ext.multimodal.dual_encoder import build_dual_encoder, mora_patterns
 from peft_ext.multimodal.experiment import grid_specs
 from peft_ext.multimodal.prompts import COMPLETE, IMAGE_MISSING, TEXT_MISSING, MissingAwarePrompts, missing_pattern
 from peft_ext.tuners.mora import plan_targets
+from peft_ext_cli import main
 
 from .helpers import job_config, save_tiny_bert
 

@@ -4,7 +4,7 @@ backbone. Each is one line naming the key and the value, exit status 2, and no w
 
 import pytest
 
-from peft_ext.cli import main
+from peft_ext_cli import main
 
 from .helpers import job_config, save_tiny_bert
 

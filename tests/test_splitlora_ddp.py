@@ -11,7 +11,7 @@ from peft_ext.tuners.splitlora.stats import choose_split, covariance_spectrum, p
 
 from .helpers import torchrun_ranks
 
-WORKER = Path(__file__).with_name("splitlora_ddp_worker.py")
+WORKER = Path(__file__).parent / "workers" / "splitlora_ddp.py"
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def ranks(tmp_path_factory):
 
 @pytest.mark.distributed
 def test_every_rank_picks_the_same_subspace_from_the_global_statistics(ranks):
-    from .splitlora_ddp_worker import CONFIG, TASKS
+    from .workers.splitlora_ddp import CONFIG, TASKS
 
     zero, one = ranks
     for task in range(TASKS):

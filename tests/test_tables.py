@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from peft_ext.cli import main
 from peft_ext.continual.report import GENERATED_CLOSE, GENERATED_OPEN, generated_blocks, published_table
+from peft_ext_cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKDOWN = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

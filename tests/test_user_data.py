@@ -13,9 +13,9 @@ import yaml
 
 datasets = pytest.importorskip("datasets")
 
-from peft_ext.cli import main  # noqa: E402
 from peft_ext.data.collate import TextCollator  # noqa: E402
 from peft_ext.data.user_data import Tokenized, file_task_sequence  # noqa: E402
+from peft_ext_cli import main  # noqa: E402
 
 from .helpers import ROOT, save_tiny_bert  # noqa: E402
 

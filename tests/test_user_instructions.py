@@ -146,7 +146,7 @@ def tiny_causal_lm(tmp_path_factory):
 
 
 def test_the_shipped_instruction_example_runs_on_a_local_causal_lm(tmp_path, tiny_causal_lm, capsys):
-    from peft_ext.cli import main
+    from peft_ext_cli import main
 
     out = tmp_path / "out"
     sets = [f"model.backbone={tiny_causal_lm}", "model.dtype=float32", "model.separator=null", f"output.dir={out}"]
@@ -179,7 +179,7 @@ def test_the_shipped_instruction_example_runs_on_a_local_causal_lm(tmp_path, tin
 
 
 def test_instruction_configs_are_checked_before_any_work(tmp_path, tiny_causal_lm, capsys):
-    from peft_ext.cli import main
+    from peft_ext_cli import main
 
     base = [
         "--set",
@@ -207,7 +207,7 @@ def test_instruction_configs_are_checked_before_any_work(tmp_path, tiny_causal_l
 def test_the_instruction_job_on_a_4bit_bfloat16_base(tmp_path, tiny_causal_lm, capsys):
     """``model.load_in_4bit`` with ``dtype: bfloat16``: an NF4 base, float32 adapters, trained and scored."""
     pytest.importorskip("bitsandbytes")
-    from peft_ext.cli import main
+    from peft_ext_cli import main
 
     out = tmp_path / "out"
     sets = [f"model.backbone={tiny_causal_lm}", "model.dtype=bfloat16", "model.load_in_4bit=true"]

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..continual import config as continual_config
-from ..continual.config import ConfigError, build_section, check_local_model_path, unknown_key, unknown_value
+from ..continual.config_schema import ConfigError, build_section, check_local_model_path, unknown_key, unknown_value
 from ..fileperm import atomic_write
 from ..multimodal import experiment
 from ..multimodal.experiment import METHODS, ExperimentSettings

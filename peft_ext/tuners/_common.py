@@ -4,30 +4,24 @@
 from __future__ import annotations
 
 import re
-import warnings
-from collections.abc import Callable, Container, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
-from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
+from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import resolve_quantization_backend
 from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-if TYPE_CHECKING:  # adapter_layer imports this module
-    from .adapter_layer import AdapterLayer
-
 __all__ = [
     "check_adapter_names_args",
     "forward_adapter_names",
     "matches_targets",
-    "merge_deltas",
     "require_linear_target",
     "require_positive_int",
-    "unmerge_deltas",
     "validate_target_selection",
 ]
 
@@ -142,59 +136,6 @@ def check_adapter_names_args(layer: BaseTunerLayer, x: torch.Tensor, adapter_nam
         )
     if layer.merged:
         raise ValueError(MERGED_ADAPTER_NAMES)
-
-
-def merge_deltas(
-    layer: AdapterLayer,
-    adapters: Container[str],
-    safe_merge: bool,
-    adapter_names: Optional[list[str]],
-    method: str,
-) -> None:
-    """Write each adapter's ``layer.merged_weight(weight, name)`` (by default ``weight + delta``) into the base weight.
-
-    Runs without autograd: merging is not part of a differentiable graph.
-
-    Args:
-        layer: The adapter layer.
-        adapters: The adapter names the layer carries (others are skipped).
-        safe_merge: Compute the merged weight in a copy and raise ``ValueError`` if it has non-finite values,
-            leaving the base weight untouched.
-        adapter_names: Adapters to merge (default: the active ones).
-        method: The adapter type, for the messages.
-    """
-    adapter_names = check_adapters_to_merge(layer, adapter_names)
-    if not adapter_names:
-        return
-    layer.check_adapter_dtypes(adapter_names)
-    backend = layer.quantization_backend
-    if backend is not None and not backend.supports_merge:
-        raise TypeError(f"Cannot merge into a {backend.backend_name} base layer: it cannot be dequantized")
-    for name in adapter_names:
-        if name not in adapters:
-            continue
-        with torch.no_grad():
-            weight = layer.get_base_weight()
-            merged = layer.merged_weight(weight.clone() if safe_merge else weight, name)
-            if safe_merge and not torch.isfinite(merged).all():
-                raise ValueError(
-                    f"Merging {method} adapter {name!r} gives non-finite weights; the adapter is broken "
-                    "(the base weight was left unchanged)"
-                )
-            layer.set_base_weight(merged)
-        layer.merged_adapters.append(name)
-
-
-def unmerge_deltas(layer: AdapterLayer, adapters: Container[str]) -> None:
-    """Subtract the merged adapters' deltas from the base weight again (the inverse of :func:`merge_deltas`)."""
-    if not layer.merged:
-        warnings.warn("Already unmerged. Nothing to do.", UserWarning, stacklevel=3)
-        return
-    while layer.merged_adapters:
-        name = layer.merged_adapters.pop()
-        if name in adapters:
-            with torch.no_grad():
-                layer.set_base_weight(layer.unmerged_weight(layer.get_base_weight(), name))
 
 
 def validate_target_selection(config: Any) -> None:

@@ -55,17 +55,18 @@ Adapters whose composition is not a sum of per-adapter deltas (MoRA merges sever
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import torch
-from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features
+from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check_adapters_to_merge
 from peft.utils import quantization_extra_repr, resolve_quantization_backend
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from ..precision import SUPPORTED_DTYPES, check_dtypes
 from ..quantization import disable_bnb_cpu_repacking
-from ._common import check_adapter_names_args, merge_deltas, unmerge_deltas
+from ._common import check_adapter_names_args
 
 __all__ = ["AdapterLayer", "AdapterLinear", "delta_matmul"]
 
@@ -288,18 +289,45 @@ class AdapterLinear(nn.Module, AdapterLayer):
     """
 
     def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
-        """Merge the active (or the given) adapters into the base weight, one after the other.
+        """Merge the active (or the given) adapters into the base weight, one after the other: each adapter's
+        ``merged_weight(weight, name)`` (by default ``weight + delta``) is written without autograd.
 
         Args:
-            safe_merge: Check the merged weight for non-finite values before writing it; on failure raise
-                ``ValueError`` and leave the base weight unchanged.
-            adapter_names: Adapters to merge (default: the active ones).
+            safe_merge: Compute the merged weight in a copy and raise ``ValueError`` if it has non-finite values,
+                leaving the base weight untouched.
+            adapter_names: Adapters to merge (default: the active ones); names this layer does not carry are skipped.
         """
-        merge_deltas(self, self.carried_adapters(), safe_merge, adapter_names, self.method_name)
+        adapter_names = check_adapters_to_merge(self, adapter_names)
+        if not adapter_names:
+            return
+        self.check_adapter_dtypes(adapter_names)
+        backend = self.quantization_backend
+        if backend is not None and not backend.supports_merge:
+            raise TypeError(f"Cannot merge into a {backend.backend_name} base layer: it cannot be dequantized")
+        for name in adapter_names:
+            if not self.carries_adapter(name):
+                continue
+            with torch.no_grad():
+                weight = self.get_base_weight()
+                merged = self.merged_weight(weight.clone() if safe_merge else weight, name)
+                if safe_merge and not torch.isfinite(merged).all():
+                    raise ValueError(
+                        f"Merging {self.method_name} adapter {name!r} gives non-finite weights; the adapter is broken "
+                        "(the base weight was left unchanged)"
+                    )
+                self.set_base_weight(merged)
+            self.merged_adapters.append(name)
 
     def unmerge(self) -> None:
-        """Undo the merges, last merged first."""
-        unmerge_deltas(self, self.carried_adapters())
+        """Undo the merges, last merged first (each adapter's ``unmerged_weight``)."""
+        if not self.merged:
+            warnings.warn("Already unmerged. Nothing to do.", UserWarning, stacklevel=2)
+            return
+        while self.merged_adapters:
+            name = self.merged_adapters.pop()
+            if self.carries_adapter(name):
+                with torch.no_grad():
+                    self.set_base_weight(self.unmerged_weight(self.get_base_weight(), name))
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         adapter_names = kwargs.pop("adapter_names", None)

@@ -1,7 +1,7 @@
 """Worker of tests/test_job_distributed.py: ``peft-ext run`` whose rank 0 is interrupted (``KeyboardInterrupt``) right
 after it wrote the snapshot of method LABEL's task COMPLETED - 1, as a crash mid-method would leave the output dir.
 
-Run as ``torchrun --standalone --nproc_per_node=2 tests/job_interrupt_worker.py LABEL COMPLETED run CONFIG ...``;
+Run as ``torchrun --standalone --nproc_per_node=2 tests/workers/job_interrupt.py LABEL COMPLETED run CONFIG ...``;
 torchrun then ends the other process.
 """
 

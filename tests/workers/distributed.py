@@ -1,7 +1,7 @@
 """Worker of tests/test_distributed.py: Riemannion (+ LOI), DCT-AdamW, SplitLoRA, PCLR and MoRA under DDP (gloo, CPU).
 
-Run as ``torchrun --standalone --nproc_per_node=2 tests/distributed_worker.py OUT_DIR`` (or through
-``accelerate launch --config_file tests/accelerate_cpu.yaml tests/distributed_worker.py OUT_DIR``). Every rank
+Run as ``torchrun --standalone --nproc_per_node=2 tests/workers/distributed.py OUT_DIR`` (or through
+``accelerate launch --config_file tests/accelerate_cpu.yaml tests/workers/distributed.py OUT_DIR``). Every rank
 trains on its own half of each global batch and writes ``rank{R}.pt``; the test runs the same functions in one
 process on the whole batches (``part=slice(None)``, no wrapper) and compares.
 

@@ -1,6 +1,6 @@
 """Worker for ``test_splitlora_ddp.py``: two SplitLoRA tasks under DistributedDataParallel (gloo, CPU).
 
-Run as ``torchrun --standalone --nproc_per_node=2 tests/splitlora_ddp_worker.py OUT_DIR``. Each rank trains on and
+Run as ``torchrun --standalone --nproc_per_node=2 tests/workers/splitlora_ddp.py OUT_DIR``. Each rank trains on and
 collects statistics from its own, differently sized shard; it saves what it chose (``k*``, ``A``, the running
 statistics) and the exact inputs each adapted module saw, so the test can rebuild the global statistics.
 """

@@ -1,6 +1,6 @@
 """Worker of tests/test_fsdp_optim.py: the Riemannion and DCT-AdamW optimizers on FSDP2 shards (gloo, CPU).
 
-Run as ``torchrun --standalone --nproc_per_node=2 tests/fsdp_optim_worker.py OUT_DIR``; every rank writes
+Run as ``torchrun --standalone --nproc_per_node=2 tests/workers/fsdp_optim.py OUT_DIR``; every rank writes
 ``rank{R}.pt``. Each case is a function ``case(part, shard)``: ``shard=True`` puts the model under
 ``fully_shard`` on a 2-process CPU mesh and trains on this rank's half (``part``) of every global batch; the test
 runs the same function in one process with ``part=slice(None)``, ``shard=False`` and compares. FSDP2 averages the

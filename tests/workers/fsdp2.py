@@ -1,8 +1,8 @@
 """Worker of tests/test_fsdp2.py: LoRA, SplitLoRA and PCLR task cycles and MoRA under FSDP2 (``fully_shard``, gloo,
 CPU).
 
-Run as ``torchrun --standalone --nproc_per_node=2 tests/fsdp2_worker.py OUT_DIR`` (or through
-``accelerate launch --config_file tests/accelerate_fsdp2.yaml tests/fsdp2_worker.py OUT_DIR``, which shards the
+Run as ``torchrun --standalone --nproc_per_node=2 tests/workers/fsdp2.py OUT_DIR`` (or through
+``accelerate launch --config_file tests/accelerate_fsdp2.yaml tests/workers/fsdp2.py OUT_DIR``, which shards the
 model itself). Every rank trains on its own half of each global batch and writes ``rank{R}.pt``; the test runs the
 same functions in one process on the whole batches (``part=slice(None)``, no sharding) and compares.
 
@@ -30,7 +30,7 @@ from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 from peft_ext import SplitLoRAConfig
 from peft_ext.distributed import full_tensor, is_dtensor
 from peft_ext.models import tiny_llama
-from tests.distributed_worker import (
+from tests.workers.distributed import (
     STEPS,
     clip_batches,
     clip_loss,
@@ -99,7 +99,7 @@ def splitlora(part: slice, shard: Shard) -> dict:
 
 
 def pclr(part: slice, shard: Shard, rank: int = 0) -> dict:
-    """Two PCLR tasks, the DDP worker's cycle (:func:`tests.distributed_worker.pclr_cycle`): prototype, begin_task,
+    """Two PCLR tasks, the DDP worker's cycle (:func:`tests.workers.distributed.pclr_cycle`): prototype, begin_task,
     training with the query loss, end_task with contribution compression and distillation (input routing after task
     0, task routing after task 1), fold, next task.
 
@@ -115,7 +115,7 @@ def pclr(part: slice, shard: Shard, rank: int = 0) -> dict:
 
 def mora(part: slice, shard: Shard) -> dict:
     """MoRA on a tiny CLIP (both towers' attention, visible delta at init), AdamW on CLIP's contrastive loss over the
-    global batch (:func:`tests.distributed_worker.clip_loss` gathers the ranks' embeddings)."""
+    global batch (:func:`tests.workers.distributed.clip_loss` gathers the ranks' embeddings)."""
     model = shard(mora_model())
     optimizer = adamw(model)
     for batch in clip_batches(STEPS):

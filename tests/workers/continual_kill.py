@@ -1,6 +1,6 @@
 """Runs the continual driver and SIGKILLs its own process at a given step of a given task (test_continual_trainer).
 
-Usage: python -m tests.continual_kill_worker OUTPUT_DIR METHOD TASK STEP
+Usage: python -m tests.workers.continual_kill OUTPUT_DIR METHOD TASK STEP
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class SigKill(TrainerCallback):
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    from .test_continual_trainer import run, token_sequence
+    from ..test_continual_trainer import run, token_sequence
 
     out, name, task, step = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     run(token_sequence(n_tasks=3), name, Path(out), callbacks=[SigKill(task, step)])

@@ -1,0 +1,1 @@
+"""Programs the tests launch as separate processes (torchrun ranks, a job killed mid-run), not test modules."""
