@@ -329,3 +329,43 @@ def test_resume_with_a_changed_config_is_refused(reference, capsys):
     assert "peft-ext: config error: --resume: the results in" in err
     assert "were made with a different config (hash" in err
     assert (reference["out"] / "results.json").read_text() == before  # nothing touched
+
+
+# -- the method registry ----------------------------------------------------------------------------------------------
+
+
+def test_methods_come_from_the_registry_and_a_registered_one_runs(tiny_text):
+    from peft_ext.multimodal.methods import (
+        MISSING_MODALITY_METHODS,
+        Built,
+        MissingModalityMethod,
+        get_missing_modality_method,
+        job_methods,
+        register_missing_modality_method,
+    )
+    from peft_ext.multimodal.missing import MissingSpec
+
+    assert experiment.METHODS == ("linear_probe", "lora", "mora", "prompts")
+    assert experiment.ALL_METHODS == (*experiment.METHODS, "lora_matched")
+    with pytest.raises(ValueError, match=r"unknown method 'lorra' \(did you mean 'lora'\?\); choose from"):
+        get_missing_modality_method("lorra")
+    with pytest.raises(ValueError, match="already registered"):
+        register_missing_modality_method(MISSING_MODALITY_METHODS["mora"])
+    settings = experiment.ExperimentSettings(
+        text=str(tiny_text), vision_width=32, vision_layers=3, vision_heads=2, embed_dim=16, pretrain_epochs=1,
+        cache_dir=None, epochs=1, train_limit=64,
+    )  # fmt: skip
+    prep = experiment.prepare(settings, echo=lambda *_: None)
+    # a frozen-backbone method built like the linear probe trains like it, to the bit
+    probe = MissingModalityMethod("probe_again", lambda p, bb, seed: Built(bb), "test", frozen_backbone=True)
+    register_missing_modality_method(probe)
+    try:
+        spec = MissingSpec(0.7, "both")
+        again = experiment.run_method(prep, "probe_again", spec)
+        reference = experiment.run_method(prep, "linear_probe", spec)
+        assert {k: again[k] for k in ("acc", "f1", "auroc", "params")} == {
+            k: reference[k] for k in ("acc", "f1", "auroc", "params")
+        }
+        assert job_methods()[-1] == "probe_again"  # the job offers it too
+    finally:
+        del MISSING_MODALITY_METHODS["probe_again"]

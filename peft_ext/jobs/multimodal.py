@@ -24,6 +24,7 @@ from ..continual.config_schema import ConfigError, build_section, check_local_mo
 from ..fileperm import atomic_write
 from ..multimodal import experiment
 from ..multimodal.experiment import METHODS, ExperimentSettings
+from ..multimodal.methods import job_methods
 from ..multimodal.missing import MISSING_TYPES
 from .errors import JobFailed, one_line
 from .resume import config_hash, earlier_results
@@ -116,11 +117,12 @@ def missing_modality_config_from_dict(data: Any) -> MissingModalityConfig:
         raise ConfigError(f"`name` must be a non-empty string, got {name!r}")
     built = {key: build_section(cls, data.get(key), f"{key}.") for key, cls in sections.items()}
     methods = data.get("methods", list(METHODS))
+    offered = list(job_methods())  # the shipped methods and any registered since
     if not isinstance(methods, list) or not methods:
-        raise ConfigError(f"`methods` must be a non-empty list of {list(METHODS)}, got {methods!r}")
+        raise ConfigError(f"`methods` must be a non-empty list of {offered}, got {methods!r}")
     for i, method in enumerate(methods):
-        if method not in METHODS:
-            raise unknown_value(f"methods[{i}]", method, list(METHODS))
+        if method not in offered:
+            raise unknown_value(f"methods[{i}]", method, offered)
     if len(set(methods)) != len(methods):
         raise ConfigError(f"`methods` lists a method twice: {methods}")
     return MissingModalityConfig(name=name, methods=list(methods), **built)

@@ -5,7 +5,8 @@
 - :mod:`.metrics`: accuracy, F1-macro, AUROC;
 - :mod:`.prompts`: missing-aware prompts (the MMP baseline);
 - :mod:`.dual_encoder`: MiniLM-L6 + small ViT dual encoder, LiT pretraining (imported on use: needs transformers);
-- :mod:`.experiment` / :mod:`.job`: the missing-modality fine-tuning grid, and its ``peft-ext run`` job.
+- :mod:`.methods`: the registry of the experiment's methods (MoRA, LoRA, linear probe, prompts);
+- :mod:`.experiment`: the missing-modality fine-tuning grid (its job: :mod:`peft_ext.jobs.multimodal`).
 
 Rebuild the data file with ``python -m peft_ext.multimodal build`` (needs Debian's unicode-data and
 fonts-noto-color-emoji).

@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import functools
 import math
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,23 +22,21 @@ from typing import Any
 
 import numpy as np
 import torch
-from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from ..tuners.mora import MoRAConfig, plan_targets
 from .dual_encoder import (
     DualEncoder,
     build_dual_encoder,
     cosine_with_warmup,
     matched_lora_ranks,
-    mora_patterns,
     pixels,
     pretrain_contrastive,
 )
 from .emoji import load_emoji_pairs
+from .methods import MISSING_MODALITY_METHODS, get_missing_modality_method, job_methods
 from .metrics import accuracy, auroc, f1_macro
 from .missing import MissingSpec, blank_image, missing_masks
-from .prompts import MissingAwarePrompts, missing_pattern
+from .prompts import missing_pattern
 from .report import LABELS, cell_key, grid_specs, markdown_table
 
 __all__ = [
@@ -57,9 +54,9 @@ __all__ = [
     "time_inference",
 ]
 
-METHODS = ("linear_probe", "lora", "mora", "prompts")
-# Not part of the `peft-ext run` job's choices (METHODS): LoRA at MoRA's trainable-parameter count, for the benchmark.
-ALL_METHODS = (*METHODS, "lora_matched")
+# The job's choices; ALL_METHODS adds the benchmark-only ones (LoRA at MoRA's trainable-parameter count).
+METHODS = job_methods()
+ALL_METHODS = tuple(MISSING_MODALITY_METHODS)
 
 
 @dataclass
@@ -272,41 +269,12 @@ class _Method(nn.Module):
 
     def __init__(self, prep: Prepared, method: str, seed: int) -> None:
         super().__init__()
-        s = prep.settings
+        self.spec = get_missing_modality_method(method)
         torch.manual_seed(seed)
         backbone = copy.deepcopy(prep.model)
-        self.text_prompts = self.vision_prompts = None
-        if method in ("linear_probe", "prompts"):
-            self.backbone = backbone
-            if method == "prompts":
-                self.text_prompts = MissingAwarePrompts(
-                    s.top_layers, s.prompt_length, backbone.text.config.hidden_size, seed=seed
-                )
-                self.vision_prompts = MissingAwarePrompts(
-                    s.top_layers, s.prompt_length, backbone.vision.config.hidden_size, seed=seed + 1
-                )
-        elif method == "mora":
-            config = MoRAConfig(r=s.r, alpha=s.alpha, top_layers=s.top_layers, **mora_patterns())
-            self.backbone = get_peft_model(backbone, config)
-        elif method == "lora":
-            # exactly the modules MoRA adapts (same plan), as one regex
-            plan = plan_targets(backbone, MoRAConfig(r=s.r, top_layers=s.top_layers, **mora_patterns()))
-            target = "|".join(re.escape(name) for name in plan)
-            self.backbone = get_peft_model(backbone, LoraConfig(r=s.r, lora_alpha=s.alpha, target_modules=target))
-        elif method == "lora_matched":
-            ranks = prep.matched_ranks
-            target = "|".join(re.escape(name) for name in ranks)
-            # every module keeps LoRA's scaling alpha / r of the plain "lora" method
-            config = LoraConfig(
-                r=s.r,
-                lora_alpha=s.alpha,
-                target_modules=target,
-                rank_pattern={re.escape(n): r for n, r in ranks.items()},
-                alpha_pattern={re.escape(n): s.alpha * r / s.r for n, r in ranks.items()},
-            )
-            self.backbone = get_peft_model(backbone, config)
-        else:
-            raise ValueError(f"unknown method {method!r}; choose from {ALL_METHODS}")
+        built = self.spec.build(prep, backbone, seed)
+        self.backbone = built.backbone
+        self.text_prompts, self.vision_prompts = built.text_prompts, built.vision_prompts
         self.head = nn.Linear(2 * backbone.embed_dim, prep.num_classes)
         self.method = method
 
@@ -360,7 +328,7 @@ def run_method(
     n_params = sum(p.numel() for p in params)
     t0, v0 = prep.text_start, prep.vision_start
     start = time.perf_counter()
-    if method == "linear_probe":
+    if model.spec.frozen_backbone:
         # the backbone is frozen end to end: its features are computed once
         with torch.no_grad():
             feats = torch.cat(
@@ -372,7 +340,7 @@ def run_method(
     gen = torch.Generator().manual_seed(seed)
     for _ in range(s.epochs):
         for b in torch.randperm(len(train.y), generator=gen).split(s.batch_size):
-            if method == "linear_probe":
+            if model.spec.frozen_backbone:
                 logits = model.head(feats[b])
             else:
                 t = _trim(train.mask[b])
@@ -386,7 +354,7 @@ def run_method(
             scheduler.step()
     train_s = time.perf_counter() - start
     model.eval()
-    if method in ("lora", "lora_matched", "mora"):
+    if model.spec.merges:
         model.backbone = model.backbone.merge_and_unload()  # no inference overhead: a plain DualEncoder again
     with torch.no_grad():
         logits = []
@@ -431,7 +399,7 @@ def time_inference(
     models = {}
     for method in methods:
         model = _Method(prep, method, seed=0).eval()
-        if method in ("lora", "lora_matched", "mora"):
+        if model.spec.merges:
             model.backbone = model.backbone.merge_and_unload()
         models[method] = model
     best = dict.fromkeys(methods, float("inf"))
