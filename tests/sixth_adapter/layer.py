@@ -23,8 +23,7 @@ class ScaledLowRankLayer(AdapterLayer):
 
     def __init__(self, base_layer: nn.Module, **kwargs: Any) -> None:
         AdapterLayer.__init__(self, base_layer, **kwargs)
-        self.r: dict[str, int] = {}
-        self.scaling: dict[str, float] = {}
+        self.r, self.scaling = {}, {}  # per adapter: rank, alpha / r
         self.scaledlr_A = nn.ParameterDict({})
         self.scaledlr_B = nn.ParameterDict({})
 
@@ -48,11 +47,11 @@ class ScaledLowRankLayer(AdapterLayer):
         self.set_adapter(self.active_adapters, inference_mode=inference_mode)
 
     def adapter_output(self, x: torch.Tensor, adapter_name: str, rows: Optional[list[int]] = None) -> torch.Tensor:
-        return (x @ self.scaledlr_A[adapter_name].mT) @ self.scaledlr_B[adapter_name].mT * self.scaling[adapter_name]
+        A, B = self.scaledlr_A[adapter_name], self.scaledlr_B[adapter_name]
+        return (x @ A.mT) @ B.mT * self.scaling[adapter_name]
 
     def get_delta_weight(self, adapter_name: str) -> torch.Tensor:
-        delta = delta_matmul(self.scaledlr_B[adapter_name], self.scaledlr_A[adapter_name])
-        return delta * self.scaling[adapter_name]
+        return delta_matmul(self.scaledlr_B[adapter_name], self.scaledlr_A[adapter_name]) * self.scaling[adapter_name]
 
 
 class Linear(AdapterLinear, ScaledLowRankLayer):
