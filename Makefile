@@ -29,17 +29,17 @@ run: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/peft-ext run $(CONFIG) $(ARGS)
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest --durations=30 $(PYTEST_ARGS)
 
-# The inner loop: everything but the slow tests (benchmark scripts, notebooks, whole sequences) and the multi-process
-# launches; a few minutes on 2 cores. CI runs `make test`.
+# The inner loop: everything but the slow tests (benchmark scripts, notebooks, whole jobs and sequences, subprocesses,
+# torch.compile, the architecture matrix beyond four models) and the multi-process launches. CI runs `make test`.
 test-fast: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -m "not slow and not distributed" $(PYTEST_ARGS)
 
-# Every benchmark under the protocol, then docs/benchmarks.md (hours on 2 cores: `python benchmarks/run_all.py --list`
+# Every benchmark under the protocol, then docs/benchmarks.md (hours on 2 cores: `python -m benchmarks.run_all --list`
 # estimates each; BENCH_ARGS="--quick" runs every smoke run, BENCH_ARGS="--reuse" continues).
 benchmarks: $(STAMP)
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) benchmarks/run_all.py $(BENCH_ARGS)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m benchmarks.run_all $(BENCH_ARGS)
 
 # Rewrite tests/golden/runs.json (the golden runs tests/test_golden.py compares with); then a CHANGELOG line saying why.
 golden: $(STAMP)

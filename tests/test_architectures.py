@@ -71,12 +71,18 @@ def _train_task(model: nn.Module, kind: str, batch: dict, task: int) -> None:
         model.end_task(task, prototype, [batch])
 
 
+#: the inner loop's share of the matrix (`make test-fast`): a decoder, an encoder, Conv1D and an encoder-decoder; the
+#: rest runs in `make test`
+FAST = ("llama", "bert", "gpt2", "t5")
+ARCH_PARAMS = [pytest.param(a, id=a.name, marks=() if a.name in FAST else pytest.mark.slow) for a in ARCHS]
+
+
 #: (architecture, type) pairs not working yet, each with why; strict: a pair that starts to pass fails until removed
 NOT_YET: dict[tuple[str, str], str] = {}
 
 
 @pytest.mark.parametrize("kind", sorted(TYPES))
-@pytest.mark.parametrize("arch", ARCHS, ids=lambda a: a.name)
+@pytest.mark.parametrize("arch", ARCH_PARAMS)
 def test_adapter_type_on_architecture(arch, kind, tmp_path, request):
     if (arch.name, kind) in NOT_YET:
         request.applymarker(pytest.mark.xfail(reason=NOT_YET[(arch.name, kind)], strict=True))
@@ -116,7 +122,7 @@ def test_adapter_type_on_architecture(arch, kind, tmp_path, request):
 
 
 @pytest.mark.parametrize("optimizer_cls", [DCTAdamW, SubspaceAdamW], ids=lambda c: c.__name__)
-@pytest.mark.parametrize("arch", ARCHS, ids=lambda a: a.name)
+@pytest.mark.parametrize("arch", ARCH_PARAMS)
 def test_full_fine_tuning_optimizers_on_architecture(arch, optimizer_cls):
     model = arch.model().train()
     named = [(n, p) for n, p in model.named_parameters()]

@@ -224,6 +224,7 @@ print("with import: loaded", type(model.peft_config["default"]).__name__)
 """
 
 
+@pytest.mark.slow
 def test_loading_in_a_fresh_process_needs_import_peft_ext(tmp_path):
     """PEFT's own behaviour without the import (documented in the README's troubleshooting section), then the fix."""
     base = tmp_path / "base"

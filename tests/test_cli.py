@@ -28,6 +28,7 @@ def _config(tmp_path, backbone, **train):
     return job_config(tmp_path, "quickstart", edit)
 
 
+@pytest.mark.slow
 def test_run_end_to_end_writes_results(tmp_path, tiny_backbone, capsys):
     cfg = _config(tmp_path, tiny_backbone)
     assert main(["run", str(cfg), "--no-progress", "--set", "methods.seq_lora.adapter.r=2"]) == 0
@@ -53,6 +54,7 @@ def test_config_errors_exit_2_with_one_clear_line(tmp_path, tiny_backbone, capsy
     assert not (tmp_path / "out").exists(), "a rejected config must not start any work"
 
 
+@pytest.mark.slow
 def test_only_runs_the_named_methods_with_their_own_settings(tmp_path, tiny_backbone, capsys):
     cfg = _config(tmp_path, tiny_backbone)
     assert main(["check", str(cfg), "--only", "seq_lora,splitlora"]) == 0
@@ -86,6 +88,7 @@ def test_check_and_list(capsys):
     assert "seq_lora" in out and "frozen_linear" in out and "joint" in out
 
 
+@pytest.mark.slow
 def test_module_entry_point_and_console_script():
     proc = subprocess.run([sys.executable, "-m", "peft_ext", "list"], capture_output=True, text=True, check=True)
     assert "continual methods" in proc.stdout

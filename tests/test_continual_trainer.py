@@ -113,6 +113,7 @@ def test_learns_logs_and_matches_the_runner_protocol(seq, tmp_path):
         run(seq, "splitlora", tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "kill_task", "kill_step"),
     [
@@ -158,6 +159,7 @@ def test_joint_method_trains_once_and_fills_the_last_row(seq, tmp_path):
     assert (tmp_path / "task-0").is_dir() and not (tmp_path / "task-1").exists()
 
 
+@pytest.mark.slow
 def test_a_half_written_checkpoint_is_skipped(seq, tmp_path):
     """A kill while Trainer saves leaves a checkpoint folder without trainer_state.json (written last)."""
     straight, _ = run(seq, "splitlora", tmp_path / "straight")
@@ -179,6 +181,7 @@ def test_a_half_written_checkpoint_is_skipped(seq, tmp_path):
         )
 
 
+@pytest.mark.slow
 def test_a_rewrapping_method_resumes_to_the_same_accuracy_matrix(seq, tmp_path):
     """InfLoRA re-wraps the model per task; it folds its adapter between tasks, so the snapshot after task 0 is a
     plain backbone that a fresh build loads."""
@@ -195,6 +198,7 @@ def test_a_rewrapping_method_resumes_to_the_same_accuracy_matrix(seq, tmp_path):
     assert resumed.accuracy_matrix == straight.accuracy_matrix
 
 
+@pytest.mark.slow
 def test_a_killed_process_resumes_to_the_same_accuracy_matrix(seq, tmp_path):
     """A real SIGKILL in a subprocess, mid-task (task 1, step 9: after checkpoint-5, with no cleanup of any kind)."""
     import os

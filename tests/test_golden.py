@@ -41,6 +41,7 @@ def _differences(golden: dict, runs: dict) -> list[str]:
     return problems
 
 
+@pytest.mark.slow
 def test_every_shipped_job_in_miniature_reproduces_the_golden_runs(tmp_path):
     golden = json.loads(GOLDEN.read_text())
     assert sorted(golden) == sorted(SHRINK), "a case was added or removed: run `make golden`"

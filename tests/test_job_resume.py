@@ -42,6 +42,7 @@ def _report(out: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.endswith("_seconds")} for r in results]
 
 
+@pytest.mark.slow
 def test_sigint_then_resume_matches_an_uninterrupted_run(tmp_path, tiny_backbone, capsys):
     first = tmp_path / "interrupted"
     first.mkdir()
@@ -124,6 +125,7 @@ def _interrupt_after(monkeypatch, label: str, completed: int) -> None:
     monkeypatch.setattr(TaskProgress, "save", save)
 
 
+@pytest.mark.slow
 def test_resume_continues_an_interrupted_method_after_its_last_finished_task(
     tmp_path, tiny_backbone, capsys, monkeypatch
 ):

@@ -150,6 +150,7 @@ def test_interp_retraction_triton_matches_qr(lr):
     _check_retraction(retract(point, u, 0.99, method="triton"), retr(point, u, 0.99))
 
 
+@pytest.mark.slow
 def test_interpreter_suite():
     """Runs the ``interp`` tests above in a child with ``TRITON_INTERPRET=1``."""
     if INTERPRET:

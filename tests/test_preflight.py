@@ -69,6 +69,7 @@ def test_output_dir_probe_write_failure_is_named(cfg, capsys, tmp_path, monkeypa
     assert "`output.dir`" in line and "is not writable" in line and "Permission denied" in line
 
 
+@pytest.mark.slow
 def test_a_read_only_output_dir_is_refused_for_real(cfg, tmp_path):
     """A real read-only folder and a process that cannot write there (root writes anywhere, so as root the child
     runs without CAP_DAC_OVERRIDE): ``run`` refuses it before any work (its preflight is ``check``'s), naming it."""

@@ -135,6 +135,7 @@ def test_errors_name_the_problem(tmp_path):
         parse_optim_args("rank=4,rank=8")
 
 
+@pytest.mark.slow
 def test_docs_examples_run(tmp_path, monkeypatch, capsys):
     """docs/trainer.md's python blocks, in order, as written."""
     import re

@@ -145,6 +145,7 @@ def tiny_causal_lm(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_the_shipped_instruction_example_runs_on_a_local_causal_lm(tmp_path, tiny_causal_lm, capsys):
     from peft_ext_cli import main
 
