@@ -26,7 +26,7 @@ state) and writes the loss curves (validation loss against step, mean ± sd band
 
 Usage (about 10 minutes on 2 shared CPU cores; ``--quick`` is a one-minute smoke run)::
 
-    PYTHONPATH=. python benchmarks/causal_lm_bf16.py --png docs/figures/causal_lm_bf16.png
+    python -m benchmarks.causal_lm_bf16 --png docs/figures/causal_lm_bf16.png
 
 bf16 matrix products on a CPU without AVX512-BF16 / AMX run about 10x slower than float32; the sizes are chosen for
 that, and the step times say nothing about a GPU. Timings default to one thread (``--threads``), as in the other
@@ -39,12 +39,12 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +52,17 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
+from benchmarks._lib import machine
+from benchmarks._lib.cli import benchmark_parser, parse
+from benchmarks._lib.data import eval_loss, fixed_windows, plot_loss_curves, random_windows, state_bytes
+from benchmarks._lib.tables import markdown_table, mean_sd
+from benchmarks._lib.timing import Interleaved
 from peft_ext import RiemannionConfig
 from peft_ext.data.wordnet import LEXNAMES, load_wordnet_glosses
 from peft_ext.models import tiny_llama
 from peft_ext.optim import DCTAdamW, Riemannion
 
+ROOT = Path(__file__).resolve().parents[1]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 VOCAB, PAD = 258, 256  # bytes, then a padding id the loss never sees (windows are full, so it is never used)
 RANK = 8
@@ -88,17 +94,6 @@ def byte_streams() -> dict[str, torch.Tensor]:
     for ex in load_wordnet_glosses(split="test", supersenses=verbs):
         parts["test"].append(ex.definition)
     return {k: torch.frombuffer(bytearray("\n".join(v).encode()), dtype=torch.uint8).long() for k, v in parts.items()}
-
-
-def random_windows(stream: torch.Tensor, batch: int, seq: int, gen: torch.Generator) -> torch.Tensor:
-    starts = torch.randint(0, stream.numel() - seq, (batch,), generator=gen)
-    return torch.stack([stream[s : s + seq] for s in starts.tolist()])
-
-
-def fixed_windows(stream: torch.Tensor, count: int, seq: int) -> torch.Tensor:
-    """``count`` evenly spaced windows: the same evaluation set for every method and seed."""
-    starts = torch.linspace(0, stream.numel() - seq - 1, count).long()
-    return torch.stack([stream[s : s + seq] for s in starts.tolist()])
 
 
 # -- models ----------------------------------------------------------------------------------------------------------
@@ -162,20 +157,6 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Te
     return loss.item()
 
 
-@torch.no_grad()
-def eval_loss(model: nn.Module, windows: torch.Tensor, batch: int = 32) -> float:
-    model.eval()
-    losses = [model(input_ids=w, labels=w).loss.item() for w in windows.split(batch)]
-    model.train()
-    return sum(losses) / len(losses)
-
-
-def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(
-        v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
-    )
-
-
 # -- one interleaved run -------------------------------------------------------------------------------------------
 
 
@@ -187,14 +168,12 @@ def run_interleaved(
     for method, lr in lrs.items():
         model, optimizer = with_adapter(method, bf16_base(args, state), lr, seed)
         runs[method] = {"model": model, "optimizer": optimizer, "curve": [(0, eval_loss(model, data["val"]))]}
-        runs[method]["times"] = []
     gen = torch.Generator().manual_seed(seed)
+    timer = Interleaved(list(runs), warmup=3)  # the first 3 steps (lazy state) are not timed
     for step in range(1, args.steps + 1):
         ids = random_windows(data["train"], args.batch, args.seq, gen)
-        for run in runs.values():
-            start = time.perf_counter()
-            loss = train_step(run["model"], run["optimizer"], ids)
-            run["times"].append(time.perf_counter() - start)
+        steps = {method: partial(train_step, run["model"], run["optimizer"], ids) for method, run in runs.items()}
+        for loss in timer.round(steps).values():
             if not torch.isfinite(torch.tensor(loss)):
                 raise FloatingPointError(f"non-finite loss at step {step}")
         if step % args.eval_every == 0 or step == args.steps:
@@ -207,7 +186,7 @@ def run_interleaved(
             "curve": run["curve"],
             "val": run["curve"][-1][1],
             "test": eval_loss(run["model"], data["test"]),
-            "times": run["times"][3:],
+            "times": timer.times(method),
             "state_bytes": state_bytes(run["optimizer"]),
             "trainable": sum(p.numel() for p in run["model"].parameters() if p.requires_grad),
         }
@@ -253,9 +232,9 @@ def measure_memory(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         return {m: {"peak_mib": float("nan"), "how": "not measured (needs Linux /proc)"} for m in METHODS}
     out = {}
     for method in METHODS:
-        cmd = [sys.executable, __file__, "--memory-probe", method, *_size_flags(args)]
+        cmd = [sys.executable, "-m", "benchmarks.causal_lm_bf16", "--memory-probe", method, *_size_flags(args)]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-        text = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+        text = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=ROOT).stdout
         out[method] = json.loads(text.strip().splitlines()[-1])
     return out
 
@@ -274,39 +253,18 @@ def _size_flags(args: argparse.Namespace) -> list[str]:
 # -- report ----------------------------------------------------------------------------------------------------------
 
 
-def mean_sd(values: list[float], digits: int = 3) -> str:
-    if len(values) == 1:
-        return f"{values[0]:.{digits}f}"
-    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
-
-
 def plot(results: dict[str, list[dict[str, Any]]], path: Path, title: str) -> None:
-    import matplotlib
+    curves = {f"{method} (lr {seeds[0]['lr']:g})": [r["curve"] for r in seeds] for method, seeds in results.items()}
+    plot_loss_curves(curves, path, title)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for method, seeds in results.items():
-        steps = [s for s, _ in seeds[0]["curve"]]
-        curves = torch.tensor([[v for _, v in r["curve"]] for r in seeds])
-        mean = curves.mean(0)
-        ax.plot(steps, mean, label=f"{method} (lr {seeds[0]['lr']:g})")
-        if len(seeds) > 1:
-            sd = curves.std(0)
-            ax.fill_between(steps, mean - sd, mean + sd, alpha=0.2)
-    ax.set_xlabel("training step")
-    ax.set_ylabel("validation loss (nats / byte)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+#: ``--quick``: tiny sizes, 1 seed, 1 lr per method
+QUICK = {"seeds": [0], "steps": 4, "eval_every": 2, "hidden": 64, "layers": 1, "pretrain_steps": 5}
+QUICK |= {"eval_windows": 8, "probe_steps": 1}
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = benchmark_parser(__doc__, quick="smoke run: tiny sizes, 1 seed, 1 lr per method", json=True, threads=1)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--eval-every", type=int, default=10)
@@ -317,17 +275,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pretrain-steps", type=int, default=300)
     parser.add_argument("--eval-windows", type=int, default=64)
     parser.add_argument("--probe-steps", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as the other benchmarks)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, 1 seed, 1 lr per method")
     parser.add_argument("--png", type=Path, default=None, help="write the loss curves here")
-    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--cache", type=Path, default=Path("runs/causal_lm_bf16"), help="pretrained base cache")
     parser.add_argument("--memory-probe", choices=METHODS, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = parse(parser, argv, quick=QUICK)
     torch.set_num_threads(args.threads)
-    if args.quick:
-        args.seeds, args.steps, args.eval_every, args.hidden, args.layers = [0], 4, 2, 64, 1
-        args.pretrain_steps, args.eval_windows, args.probe_steps = 5, 8, 1
     if args.memory_probe is not None:
         print(json.dumps(memory_probe(args, args.memory_probe)))
         return
@@ -365,25 +317,23 @@ def main(argv: list[str] | None = None) -> None:
         f"val {base_val:.3f})\n"
     )
     how = next(iter(memory.values()))["how"]
-    print(
-        f"| method | lr (grid) | final val loss | test loss | step ms (median) | peak memory MiB ({how}) "
-        "| optimizer state KiB | trainable params |"
-    )
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    head = ["method", "lr (grid)", "final val loss", "test loss", "step ms (median)", f"peak memory MiB ({how})"]
+    rows = []
     for method in METHODS:
-        rows = results[method]
-        times = [t for r in rows for t in r["times"]]
+        runs = results[method]
+        times = [t for r in runs for t in r["times"]]
         grid_text = ", ".join(f"{lr:g}" for lr in grid[method])
-        print(
-            f"| {method} | {chosen[method]:g} ({grid_text}) | {mean_sd([r['val'] for r in rows])} "
-            f"| {mean_sd([r['test'] for r in rows])} | {1000 * statistics.median(times):.1f} "
-            f"| {memory[method]['peak_mib']:.1f} | {rows[0]['state_bytes'] / 1024:.1f} | {rows[0]['trainable']:,} |"
-        )
+        rows.append(
+            [method, f"{chosen[method]:g} ({grid_text})", mean_sd([r["val"] for r in runs], scale=1.0, digits=3),
+             mean_sd([r["test"] for r in runs], scale=1.0, digits=3), f"{1000 * statistics.median(times):.1f}",
+             f"{memory[method]['peak_mib']:.1f}", f"{runs[0]['state_bytes'] / 1024:.1f}", f"{runs[0]['trainable']:,}"]
+        )  # fmt: skip
+    print(markdown_table([*head, "optimizer state KiB", "trainable params"], rows, align="ll" + "r" * 6))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     device = "CUDA" if torch.cuda.is_available() else "CPU"
     print(
         f"\nwall time {(time.perf_counter() - wall) / 60:.1f} min, {args.threads} thread(s), "
-        f"torch {torch.__version__}, {platform.machine()}, {device}; peak RSS of this process {rss:.0f} MiB"
+        f"{machine.torch_platform()}, {device}; peak RSS of this process {rss:.0f} MiB"
     )
     if args.png is not None:
         plot(results, args.png, f"tiny Llama bf16 ({size}), {len(args.seeds)} seed(s)")

@@ -14,8 +14,8 @@ shared LoRA), so every branch of its forward is timed.
 
 Usage::
 
-    OMP_NUM_THREADS=1 python benchmarks/compile_speed.py                 # inductor, width 256, every type
-    python benchmarks/compile_speed.py --quick                           # smoke run: aot_eager, toy sizes
+    OMP_NUM_THREADS=1 python -m benchmarks.compile_speed                 # inductor, width 256, every type
+    python -m benchmarks.compile_speed --quick                           # smoke run: aot_eager, toy sizes
 
 Target: every type compiles to one graph (0 graph breaks) with gradients equal to eager's to float
 rounding (relative difference < 1e-4 printed as met).
@@ -26,11 +26,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
-from pathlib import Path
+from functools import partial
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -41,6 +39,10 @@ import torch.nn.functional as F  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
 from torch import nn  # noqa: E402
 
+from benchmarks._lib.cli import benchmark_parser, parse  # noqa: E402
+from benchmarks._lib.graphs import GraphCounter  # noqa: E402
+from benchmarks._lib.tables import markdown_table  # noqa: E402
+from benchmarks._lib.timing import Interleaved, timed  # noqa: E402
 from peft_ext import MoRAConfig, PCLRConfig, RiemannionConfig, SplitLoRAConfig  # noqa: E402
 from peft_ext.models import tiny_clip, tiny_llama  # noqa: E402
 from peft_ext.tuners.pclr import query_loss  # noqa: E402
@@ -50,18 +52,6 @@ TYPES = ("lora", "riemannion", "splitlora", "pclr", "mora")
 VOCAB = 256
 #: Gradient agreement counted as float rounding: largest difference / largest gradient.
 GRAD_TOLERANCE = 1e-4
-
-
-class GraphCounter:
-    """A ``torch.compile`` backend counting the graphs dynamo hands it (one per piece between graph breaks)."""
-
-    def __init__(self, backend: str) -> None:
-        self.backend = torch._dynamo.lookup_backend(backend)
-        self.graphs = 0
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
-        self.graphs += 1
-        return self.backend(gm, example_inputs)
 
 
 def _pclr_second_task(model: nn.Module, batch: dict[str, torch.Tensor]) -> nn.Module:
@@ -135,9 +125,7 @@ def _step(
     model: nn.Module, call: Callable[..., Any], loss: Callable[..., torch.Tensor]
 ) -> tuple[float, dict[str, torch.Tensor]]:
     """One forward + backward: its seconds and the gradients it left (then cleared)."""
-    start = time.perf_counter()
-    loss(model, call).backward()
-    seconds = time.perf_counter() - start
+    seconds = timed(lambda: loss(model, call).backward())
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return seconds, grads
@@ -157,36 +145,37 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     calls = {"eager": (eager, eager), "compiled": (compiled, compiled_call)}
     for label in calls:  # one more warm-up step each (allocator, caches)
         _step(*calls[label], loss)
-    times: dict[str, list[float]] = {"eager": [], "compiled": []}
-    for i in range(args.rounds):
-        order = ("eager", "compiled") if i % 2 == 0 else ("compiled", "eager")
-        for label in order:
-            times[label].append(_step(*calls[label], loss)[0])
-    ratios = [c / e for c, e in zip(times["compiled"], times["eager"])]
+    timer = Interleaved(list(calls))  # the order alternates round by round
+    for _ in range(args.rounds):
+        timer.round({label: partial(_step, *calls[label], loss) for label in calls})
     return {
         "adapter": name,
         "graphs": counter.graphs,
         "compile_s": compile_s,
-        "eager_ms": 1000 * statistics.median(times["eager"]),
-        "compiled_ms": 1000 * statistics.median(times["compiled"]),
-        "ratio": statistics.median(ratios),
+        "eager_ms": 1000 * timer.median("eager"),
+        "compiled_ms": 1000 * timer.median("compiled"),
+        "ratio": timer.ratio("compiled", "eager").median,
         "grad_rel_diff": diff / scale,
     }
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = "| adapter | graphs | compile s | eager ms / step | compiled ms / step | compiled / eager |"
-    lines = [head + " max grad diff (rel.) |", "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(
-            f"| {r['adapter']} | {r['graphs']} | {r['compile_s']:.1f} | {r['eager_ms']:.1f} | {r['compiled_ms']:.1f} "
-            f"| {r['ratio']:.2f}x | {r['grad_rel_diff']:.1e} |"
-        )
-    return "\n".join(lines)
+    head = ["adapter", "graphs", "compile s", "eager ms / step", "compiled ms / step", "compiled / eager"]
+    cells = [
+        [r["adapter"], r["graphs"], f"{r['compile_s']:.1f}", f"{r['eager_ms']:.1f}", f"{r['compiled_ms']:.1f}",
+         f"{r['ratio']:.2f}x", f"{r['grad_rel_diff']:.1e}"]
+        for r in rows
+    ]  # fmt: skip
+    return markdown_table([*head, "max grad diff (rel.)"], cells)
+
+
+#: ``--quick``: aot_eager, width 32, lora and pclr, 2 rounds
+QUICK = {"backend": "aot_eager", "width": 32, "rank": 4, "tokens": 8, "rounds": 2, "types": ["lora", "pclr"]}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    quick = "smoke run: aot_eager, width 32, lora and pclr, 2 rounds"
+    parser = benchmark_parser(__doc__, quick=quick, json="also write the rows here", threads=1)
     parser.add_argument("--types", nargs="+", default=list(TYPES), choices=TYPES)
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (inductor, aot_eager, ...)")
     parser.add_argument("--width", type=int, default=256, help="hidden width of the Llama (and of CLIP's towers)")
@@ -195,14 +184,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=20, help="interleaved timed steps per copy")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
-    parser.add_argument("--quick", action="store_true", help="smoke run: aot_eager, width 32, lora and pclr, 2 rounds")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.backend, args.width, args.rank, args.tokens, args.rounds = "aot_eager", 32, 4, 8, 2
-        args.types = ["lora", "pclr"]
-    return args
+    return parse(parser, argv, quick=QUICK)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,7 @@ path's throughput against the training step.
 
 Run (about two minutes on 2 CPU cores)::
 
-    .venv/bin/python benchmarks/data_path.py            # all 117,659 WordNet glosses, exported as one CSV
+    .venv/bin/python -m benchmarks.data_path            # all 117,659 WordNet glosses, exported as one CSV
 
 The CSV is written by ``python -m peft_ext.data export`` into a temporary folder, with a fresh ``datasets`` cache,
 so the first pass is cold (CSV parsing and Arrow conversion, tokenization) and a second pass shows what the cache
@@ -17,12 +17,14 @@ Targets: the data path is not the bottleneck (collate <= 5 % of a training step)
 
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks._lib.cli import benchmark_parser
+from benchmarks._lib.tables import markdown_table
+from benchmarks._lib.timing import Interleaved
 
 
 def stage(label: str, fn, rows: list) -> object:
@@ -33,7 +35,7 @@ def stage(label: str, fn, rows: list) -> object:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=20, help="interleaved collate / step rounds (after 3 warm-up)")
     parser.add_argument("--per-class", type=int, default=None, help="cap the export per class (default: all rows)")
     args = parser.parse_args(argv)
@@ -78,22 +80,18 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"(5 tasks x 4 classes, test carved by hash; torch {torch.__version__}, {torch.get_num_threads()} threads)\n"
     )
-    print("| stage | cold (s) | warm cache (s) |")
-    print("|---|---:|---:|")
-    for (label, cold), (_, warm) in zip(passes["cold"], passes["warm"]):
-        print(f"| {label} | {cold:.2f} | {warm:.2f} |")
+    rows = [[label, f"{cold:.2f}", f"{warm:.2f}"] for (label, cold), (_, warm) in zip(passes["cold"], passes["warm"])]
     total = {k: sum(s for _, s in v) for k, v in passes.items()}
-    print(f"| **to the first training step** | **{total['cold']:.2f}** | **{total['warm']:.2f}** |\n")
+    rows.append(["**to the first training step**", f"**{total['cold']:.2f}**", f"**{total['warm']:.2f}**"])
+    print(markdown_table(["stage", "cold (s)", "warm cache (s)"], rows) + "\n")
 
     collate = TextCollator(tokenizer, 32)
     model = get_peft_model(base, LoraConfig(r=8, target_modules=["query", "value"], modules_to_save=["classifier"]))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     batch_examples = sequence.tasks[0].train[:32]
-    collate_s, step_s = [], []
-    for round_ in range(args.rounds + 3):
-        start = time.perf_counter()
-        batch = collate(batch_examples)
-        mid = time.perf_counter()
+    batch: dict = {}
+
+    def step() -> None:
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         loss = torch.nn.functional.cross_entropy(
             logits.logits if hasattr(logits, "logits") else logits, batch["labels"]
@@ -101,17 +99,18 @@ def main(argv: list[str] | None = None) -> int:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        end = time.perf_counter()
-        if round_ >= 3:
-            collate_s.append(mid - start)
-            step_s.append(end - mid)
-    ratios = [c / s for c, s in zip(collate_s, step_s)]
-    print("| per batch of 32 | median ms |")
-    print("|---|---:|")
-    print(f"| collate (pad stored ids) | {1e3 * statistics.median(collate_s):.2f} |")
-    print(f"| training step (LoRA r=8, MiniLM-L6) | {1e3 * statistics.median(step_s):.1f} |")
-    share = statistics.median(ratios)
-    print(f"\ncollate / step, per-round median over {len(ratios)} interleaved rounds: {100 * share:.2f} %")
+
+    timer = Interleaved(["collate", "step"], warmup=3, rotate=False)  # the step trains on the batch just collated
+    for _ in range(args.rounds + 3):
+        timer.round({"collate": lambda: batch.update(collate(batch_examples)), "step": step})
+    rows = [
+        ["collate (pad stored ids)", f"{1e3 * timer.median('collate'):.2f}"],
+        ["training step (LoRA r=8, MiniLM-L6)", f"{1e3 * timer.median('step'):.1f}"],
+    ]
+    print(markdown_table(["per batch of 32", "median ms"], rows))
+    ratio = timer.ratio("collate", "step")
+    share = ratio.median
+    print(f"\ncollate / step, per-round median over {len(ratio.per_round)} interleaved rounds: {100 * share:.2f} %")
     verdict = "met" if share <= 0.05 else "NOT met"
     print(f"target: data path <= 5 % of a training step: {verdict}")
     return 0

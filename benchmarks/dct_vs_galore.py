@@ -6,13 +6,13 @@ Five tables:
    Makhoul FFT, best coordinates, one warm-started power iteration) on square and 4:1 gradients of 1024 and 4096.
 2. Captured gradient energy ``||P G||^2 / ||G||^2`` on real MiniLM-L6 gradients (WordNet fine-tuning) of the DCT
    selection, a random orthonormal basis, the best plain coordinates, the power-iteration basis after ``k``
-   warm-started refreshes, and the SVD top-r (benchmarks/dct_energy.py).
+   warm-started refreshes, and the SVD top-r (benchmarks/_lib/dct_tables.py, with tables 1, 4 and 5).
 3. Full fine-tuning of MiniLM-L6 on WordNet (every supersense with enough synsets, one task): only the 36
    attention / FFN matrices use the optimizer under test, everything else plain AdamW inside the same optimizer.
-   Protocol (benchmarks/tuning.py): each optimizer's learning rate chosen from a 3-point grid on a validation split
-   carved from unused train synsets (disjoint from test), then 3 seeds (head initialization and batch order) on test,
-   mean +- sd, paired 95 % intervals against GaLore; per rank one table. Also optimizer-state bytes, time per step,
-   and whether the state loads with ``torch.load(weights_only=True)``.
+   Protocol (benchmarks/_lib/protocol.py): each optimizer's learning rate chosen from a 3-point grid on a validation
+   split carved from unused train synsets (disjoint from test), then 3 seeds (head initialization and batch order) on
+   test, mean +- sd, paired 95 % intervals against GaLore; per rank one table. Also optimizer-state bytes, time per
+   step, and whether the state loads with ``torch.load(weights_only=True)``.
 4. An ablation of DCT-AdamW's ``column_bias_correction`` on a small MLP (the choice documented in the class).
 5. The optimizer step alone on fixed MiniLM-L6 gradients, all optimizers at the first rank interleaved round by
    round, so load from other processes affects them alike.
@@ -24,7 +24,7 @@ step on an idle core (one thread) that is about 90 s a run, 2.3 hours for table 
 minutes for tables 1, 2, 4 and 5. ``--ranks 8`` halves table 3, ``--methods LABEL ...`` runs a subset, ``--quick``
 is a smoke run of every code path (about a minute on idle cores).
 
-    .venv/bin/python benchmarks/dct_vs_galore.py --json runs/benchmarks/dct_vs_galore.json \
+    .venv/bin/python -m benchmarks.dct_vs_galore --json runs/benchmarks/dct_vs_galore.json \
         --runs runs/benchmarks/dct_vs_galore-runs.json   # table 3's finished runs saved there, reused on restart
 
 Timings default to one thread (``--threads``): on a shared 2-core machine OpenMP threads that wait for a busy core
@@ -33,52 +33,35 @@ make two-thread timings vary several-fold from run to run, while one-thread rati
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
-import platform
 import statistics
+import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-from dct_energy import (
+from torch import nn
+
+from benchmarks._lib import machine
+from benchmarks._lib.cache import RunCache
+from benchmarks._lib.cli import benchmark_parser, parse
+from benchmarks._lib.data import minilm, tensor_bytes, wordnet_all_classes
+from benchmarks._lib.dct_tables import (
     TARGETS,
-    fmt_bytes,
-    fmt_s,
-    markdown_table,
-    minilm,
+    refresh_verdicts,
     table_column_bias,
     table_energy,
     table_refresh,
-    wordnet_all_classes,
+    table_step_time,
 )
-from torch import nn
-from tuning import Protocol, RunCache, Study, log_grid, plot_lr_panels, tune_and_test
-
+from benchmarks._lib.protocol import Protocol, Study, log_grid, plot_lr_panels, tune_and_test
+from benchmarks._lib.tables import fmt_bytes, fmt_s, markdown_table
 from peft_ext.continual import TrainConfig, run_sequence
 from peft_ext.continual.methods_optim import MAX_SHAPE, FullFineTune, is_projected, named_trainable
 from peft_ext.optim.dct import clear_dct_cache, dct_cache_bytes
-
-
-def tensor_bytes(obj: Any, seen: set[int] | None = None) -> int:
-    """Bytes of every tensor reachable from ``obj`` (dicts, lists, and attributes of objects such as GaLore's
-    projector, whose ``ortho_matrix`` lives in the optimizer state)."""
-    seen = set() if seen is None else seen
-    if id(obj) in seen:
-        return 0
-    seen.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(tensor_bytes(v, seen) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(tensor_bytes(v, seen) for v in obj)
-    if hasattr(obj, "__dict__"):
-        return sum(tensor_bytes(v, seen) for v in vars(obj).values())
-    return 0
 
 
 def loads_weights_only(optimizer: torch.optim.Optimizer) -> bool:
@@ -211,7 +194,7 @@ class MeasuredFullFineTune(FullFineTune):
 
 
 def make_score(specs: dict[str, dict[str, Any]], data: dict[str, int], epochs: int, batch_size: int):
-    """``score(method, lr, seed, split)`` for :func:`tuning.tune_and_test`: one fine-tuning run from scratch."""
+    """``score(method, lr, seed, split)`` for ``tune_and_test``: one fine-tuning run from scratch."""
     sequence = wordnet_all_classes(data["train_per_class"], data["test_per_class"], data["val_per_class"])
     splits = {"test": sequence, "validation": sequence.evaluated_on("validation")}
     base, collate = minilm(sequence.num_classes, data["max_length"])
@@ -258,18 +241,6 @@ def make_score(specs: dict[str, dict[str, Any]], data: dict[str, int], epochs: i
         return result.accuracy_matrix[0][0], extras
 
     return score
-
-
-def sub_study(study: Study, methods: list[str]) -> Study:
-    """The part of ``study`` about ``methods`` (one rank's table)."""
-    keep = [m for m in study.chosen if m in methods]
-    return Study(
-        study.protocol,
-        {m: study.validation[m] for m in keep},
-        {m: study.chosen[m] for m in keep},
-        {m: study.test[m] for m in keep},
-        {m: study.extras[m] for m in keep},
-    )
 
 
 def cost_table(study: Study) -> str:
@@ -348,101 +319,24 @@ def table_finetune(
     study = tune_and_test(grids, score, protocol)
     parts = [protocol.describe()]
     for r in ranks:
-        view = sub_study(study, at_rank(specs, r))
+        view = study.subset(at_rank(specs, r))
         baseline = f"GaLore r={r}" if f"GaLore r={r}" in view.test else None
         parts += [f"rank {r}:\n\n{view.table(baseline=baseline)}", f"rank {r}, costs:\n\n{cost_table(view)}"]
     return "\n\n".join(parts), study
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# table 5: optimizer step alone
-
-
-def table_step_time(
-    specs: dict[str, dict[str, Any]], rounds: int, data: dict[str, int], batch_size: int, lr: float
-) -> tuple[str, list[dict[str, Any]]]:
-    """Optimizer-step time alone, on one fixed MiniLM gradient, optimizers interleaved round by round.
-
-    Table 3's per-step times include forward and backward and are measured one optimizer after another, so load
-    from other processes on a shared machine shifts them. Here every round times one step of each optimizer back to
-    back on the same gradients, and the median over rounds is reported; a step of an optimizer whose gap is below
-    the window includes its refreshes; for a gap > 1 (GaLore, APOLLO, power) the first step's excess over the median
-    (state creation and a refresh) is amortized over the gap.
-    """
-    sequence = wordnet_all_classes(data["train_per_class"], data["test_per_class"])
-    model, collate = minilm(sequence.num_classes, data["max_length"])
-    batch = collate(sequence.tasks[0].train[:batch_size])
-    labels = batch.pop("labels")
-    nn.functional.cross_entropy(model(**batch).logits, labels).backward()
-    named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]  # the unused pooler has none
-    params = [p for _, p in named]
-    grads = [p.grad.clone() for p in params]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        optimizers = [build_optimizer(spec, named, lr) for spec in specs.values()]
-    backup = [p.detach().clone() for p in params]
-
-    def one_step(optimizer: torch.optim.Optimizer) -> float:
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
-        start = time.perf_counter()
-        optimizer.step()
-        elapsed = time.perf_counter() - start
-        with torch.no_grad():
-            for p, b in zip(params, backup):
-                p.copy_(b)  # every optimizer sees the same weights; only its own state advances
-        return elapsed
-
-    first = [one_step(opt) for opt in optimizers]  # state creation and the first refresh
-    times: list[list[float]] = [[] for _ in optimizers]
-    for _ in range(rounds):
-        for i, opt in enumerate(optimizers):
-            times[i].append(one_step(opt))
-    rows, records = [], []
-    for (label, spec), t0, ts in zip(specs.items(), first, times):
-        median = statistics.median(ts)
-        gap = spec.get("gap", 0)
-        # a refresh every `gap` > 1 steps mostly falls outside the median: amortize the first step's excess instead
-        refresh = max(t0 - median, 0.0) if gap > 1 else 0.0
-        amortized = median + (refresh / gap if gap else 0.0)
-        records.append({"label": label, "median_s": median, "first_step_s": t0, "amortized_s": amortized})
-        rows.append([label, fmt_s(median), fmt_s(t0), fmt_s(amortized)])
-    header = ["optimizer", "step (median)", "first step (state + refresh)", "amortized incl. refresh (gap > 1)"]
-    return markdown_table(header, rows), records
-
-
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def refresh_verdicts(refresh: list[dict[str, Any]], bases: dict[str, str]) -> list[str]:
-    """Refresh-time targets at the largest square gradient measured; ``bases``: ``{option: table-1 basis}``."""
-    square = [r for r in refresh if r["shape"][0] == r["shape"][1]]
-    if not square:
-        return []
-    big = max(square, key=lambda r: r["shape"][0])
-    n = big["shape"][0]
-    where = "" if n == 4096 else f" (measured at {n} x {n}; the target is set at 4096)"
-    svd = big["galore_svd_s"]
-    dct = svd / min(big["dct_fft_s"], big["dct_matmul_s"])
-    lines = [f"target: DCT-AdamW refresh vs SVD at {n} x {n} = {dct:.0f}x (>= 50x){where}: {_met(dct >= 50)}"]
-    for option, basis in bases.items():
-        ratio = svd / big[f"{basis}_s"]
-        lines.append(
-            f"target: best SVD-free option ({option}, basis {basis}) refresh vs GaLore's SVD at {n} x {n} = "
-            f"{ratio:.0f}x (>= 20x){where}: {_met(ratio >= 20)}"
-        )
-    return lines
-
-
-def _met(ok: bool) -> str:
-    return "met" if ok else "NOT met"
+#: ``--quick``: every code path at toy sizes
+QUICK = {"sizes": [256], "repeats": 1, "refresh_rank": 32, "step_rounds": 1, "energy_steps": [2], "epochs": 1}
+QUICK |= {"energy_ranks": [8, 32], "power_refreshes": 2, "train_per_class": 1, "val_per_class": 1, "test_per_class": 1}
+QUICK |= {"ranks": [8], "grid_points": 1, "test_seeds": [0], "batch_size": 8, "max_length": 16}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = benchmark_parser(
+        __doc__, quick="smoke run of every code path, about a minute", json="also write every figure here", threads=1
+    )
     parser.add_argument("--tables", type=int, nargs="+", default=[1, 2, 3, 4, 5], choices=[1, 2, 3, 4, 5])
     parser.add_argument("--step-rounds", type=int, default=15, help="table 5: interleaved timing rounds")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1; see the module docstring)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096], help="table 1 sizes")
     parser.add_argument(
         "--repeats", type=int, default=3, help="table 1 timing repeats (median; halved for the SVD at 4096)"
@@ -466,31 +360,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-length", type=int, default=32)
-    parser.add_argument("--quick", action="store_true", help="smoke run of every code path, about a minute")
-    parser.add_argument("--json", type=Path, default=None, help="also write every figure to this JSON file")
     parser.add_argument(
         "--png", type=Path, default=None, help="table 3: validation accuracy vs learning rate, one panel per rank"
     )
     parser.add_argument(
         "--runs", type=Path, default=None, help="table 3: save every finished run here, reuse the ones already saved"
     )
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.sizes, args.repeats, args.refresh_rank, args.step_rounds = [256], 1, 32, 1
-        args.energy_steps, args.energy_ranks, args.power_refreshes = [2], [8, 32], 2
-        args.train_per_class, args.val_per_class, args.test_per_class = 1, 1, 1
-        args.epochs, args.ranks, args.grid_points, args.test_seeds = 1, [8], 1, [0]
-        args.batch_size, args.max_length = 8, 16
-
+    args = parse(parser, argv, quick=QUICK)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*kernels-community.*")
-    env = {
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "machine": platform.machine(),
-        "cpu": _cpu_name(),
-        "command": "python benchmarks/dct_vs_galore.py " + " ".join(argv if argv is not None else _argv()),
-    }
+    command = ["python -m benchmarks.dct_vs_galore", *(sys.argv[1:] if argv is None else argv)]
+    env = machine.record(command=" ".join(command))
     print(f"[dct_vs_galore] torch {env['torch']}, {env['threads']} thread(s), {env['cpu']}", flush=True)
     data = {
         "train_per_class": args.train_per_class,
@@ -551,7 +431,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.png is not None:
             args.png.parent.mkdir(parents=True, exist_ok=True)
             panels = {
-                f"rank {r} (every optimizer's grid, seed 0 validation)": sub_study(study, at_rank(specs, r))
+                f"rank {r} (every optimizer's grid, seed 0 validation)": study.subset(at_rank(specs, r))
                 for r in args.ranks
             }
             print(f"[table 3] figure: {plot_lr_panels(panels, str(args.png))}", flush=True)
@@ -565,7 +445,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if 5 in args.tables:
         print("[table 5] optimizer step time, interleaved", flush=True)
         first = {m: specs[m] for m in at_rank(specs, args.ranks[0])}
-        text, results["step_time"] = table_step_time(first, args.step_rounds, data, args.batch_size, args.lr)
+        text, results["step_time"] = table_step_time(
+            first, build_optimizer, args.step_rounds, data, args.batch_size, args.lr
+        )
         tables.append(
             "### 5. Optimizer step alone on fixed MiniLM-L6 gradients "
             f"(median of {args.step_rounds} interleaved rounds)\n\n{text}"
@@ -583,22 +465,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.json.write_text(json.dumps(results, indent=2, default=str))
         print(f"[dct_vs_galore] wrote {args.json}")
     return results
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def _argv() -> list[str]:
-    import sys
-
-    return sys.argv[1:]
 
 
 if __name__ == "__main__":

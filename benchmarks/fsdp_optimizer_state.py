@@ -13,18 +13,16 @@
 
 Usage (about a minute on a 2-core CPU; starts its own 2 processes, no torchrun needed)::
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fsdp_optimizer_state.py --json runs/benchmarks/fsdp_state.json
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.fsdp_optimizer_state --json runs/benchmarks/fsdp_state.json
 
 ``--riemannion-only`` runs part 2 alone (about 40 s).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,12 +34,12 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from peft_ext.distributed import count_collectives, full_tensor, local_part, write_full_  # noqa: E402
-from peft_ext.models import tiny_llama  # noqa: E402
-from peft_ext.optim import DCTAdamW, create_riemannion_optimizer  # noqa: E402
+from benchmarks._lib import machine
+from benchmarks._lib.cli import benchmark_parser
+from benchmarks._lib.tables import fmt_bytes, markdown_table
+from peft_ext.distributed import count_collectives, full_tensor, local_part, write_full_
+from peft_ext.models import tiny_llama
+from peft_ext.optim import DCTAdamW, create_riemannion_optimizer
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 HIDDEN, LAYERS, VOCAB, RANK, STEPS = 256, 2, 512, 32, 6
@@ -234,10 +232,6 @@ def _worker(rank: int, world: int, store: str, out: str, optimizers: tuple[str, 
     dist.destroy_process_group()
 
 
-def _fmt(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
-
-
 def _median_ms(times: list[float]) -> float:
     return statistics.median(times) * 1e3
 
@@ -247,17 +241,13 @@ def print_riemannion(ranks: list[dict[str, Any]]) -> dict[str, float]:
     r = [rank["riemannion"] for rank in ranks]
     print(
         f"Riemannion step ({r[0]['adapters']} adapters, r = {RANK // 2}): whole factors + gradients "
-        f"{_fmt(r[0]['factor_bytes'])}, gathered per rank per step {_fmt(r[0]['gathered_bytes'])}; "
+        f"{fmt_bytes(r[0]['factor_bytes'])}, gathered per rank per step {fmt_bytes(r[0]['gathered_bytes'])}; "
         f"{STEPS_TIMED} timed steps each (the first of each left out: it creates the momentum), interleaved. "
         "CPU: the step's CPU time in its process (all threads; the larger of the 2 ranks)\n"
     )
     one_wall, one_cpu = zip(*r[0]["step_times_s"]["one process"][1:])
-    print(
-        "| step | wall (median) | / 1 process (median of rounds, p25-p75) | CPU (median) | / 1 process | collectives |"
-    )
-    print("|---|---:|---:|---:|---:|---:|")
     calls = r[0]["collectives"]["one process"]
-    print(f"| 1 process | {_median_ms(one_wall):.1f} ms | 1 | {_median_ms(one_cpu):.1f} ms | 1 | {calls} |")
+    rows = [["1 process", f"{_median_ms(one_wall):.1f} ms", "1", f"{_median_ms(one_cpu):.1f} ms", "1", str(calls)]]
     ratios = {}
     label = {"bucketed": "2 ranks, one all-gather (now)", "per-tensor": "2 ranks, all-gather per tensor (before)"}
     for mode in GATHERS:
@@ -269,26 +259,29 @@ def print_riemannion(ranks: list[dict[str, Any]]) -> dict[str, float]:
         rounds = sorted(w / o for w, o in zip(wall, own))
         ratios[mode] = _median_ms(wall) / _median_ms(one_wall)
         q = statistics.quantiles(rounds, n=4)
-        print(
-            f"| {label[mode]} | {_median_ms(wall):.1f} ms | {ratios[mode]:.2f}x ({statistics.median(rounds):.2f}x, "
-            f"{q[0]:.2f}-{q[2]:.2f}) | {_median_ms(cpu):.1f} ms | {_median_ms(cpu) / _median_ms(one_cpu):.2f}x | "
-            f"{r[0]['collectives'][mode]} |"
-        )
+        rows.append(
+            [label[mode], f"{_median_ms(wall):.1f} ms",
+             f"{ratios[mode]:.2f}x ({statistics.median(rounds):.2f}x, {q[0]:.2f}-{q[2]:.2f})",
+             f"{_median_ms(cpu):.1f} ms", f"{_median_ms(cpu) / _median_ms(one_cpu):.2f}x",
+             str(r[0]["collectives"][mode])]
+        )  # fmt: skip
+    head = ["step", "wall (median)", "/ 1 process (median of rounds, p25-p75)", "CPU (median)", "/ 1 process"]
+    print(markdown_table([*head, "collectives"], rows))
     verdict = "met" if ratios["bucketed"] <= 1.3 else "NOT met"
     print(f"\ntarget: Riemannion step at 2 ranks <= 1.3x one process (wall): {ratios['bucketed']:.2f}x: {verdict}")
     # every rank runs the whole step (the retraction needs whole factors): on fewer free cores than processes, the
     # 2 ranks' wall time includes waiting for a core, which the CPU column leaves out
-    print(f"machine: {os.cpu_count()} cores, load average over the last minute at the end {os.getloadavg()[0]:.1f}")
+    load = machine.load_average()
+    print(f"machine: {os.cpu_count()} cores, load average over the last minute at the end {load:.1f}")
     speedup = ratios["per-tensor"] / ratios["bucketed"]
     print(f"step at 2 ranks, one all-gather vs one per tensor: {speedup:.2f}x faster")
     return ratios
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", type=Path, help="also write the numbers here")
+def main(argv: list[str] | None = None) -> None:
+    parser = benchmark_parser(__doc__, json="also write the numbers here")
     parser.add_argument("--riemannion-only", action="store_true", help="only the Riemannion step")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     optimizers = () if args.riemannion_only else OPTIMIZERS
@@ -312,18 +305,19 @@ def print_state(one: dict[str, Any], ranks: list[dict[str, Any]]) -> None:
         "DCT-AdamW": "DCT of each rank's own rows; only the column scores are all-reduced",
         "GaLore-AdamW": "SVD of the whole gradient: DTensor all-gathers it on every rank (projector {})",
     }
-    print("| optimizer | 1 process | rank 0 | rank 1 | rank 0 / 1 process | subspace on shards |")
-    print("|---|---:|---:|---:|---:|---|")
+    rows = []
     for name in OPTIMIZERS:
-        cells = [name, _fmt(one[name]["bytes"]) if "bytes" in one[name] else one[name]["error"]]
+        cells = [name, fmt_bytes(one[name]["bytes"]) if "bytes" in one[name] else one[name]["error"]]
         if all("bytes" in r[name] for r in ranks):
-            cells += [_fmt(r[name]["bytes"]) for r in ranks]
+            cells += [fmt_bytes(r[name]["bytes"]) for r in ranks]
             cells.append(f"{ranks[0][name]['bytes'] / one[name]['bytes']:.2f}")
             cells.append(how[name].format(ranks[0][name].get("projector", "")))
         else:
             error = next(r[name]["error"] for r in ranks if "error" in r[name])
             cells += [f"fails: `{error}`", "", "", "needs the whole matrix (SVD)"]
-        print("| " + " | ".join(cells) + " |")
+        rows.append(cells)
+    head = ["optimizer", "1 process", "rank 0", "rank 1", "rank 0 / 1 process", "subspace on shards"]
+    print(markdown_table(head, rows, align="lrrrrl"))
     print()
 
 

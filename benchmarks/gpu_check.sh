@@ -31,5 +31,5 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} TRITON_DEFAULT_FP_FUSION=1
 timeout 150 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_kernels_triton.py -k "gpu or compile" || status=1
 
 echo "== benchmark"
-timeout 180 "$PY" benchmarks/kernel_speed.py --device cuda --check ${PEAK_GBPS:+--peak-gbps "$PEAK_GBPS"} || status=1
+timeout 180 "$PY" -m benchmarks.kernel_speed --device cuda --check ${PEAK_GBPS:+--peak-gbps "$PEAK_GBPS"} || status=1
 exit $status

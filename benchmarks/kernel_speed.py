@@ -2,8 +2,8 @@
 
 Run (CPU: small sizes by default, under a minute on 2 shared cores; CUDA: the issue's sizes)::
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/kernel_speed.py            # CPU: torch references only
-    python benchmarks/kernel_speed.py --device cuda                          # GPU: adds the Triton kernels
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.kernel_speed            # CPU: torch references only
+    python -m benchmarks.kernel_speed --device cuda                          # GPU: adds the Triton kernels
 
 Prints two tables.
 
@@ -26,12 +26,15 @@ Targets on an H100/H200 (``--check`` prints PASS/FAIL): kernel speedup >= 3x, ba
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
+from benchmarks._lib.cli import benchmark_parser
+from benchmarks._lib.tables import markdown_table
+from benchmarks._lib.timing import median_time
 from peft_ext.kernels import (
     batched_retraction,
     choose_reference,
@@ -49,23 +52,10 @@ PEAK_GBPS |= {"A100-SXM4-80GB": 2039.0, "A100 80GB PCIe": 1935.0, "A100": 1555.0
 LLAMA_8B = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336)]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timeit(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2) -> float:
     """Median wall time of ``fn`` in seconds (synchronized on CUDA)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    sync = partial(torch.cuda.synchronize, device) if device.type == "cuda" else None
+    return median_time(fn, repeats, warmup=warmup, sync=sync)
 
 
 def peak_gbps(device: torch.device, override: float | None) -> float | None:
@@ -118,15 +108,16 @@ def gather_table(args: argparse.Namespace, device: torch.device) -> dict[str, fl
         f"{args.tokens} tokens, width {args.width}, N={args.pool}, K={args.k}; reference = {reference} "
         f"(choose_reference); minimum forward traffic {min_bytes / 1e6:.1f} MB"
     )
-    print(f"| method | fwd ms | fwd+bwd ms | fwd speedup vs {reference} | fwd+bwd speedup | fwd GB/s | % of peak |")
-    print("|---|---|---|---|---|---|---|")
+    cells = []
     for name, fwd, both in rows:
         gbps = min_bytes / fwd / 1e9
         frac = f"{100 * gbps / peak:.0f}%" if peak else "n/a"
-        print(
-            f"| {name} | {1e3 * fwd:.2f} | {1e3 * both:.2f} | {ref_fwd / fwd:.2f}x | {ref_both / both:.2f}x | "
-            f"{gbps:.1f} | {frac} |"
+        cells.append(
+            [name, f"{1e3 * fwd:.2f}", f"{1e3 * both:.2f}", f"{ref_fwd / fwd:.2f}x", f"{ref_both / both:.2f}x"]
+            + [f"{gbps:.1f}", frac]
         )
+    head = ["method", "fwd ms", "fwd+bwd ms", f"fwd speedup vs {reference}", "fwd+bwd speedup", "fwd GB/s"]
+    print(markdown_table([*head, "% of peak"], cells, align="l" * 7))
     if "triton" in results:
         results["speedup"] = ref_fwd / results["triton"]
         results["speedup_fwd_bwd"] = ref_both / results["triton_fwd_bwd"]
@@ -180,16 +171,14 @@ def retraction_table(args: argparse.Namespace, device: torch.device) -> dict[str
         f"r={args.rank}, fp32) vs step estimate {1e3 * step:.1f} ms = {args.layers} x fwd+bwd of one layer's 7 "
         f"projections on {tokens} tokens ({args.dtype})"
     )
-    print("| method | retraction ms | % of step estimate |")
-    print("|---|---|---|")
-    for method, t in times.items():
-        print(f"| {method} | {1e3 * t:.2f} | {100 * t / step:.1f}% |")
+    cells = [[method, f"{1e3 * t:.2f}", f"{100 * t / step:.1f}%"] for method, t in times.items()]
+    print(markdown_table(["method", "retraction ms", "% of step estimate"], cells, align="lll"))
     best = "triton" if "triton" in times else "qr"
     return {"retraction": times[best], "step": step, "retraction_fraction": times[best] / step}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--tokens", type=int, default=None)
@@ -203,7 +192,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--peak-gbps", type=float, default=None, help="device memory bandwidth peak, GB/s")
     parser.add_argument("--check", action="store_true", help="print PASS/FAIL against the issue's targets")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(args.device)

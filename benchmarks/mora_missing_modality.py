@@ -1,6 +1,6 @@
 """MoRA against LoRA on both towers (at r = 4, and at MoRA's trainable-parameter count), a frozen backbone + linear
 head, and missing-aware prompts (MMP), on the emoji image + name pairs with missing modalities, under the benchmark
-protocol of ``benchmarks/tuning.py``; prints markdown tables and the target's verdicts.
+protocol of ``benchmarks/_lib/protocol.py``; prints markdown tables and the target's verdicts.
 
 Backbone (:mod:`peft_ext.multimodal.dual_encoder`): the real pretrained MiniLM-L6 text tower (offline, width 384,
 6 layers) and a small ViT (width 192, 4 layers, 8 x 8 patches of the 32 x 32 images), pretrained LiT-style on the
@@ -31,32 +31,32 @@ are the docs/methods.md (MoRA) schedule, kept from the earlier runs.
 
 Usage::
 
-    python benchmarks/mora_missing_modality.py --json runs/benchmarks/mora.json   # the protocol, rates 0 and 0.7
-    python benchmarks/mora_missing_modality.py --runs runs/benchmarks/mora-runs.json  # a killed job loses no run
-    python benchmarks/mora_missing_modality.py --rates 0 0.3 0.7                  # the 7-setting grid
-    python benchmarks/mora_missing_modality.py --quick                            # smoke run of every path (< 1 min)
-    python benchmarks/mora_missing_modality.py --table-from runs/a.json runs/b.json  # merge the rows of runs
+    python -m benchmarks.mora_missing_modality --json runs/benchmarks/mora.json   # the protocol, rates 0 and 0.7
+    python -m benchmarks.mora_missing_modality --runs runs/benchmarks/mora-runs.json  # a killed job loses no run
+    python -m benchmarks.mora_missing_modality --rates 0 0.3 0.7                  # the 7-setting grid
+    python -m benchmarks.mora_missing_modality --quick                            # smoke run of every path (< 1 min)
+    python -m benchmarks.mora_missing_modality --table-from runs/a.json runs/b.json  # merge the rows of runs
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/tuning.py
 
 import torch  # noqa: E402
-from tuning import Protocol, RunCache, Study, log_grid, mean_sd, paired_interval, tune_and_test  # noqa: E402
 
+from benchmarks._lib.cache import RunCache  # noqa: E402
+from benchmarks._lib.cli import benchmark_parser, parse  # noqa: E402
+from benchmarks._lib.protocol import Protocol, Study, log_grid, paired_interval, tune_and_test  # noqa: E402
+from benchmarks._lib.tables import mean_sd  # noqa: E402
 from peft_ext.multimodal import MISSING_TYPES, MissingSpec  # noqa: E402
 from peft_ext.multimodal.experiment import (  # noqa: E402
     ALL_METHODS,
@@ -84,8 +84,11 @@ QUICK = {
 }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = benchmark_parser(
+        __doc__, quick="smoke run: toy sizes, test seeds 0 1", json="also write the rows, studies and settings here",
+        threads=1, runs=True
+    )  # fmt: skip
     defaults = ExperimentSettings()
     parser.add_argument("--rates", type=float, nargs="+", default=[0.0, 0.7], help="missing rates")
     parser.add_argument("--kinds", nargs="+", default=list(MISSING_TYPES), choices=MISSING_TYPES, help="types")
@@ -99,16 +102,10 @@ def main() -> None:
         if field.name == "train_limit":
             kind = int
         parser.add_argument(flag, type=kind, default=getattr(defaults, field.name), help="default: %(default)s")
-    parser.add_argument("--quick", action="store_true", help="smoke run: toy sizes, test seeds 0 1")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    parser.add_argument("--json", type=Path, default=None, help="also write the rows, studies and settings here")
-    parser.add_argument(
-        "--runs", type=Path, default=None, help="save every finished run here and reuse the ones already saved"
-    )
     parser.add_argument(
         "--table-from", type=Path, nargs="+", default=None, help="print the tables of earlier --json files and exit"
     )
-    args = parser.parse_args()
+    args = parse(parser, argv, quick=QUICK)
     if args.table_from:
         saved = [json.loads(path.read_text()) for path in args.table_from]
         if len({json.dumps(s["settings"], sort_keys=True) for s in saved}) > 1:
@@ -119,8 +116,6 @@ def main() -> None:
         print("\n".join(verdicts(rows, saved[0]["infer_ms"])))
         return
     if args.quick:
-        for name, value in QUICK.items():
-            setattr(args, name, value)
         args.test_seeds = args.test_seeds[:2]
     if args.grid_points < 1:
         raise SystemExit(f"--grid-points must be >= 1, got {args.grid_points}")

@@ -7,7 +7,7 @@ the distillation step adds, and sequential LoRA is the forgetting reference.
 
 Run (about 6-8 minutes on 2 shared CPU cores at the defaults)::
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/pclr.py
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.pclr
 
 Prints one table: accuracy on each task right after learning it (the diagonal, after compression), final average
 accuracy, forgetting, average incremental accuracy, pool ranks after each task, how many ranks of each task survive
@@ -22,6 +22,9 @@ import time
 
 import torch
 
+from benchmarks._lib.cli import benchmark_parser
+from benchmarks._lib.tables import markdown_table
+from benchmarks._lib.timing import Interleaved
 from peft_ext.continual import TrainConfig, get_continual_method, run_sequence
 from peft_ext.data.collate import TextCollator
 from peft_ext.data.wordnet import wordnet_task_sequence
@@ -29,8 +32,8 @@ from peft_ext.models import load_text_classifier
 from peft_ext.tuners.pclr import group_layers
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--tasks", type=int, default=4)
     parser.add_argument("--classes-per-task", type=int, default=3)
     parser.add_argument("--train-per-class", type=int, default=40)
@@ -43,7 +46,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-baselines", action="store_true", help="skip seq_lora and the no-integration variant")
     parser.add_argument("--overhead-only", action="store_true", help="only time one forward: PCLR vs LoRA")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.overhead_only:
         routing_overhead(args)
         return
@@ -114,18 +117,15 @@ def main() -> None:
         f"\nWordNet supersenses, {args.tasks} tasks x {args.classes_per_task} classes, MiniLM-L6, class-incremental,"
         f" torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
-    print(
-        "| method | just-learnt acc % | final acc % | forgetting % | avg incremental acc % | "
-        "pool ranks after each task | ranks kept per task at the end (block 0) | wall s |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
+    head = ["method", "just-learnt acc %", "final acc %", "forgetting %", "avg incremental acc %"]
+    head += ["pool ranks after each task", "ranks kept per task at the end (block 0)", "wall s"]
+    cells = []
     for label, diagonal, final, forget, aia, pools, survivors, seconds in rows:
         pool = ", ".join(map(str, pools)) if pools else "-"
         kept = ", ".join(map(str, survivors[-1])) if survivors else "-"
-        print(
-            f"| {label} | {100 * diagonal:.1f} | {100 * final:.1f} | {100 * forget:.1f} | {100 * aia:.1f} | {pool} | "
-            f"{kept} | {seconds:.0f} |"
-        )
+        accs = [f"{100 * x:.1f}" for x in (diagonal, final, forget, aia)]
+        cells.append([label, *accs, pool, kept, f"{seconds:.0f}"])
+    print(markdown_table(head, cells, align="l" * 8))
 
 
 def routing_overhead(args: argparse.Namespace, batch: int = 32, tokens: int = 32, rounds: int = 9) -> None:
@@ -135,6 +135,7 @@ def routing_overhead(args: argparse.Namespace, batch: int = 32, tokens: int = 32
     fastest forward: on a shared machine the minimum of interleaved runs is the figure least moved by neighbours.
     """
     import copy
+    from functools import partial
 
     from peft import LoraConfig, get_peft_model
 
@@ -159,23 +160,17 @@ def routing_overhead(args: argparse.Namespace, batch: int = 32, tokens: int = 32
     for label, config in configs.items():
         model = copy.deepcopy(base) if config is None else get_peft_model(copy.deepcopy(base), config)
         models[label] = model.eval()
-    times: dict[str, list[float]] = {label: [] for label in models}
+    timer = Interleaved(list(models), warmup=1)  # the first round warms up; the order rotates round by round
     with torch.no_grad():
-        for model in models.values():
-            model(**inputs)
-        for _ in range(rounds):
-            for label, model in models.items():
-                start = time.perf_counter()
-                model(**inputs)
-                times[label].append(time.perf_counter() - start)
-    best = {label: min(t) for label, t in times.items()}
+        for _ in range(rounds + 1):
+            timer.round({label: partial(model, **inputs) for label, model in models.items()})
+    best = {label: min(timer.times(label)) for label in models}
     print(
         f"\nForward time, batch {batch} x {tokens} tokens, eval, no grad, {torch.get_num_threads()} threads, "
         f"fastest of {rounds} interleaved rounds"
     )
-    print("| model | ms per forward | vs base |\n|---|---:|---:|")
-    for label, seconds in best.items():
-        print(f"| {label} | {1000 * seconds:.1f} | {seconds / best['base']:.2f}x |")
+    cells = [[label, f"{1000 * seconds:.1f}", f"{seconds / best['base']:.2f}x"] for label, seconds in best.items()]
+    print(markdown_table(["model", "ms per forward", "vs base"], cells))
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ Every finished run is saved in ``--out``/checkpoint.json (the continual benchmar
 
 Usage::
 
-    python benchmarks/pclr_ablation.py                         # every variant, seeds 0 1
-    python benchmarks/pclr_ablation.py --variants base no_proto --seeds 0
-    python benchmarks/pclr_ablation.py --quick                 # toy sizes, two variants (smoke run)
+    python -m benchmarks.pclr_ablation                         # every variant, seeds 0 1
+    python -m benchmarks.pclr_ablation --variants base no_proto --seeds 0
+    python -m benchmarks.pclr_ablation --quick                 # toy sizes, two variants (smoke run)
 """
 
 from __future__ import annotations
@@ -26,15 +26,16 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import continual_wordnet as cw  # noqa: E402
 import torch  # noqa: E402
+
+from benchmarks._lib import continual as cw  # noqa: E402
+from benchmarks._lib.cli import benchmark_parser  # noqa: E402
+from benchmarks._lib.tables import markdown_table, mean_sd  # noqa: E402
 
 #: The chosen learning rates of benchmarks/continual_wordnet.py (validation, seed 0; docs/benchmarks.md).
 CHOSEN_LR = {"pclr": 2e-3, "seq_lora": 1e-3, "splitlora": 5e-3}
@@ -97,19 +98,17 @@ REFERENCES = {
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = benchmark_parser(__doc__, quick="toy sizes, variants base and no_proto, seed 0", threads=1)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--references", nargs="*", default=list(REFERENCES), choices=list(REFERENCES))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="class draws (validation split)")
     parser.add_argument("--out", default="runs/pclr_ablation", help="folder of checkpoint.json")
-    parser.add_argument("--quick", action="store_true", help="toy sizes, variants base and no_proto, seed 0")
-    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     bench = ["--methods", "seq_lora", "--convergence", "--out", args.out, "--resume"]
     if args.quick:
         bench.append("--quick")
         args.variants, args.references, args.seeds = ["base", "no_proto"], ["seq_lora"], [0]
-    args.bench = cw.parse_args(bench)
+    args.bench = cw.parse_args(bench, __doc__)
     entries = {**{n: VARIANTS[n] for n in args.variants}, **{n: REFERENCES[n] for n in args.references}}
     for name, entry in entries.items():
         cw.METHOD_OF.setdefault(name, "pclr" if name in VARIANTS else name)
@@ -140,31 +139,25 @@ def summarize(run: dict[str, Any]) -> dict[str, float]:
 def table(rows: dict[str, list[dict[str, float]]], entries: dict[str, dict[str, Any]]) -> str:
     head = ["variant", "change", "final acc", "avg incr acc", "forgetting", "new-task acc", "first task"]
     head += ["pool ranks after a task (max)", "values stored", "CPU s / run"]
-    lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+    table_rows = []
     for name, runs in rows.items():
 
         def cell(key: str, runs: list[dict[str, float]] = runs) -> str:
-            values = [r[key] for r in runs if key in r]
-            if not values:
-                return "—"
-            if len(values) == 1:
-                return f"{values[0]:.1f}"
-            return f"{statistics.fmean(values):.1f} ± {statistics.stdev(values):.1f}"
+            return mean_sd([r[key] for r in runs if key in r], scale=1.0, mean=statistics.fmean)
 
         pool = max((r["pool"] for r in runs if "pool" in r), default=None)
         stored = max((r["stored"] for r in runs if "stored" in r), default=None)
         cells = [name, entries[name]["about"], cell("final"), cell("incremental"), cell("forgetting")]
         cells += [cell("new_task"), cell("first_task"), "—" if pool is None else str(pool)]
         cells += ["—" if stored is None else f"{stored:,}", f"{statistics.fmean(r['cpu'] for r in runs):.0f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        table_rows.append(cells)
+    return markdown_table(head, table_rows, align="ll" + "r" * (len(head) - 2))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    checkpoint = Path(args.out) / "checkpoint.json"
-    runs = cw.Runs(args.bench, cw.load_checkpoint(checkpoint, args.bench), checkpoint)
+    runs = cw.Runs(args.bench)
     start = time.perf_counter()
     rows: dict[str, list[dict[str, float]]] = {}
     for seed in args.seeds:  # seed-major: a stopped job has every variant on the first seeds

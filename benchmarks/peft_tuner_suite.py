@@ -7,8 +7,8 @@ distribution of the installed PEFT version (``pip download``; or ``--sdist`` a l
 SplitLoRA and PCLR cases in the shape of LoRA's (PEFT's MLP variants and its GPT-2 style ``Conv1D`` model) in front
 of PEFT's list, runs those cases only, and prints a table per adapter type with the failures grouped by message.
 
-    python benchmarks/peft_tuner_suite.py                  # all three types (a few minutes on 2 cores)
-    python benchmarks/peft_tuner_suite.py --types pclr -x  # one type, stop at the first failure
+    python -m benchmarks.peft_tuner_suite                  # all three types (a few minutes on 2 cores)
+    python -m benchmarks.peft_tuner_suite --types pclr -x  # one type, stop at the first failure
 
 It writes ``runs/peft_tuner_suite/results.json`` (counts and every failure's first line). By design, PCLR refuses to
 merge while its routing depends on the input, and its routing keys learn through the query-key loss the training
@@ -17,7 +17,6 @@ adds rather than the task loss (docs/pclr.md); those failures are counted as suc
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import subprocess
@@ -29,6 +28,9 @@ from collections import Counter
 from pathlib import Path
 
 import peft
+
+from benchmarks._lib.cli import benchmark_parser
+from benchmarks._lib.tables import markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -114,7 +116,7 @@ def inject(tests: Path, types: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--types", default=",".join(TYPES), help=f"comma-separated, of {sorted(TYPES)}")
     parser.add_argument("--sdist", help="a local peft-<version>.tar.gz (default: pip download the installed version)")
     parser.add_argument("--out", default=str(ROOT / "runs" / "peft_tuner_suite"), help="where results.json goes")
@@ -151,9 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"peft": peft.__version__, "types": rows}, indent=2))
     print(f"\nPEFT {peft.__version__} tests/test_custom_models.py over peft-ext's adapter types\n")
-    print("| type | passed | failed | by design | skipped |\n|---|---:|---:|---:|---:|")
-    for kind, row in rows.items():
-        print(f"| {kind} | {row['passed']} | {row['failed']} | {row['by_design']} | {row['skipped']} |")
+    counts = ["passed", "failed", "by_design", "skipped"]
+    table = [[kind, *(str(row[c]) for c in counts)] for kind, row in rows.items()]
+    print(markdown_table(["type", "passed", "failed", "by design", "skipped"], table))
     for kind, row in rows.items():
         for reason, count in row["design_reasons"].items():
             print(f"  {kind}, by design: {count} x {reason}")

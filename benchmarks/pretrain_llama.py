@@ -7,12 +7,12 @@ not fine-tuning. This benchmark shrinks that setting to two CPU cores.
   4 heads (2 key/value heads), MLP 512, byte vocabulary (256): 4.85 M parameters, of which 4.72 M sit in the 56
   attention / MLP projections. A step is ``--batch`` x ``--seq`` = 16 x 64 = 1,024 bytes; ``--steps`` 400 make
   410 k training tokens per run, the same for every optimizer.
-- Data: the WordNet gloss corpus (``peft_ext.data.wordnet.read_gloss_file``, committed): each synset's definition
-  and its example sentences, one per line, as UTF-8 bytes (8.8 MB). Split by synset: WordNet's own test split
-  (about 20 % of synsets) is the reported **test** split; **validation** is 10 % of the training synsets, carved by
-  a SHA-1 hash of the synset id, used only to choose learning rates. Batches are random windows of the training
-  stream drawn from the seed (``causal_lm_bf16``'s pipeline); evaluation uses ``--eval-windows`` evenly spaced
-  windows of each split, the same for every run.
+- Data: the WordNet gloss corpus (``peft_ext.data.wordnet.read_gloss_file``, committed): each synset's definition and
+  its example sentences, one per line, as UTF-8 bytes (8.8 MB). Split by synset: WordNet's own test split (about 20 %
+  of synsets) is the reported **test** split; **validation** is 10 % of the training synsets, carved by a SHA-1 hash of
+  the synset id, used only to choose learning rates. Batches are random windows of the training stream drawn from the
+  seed (``causal_lm_bf16``'s pipeline, in ``benchmarks/_lib/data.py``); evaluation uses ``--eval-windows`` evenly
+  spaced windows of each split, the same for every run.
 - Optimizers: ``adamw`` (``torch.optim.AdamW``), ``galore`` (``galore_torch.GaLoreAdamW``, SVD), ``apollo``
   (``apollo_torch.APOLLOAdamW``, random projection, channel-wise scaling), ``dct_adamw`` (``DCTAdamW``,
   ``projection="dct"``), ``subspace_adamw`` (``SubspaceAdamW``, ``projection="power"``), ``dct_channel``
@@ -25,8 +25,8 @@ not fine-tuning. This benchmark shrinks that setting to two CPU cores.
   DCT-AdamW, SubspaceAdamW), 1 for the channel-scaled ones (APOLLO's default; APOLLO and both ``update="channel"``
   options). Everything else is shared: betas (0.9, 0.999), eps 1e-8, no weight decay, gradient clipping at norm
   ``--clip`` 1.0, linear warmup over 10 % of the steps then cosine decay to 10 % of the lr (GaLore's schedule).
-- Protocol (``benchmarks/tuning.py``): each optimizer's lr from a 3-point log grid (``GRIDS``, the same budget) by
-  final validation loss on seed 0, then test seeds 0, 1, 2 at that lr (a seed sets the init and the batches).
+- Protocol (``benchmarks/_lib/protocol.py``): each optimizer's lr from a 3-point log grid (``GRIDS``, the same budget)
+  by final validation loss on seed 0, then test seeds 0, 1, 2 at that lr (a seed sets the init and the batches).
   Perplexity is per byte, ``exp(mean loss)``. A run whose loss turns non-finite counts as infinite loss.
 - Time per step: all optimizers of one lr setting train side by side in one process, one step of each in turn on
   the same batch (forward + backward + clip + step), so machine load hits them alike; the median over the steps
@@ -42,9 +42,9 @@ optimizer state <= GaLore's. Writes the validation loss curves (mean ± sd over 
 Usage (the default is 5 rounds of the 7 optimizers side by side: 35 runs of 400 steps; with ``--runs`` every
 finished run is saved and a restarted job trains only the missing ones)::
 
-    PYTHONPATH=. python benchmarks/pretrain_llama.py --png docs/figures/pretrain_llama_loss.png \\
+    python -m benchmarks.pretrain_llama --png docs/figures/pretrain_llama_loss.png \\
         --json runs/benchmarks/pretrain_llama.json --runs runs/benchmarks/pretrain_llama-runs.json
-    PYTHONPATH=. python benchmarks/pretrain_llama.py --quick      # every code path at toy size, under a minute
+    python -m benchmarks.pretrain_llama --quick      # every code path at toy size, under a minute
 
 Cost, measured on the shared 2-core machine (load average 5 to 8) with one torch thread: forward + backward of one
 step 0.49 s, the optimizer step 15 ms (AdamW) to 55 ms (channel variants), GaLore's first SVD refresh 0.54 s; one
@@ -60,9 +60,7 @@ import argparse
 import hashlib
 import json
 import math
-import platform
 import statistics
-import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -71,16 +69,17 @@ from typing import Any
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # causal_lm_bf16, dct_vs_galore, tuning (as scripts)
-
-from causal_lm_bf16 import eval_loss, fixed_windows, random_windows  # noqa: E402
-from dct_vs_galore import tensor_bytes  # noqa: E402
-from tuning import Protocol, RunCache, Study, paired_interval, tune_and_test  # noqa: E402
-
-from peft_ext.data.wordnet import read_gloss_file  # noqa: E402
-from peft_ext.models import tiny_llama  # noqa: E402
-from peft_ext.optim import DCTAdamW, SubspaceAdamW  # noqa: E402
-from peft_ext.optim.dct import dct_cache_bytes  # noqa: E402
+from benchmarks._lib import machine
+from benchmarks._lib.cache import RunCache
+from benchmarks._lib.cli import benchmark_parser, parse
+from benchmarks._lib.data import eval_loss, fixed_windows, plot_loss_curves, random_windows, tensor_bytes
+from benchmarks._lib.protocol import Protocol, Study, paired_interval, tune_and_test
+from benchmarks._lib.tables import markdown_table
+from benchmarks._lib.timing import Interleaved
+from peft_ext.data.wordnet import read_gloss_file
+from peft_ext.models import tiny_llama
+from peft_ext.optim import DCTAdamW, SubspaceAdamW
+from peft_ext.optim.dct import dct_cache_bytes
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 VOCAB = 256  # bytes
@@ -183,29 +182,16 @@ def train_round(
         model = tiny_llama(vocab_size=VOCAB, hidden_size=args.hidden, num_layers=args.layers, seed=seed).train()
         optimizer = build_optimizer(name, model, lr, args)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, total=args.steps, warmup=warmup))
-        runs[name] = {"model": model, "optimizer": optimizer, "schedule": schedule, "times": [], "diverged": None}
+        runs[name] = {"model": model, "optimizer": optimizer, "schedule": schedule, "diverged": None}
         runs[name]["curve"] = [(0, eval_loss(model, data["val_windows"]))]
     gen = torch.Generator().manual_seed(seed)
+    timer = Interleaved(list(runs), warmup=3)  # the first 3 steps (lazy state) are not timed
     for step in range(1, args.steps + 1):
         ids = random_windows(data["train"], args.batch, args.seq, gen)
-        for run in runs.values():
-            if run["diverged"] is not None:
-                continue
-            start = time.perf_counter()
-            try:
-                loss = run["model"](input_ids=ids, labels=ids).loss
-                loss.backward()
-                if args.clip > 0:
-                    nn.utils.clip_grad_norm_(run["model"].parameters(), args.clip)
-                run["optimizer"].step()
-            except FloatingPointError:  # DCTAdamW's non-finite gradient check
-                run["diverged"] = step
-                continue
-            run["optimizer"].zero_grad(set_to_none=True)
-            run["schedule"].step()
-            run["times"].append(time.perf_counter() - start)
-            if not math.isfinite(loss.item()):
-                run["diverged"] = step
+        live = {name: partial(_step, run, ids, args.clip) for name, run in runs.items() if run["diverged"] is None}
+        for name, loss in timer.round(live).items():
+            if loss is None or not math.isfinite(loss):
+                runs[name]["diverged"] = step
         if step % args.eval_every == 0 or step == args.steps:
             for run in runs.values():
                 value = math.inf if run["diverged"] is not None else eval_loss(run["model"], data["val_windows"])
@@ -217,7 +203,7 @@ def train_round(
             "val": run["curve"][-1][1],
             "test": math.inf if failed else eval_loss(run["model"], data["test_windows"]),
             "curve": run["curve"],
-            "times": run["times"][3:],
+            "times": timer.times(name),
             "state_bytes": tensor_bytes(run["optimizer"].state),
             "diverged": run["diverged"],
         }
@@ -229,8 +215,24 @@ def train_round(
     return out
 
 
+def _step(run: dict[str, Any], ids: torch.Tensor, clip: float) -> float | None:
+    """One training step (forward, backward, clipping, optimizer and schedule step): the loss, or ``None`` when the
+    optimizer refused a non-finite gradient."""
+    try:
+        loss = run["model"](input_ids=ids, labels=ids).loss
+        loss.backward()
+        if clip > 0:
+            nn.utils.clip_grad_norm_(run["model"].parameters(), clip)
+        run["optimizer"].step()
+    except FloatingPointError:  # DCTAdamW's non-finite gradient check
+        return None
+    run["optimizer"].zero_grad(set_to_none=True)
+    run["schedule"].step()
+    return loss.item()
+
+
 def run_protocol(args: argparse.Namespace, data: dict[str, torch.Tensor], names: list[str]) -> Study:
-    """``tuning.tune_and_test`` over ``names``, its runs served from rounds of every optimizer side by side: a
+    """``tune_and_test`` over ``names``, its runs served from rounds of every optimizer side by side: a
     validation miss trains grid point ``i`` of every optimizer, a test miss every optimizer at its chosen lr."""
     grids = {n: GRIDS[n][: args.grid_points] if args.grid_points < 3 else GRIDS[n] for n in names}
     protocol = Protocol(tune_seeds=tuple(args.tune_seeds), test_seeds=tuple(args.test_seeds))
@@ -240,7 +242,7 @@ def run_protocol(args: argparse.Namespace, data: dict[str, torch.Tensor], names:
     if args.runs is not None:
         print(f"[pretrain_llama] {len(cache)} finished run(s) saved in {args.runs} will be reused", flush=True)
 
-    def chosen(name: str) -> float:  # tuning's rule: first maximum of the mean validation score
+    def chosen(name: str) -> float:  # the protocol's rule: first maximum of the mean validation score
         return max(grids[name], key=lambda lr: statistics.mean(-cache[(name, lr, s)]["val"] for s in args.tune_seeds))
 
     def score(name: str, lr: float, seed: int, split: str) -> tuple[float, dict[str, Any]]:
@@ -271,22 +273,19 @@ def _ppl(losses: list[float]) -> str:
 
 
 def table(study: Study) -> str:
-    lines = [
-        "| optimizer | lr grid | chosen lr | val ppl | test ppl | optimizer state KiB | step ms (median) "
-        "| step ms (mean, with refreshes) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
+    head = ["optimizer", "lr grid", "chosen lr", "val ppl", "test ppl", "optimizer state KiB", "step ms (median)"]
+    rows = []
     for name, lr in study.chosen.items():
         runs = study.extras[name]
         times = [t for r in runs for t in r["times"]] or [math.nan]
         grid = " / ".join(f"{x:g}" for x in sorted(study.validation[name]))
         edge = " (grid edge)" if lr in (min(study.validation[name]), max(study.validation[name])) else ""
-        lines.append(
-            f"| {name} | {grid} | {lr:g}{edge} | {_ppl([r['val'] for r in runs])} | {_ppl([r['test'] for r in runs])} "
-            f"| {runs[0]['state_bytes'] / 1024:.0f} | {1e3 * statistics.median(times):.0f} "
-            f"| {1e3 * statistics.mean(times):.0f} |"
-        )
-    return "\n".join(lines)
+        rows.append(
+            [name, grid, f"{lr:g}{edge}", _ppl([r["val"] for r in runs]), _ppl([r["test"] for r in runs]),
+             f"{runs[0]['state_bytes'] / 1024:.0f}", f"{1e3 * statistics.median(times):.0f}",
+             f"{1e3 * statistics.mean(times):.0f}"]
+        )  # fmt: skip
+    return markdown_table([*head, "step ms (mean, with refreshes)"], rows, align="ll" + "r" * 6)
 
 
 def _ratio(study: Study, a: str, b: str) -> tuple[float, float, float]:
@@ -327,33 +326,23 @@ def verdicts(study: Study) -> list[str]:
 
 
 def plot(study: Study, path: Path, title: str) -> None:
-    from matplotlib.figure import Figure
+    """Validation loss curves at each optimizer's chosen lr (its runs that did not diverge)."""
+    curves = {
+        f"{name} (lr {study.chosen[name]:g})": [r["curve"] for r in runs if r["diverged"] is None]
+        for name, runs in study.extras.items()
+    }
+    plot_loss_curves({k: v for k, v in curves.items() if v}, path, title, top=math.log(VOCAB) + 0.2)
 
-    fig = Figure(figsize=(6.4, 4.2))
-    ax = fig.add_subplot()
-    for name, runs in study.extras.items():
-        finite = [r for r in runs if r["diverged"] is None]
-        if not finite:
-            continue
-        steps = [s for s, _ in finite[0]["curve"]]
-        curves = torch.tensor([[v for _, v in r["curve"]] for r in finite])
-        mean = curves.mean(0)
-        (line,) = ax.plot(steps, mean, label=f"{name} (lr {study.chosen[name]:g})")
-        if len(finite) > 1:
-            sd = curves.std(0)
-            ax.fill_between(steps, mean - sd, mean + sd, alpha=0.15, color=line.get_color())
-    ax.set_xlabel("training step")
-    ax.set_ylabel("validation loss (nats / byte)")
-    ax.set_ylim(top=min(ax.get_ylim()[1], math.log(VOCAB) + 0.2))
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+
+#: ``--quick``: toy sizes, 2 grid points, 2 test seeds
+QUICK = {"hidden": 32, "layers": 2, "rank": 4, "gap": 3, "batch": 4, "seq": 16, "steps": 8, "eval_every": 4}
+QUICK |= {"eval_windows": 8, "grid_points": 2, "tune_seeds": [0], "test_seeds": [0, 1]}
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = benchmark_parser(
+        __doc__, quick="toy sizes, 2 grid points, 2 test seeds: a smoke run", json=True, threads=1, runs=True
+    )
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
@@ -369,18 +358,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--grid-points", type=int, default=3, choices=(1, 2, 3))
     parser.add_argument("--tune-seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--test-seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: stable timings on a shared machine)")
-    parser.add_argument("--png", type=Path, default=None)
-    parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument(
-        "--runs", type=Path, default=None, help="save every finished run here and reuse the ones already saved"
-    )
-    parser.add_argument("--quick", action="store_true", help="toy sizes, 2 grid points, 2 test seeds: a smoke run")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.hidden, args.layers, args.rank, args.gap, args.batch, args.seq = 32, 2, 4, 3, 4, 16
-        args.steps, args.eval_every, args.eval_windows, args.grid_points = 8, 4, 8, 2
-        args.tune_seeds, args.test_seeds = [0], [0, 1]
+    parser.add_argument("--png", type=Path, default=None, help="write the validation loss curves here")
+    args = parse(parser, argv, quick=QUICK)
     if args.seq > 128:
         raise ValueError(f"--seq must be <= 128 (tiny_llama's max_position_embeddings), got {args.seq}")
     torch.set_num_threads(args.threads)
@@ -414,7 +393,7 @@ def main(argv: list[str] | None = None) -> None:
         print(line)
     print(
         f"\nwall time {(time.perf_counter() - wall) / 60:.1f} min, {args.threads} thread(s), "
-        f"torch {torch.__version__}, {platform.machine()}"
+        f"{machine.torch_platform()}"
     )
     if args.png is not None:
         plot(study, args.png, f"tiny Llama ({size}), {len(args.test_seeds)} seed(s)")

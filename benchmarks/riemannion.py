@@ -13,15 +13,16 @@ step budget. Methods (continual-runner plugins, ``peft_ext/continual/methods_rie
 - ``lora_ga``: PEFT LoRA with PEFT's LoRA-GA initialization + AdamW (only with ``--methods``: an initialization, not
   one of the optimizer comparisons).
 
-Protocol (``benchmarks/tuning.py``): per method a 3-point log grid of learning rates, half a decade apart and centred
-on the constant in ``METHODS`` (the same number of points and the same step budget for every method), trained with
-seed 0 and scored on the validation split (``wordnet_task_sequence(val_per_class=...)``: synsets disjoint from train
-and test); each method's best validation point is then trained with seeds 0-4 and scored on the test split. Seeds
-change the head initialization, the batch order and the random parts of the initializations; the data draw (classes
-and examples) is fixed (data seed 0). A run is trained once per (method, lr, seed): the same run answers both splits,
-since training never sees either (seed 0 at the chosen lr is the grid's run; ``--quick`` re-trains one such run
-without the mid-run evaluations and checks the mean training loss and test accuracy are identical). The runs are
-trained by ``--jobs`` processes (default 2, one thread each; CPU runs are deterministic, so this changes no number).
+Protocol (``benchmarks/_lib/protocol.py``): per method a 3-point log grid of learning rates, half a decade apart and
+centred on the constant in ``METHODS`` (the same number of points and the same step budget for every method), trained
+with seed 0 and scored on the validation split (``wordnet_task_sequence(val_per_class=...)``: synsets disjoint from
+train and test); each method's best validation point is then trained with seeds 0-4 and scored on the test split.
+Seeds change the head initialization, the batch order and the random parts of the initializations; the data draw
+(classes and examples) is fixed (data seed 0). A run is trained once per (method, lr, seed): the same run answers
+both splits, since training never sees either (seed 0 at the chosen lr is the grid's run; ``--quick`` re-trains one
+such run without the mid-run evaluations and checks the mean training loss and test accuracy are identical). The runs
+are trained by ``--jobs`` processes (default 2, one thread each; CPU runs are deterministic, so this changes no
+number).
 
 Accuracy vs steps: inside each run, the validation and test accuracies are evaluated after 1/6, 1/3, 2/3 of the
 steps and at the end (55 / 110 / 220 / 330 at the defaults). The evaluation runs from the optimizer's step hook, in
@@ -43,9 +44,9 @@ runs (seed 0 at the chosen lr is a grid run) = 35 runs of 330 steps, the floor o
 run (Riemannion+LOI, with its 4 evaluation points) measured 181-191 s of CPU on the shared 2-core machine; on 2 idle
 cores with ``--jobs 2`` that is about 18 x 185 s = 55 min plus ~3 min of step-time rounds::
 
-    .venv/bin/python benchmarks/riemannion.py --json runs/benchmarks/riemannion.json \
+    .venv/bin/python -m benchmarks.riemannion --json runs/benchmarks/riemannion.json \
         --runs runs/benchmarks/riemannion-runs.json    # finished runs saved there; a re-started job reuses them
-    .venv/bin/python benchmarks/riemannion.py --quick      # smoke run of every code path, under a minute
+    .venv/bin/python -m benchmarks.riemannion --quick      # smoke run of every code path, under a minute
 
 One thread per process (``--threads``): on a shared 2-core machine OpenMP threads that wait for a busy core make
 two-thread timings vary several-fold between runs, while one-thread ratios are stable. The step-time rounds run after
@@ -56,29 +57,31 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing
-import platform
 import random
 import statistics
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from benchmarks._lib import machine
+from benchmarks._lib.cache import RunCache
+from benchmarks._lib.cli import benchmark_parser, parse
+from benchmarks._lib.continual import Instrumented
+from benchmarks._lib.data import wordnet_all_classes
+from benchmarks._lib.protocol import Protocol, Study, log_grid, paired_interval, tune_and_test
+from benchmarks._lib.tables import markdown_table
+from benchmarks._lib.timing import Interleaved, timed
 from peft_ext.continual import ContinualEngine, TrainConfig, get_continual_method, run_sequence
-from peft_ext.continual.engine import evaluate, trainable_parameters, training_loss
+from peft_ext.continual.engine import trainable_parameters, training_loss
 from peft_ext.data.collate import TextCollator
-from peft_ext.data.tasks import Task, TaskSequence
-from peft_ext.data.wordnet import class_counts, wordnet_task_sequence
+from peft_ext.data.tasks import TaskSequence
 from peft_ext.models import load_text_classifier
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tuning import Protocol, Study, log_grid, paired_interval, tune_and_test, write_json_atomic  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURE = ROOT / "docs" / "figures" / "riemannion_lr.png"
@@ -117,84 +120,9 @@ def _make_method(label: str, lr: float | None = None) -> Any:
     return get_continual_method(plugin)(**_options(plugin, options, label))
 
 
-class Instrumented:
-    """Wraps a method plugin: times its training steps and its initialization (``before_task``), and evaluates the
-    model on held-out splits at given step counts from the optimizer's step hook.
-
-    Args:
-        method: The plugin.
-        checkpoints: ``{step: [split names]}`` to evaluate after that many optimizer steps.
-        splits: ``{split name: examples}``.
-        num_classes: Classes the evaluation may predict (all of the one task's).
-        collate: The batch collator.
-    """
-
-    def __init__(
-        self, method: Any, checkpoints: dict[int, list[str]], splits: dict[str, list], num_classes: int, collate: Any
-    ) -> None:
-        self.method = method
-        self.checkpoints = checkpoints
-        self.splits = splits
-        self.num_classes = num_classes
-        self.collate = collate
-        self.step_times: list[float] = []
-        self.init_seconds = 0.0
-        self.curves: dict[str, dict[int, float]] = {name: {} for name in splits}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.method, name)
-
-    def before_task(self, model: nn.Module, task_id: int, task: Task, ctx: Any) -> nn.Module:
-        start = time.perf_counter()
-        model = self.method.before_task(model, task_id, task, ctx)
-        self.init_seconds += time.perf_counter() - start
-        return model
-
-    def _evaluate(self, model: nn.Module, names: list[str]) -> dict[str, float]:
-        # eval mode + no_grad draw no random numbers, and the generators are restored anyway: the run goes on exactly
-        # as it would have without this evaluation
-        torch_state, py_state = torch.get_rng_state(), random.getstate()
-        try:
-            allowed = list(range(self.num_classes))
-            return {
-                name: evaluate(model, self.splits[name], allowed, self.num_classes, self.collate, torch.device("cpu"))
-                for name in names
-            }
-        finally:
-            torch.set_rng_state(torch_state)
-            random.setstate(py_state)
-
-    def make_optimizer(self, model: nn.Module, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        optimizer = self.method.make_optimizer(model, params)
-        last: list[float | None] = [None]
-        steps = [0]
-
-        def hook(*_: Any) -> None:
-            now = time.perf_counter()
-            if last[0] is not None:  # the time between two steps: forward + backward + step (+ the batch's collate)
-                self.step_times.append(now - last[0])
-            steps[0] += 1
-            if steps[0] in self.checkpoints:
-                for name, acc in self._evaluate(model, self.checkpoints[steps[0]]).items():
-                    self.curves[name][steps[0]] = acc
-            last[0] = time.perf_counter()  # the evaluation is not part of the next step's time
-
-        optimizer.register_step_post_hook(hook)
-        return optimizer
-
-
 def build_sequence(args: argparse.Namespace) -> TaskSequence:
     """The one-task WordNet sequence (data seed 0) with train, validation and test examples per class."""
-    caps = (args.train_per_class + args.val_per_class, args.test_per_class)
-    eligible = [n for n, c in class_counts().items() if c["train"] >= caps[0] and c["test"] >= caps[1]]
-    return wordnet_task_sequence(
-        n_tasks=1,
-        classes_per_task=args.classes or len(eligible),
-        seed=0,
-        train_per_class=args.train_per_class,
-        test_per_class=args.test_per_class,
-        val_per_class=args.val_per_class,
-    )
+    return wordnet_all_classes(args.train_per_class, args.test_per_class, args.val_per_class, classes=args.classes)
 
 
 class Runner:
@@ -203,16 +131,17 @@ class Runner:
     Args:
         sequence: The one-task sequence with a validation split.
         args: The command line (sizes, seeds).
+        runs: The file every finished run is saved in (``--runs``), so a killed job loses none.
     """
 
-    def __init__(self, sequence: TaskSequence, args: argparse.Namespace) -> None:
+    def __init__(self, sequence: TaskSequence, args: argparse.Namespace, runs: Path | None = None) -> None:
         self.sequence = sequence
         self.args = args
         (self.task,) = sequence.tasks
         self.steps = -(-len(self.task.train) // args.batch_size) * args.epochs
         self.checkpoints = sorted({max(1, round(self.steps * f)) for f in CHECKPOINT_FRACTIONS})
-        self.runs: dict[tuple[str, float, int], dict[str, Any]] = {}
-        self.store: Path | None = None  # where finished runs are saved (--runs): a killed job loses no finished run
+        # runs keyed (method, lr, seed); files of the earlier format (a list of runs) are read too
+        self.cache = RunCache(runs, self.settings(), index=lambda run: (run["method"], run["lr"], run["seed"]))
         self.pending: dict[tuple[str, float, int], str] | None = None  # planning: the runs asked for, not trained
         self._bases: dict[int, tuple[nn.Module, Any]] = {}
 
@@ -267,36 +196,16 @@ class Runner:
         options = {label: {k: v for k, v in opts.items() if k != "lr"} for label, _, opts in METHODS}
         return {**{n: getattr(self.args, n) for n in names}, "rank": RANK, "targets": TARGETS, "options": options}
 
-    def load(self, path: Path) -> int:
-        """Reuse the finished runs saved in ``path`` by an earlier job with the same settings; returns how many."""
-        self.store = path
-        if not path.is_file():
-            return 0
-        saved = json.loads(path.read_text())
-        if saved.get("settings") != json.loads(json.dumps(self.settings())):
-            raise SystemExit(
-                f"{path} holds runs made with other settings ({saved.get('settings')}); use another --runs"
-            )
-        for run in saved["runs"]:
-            self.runs[(run["method"], run["lr"], run["seed"])] = run
-        return len(saved["runs"])
-
-    def finished(self, key: tuple[str, float, int], run: dict[str, Any]) -> None:
-        """Record a finished run (and save every run so far, atomically, when ``--runs`` is set)."""
-        self.runs[key] = run
-        if self.store is not None:
-            write_json_atomic(self.store, {"settings": self.settings(), "runs": list(self.runs.values())})
-
     def score(self, label: str, lr: float, seed: int, split: str) -> tuple[float, dict[str, Any]]:
-        """``tuning.tune_and_test``'s score: accuracy of the run on ``split`` (training it if not yet trained)."""
+        """``tune_and_test``'s score: accuracy of the run on ``split`` (training it if not yet trained)."""
         key = (label, lr, seed)
-        if key not in self.runs and self.pending is not None:
+        if key not in self.cache and self.pending is not None:
             if split == "validation" or "validation" not in self.pending.values():  # test lrs need the grid first
                 self.pending.setdefault(key, split)
             return 0.0, {}
-        if key not in self.runs:
-            self.finished(key, self.train(label, lr, seed, split))
-        run = self.runs[key]
+        if key not in self.cache:
+            self.cache.put(key, self.train(label, lr, seed, split))
+        run = self.cache[key]
         return run["curves"][split][str(self.steps)], {"curves": run["curves"], "step_ms": run["step_ms"]}
 
 
@@ -330,7 +239,7 @@ def run_protocol(runner: Runner, grids: dict[str, list[float]], protocol: Protoc
                     for key, split in runner.pending.items()
                 }
                 for future in as_completed(futures):
-                    runner.finished(futures[future], future.result())
+                    runner.cache.put(futures[future], future.result())
         runner.pending = None
     return tune_and_test(grids, runner.score, protocol, echo=lambda line: print(line, flush=True))
 
@@ -356,30 +265,30 @@ def interleaved_timing(runner: Runner, labels: list[str], rounds: int, warmup: i
         params = trainable_parameters(method, model)
         built[label] = (model, method, params, method.make_optimizer(model, params))
     batches = list(engine.ctx.iter_batches(task.train, rng=random.Random(0)))
-    times: dict[str, list[float]] = {label: [] for label in labels}
+
+    def step(label: str, batch: Any) -> None:  # one training step as the runner takes it
+        model, method, params, optimizer = built[label]
+        loss, _ = training_loss(model, method, batch, 0, None)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+
+    timer = Interleaved(labels, warmup=warmup)  # a different method goes first each round
     for r in range(warmup + rounds):
         batch = batches[r % len(batches)]
-        for label in labels[r % len(labels) :] + labels[: r % len(labels)]:  # a different method goes first each round
-            model, method, params, optimizer = built[label]
-            start = time.perf_counter()  # one training step as the runner takes it
-            loss, _ = training_loss(model, method, batch, 0, None)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            if r >= warmup:
-                times[label].append(time.perf_counter() - start)
-    del built
+        timer.round({label: lambda label=label, batch=batch: step(label, batch) for label in labels})
+    built.clear()  # the timed models are freed before the initializations are timed
     inits: dict[str, list[float]] = {}
     for label in [x for x in labels if x in INITS]:
         for _ in range(repeats):
             method = _make_method(label)
             engine = ContinualEngine(runner.sequence, method, collate, runner.train_config(0))
             model = engine.build(base)
-            start = time.perf_counter()
-            method.before_task(model, 0, task, engine.ctx)
-            inits.setdefault(label, []).append(time.perf_counter() - start)
-    return {"step_seconds": times, "init_seconds": inits, "rounds": rounds, "warmup": warmup}
+            inits.setdefault(label, []).append(timed(partial(method.before_task, model, 0, task, engine.ctx)))
+    ratios = {label: timer.ratio(label, REFERENCE).interval for label in labels if REFERENCE in labels}
+    step_seconds = {label: timer.times(label) for label in labels}
+    return {"step_seconds": step_seconds, "init_seconds": inits, "rounds": rounds, "warmup": warmup, "ratios": ratios}
 
 
 def _timing_table(timing: dict[str, Any], steps: int) -> tuple[str, dict[str, Any]]:
@@ -392,36 +301,31 @@ def _timing_table(timing: dict[str, Any], steps: int) -> tuple[str, dict[str, An
         if ref is not None:
             ratio = f"{median[label] / ref:.2f}x"
             if label != REFERENCE and len(t) > 1:
-                mean, lo, hi = paired_interval([math.log(x) for x in t], [math.log(x) for x in times[REFERENCE]])
-                interval = f"{math.exp(mean):.2f}x [{math.exp(lo):.2f}, {math.exp(hi):.2f}]"
-                summary.setdefault("ratio_interval", {})[label] = [math.exp(mean), math.exp(lo), math.exp(hi)]
+                mean, lo, hi = timing["ratios"][label]  # the geometric mean of the per-round ratios
+                interval = f"{mean:.2f}x [{lo:.2f}, {hi:.2f}]"
+                summary.setdefault("ratio_interval", {})[label] = [mean, lo, hi]
         cost = "-"
         if label in timing["init_seconds"] and ref is not None:
             seconds = statistics.median(timing["init_seconds"][label])
             equiv = seconds / ref
             summary["init"][label] = {"seconds": seconds, "steps_equivalent": equiv, "share": equiv / steps}
             cost = f"{INITS[label]}: {seconds:.2f} s = {equiv:.1f} steps = {100 * equiv / steps:.1f}% of {steps} steps"
-        rows.append(f"| {label} | {1e3 * median[label]:.0f} | {ratio} | {interval} | {cost} |")
-    head = [
-        f"### Step time: interleaved in one process, {timing['rounds']} rounds after {timing['warmup']} warm-up",
-        "",
-        f"| method | median step ms | vs {REFERENCE} (medians) | per-round ratio, geo. mean [95 % CI] | init cost |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    return "\n".join(head + rows), summary
+        rows.append([label, f"{1e3 * median[label]:.0f}", ratio, interval, cost])
+    head = ["method", "median step ms", f"vs {REFERENCE} (medians)", "per-round ratio, geo. mean [95 % CI]"]
+    title = f"### Step time: interleaved in one process, {timing['rounds']} rounds after {timing['warmup']} warm-up"
+    return f"{title}\n\n{markdown_table([*head, 'init cost'], rows)}", summary
 
 
 def _curve_table(title: str, rows: list[tuple[str, dict[str, list[float]]]], checkpoints: list[int]) -> str:
-    lines = [title, "", "| run | " + " | ".join(f"{s} steps" for s in checkpoints) + " |"]
-    lines.append("|---|" + "---:|" * len(checkpoints))
+    cells = []
     for name, curve in rows:
-        cells = []
+        row = [name]
         for s in checkpoints:
             values = [100 * v for v in curve[str(s)]]
             sd = f" ± {statistics.stdev(values):.1f}" if len(values) > 1 else ""
-            cells.append(f"{statistics.mean(values):.1f}{sd}")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            row.append(f"{statistics.mean(values):.1f}{sd}")
+        cells.append(row)
+    return f"{title}\n\n{markdown_table(['run', *(f'{s} steps' for s in checkpoints)], cells)}"
 
 
 def _targets(study: Study, timing: dict[str, Any], steps: int) -> list[str]:
@@ -448,8 +352,13 @@ def _targets(study: Study, timing: dict[str, Any], steps: int) -> list[str]:
     return lines
 
 
+#: ``--quick``: every code path at toy size (4 classes, 2 seeds, 4 steps of 4, 2 timing rounds)
+QUICK = {"seeds": 2, "classes": 4, "epochs": 1, "batch_size": 4, "max_length": 16, "timing_rounds": 2}
+QUICK |= {"train_per_class": 4, "val_per_class": 4, "test_per_class": 4}
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = benchmark_parser(__doc__, quick="smoke run: 4 classes, 2 seeds, 4 steps", json=True, threads=1, runs=True)
     parser.add_argument("--seeds", type=int, default=5, help="test seeds 0..N-1 (seed 0 tunes)")
     parser.add_argument("--classes", type=int, default=None, help="number of supersenses (default: all eligible)")
     parser.add_argument("--train-per-class", type=int, default=20)
@@ -461,35 +370,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--grid-points", type=int, default=3, help="learning rates per method (half a decade apart)")
     parser.add_argument("--timing-rounds", type=int, default=40, help="interleaved step-time rounds after warm-up")
     parser.add_argument("--jobs", type=int, default=2, help="training processes (default 2: one per core)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1; see the module docstring)")
     parser.add_argument(
         "--methods", nargs="+", default=DEFAULT_METHODS, help=f"labels to run (all: {[m[0] for m in METHODS]})"
     )
-    parser.add_argument("--quick", action="store_true", help="smoke run: 4 classes, 2 seeds, 4 steps")
     parser.add_argument("--figure", type=Path, default=None, help=f"lr-curves PNG (default {FIGURE}; none in --quick)")
-    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
-    parser.add_argument(
-        "--runs", type=Path, default=None, help="save every finished run here and reuse the ones already saved"
-    )
-    args = parser.parse_args(argv)
+    args = parse(parser, argv, quick=QUICK)
     unknown = sorted(set(args.methods) - {m[0] for m in METHODS})
     if unknown:
         parser.error(f"--methods: unknown {unknown}; valid: {[m[0] for m in METHODS]}")
     for flag, value in (("--jobs", args.jobs), ("--timing-rounds", args.timing_rounds), ("--seeds", args.seeds)):
         if value < 1:
             parser.error(f"{flag} must be >= 1, got {value}")
-    warmup, repeats = 5, 3
-    if args.quick:
-        args.seeds, args.classes, args.epochs, args.batch_size, args.max_length = 2, 4, 1, 4, 16
-        args.train_per_class, args.val_per_class, args.test_per_class = 4, 4, 4
-        args.timing_rounds, warmup, repeats = 2, 1, 1
-    elif args.figure is None:
+    warmup, repeats = (1, 1) if args.quick else (5, 3)
+    if args.figure is None and not args.quick:
         args.figure = FIGURE
     torch.set_num_threads(args.threads)
 
-    runner = Runner(build_sequence(args), args)
+    runner = Runner(build_sequence(args), args, args.runs)
     if args.runs is not None:
-        print(f"[riemannion] {runner.load(args.runs)} finished run(s) reused from {args.runs}", flush=True)
+        print(f"[riemannion] {len(runner.cache)} finished run(s) reused from {args.runs}", flush=True)
     sequence = runner.sequence
     task = runner.task
     protocol = Protocol(tune_seeds=(0,), test_seeds=tuple(range(args.seeds)))
@@ -514,7 +413,7 @@ def main(argv: list[str] | None = None) -> None:
         mean, lo, hi = paired_interval(study.test[OURS], study.test["riemannion_random"])
         print(f"LOI vs random start (test): {100 * mean:+.1f} points, 95 % CI [{100 * lo:+.1f}, {100 * hi:+.1f}]")
     grid_rows = [
-        (f"{m} lr {lr:g}", {s: [v] for s, v in runner.runs[(m, lr, 0)]["curves"]["validation"].items()})
+        (f"{m} lr {lr:g}", {s: [v] for s, v in runner.cache[(m, lr, 0)]["curves"]["validation"].items()})
         for m, grid in grids.items()
         for lr in grid
     ]
@@ -522,7 +421,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n" + _curve_table(title, grid_rows, runner.checkpoints))
     test_rows = []
     for m, lr in study.chosen.items():
-        curves = [runner.runs[(m, lr, s)]["curves"]["test"] for s in protocol.test_seeds]
+        curves = [runner.cache[(m, lr, s)]["curves"]["test"] for s in protocol.test_seeds]
         test_rows.append((f"{m} lr {lr:g}", {str(s): [c[str(s)] for c in curves] for s in runner.checkpoints}))
     title = f"### Test accuracy vs steps at the chosen lr (mean ± sd over seeds {list(protocol.test_seeds)})"
     print("\n" + _curve_table(title, test_rows, runner.checkpoints))
@@ -540,7 +439,7 @@ def main(argv: list[str] | None = None) -> None:
         lr = study.chosen[OURS]
         base, collate = runner.base(0)
         plain = run_sequence(sequence, _make_method(OURS, lr), base, collate, runner.train_config(0))
-        cached = runner.runs[(OURS, lr, 0)]
+        cached = runner.cache[(OURS, lr, 0)]
         check = {
             "method": OURS,
             "lr": lr,
@@ -552,7 +451,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"check: a plain re-run gives the cached run's mean training loss and test accuracy: {verdict}")
     wall = time.perf_counter() - wall
     print(
-        f"\nwall time {wall / 60:.1f} min ({tuned / 60:.1f} min training {len(runner.runs)} runs, "
+        f"\nwall time {wall / 60:.1f} min ({tuned / 60:.1f} min training {len(runner.cache)} runs, "
         f"{(time.perf_counter() - start) / 60:.1f} min timing and checks), {args.threads} thread(s)"
     )
     if args.figure is not None:
@@ -573,16 +472,14 @@ def main(argv: list[str] | None = None) -> None:
             "steps": runner.steps,
             "checkpoints": runner.checkpoints,
             "batch_size": args.batch_size,
-            "threads": args.threads,
-            "torch": torch.__version__,
-            "machine": platform.machine(),
+            **machine.record(threads=args.threads),
             "wall_seconds": wall,
             "quick": args.quick,
         }
         payload = {
             "meta": meta,
             "study": study.to_dict(),
-            "runs": list(runner.runs.values()),
+            "runs": runner.cache.values(),
             "timing": {**summary, "raw": timing},
             "targets": _targets(study, summary, runner.steps),
             "trajectory_check": check,

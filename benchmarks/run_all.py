@@ -1,35 +1,37 @@
 """Run every benchmark at a size that fits a 2-core CPU machine and write the report ``docs/benchmarks.md``.
 
-Each entry below is one benchmark script with the arguments of its small run. The script's stdout is kept in
-``runs/benchmarks/<name>.log`` (written atomically when the run ends); the report quotes every markdown table and
-every "target ... met / NOT met" line the script printed, with the exact command, its wall time and the machine.
-Because the logs are kept, an interrupted report resumes where it stopped (``--reuse``), and one entry can be
-re-run alone (``--only``).
+Each entry below is one benchmark module (``python -m benchmarks.NAME``) with the arguments of its small run. The
+script's stdout is kept in ``runs/benchmarks/<name>.log`` (written atomically when the run ends); the report quotes
+every markdown table and every "target ... met / NOT met" line the script printed, with the exact command, its wall
+time and the machine. Because the logs are kept, an interrupted report resumes where it stopped (``--reuse``), and one
+entry can be re-run alone (``--only``).
 
-Usage::
+Usage, from the repository root::
 
-    python benchmarks/run_all.py                 # everything: the full protocol (see --list: about 7 hours)
-    python benchmarks/run_all.py --quick         # every benchmark's --quick smoke run (about 10 minutes)
-    python benchmarks/run_all.py --list          # the entries, their commands and expected minutes
-    python benchmarks/run_all.py --reuse         # keep the logs already there, run the missing entries
-    python benchmarks/run_all.py --only kernels pclr_overhead --reuse
-    python benchmarks/run_all.py --report-only   # rebuild docs/benchmarks.md from the logs
+    python -m benchmarks.run_all                 # everything: the full protocol (see --list: about 7 hours)
+    python -m benchmarks.run_all --quick         # every benchmark's --quick smoke run (about 10 minutes)
+    python -m benchmarks.run_all --list          # the entries, their commands and expected minutes
+    python -m benchmarks.run_all --reuse         # keep the logs already there, run the missing entries
+    python -m benchmarks.run_all --only kernels pclr_overhead --reuse
+    python -m benchmarks.run_all --report-only   # rebuild docs/benchmarks.md from the logs
 
 ``make benchmarks`` runs the first command.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import os
-import platform
 import re
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from benchmarks._lib import machine
+from benchmarks._lib.cli import benchmark_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 LOGS = ROOT / "runs" / "benchmarks"
@@ -43,10 +45,11 @@ class Entry:
     Args:
         name: Short id (log file name, ``--only``).
         title: Section heading.
-        args: Script path and arguments, relative to the repository root.
+        args: The module (``benchmarks.NAME``, run with ``python -m`` from the repository root) and its arguments.
         minutes: Expected wall minutes on 2 idle cores (for ``--list``).
         about: What the run compares and at what size, for the report.
         figure: A figure the run writes, relative to ``docs/`` (shown in the report under the tables), or ``""``.
+        quick: The script has a ``--quick`` smoke run (``--quick`` runs it instead of ``args``).
     """
 
     name: str
@@ -55,13 +58,14 @@ class Entry:
     minutes: float
     about: str
     figure: str = ""
+    quick: bool = True
 
 
 ENTRIES: tuple[Entry, ...] = (
     Entry(
         "continual",
         "Continual learning: SplitLoRA and PCLR against their peers (WordNet, MiniLM-L6)",
-        ("benchmarks/continual_wordnet.py", "--resume", "--out", "runs/benchmark_continual_wordnet"),
+        ("benchmarks.continual_wordnet", "--resume", "--out", "runs/benchmark_continual_wordnet"),
         91,
         "Class-incremental, 5 tasks x 4 supersenses; seq_lora, InfLoRA-style, O-LoRA, OSF, SplitLoRA, PCLR "
         "(measured-contribution rule) and joint training. Each method's learning rate is chosen from a 3-point grid "
@@ -74,7 +78,7 @@ ENTRIES: tuple[Entry, ...] = (
         "riemannion",
         "Riemannion against LoRA optimizers (WordNet, MiniLM-L6, one task)",
         (
-            "benchmarks/riemannion.py",
+            "benchmarks.riemannion",
             "--json",
             "runs/benchmarks/riemannion.json",
             "--runs",
@@ -92,7 +96,7 @@ ENTRIES: tuple[Entry, ...] = (
         "dct",
         "DCT-AdamW and SVD-free siblings against GaLore, APOLLO and AdamW",
         (
-            "benchmarks/dct_vs_galore.py",
+            "benchmarks.dct_vs_galore",
             "--json",
             "runs/benchmarks/dct_vs_galore.json",
             "--runs",
@@ -110,17 +114,18 @@ ENTRIES: tuple[Entry, ...] = (
     Entry(
         "fsdp_state",
         "Optimizer state per rank under FSDP2 (2 ranks) and Riemannion's gather cost",
-        ("benchmarks/fsdp_optimizer_state.py", "--json", "runs/benchmarks/fsdp_state.json"),
+        ("benchmarks.fsdp_optimizer_state", "--json", "runs/benchmarks/fsdp_state.json"),
         2,
         "Full fine-tuning of a tiny Llama (hidden 256) sharded with fully_shard over 2 gloo processes on CPU: AdamW, "
         "DCT-AdamW and GaLore-AdamW state per rank against one process; Riemannion's optimizer step with its per-step "
         "gathers (docs/dct_adamw.md, docs/riemannion.md).",
+        quick=False,
     ),
     Entry(
         "mora",
         "MoRA with missing modalities (emoji image-text pairs)",
         (
-            "benchmarks/mora_missing_modality.py",
+            "benchmarks.mora_missing_modality",
             "--json",
             "runs/benchmarks/mora.json",
             "--runs",
@@ -134,7 +139,7 @@ ENTRIES: tuple[Entry, ...] = (
     Entry(
         "splitlora_scaling",
         "SplitLoRA at LLM scale: statistics, task boundary, memory and checkpoints against LoRA",
-        ("benchmarks/splitlora_scaling.py", "--json", "runs/benchmarks/splitlora_scaling.json"),
+        ("benchmarks.splitlora_scaling", "--json", "runs/benchmarks/splitlora_scaling.json"),
         15,
         "Random Llama models of width 256-4096 (r = 16 on all seven projections, batches of 4 x 64 tokens, one "
         "thread): statistics pass against a plain forward, end_task in LoRA-step equivalents, memory and checkpoint "
@@ -144,22 +149,24 @@ ENTRIES: tuple[Entry, ...] = (
     Entry(
         "pclr_overhead",
         "PCLR routing overhead per forward",
-        ("benchmarks/pclr.py", "--overhead-only"),
+        ("benchmarks.pclr", "--overhead-only"),
         1,
         "MiniLM-L6 eval forward, batch 32 x 32 tokens: base, LoRA r=16, PCLR pool 32 / top-16 per-sample routing.",
+        quick=False,
     ),
     Entry(
         "kernels",
         "Kernels: rank-pool gather and batched retraction (torch reference paths on CPU)",
-        ("benchmarks/kernel_speed.py",),
+        ("benchmarks.kernel_speed",),
         1,
         "On CPU only the reference paths run; GPU figures need benchmarks/gpu_check.sh on a CUDA machine.",
+        quick=False,
     ),
     Entry(
         "causal_lm_bf16",
         "Causal-LM fine-tuning in bf16: LoRA + AdamW, Riemannion, LoRA + DCT-AdamW (tiny Llama, WordNet bytes)",
         (
-            "benchmarks/causal_lm_bf16.py",
+            "benchmarks.causal_lm_bf16",
             "--png",
             "docs/figures/causal_lm_bf16.png",
             "--json",
@@ -180,7 +187,7 @@ ENTRIES: tuple[Entry, ...] = (
         "pretrain_llama",
         "Pretraining a tiny Llama from scratch: AdamW, GaLore, APOLLO, DCT-AdamW and SVD-free options (WordNet bytes)",
         (
-            "benchmarks/pretrain_llama.py",
+            "benchmarks.pretrain_llama",
             "--png",
             "docs/figures/pretrain_llama_loss.png",
             "--json",
@@ -203,27 +210,28 @@ TARGET = re.compile(r"\b(met|NOT met|PASS|FAIL)\b")
 
 
 QUICK = False  # --quick: each script's own smoke run, logs in runs/benchmarks-quick, no report in docs/
+TIMEOUT: float | None = None  # seconds an entry may run before it is stopped (None: no limit; tests set one)
 
 
 def arguments(entry: Entry) -> tuple[str, ...]:
     """The entry's arguments; with ``--quick`` the script's ``--quick`` run where it has one (its other arguments
     dropped, so no figure or JSON of the real run is overwritten)."""
-    script = ROOT / entry.args[0]
-    if QUICK and '"--quick"' in script.read_text():
+    if QUICK and entry.quick:
         return (entry.args[0], "--quick")
     return entry.args
 
 
 def command(entry: Entry) -> list[str]:
-    return [sys.executable, *arguments(entry)]
+    return [sys.executable, "-m", *arguments(entry)]
 
 
 def shown(entry: Entry) -> str:
-    return "python " + " ".join(arguments(entry))
+    return "python -m " + " ".join(arguments(entry))
 
 
 def run(entry: Entry) -> tuple[int, float]:
-    """Run one entry, streaming its output to the terminal and keeping it in its log (atomically)."""
+    """Run one entry from the repository root, streaming its output to the terminal and keeping it in its log
+    (atomically)."""
     LOGS.mkdir(parents=True, exist_ok=True)
     log, tmp = LOGS / f"{entry.name}.log", LOGS / f"{entry.name}.log.tmp"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TQDM_DISABLE": "1"}
@@ -233,12 +241,17 @@ def run(entry: Entry) -> tuple[int, float]:
         proc = subprocess.Popen(
             command(entry), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
+        watchdog = threading.Timer(TIMEOUT, proc.kill) if TIMEOUT is not None else None
+        if watchdog is not None:
+            watchdog.start()
         assert proc.stdout is not None
         for line in proc.stdout:
             out.write(line)
             if "\r" not in line:  # progress bars stay out of the terminal
                 sys.stdout.write(line)
         code = proc.wait()
+        if watchdog is not None:
+            watchdog.cancel()
         seconds = time.perf_counter() - start
         out.write(f"\n[run_all] exit {code}, {seconds:.0f} s wall\n")
     os.replace(tmp, log)
@@ -271,26 +284,6 @@ def extract(text: str) -> tuple[list[str], list[str], str]:
     return blocks, targets, footer
 
 
-def machine() -> str:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        model = next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if "model name" in line
-        )
-        cpu = model
-    except (OSError, StopIteration):
-        pass
-    cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (
-        f"{os.cpu_count()} CPU cores ({cpu}), {cuda}; Python {platform.python_version()}, torch {torch.__version__}, "
-        f"{platform.system()} {platform.machine()}"
-    )
-
-
 def earlier_report(text: str) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
     """A report's sections by title (their lines after the heading) and its targets-at-a-glance rows by entry name,
     so a partial re-run keeps what it did not re-run."""
@@ -313,11 +306,11 @@ def earlier_report(text: str) -> tuple[dict[str, list[str]], dict[str, list[str]
 
 def _earlier_section(entry: Entry, sections: dict[str, list[str]]) -> str | None:
     """The earlier section of ``entry``: the one with its title, else the one whose command runs its script (titles
-    change); none if that section only said it was not run."""
+    change; reports before the benchmarks became a package ran ``python benchmarks/NAME.py``); none if that section
+    only said it was not run."""
     runs = [t for t, lines in sections.items() if shown(entry) in lines]
-    runs_script = [
-        t for t, lines in sections.items() if any(f"{x} ".startswith(f"python {entry.args[0]} ") for x in lines)
-    ]
+    starts = (f"python -m {entry.args[0]} ", f"python {entry.args[0].replace('.', '/')}.py ")
+    runs_script = [t for t, lines in sections.items() if any(f"{x} ".startswith(starts) for x in lines)]
     candidates = [entry.title, *runs, *runs_script]
     for title in candidates:
         if title in sections and "Not run yet." not in sections[title]:
@@ -332,11 +325,11 @@ def report(entries: list[Entry], earlier: str | None = None) -> str:
     out = [
         "# Benchmarks",
         "",
-        "Written by `python benchmarks/run_all.py` (`make benchmarks`) from the logs in `runs/benchmarks/`; every "
+        "Written by `python -m benchmarks.run_all` (`make benchmarks`) from the logs in `runs/benchmarks/`; every "
         "table below is the benchmark script's own output, every target line its own verdict. Sizes are chosen so the "
         "whole report fits a 2-core CPU machine; each method's docs page has the larger runs.",
         "",
-        f"Machine: {machine()}. Report written {_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC.",
+        f"Machine: {machine.summary()}. Report written {_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC.",
         "",
     ]
     summary: list[str] = []
@@ -374,16 +367,13 @@ def report(entries: list[Entry], earlier: str | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = benchmark_parser(__doc__, quick="smoke runs (each script's --quick), into runs/benchmarks-quick")
     names = [e.name for e in ENTRIES]
     parser.add_argument("--only", nargs="+", choices=names, help="run only these entries")
     parser.add_argument("--reuse", action="store_true", help="skip entries that already have a log")
     parser.add_argument("--report-only", action="store_true", help="rebuild the report from the logs")
     parser.add_argument("--list", action="store_true", help="print the entries and exit")
     parser.add_argument("--out", type=Path, default=None, help="the report (default docs/benchmarks.md)")
-    parser.add_argument(
-        "--quick", action="store_true", help="smoke runs (each script's --quick), into runs/benchmarks-quick"
-    )
     args = parser.parse_args(argv)
     global QUICK, LOGS
     if args.quick:

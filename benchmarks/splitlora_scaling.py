@@ -21,8 +21,9 @@ every rank holds all of them, plus the task-in-progress buffer of ``2l`` rows wh
 
 Usage::
 
-    OMP_NUM_THREADS=1 python benchmarks/splitlora_scaling.py --json runs/benchmarks/splitlora_scaling.json
-    python benchmarks/splitlora_scaling.py --quick       # smoke run at toy sizes
+    OMP_NUM_THREADS=1 python -m benchmarks.splitlora_scaling --json runs/benchmarks/splitlora_scaling.json
+    python -m benchmarks.splitlora_scaling --quick       # smoke run at toy sizes
+    python -m benchmarks.splitlora_scaling --report-from runs/benchmarks/splitlora_scaling.json   # tables again
 
 Targets: statistics pass <= 1.5x a plain forward at every width; inference checkpoint <= 2x LoRA's;
 ``end_task`` <= 50 LoRA-step equivalents at width 4096. The float32 split's accuracy against float64 (k*, subspace
@@ -31,15 +32,13 @@ angle < 1 degree) is asserted in tests/test_splitlora_stats.py and tabled in doc
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import math
 import os
-import platform
 import statistics
 import tempfile
-import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +47,10 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from benchmarks._lib import machine
+from benchmarks._lib.cli import benchmark_parser
+from benchmarks._lib.tables import fmt_mib, markdown_table
+from benchmarks._lib.timing import Interleaved, timed
 from peft_ext import SplitLoRAConfig
 from peft_ext.tuners.splitlora import SplitLoRALayer
 from peft_ext.tuners.splitlora.stats import choose_split, covariance_spectrum, primary_dimension, sketch_spectrum
@@ -76,12 +79,6 @@ def llama(width: int, layers: int, seed: int = 0) -> LlamaForCausalLM:
 
 def _bytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _timed(fn: Any) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def _randomize_b(model: nn.Module) -> None:
@@ -123,18 +120,17 @@ def measure_width(width: int, layers: int, batches: int, lora_steps: int) -> dic
     split = get_peft_model(copy.deepcopy(base), SplitLoRAConfig(r=RANK, target_modules=TARGETS))
     lora = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=RANK, target_modules=TARGETS))
     split.eval()
-    plain, collected = [], []
+
+    def stats(ids: torch.Tensor) -> None:
+        with split.collect_statistics():
+            split(input_ids=ids)
+
+    timer = Interleaved(["plain", "stats"])  # the order alternates batch by batch
     with torch.no_grad():
         split(input_ids=data[0])  # warm-up
-        for i, ids in enumerate(data):
-
-            def stats(ids: torch.Tensor = ids) -> None:
-                with split.collect_statistics():
-                    split(input_ids=ids)
-
-            order = [("plain", lambda ids=ids: split(input_ids=ids)), ("stats", stats)]
-            for kind, fn in order if i % 2 == 0 else order[::-1]:
-                (plain if kind == "plain" else collected).append(_timed(fn))
+        for ids in data:
+            timer.round({"plain": partial(split, input_ids=ids), "stats": partial(stats, ids)})
+    plain, collected = timer.times("plain"), timer.times("stats")
     layer_pending = [
         m._splitlora_pending.get("default", {}) for m in split.modules() if hasattr(m, "_splitlora_pending")
     ]
@@ -154,14 +150,14 @@ def measure_width(width: int, layers: int, batches: int, lora_steps: int) -> dic
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-        seconds = _timed(step)
+        seconds = timed(step)
         if i:  # the first step allocates AdamW's state
             step_times.append(seconds)
     lora_params = [p for p in lora.parameters() if p.requires_grad]
     lora_state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
 
     _randomize_b(split)
-    end_task = _timed(split.end_task)
+    end_task = timed(split.end_task)
     agreement = split_agreement(split)
     with tempfile.TemporaryDirectory() as tmp:
         split.save_pretrained(f"{tmp}/split")
@@ -210,7 +206,7 @@ def measure_module(n: int, out: int, batches: int, ell: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(n)
     rows = [torch.randn(BATCH * SEQ, n, generator=g) for _ in range(2)]
     layer = model.base_model.model.proj
-    plain, update = [], []
+    timer = Interleaved(["plain", "stats"])  # the order alternates batch by batch
     with torch.no_grad():
         model(rows[0])
         # the statistics' own cost, timed directly (a difference of two forwards drowns it in noise); the first
@@ -218,14 +214,13 @@ def measure_module(n: int, out: int, batches: int, ell: int) -> dict[str, Any]:
         layer.accumulate_statistics("default", rows[1])
         for i in range(batches):
             x = rows[i % 2]
-            order = [("plain", lambda x=x: model(x)), ("stats", lambda x=x: layer.accumulate_statistics("default", x))]
-            for kind, fn in order if i % 2 == 0 else order[::-1]:
-                (plain if kind == "plain" else update).append(_timed(fn))
+            timer.round({"plain": partial(model, x), "stats": partial(layer.accumulate_statistics, "default", x)})
+    plain, update = timer.times("plain"), timer.times("stats")
     kind = layer.statistics_kind("default")
     pending = _bytes(layer._splitlora_pending["default"].values())
     running = _bytes([layer.splitlora_cov["default"]] if kind == "dense" else [layer.splitlora_sketch["default"]])
     _randomize_b(model)
-    end_task = _timed(model.end_task)
+    end_task = timed(model.end_task)
     return {
         "n": n,
         "out": out,
@@ -264,51 +259,44 @@ def on_paper(modules: dict[tuple[int, int], dict[str, Any]], llms: tuple) -> lis
     return rows
 
 
-def _mib(b: float) -> str:
-    return f"{b / 2**20:.1f}"
-
-
 def report(widths: list[dict[str, Any]], modules: dict, paper: list[dict[str, Any]]) -> list[str]:
+    """Print the tables and the target lines (also the path of ``--report-from``); returns the target lines."""
+    head = ["width", "layers", "statistics", "stats pass / plain forward", "stats pass / LoRA training step"]
+    head += ["end_task (s)", "end_task / LoRA step", "memory (MiB, SplitLoRA + collecting / LoRA + AdamW)"]
+    head += ["checkpoint MiB (/ LoRA's)", "sequence state MiB"]
+    rows = [
+        [str(r["width"]), str(r["layers"]), "+".join(r["statistics"]), f"{r['statistics_ratio']:.2f}x",
+         f"{r['statistics_pass_s'] / r['batches'] / r['lora_step_s']:.2f}x", f"{r['end_task_s']:.2f}",
+         f"{r['end_task_lora_steps']:.1f}",
+         f"{fmt_mib(r['splitlora_bytes'])} + {fmt_mib(r['pending_bytes'])} / {fmt_mib(r['lora_bytes_with_adamw'])} "
+         f"({r['memory_ratio']:.1f}x)",
+         f"{fmt_mib(r['checkpoint_bytes'])} ({r['checkpoint_ratio']:.2f}x)", fmt_mib(r["sequence_state_bytes"])]
+        for r in widths
+    ]  # fmt: skip
     print("\n### Part 1: random Llama, batches of 4 x 64 tokens, one thread, side by side\n")
-    print(
-        "| width | layers | statistics | stats pass / plain forward | stats pass / LoRA training step | end_task (s) "
-        "| end_task / LoRA step | memory (MiB, SplitLoRA + collecting / LoRA + AdamW) | checkpoint MiB (/ LoRA's) "
-        "| sequence state MiB |"
-    )
-    print("|---|---:|---|---:|---:|---:|---:|---|---|---:|")
-    for r in widths:
-        per_step = r["statistics_pass_s"] / r["batches"] / r["lora_step_s"]
-        print(
-            f"| {r['width']} | {r['layers']} | {'+'.join(r['statistics'])} | {r['statistics_ratio']:.2f}x | "
-            f"{per_step:.2f}x | "
-            f"{r['end_task_s']:.2f} | {r['end_task_lora_steps']:.1f} | {_mib(r['splitlora_bytes'])} + "
-            f"{_mib(r['pending_bytes'])} / {_mib(r['lora_bytes_with_adamw'])} ({r['memory_ratio']:.1f}x) | "
-            f"{_mib(r['checkpoint_bytes'])} ({r['checkpoint_ratio']:.2f}x) | {_mib(r['sequence_state_bytes'])} |"
-        )
+    print(markdown_table(head, rows, align="lrlrrrrllr"))
+    head = ["in", "out", "statistics", "forward (us/token)", "statistics (us/token)", "stats / forward"]
+    rows = [
+        [str(m["n"]), str(m["out"]), m["statistics"], f"{1e6 * m['forward_s_per_token']:.1f}",
+         f"{1e6 * m['statistics_s_per_token']:.1f}", f"{m['statistics_s_per_token'] / m['forward_s_per_token']:.2f}",
+         f"{m['end_task_s']:.2f}"]
+        for m in modules.values()
+    ]  # fmt: skip
     print("\n### Part 2: one projection alone, 256-token batches (the costs Part 3 sums)\n")
-    print("| in | out | statistics | forward (us/token) | statistics (us/token) | stats / forward | end_task (s) |")
-    print("|---:|---:|---|---:|---:|---:|---:|")
-    for m in modules.values():
-        print(
-            f"| {m['n']} | {m['out']} | {m['statistics']} | {1e6 * m['forward_s_per_token']:.1f} | "
-            f"{1e6 * m['statistics_s_per_token']:.1f} | "
-            f"{m['statistics_s_per_token'] / m['forward_s_per_token']:.2f} | {m['end_task_s']:.2f} |"
-        )
+    print(markdown_table([*head, "end_task (s)"], rows, align="rrlrrrr"))
     if paper:
+        head = ["model", "projections", "forward of the projections (s / 1k tokens)", "statistics (s / 1k tokens)"]
+        head += ["stats pass / forward", "end_task (s)", "end_task / LoRA step (3x forward of a 256-token batch)"]
+        head += ["statistics per GPU under FSDP2 (GiB; while collecting)"]
+        rows = [
+            [p["model"], str(p["projections"]), f"{p['forward_s_per_1k_tokens']:.1f}",
+             f"{p['statistics_s_per_1k_tokens']:.1f}", f"{p['statistics_pass_ratio']:.2f}x", f"{p['end_task_s']:.0f}",
+             f"{p['end_task_lora_steps']:.1f}",
+             f"{p['statistics_gib_per_gpu']:.2f} ({p['collecting_gib_per_gpu']:.2f})"]
+            for p in paper
+        ]  # fmt: skip
         print("\n### Part 3, on paper: Llama-3 shapes from the per-projection costs (one CPU thread)\n")
-        print(
-            "| model | projections | forward of the projections (s / 1k tokens) | statistics (s / 1k tokens) | "
-            "stats pass / forward | end_task (s) | end_task / LoRA step (3x forward of a 256-token batch) | "
-            "statistics per GPU under FSDP2 (GiB; while collecting) |"
-        )
-        print("|---|---:|---:|---:|---:|---:|---:|---|")
-        for p in paper:
-            print(
-                f"| {p['model']} | {p['projections']} | {p['forward_s_per_1k_tokens']:.1f} | "
-                f"{p['statistics_s_per_1k_tokens']:.1f} | {p['statistics_pass_ratio']:.2f}x | {p['end_task_s']:.0f} | "
-                f"{p['end_task_lora_steps']:.1f} | {p['statistics_gib_per_gpu']:.2f} "
-                f"({p['collecting_gib_per_gpu']:.2f}) |"
-            )
+        print(markdown_table(head, rows, align="lrrrrrrl"))
     lines = []
     ratios = ", ".join(f"{r['statistics_ratio']:.2f}x at {r['width']}" for r in widths)
     ok = all(r["statistics_ratio"] <= 1.5 for r in widths)
@@ -344,13 +332,12 @@ def report(widths: list[dict[str, Any]], modules: dict, paper: list[dict[str, An
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
+    parser = benchmark_parser(__doc__, quick="smoke run: widths 64 128, toy projections", json=True, threads=threads)
     parser.add_argument("--widths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
     parser.add_argument("--batches", type=int, default=8, help="batches per width (4 at widths >= 4096)")
     parser.add_argument("--lora-steps", type=int, default=3)
     parser.add_argument("--no-paper", action="store_true", help="skip parts 2-3 (the Llama-3 projection shapes)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: widths 64 128, toy projections")
-    parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--report-from", type=Path, default=None, help="print the tables of an earlier --json run")
     args = parser.parse_args(argv)
     if args.report_from is not None:
@@ -361,13 +348,13 @@ def main(argv: list[str] | None = None) -> None:
     bad = [w for w in args.widths if w < 64 or w % 64]
     if bad:
         parser.error(f"--widths must be multiples of 64 (one head is 64 wide), got {bad}")
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    torch.set_num_threads(args.threads)
     llms, ell = LLMS, 256
     if args.quick:
         args.widths, args.batches, args.lora_steps = [64, 128], 3, 1
         llms, ell = (("toy", 256, 64, 512, 2),), 16
     print(
-        f"[splitlora_scaling] torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} thread(s), "
+        f"[splitlora_scaling] {machine.torch_platform()}, {torch.get_num_threads()} thread(s), "
         f"r={RANK} on {TARGETS}, batches of {BATCH}x{SEQ} tokens",
         flush=True,
     )

@@ -1,4 +1,4 @@
-"""benchmarks/compile_speed.py --quick in a subprocess: the table, one graph per adapter type, the verdict."""
+"""python -m benchmarks.compile_speed --quick in a subprocess: the table, one graph per adapter type, the verdict."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_quick_run_prints_the_table_and_the_verdict(tmp_path):
     out = tmp_path / "compile.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "benchmarks/compile_speed.py", "--quick", "--json", str(out)]
+    cmd = [sys.executable, "-m", "benchmarks.compile_speed", "--quick", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "| adapter | graphs | compile s | eager ms / step | compiled ms / step | compiled / eager |" in proc.stdout

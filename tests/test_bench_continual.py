@@ -1,4 +1,4 @@
-"""benchmarks/continual_wordnet.py --quick: the issue-16 protocol end to end (real MiniLM-L6, toy sizes).
+"""python -m benchmarks.continual_wordnet --quick: the issue-16 protocol end to end (real MiniLM-L6, toy sizes).
 
 One subprocess run of the script, then a ``--resume`` rerun with one run removed from the checkpoint: only that run
 trains again and the study equals the uninterrupted one.
@@ -6,7 +6,6 @@ trains again and the study equals the uninterrupted one.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,15 +14,16 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks._lib import continual as bench
+
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "continual_wordnet.py"
 pytestmark = pytest.mark.slow  # a real pretrained model, about 70 s of CPU for the two runs
 METHODS = ["seq_lora", "inflora", "olora", "osf", "splitlora", "pclr", "joint"]
 
 
 def _run(out: Path, *extra: str) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    cmd = [sys.executable, str(SCRIPT), "--quick", "--out", str(out), *extra]
+    cmd = [sys.executable, "-m", "benchmarks.continual_wordnet", "--quick", "--out", str(out), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout
@@ -96,21 +96,21 @@ def test_resume_trains_only_the_missing_run_and_reproduces_the_study(quick):
     assert again["study"]["test"] == payload["study"]["test"]
 
 
-def test_resume_refuses_a_record_made_with_other_settings(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("continual_wordnet_bench", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_resume_refuses_a_record_made_with_other_settings(tmp_path):
     args = bench.parse_args(["--quick", "--resume", "--out", str(tmp_path)])
     path = tmp_path / "checkpoint.json"
+    # a record of the fixed-lr benchmark (before the protocol) has no format: refused, not mixed in
     path.write_text(json.dumps({"settings": {"train_per_class": 40, "options": {}}, "runs": {"5": {}}}))
-    with pytest.raises(SystemExit, match="fixed-learning-rate version"):
-        bench.load_checkpoint(path, args)
+    with pytest.raises(SystemExit, match=r"other settings \(differing: .*format.*\); drop --resume"):
+        bench.checkpoint(args)
     other = bench.parse_args(["--quick", "--resume", "--out", str(tmp_path), "--set", "seq_lora.adapter.r=4"])
     path.write_text(json.dumps({"settings": bench.settings(other), "runs": {}}))
-    with pytest.raises(SystemExit, match="other settings"):
-        bench.load_checkpoint(path, args)
+    with pytest.raises(SystemExit, match=r"other settings \(differing: options\.seq_lora\)"):
+        bench.checkpoint(args)
     # a moved grid centre is not another setting: runs are keyed by their learning rate
     moved = bench.parse_args(["--quick", "--resume", "--out", str(tmp_path), "--set", "splitlora.lr=1e-2"])
     path.write_text(json.dumps({"settings": bench.settings(moved), "runs": {"k": {}}}))
-    assert bench.load_checkpoint(path, args)["runs"] == {"k": {}}
+    assert bench.checkpoint(args).runs == {"k": {}}
+    # without --resume the record starts empty (and replaces the file at the first run)
+    fresh = bench.parse_args(["--quick", "--out", str(tmp_path)])
+    assert bench.checkpoint(fresh).runs == {}

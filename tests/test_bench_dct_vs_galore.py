@@ -1,5 +1,5 @@
-"""benchmarks/dct_vs_galore.py --quick: every table and every optimizer's code path runs, and the figures obey what
-must hold whatever the timing (energy bounds, the protocol's choices, checkpoint formats)."""
+"""python -m benchmarks.dct_vs_galore --quick: every table and every optimizer's code path runs, and the figures obey
+what must hold whatever the timing (energy bounds, the protocol's choices, checkpoint formats)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,7 @@ def test_quick_run_covers_every_optimizer_and_basis(tmp_path):
     out, png = tmp_path / "dct.json", tmp_path / "lr.png"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "dct_vs_galore.py"), "--quick", "--json", str(out)]
-        + ["--png", str(png)],
+        [sys.executable, "-m", "benchmarks.dct_vs_galore", "--quick", "--json", str(out)] + ["--png", str(png)],
         cwd=ROOT,
         env=env,
         capture_output=True,

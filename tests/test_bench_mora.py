@@ -1,5 +1,5 @@
-"""benchmarks/mora_missing_modality.py --quick in a subprocess: the protocol's tables, verdict lines and JSON (a tiny
-random BERT as the text tower keeps it short; the real MiniLM run is the script's own --quick)."""
+"""python -m benchmarks.mora_missing_modality --quick in a subprocess: the protocol's tables, verdict lines and JSON (a
+tiny random BERT as the text tower keeps it short; the real MiniLM run is the script's own --quick)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def test_quick_run_tunes_on_validation_and_reports_test(tmp_path):
     text = save_tiny_bert(tmp_path / "tiny-bert", num_layers=3)
     out = tmp_path / "mora.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    cmd = [sys.executable, "benchmarks/mora_missing_modality.py", "--quick", "--text", str(text), "--json", str(out)]
+    cmd = [sys.executable, "-m", "benchmarks.mora_missing_modality", "--quick", "--text", str(text)]
+    cmd += ["--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     log = proc.stdout

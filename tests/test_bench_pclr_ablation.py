@@ -1,4 +1,4 @@
-"""benchmarks/pclr_ablation.py --quick in a subprocess: the ablation table, the new-task column and resuming."""
+"""python -m benchmarks.pclr_ablation --quick in a subprocess: the ablation table, the new-task column and resuming."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_quick_ablation_reports_every_variant_and_a_rerun_trains_nothing(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    cmd = [sys.executable, "benchmarks/pclr_ablation.py", "--quick", "--out", str(tmp_path)]
+    cmd = [sys.executable, "-m", "benchmarks.pclr_ablation", "--quick", "--out", str(tmp_path)]
     first = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     head = "| variant | change | final acc | avg incr acc | forgetting | new-task acc | first task |"

@@ -3,14 +3,9 @@ the table it makes from pytest's JUnit report (the run itself needs `pip downloa
 
 from __future__ import annotations
 
-import importlib.util
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("peft_tuner_suite", ROOT / "benchmarks" / "peft_tuner_suite.py")
-suite = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(suite)
+from benchmarks import peft_tuner_suite as suite
 
 
 def test_cases_go_in_front_of_peft_list_and_are_importable(tmp_path):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -13,15 +12,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "pretrain_llama.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("pretrain_llama", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks import pretrain_llama
+
+    return pretrain_llama
 
 
 def test_every_low_rank_optimizer_projects_the_same_matrices(bench):
@@ -69,7 +66,8 @@ def test_quick_run(tmp_path):
     png, out = tmp_path / "loss.png", tmp_path / "pretrain.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     runs = tmp_path / "runs.json"
-    cmd = [sys.executable, str(SCRIPT), "--quick", "--png", str(png), "--json", str(out), "--runs", str(runs)]
+    cmd = [sys.executable, "-m", "benchmarks.pretrain_llama", "--quick", "--png", str(png), "--json", str(out)]
+    cmd += ["--runs", str(runs)]
     text = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900).stdout
     result = json.loads(out.read_text())
     # a re-started job trains nothing: every run comes from --runs, and it reports the same figures

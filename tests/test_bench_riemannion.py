@@ -1,4 +1,4 @@
-"""benchmarks/riemannion.py --quick: every code path of the protocol benchmark in one small subprocess run."""
+"""python -m benchmarks.riemannion --quick: every code path of the protocol benchmark in one small subprocess run."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ METHODS = ["riemannion_loi", "riemannion_random", "lora_adamw", "lora_rprec", "l
 def test_quick_run_tunes_on_validation_reports_test_curves_timing_and_verdicts(tmp_path):
     out, png = tmp_path / "riemannion.json", tmp_path / "lr.png"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    cmd = [sys.executable, "benchmarks/riemannion.py", "--quick", "--json", str(out), "--figure", str(png)]
+    cmd = [sys.executable, "-m", "benchmarks.riemannion", "--quick", "--json", str(out), "--figure", str(png)]
     cmd += ["--methods", *METHODS]  # LoRA-GA too (not in the default set): every code path
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

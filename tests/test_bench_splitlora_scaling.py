@@ -1,4 +1,4 @@
-"""benchmarks/splitlora_scaling.py --quick: every part of the scaling benchmark in one small subprocess run."""
+"""python -m benchmarks.splitlora_scaling --quick: every part of the scaling benchmark in one small subprocess run."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_quick_run_measures_every_part_and_prints_the_verdicts(tmp_path):
     out = tmp_path / "scaling.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "benchmarks/splitlora_scaling.py", "--quick", "--json", str(out)]
+    cmd = [sys.executable, "-m", "benchmarks.splitlora_scaling", "--quick", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     verdicts = [line for line in proc.stdout.splitlines() if line.startswith("target: ")]

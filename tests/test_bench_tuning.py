@@ -1,56 +1,47 @@
-"""benchmarks/tuning.py: the benchmark protocol (choose on validation, test over seeds, interval verdicts)."""
+"""benchmarks/_lib/protocol.py: the benchmark protocol (choose on validation, test over seeds, interval verdicts), with
+the run cache of benchmarks/_lib/cache.py that keeps its runs."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks._lib import protocol
+from benchmarks._lib.cache import RunCache
 
 
-@pytest.fixture(scope="module")
-def tuning():
-    spec = importlib.util.spec_from_file_location("tuning", ROOT / "benchmarks" / "tuning.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["tuning"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_t_quantiles_match_scipy(tuning):
+def test_t_quantiles_match_scipy():
     stats = pytest.importorskip("scipy.stats")
     for df in (1, 2, 4, 9, 30, 31, 60, 200):
-        assert tuning.t_quantile(df) == pytest.approx(stats.t.ppf(0.975, df), abs=1e-3), df
+        assert protocol.t_quantile(df) == pytest.approx(stats.t.ppf(0.975, df), abs=1e-3), df
     with pytest.raises(ValueError, match="df=0"):
-        tuning.t_quantile(0)
+        protocol.t_quantile(0)
 
 
-def test_paired_interval_against_a_hand_computation(tuning):
+def test_paired_interval_against_a_hand_computation():
     a, b = [0.60, 0.62, 0.58, 0.61, 0.64], [0.57, 0.60, 0.58, 0.57, 0.60]
     diffs = [0.03, 0.02, 0.0, 0.04, 0.04]
     half = 2.776 * statistics.stdev(diffs) / math.sqrt(5)
-    mean, lo, hi = tuning.paired_interval(a, b)
+    mean, lo, hi = protocol.paired_interval(a, b)
     assert mean == pytest.approx(0.026) and lo == pytest.approx(0.026 - half) and hi == pytest.approx(0.026 + half)
     with pytest.raises(ValueError, match="same seeds"):
-        tuning.paired_interval(a, b[:4])
+        protocol.paired_interval(a, b[:4])
 
 
-def test_grid_and_lr_range_width(tuning):
-    assert tuning.log_grid(1e-2) == [pytest.approx(3.16e-3), 1e-2, pytest.approx(3.16e-2)]
-    assert tuning.log_grid(1e-3, points=5, factor=10) == [1e-5, 1e-4, 1e-3, 1e-2, 1e-1]
+def test_grid_and_lr_range_width():
+    assert protocol.log_grid(1e-2) == [pytest.approx(3.16e-3), 1e-2, pytest.approx(3.16e-2)]
+    assert protocol.log_grid(1e-3, points=5, factor=10) == [1e-5, 1e-4, 1e-3, 1e-2, 1e-1]
     # best at 1e-2; 1e-3 within a point, 1e-1 not, 1e-4 within a point but not contiguous with the best
     curve = {1e-4: 0.560, 1e-3: 0.565, 1e-2: 0.570, 1e-1: 0.40, 1.0: 0.569}
-    assert tuning.lr_range_width({1e-4: 0.50, **curve}) == pytest.approx(2.0)  # 1e-4 .. 1e-2
-    assert tuning.lr_range_width({1e-3: 0.5, 1e-2: 0.6, 1e-1: 0.3}) == 0.0
+    assert protocol.lr_range_width({1e-4: 0.50, **curve}) == pytest.approx(2.0)  # 1e-4 .. 1e-2
+    assert protocol.lr_range_width({1e-3: 0.5, 1e-2: 0.6, 1e-1: 0.3}) == 0.0
 
 
-def test_tune_and_test_chooses_on_validation_never_on_test(tuning, tmp_path):
+def test_tune_and_test_chooses_on_validation_never_on_test(tmp_path):
     """Validation prefers 1e-2, test would prefer 1e-3: the chosen rate and the reported figure follow validation."""
 
     def score(method, lr, seed, split):
@@ -59,8 +50,8 @@ def test_tune_and_test_chooses_on_validation_never_on_test(tuning, tmp_path):
         return base - 0.1 * abs(math.log10(lr / best)) + 0.01 * seed, {"steps": 10}
 
     grids = {"ours": [1e-3, 1e-2, 1e-1], "peer": [1e-3, 1e-2, 1e-1]}
-    study = tuning.tune_and_test(
-        grids, score, tuning.Protocol(tune_seeds=(0, 1), test_seeds=(0, 1, 2)), echo=lambda line: None
+    study = protocol.tune_and_test(
+        grids, score, protocol.Protocol(tune_seeds=(0, 1), test_seeds=(0, 1, 2)), echo=lambda line: None
     )
     assert study.chosen == {"ours": 1e-2, "peer": 1e-2}
     assert study.validation["ours"][1e-2] == [pytest.approx(0.7), pytest.approx(0.71)]
@@ -75,18 +66,18 @@ def test_tune_and_test_chooses_on_validation_never_on_test(tuning, tmp_path):
     png = study.plot_lr_curves(str(tmp_path / "lr.png"), title="test")
     assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="same number of grid points"):
-        tuning.tune_and_test({"a": [1e-3], "b": [1e-3, 1e-2]}, score, tuning.Protocol())
+        protocol.tune_and_test({"a": [1e-3], "b": [1e-3, 1e-2]}, score, protocol.Protocol())
 
 
-def test_a_verdict_needs_the_interval_not_the_mean(tuning):
-    study = tuning.Study(tuning.Protocol(test_seeds=(0, 1, 2, 3, 4)))
+def test_a_verdict_needs_the_interval_not_the_mean():
+    study = protocol.Study(protocol.Protocol(test_seeds=(0, 1, 2, 3, 4)))
     study.test = {"ours": [0.62, 0.55, 0.66, 0.58, 0.64], "peer": [0.60, 0.58, 0.60, 0.58, 0.60]}
-    mean, lo, _ = tuning.paired_interval(study.test["ours"], study.test["peer"])
+    mean, lo, _ = protocol.paired_interval(study.test["ours"], study.test["peer"])
     assert mean > 0.01 > lo  # the mean clears +1 point, the interval does not
     assert study.verdict("ours", "peer", 0.01, "x").endswith("NOT met")
 
 
-def test_run_cache_saves_each_run_and_a_restarted_job_reuses_them(tuning, tmp_path):
+def test_run_cache_saves_each_run_and_a_restarted_job_reuses_them(tmp_path):
     path = tmp_path / "runs.json"
     calls = []
 
@@ -96,11 +87,11 @@ def test_run_cache_saves_each_run_and_a_restarted_job_reuses_them(tuning, tmp_pa
             raise RuntimeError("killed")
         return {"a": 0.5, "b": 0.7, "boom": 0.9}[method] + lr, {"curve": [(1, math.inf)], "lr": lr}
 
-    protocol = tuning.Protocol(tune_seeds=(0,), test_seeds=(0, 1))
+    seeds = protocol.Protocol(tune_seeds=(0,), test_seeds=(0, 1))
     grids = {"a": [0.01, 0.1], "b": [0.01, 0.1], "boom": [0.01, 0.1]}
     settings = {"epochs": 2, "data": [1, 2]}
     with pytest.raises(RuntimeError, match="killed"):  # the job dies at boom's first test run
-        tuning.tune_and_test(grids, tuning.RunCache(path, settings).wrap(score), protocol, echo=lambda _: None)
+        protocol.tune_and_test(grids, RunCache(path, settings).wrap(score), seeds, echo=lambda _: None)
     finished = len(calls) - 1
     assert finished == 6 + 4  # 6 validation runs, a's and b's test runs: all saved, the failing one not
     assert not (tmp_path / "runs.json.tmp").exists()
@@ -108,19 +99,19 @@ def test_run_cache_saves_each_run_and_a_restarted_job_reuses_them(tuning, tmp_pa
     assert len(saved["runs"]) == finished and saved["settings"] == settings
 
     calls.clear()
-    cache = tuning.RunCache(path, settings)
-    study = tuning.tune_and_test({k: v for k, v in grids.items() if k != "boom"}, cache.wrap(score), protocol,
-                                 echo=lambda _: None)  # fmt: skip
+    cache = RunCache(path, settings)
+    study = protocol.tune_and_test({k: v for k, v in grids.items() if k != "boom"}, cache.wrap(score), seeds,
+                                   echo=lambda _: None)  # fmt: skip
     assert calls == [] and cache.reused == 8  # nothing retrained
     assert study.chosen == {"a": 0.1, "b": 0.1} and study.test["a"] == [0.6, 0.6]
     assert study.extras["a"][0] == {"curve": [[1, math.inf]], "lr": 0.1}  # JSON-normalized, inf kept
     assert (("a", 0.1, 1, "test") in cache) and cache[("a", 0.1, 1, "test")][0] == 0.6
 
     with pytest.raises(SystemExit, match=r"other settings \(differing: epochs\)"):
-        tuning.RunCache(path, {**settings, "epochs": 3})
+        RunCache(path, {**settings, "epochs": 3})
     path.write_text("{not json")
     with pytest.raises(SystemExit, match="is not a run cache"):
-        tuning.RunCache(path, settings)
-    memory = tuning.RunCache(None, settings)  # no path: nothing written
+        RunCache(path, settings)
+    memory = RunCache(None, settings)  # no path: nothing written
     memory.put(("x",), 1)
     assert memory.get(("x",)) == 1 and memory.get(("y",)) is None and not list(tmp_path.glob("*.tmp"))

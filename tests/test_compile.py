@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
+from benchmarks._lib.graphs import GraphCounter  # the graph counter of benchmarks/compile_speed.py
 from peft_ext import MoRAConfig, PCLRConfig, RiemannionConfig, SplitLoRAConfig
 from peft_ext.models import tiny_clip, tiny_llama
 from peft_ext.tuners.pclr import query_loss
@@ -72,19 +73,6 @@ CAUSAL_LM: dict[str, tuple[Callable[[], Any], Callable[[nn.Module], nn.Module]]]
 }
 
 
-class GraphCounter:
-    """A ``torch.compile`` backend that counts the graphs dynamo hands it (one per piece between graph breaks) and
-    runs each with ``backend``."""
-
-    def __init__(self, backend: str) -> None:
-        self.backend = torch._dynamo.lookup_backend(backend)
-        self.graphs = 0
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
-        self.graphs += 1
-        return self.backend(gm, example_inputs)
-
-
 def _causal_lm(name: str) -> nn.Module:
     make_config, prepare = CAUSAL_LM[name]
     base = tiny_llama(vocab_size=VOCAB, hidden_size=32)
@@ -130,11 +118,13 @@ def _ids() -> torch.Tensor:
     return torch.randint(0, VOCAB, (3, 10), generator=torch.Generator().manual_seed(0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CAUSAL_LM))
 def test_causal_lm_adapter_compiles_to_one_graph_with_eager_gradients(name):
     _check_compiled(lambda: _causal_lm(name), _lm_step, _ids(), "aot_eager")
 
 
+@pytest.mark.slow
 def test_mora_compiles_to_one_graph_with_eager_gradients():
     def make() -> nn.Module:
         base = tiny_clip()

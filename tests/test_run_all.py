@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+
+from benchmarks import mora_missing_modality
+from benchmarks import run_all as real_run_all
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture()
 def run_all(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("run_all", ROOT / "benchmarks" / "run_all.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["run_all"] = module
-    spec.loader.exec_module(module)
+    """run_all with three fake entries: one module, ``python -m fake_bench EXIT`` from ``tmp_path``."""
+    module = real_run_all
+    monkeypatch.setattr(module, "ROOT", tmp_path)  # the entries run from here, as the real ones from the checkout
     monkeypatch.setattr(module, "LOGS", tmp_path / "logs")
+    monkeypatch.setattr(module, "QUICK", False)
+    monkeypatch.setattr(module, "TIMEOUT", 120)  # a hung entry is stopped: its exit status fails the test
     script = tmp_path / "fake_bench.py"
     script.write_text(
         "import sys\n"
@@ -31,9 +33,9 @@ def run_all(tmp_path, monkeypatch):
         "sys.exit(int(sys.argv[1]))\n"
     )
     entries = (
-        module.Entry("good", "A good benchmark", (str(script), "0"), 1, "What it compares.", "figures/good.png"),
-        module.Entry("broken", "A failing benchmark", (str(script), "3"), 1, "Fails on purpose."),
-        module.Entry("missing", "Never run", (str(script), "0"), 1, "Not selected."),
+        module.Entry("good", "A good benchmark", ("fake_bench", "0"), 1, "What it compares.", "figures/good.png"),
+        module.Entry("broken", "A failing benchmark", ("fake_bench", "3"), 1, "Fails on purpose."),
+        module.Entry("missing", "Never run", ("fake_bench", "0"), 1, "Not selected."),
     )
     monkeypatch.setattr(module, "ENTRIES", entries)
     return module
@@ -48,6 +50,7 @@ def test_extract_finds_tables_with_captions_targets_and_the_footer(run_all):
     assert footer == "exit 0, 12 s wall"
 
 
+@pytest.mark.slow  # runs the fake entries in subprocesses (a few seconds), each stopped after TIMEOUT
 def test_main_runs_the_selected_entries_keeps_logs_and_writes_the_report(run_all, tmp_path, capsys):
     report = tmp_path / "benchmarks.md"
     code = run_all.main(["--only", "good", "broken", "--out", str(report)])
@@ -60,6 +63,7 @@ def test_main_runs_the_selected_entries_keeps_logs_and_writes_the_report(run_all
     assert "- target: ours - theirs = +2.0 points (>= +1.0): met" in text
     assert "| good | target: step time 1.3x (<= 1.15x): NOT met |" in text  # the summary table
     assert "Run: exit 3" in text  # the failing entry's exit status is in its section
+    assert "python -m fake_bench 0" in text  # the command as it ran
     missing = text.split("## Never run", 1)[1]
     assert "Not run yet." in missing
     # --reuse keeps the existing logs; --report-only rebuilds the report without running anything
@@ -69,6 +73,7 @@ def test_main_runs_the_selected_entries_keeps_logs_and_writes_the_report(run_all
     assert run_all.main(["--report-only", "--out", str(report)]) == 0
 
 
+@pytest.mark.slow  # runs a fake entry in a subprocess, stopped after TIMEOUT
 def test_an_entry_not_re_run_keeps_its_earlier_section_and_verdicts(run_all, tmp_path):
     report = tmp_path / "benchmarks.md"
     report.write_text(
@@ -91,9 +96,7 @@ def test_an_entry_not_re_run_keeps_its_earlier_section_and_verdicts(run_all, tmp
 
 def test_mora_benchmark_prints_its_targets_verdicts():
     """Met only when the paired (same seed) 95 % interval against the best other method clears 0."""
-    spec = importlib.util.spec_from_file_location("mora_bench", ROOT / "benchmarks" / "mora_missing_modality.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = mora_missing_modality
     accs = {
         ("both", "mora"): (0.80, 0.70),  # +5 points on average, but the seeds disagree: not met
         ("both", "lora"): (0.70, 0.70),
@@ -125,18 +128,34 @@ def test_mora_benchmark_prints_its_targets_verdicts():
     assert lines[3:] == ["target: MoRA inference time / prompt baseline = 0.90x (<= 1.00x): met"]
 
 
-def test_quick_mode_runs_each_scripts_smoke_run_and_keeps_docs(run_all, monkeypatch, tmp_path):
-    real = {e.name: e for e in run_all.ENTRIES}
-    spec = importlib.util.spec_from_file_location("run_all_fresh", ROOT / "benchmarks" / "run_all.py")
-    fresh = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "run_all_fresh", fresh)  # dataclasses look their module up there
-    spec.loader.exec_module(fresh)
-    entries = {e.name: e for e in fresh.ENTRIES}
-    assert not real.keys() & {"riemannion"}  # the fixture's fake entries; the real ones come from `fresh`
-    monkeypatch.setattr(fresh, "QUICK", True)
-    assert fresh.arguments(entries["riemannion"]) == ("benchmarks/riemannion.py", "--quick")
-    assert fresh.arguments(entries["kernels"]) == entries["kernels"].args  # no --quick there: its own small run
-    monkeypatch.setattr(fresh, "ENTRIES", ())
-    monkeypatch.setattr(fresh, "ROOT", tmp_path)
-    assert fresh.main(["--quick"]) == 0  # nothing selected: only the report, and not into docs/
+def test_an_earlier_section_is_found_by_its_command_in_either_form(run_all):
+    entry = run_all.Entry("x", "New title", ("benchmarks.x", "--a"), 1, "About.")
+    for command in ("python -m benchmarks.x --b", "python benchmarks/x.py --b"):  # reports before the package
+        sections = {"Old title": ["", "```bash", command, "```", "| t |"]}
+        assert run_all._earlier_section(entry, sections) == "Old title", command
+    assert run_all._earlier_section(entry, {"Old": ["python -m benchmarks.xy --b"]}) is None
+
+
+def test_quick_mode_runs_each_scripts_smoke_run_and_keeps_docs(monkeypatch, tmp_path):
+    module = real_run_all
+    entries = {e.name: e for e in module.ENTRIES}
+    monkeypatch.setattr(module, "QUICK", True)
+    assert module.arguments(entries["riemannion"]) == ("benchmarks.riemannion", "--quick")
+    assert module.command(entries["riemannion"])[1:] == ["-m", "benchmarks.riemannion", "--quick"]
+    assert module.arguments(entries["kernels"]) == entries["kernels"].args  # no --quick there: its own small run
+    monkeypatch.setattr(module, "ENTRIES", ())
+    monkeypatch.setattr(module, "ROOT", tmp_path)
+    monkeypatch.setattr(module, "LOGS", module.LOGS)  # main(--quick) moves it: restored after the test
+    monkeypatch.setattr(module, "QUICK", False)
+    assert module.main(["--quick"]) == 0  # nothing selected: only the report, and not into docs/
     assert (tmp_path / "runs" / "benchmarks-quick" / "report.md").is_file()
+
+
+def test_every_entry_runs_a_benchmark_module_whose_quick_flag_is_right():
+    """Each entry names a module of benchmarks/, and ``quick`` says whether that script has ``--quick``."""
+    for entry in real_run_all.ENTRIES:
+        module, *_ = entry.args
+        assert module.startswith("benchmarks."), entry.name
+        path = ROOT / (module.replace(".", "/") + ".py")
+        assert path.is_file(), entry.name
+        assert ("quick=" in path.read_text() or "--quick" in path.read_text()) == entry.quick, entry.name

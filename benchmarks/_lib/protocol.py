@@ -5,9 +5,9 @@ method), scored on the validation split; the best validation point is then run o
 (each seed a different data draw where the benchmark has one), reported as mean +- sd together with the paired
 difference to the main peer and its 95 % t-interval. A target counts as met only when the interval clears it.
 
-Usage from a benchmark script (``sys.path[0]`` is ``benchmarks/``)::
+Usage from a benchmark script (run as ``python -m benchmarks.NAME``)::
 
-    from tuning import Protocol, tune_and_test
+    from benchmarks._lib.protocol import Protocol, tune_and_test
 
     protocol = Protocol(tune_seeds=(0,), test_seeds=(0, 1, 2, 3, 4))
     study = tune_and_test(grids, score, protocol)       # score(method, lr, seed, split) -> accuracy in [0, 1]
@@ -17,27 +17,26 @@ Usage from a benchmark script (``sys.path[0]`` is ``benchmarks/``)::
     json.dump(study.to_dict(), ...)                       # the grid's results are kept
 
 Which seeds tune is part of the protocol (``tune_seeds``), and :meth:`Study.describe` prints it with the table.
+Finished runs are kept by :class:`benchmarks._lib.cache.RunCache` (``cache.wrap(score)``).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
+
+from .tables import markdown_table, mean_sd
 
 __all__ = [
     "Protocol",
-    "RunCache",
     "Study",
     "log_grid",
     "lr_range_width",
-    "mean_sd",
     "paired_interval",
+    "plot_lr_panels",
     "t_quantile",
     "tune_and_test",
 ]
@@ -72,16 +71,6 @@ def log_grid(center: float, points: int = 3, factor: float = math.sqrt(10)) -> l
         raise ValueError(f"need points >= 1, center > 0 and factor > 1, got {points}, {center}, {factor}")
     first = -(points - 1) / 2
     return [float(f"{center * factor ** (first + i):.3g}") for i in range(points)]
-
-
-def mean_sd(values: Sequence[float], scale: float = 100.0, digits: int = 1) -> str:
-    """``"m ± sd"`` of ``values`` times ``scale`` (one value: just the value)."""
-    if not values:
-        return "—"
-    mean = statistics.mean(values) * scale
-    if len(values) == 1:
-        return f"{mean:.{digits}f}"
-    return f"{mean:.{digits}f} ± {statistics.stdev(values) * scale:.{digits}f}"
 
 
 def paired_interval(a: Sequence[float], b: Sequence[float]) -> tuple[float, float, float]:
@@ -153,6 +142,17 @@ class Study:
     test: dict[str, list[float]] = field(default_factory=dict)
     extras: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
+    def subset(self, methods: Sequence[str]) -> Study:
+        """The part of the study about ``methods`` (e.g. one rank's table), in the study's order."""
+        keep = [m for m in self.chosen if m in methods]
+        return Study(
+            self.protocol,
+            {m: self.validation[m] for m in keep},
+            {m: self.chosen[m] for m in keep},
+            {m: self.test[m] for m in keep},
+            {m: self.extras[m] for m in keep},
+        )
+
     def curve(self, method: str) -> dict[float, float]:
         """``{lr: mean validation score}`` of ``method``."""
         return {lr: statistics.mean(v) for lr, v in self.validation[method].items()}
@@ -162,7 +162,7 @@ class Study:
         head = ["method", "lr grid", "chosen lr", "val acc", "test acc (mean ± sd)", "lr range within 1 pt"]
         if baseline:
             head.append(f"vs {baseline} (95 % CI)")
-        lines = ["| " + " | ".join(head) + " |", "|---|---|---:|---:|---:|---:|" + ("---:|" if baseline else "")]
+        rows = []
         for method, lr in self.chosen.items():
             curve = self.curve(method)
             grid = " / ".join(f"{x:g}" for x in sorted(curve))
@@ -174,8 +174,8 @@ class Study:
                 else:
                     mean, lo, hi = paired_interval(self.test[method], self.test[baseline])
                     cells.append(f"{100 * mean:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]")
-            lines.append("| " + " | ".join(cells) + " |")
-        return "\n".join(lines)
+            rows.append(cells)
+        return markdown_table(head, rows, align="ll" + "r" * (len(head) - 2))
 
     def verdict(self, method: str, baseline: str, at_least: float, name: str) -> str:
         """``target: ...: met`` only when the 95 % interval's lower end of ``method - baseline`` is ``>= at_least``."""
@@ -270,88 +270,3 @@ def tune_and_test(
         study.test[method] = [v for v, _ in runs]
         study.extras[method] = [e for _, e in runs]
     return study
-
-
-def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` through a temporary file and a rename: a job killed mid-write leaves the
-    previous file intact (every benchmark's record of finished runs is saved this way)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
-
-
-class RunCache:
-    """Finished runs of a benchmark, saved to a JSON file as each one finishes, so a killed job loses none of them.
-
-    A re-started job with the same ``settings`` reuses every saved run and trains only the rest; a file written
-    with other settings is refused (one line naming both), never mixed in. Runs are keyed by a tuple of JSON scalars
-    (e.g. ``(method, lr, seed, split)``); values must be JSON-serializable (``inf`` and ``nan`` round-trip).
-
-    Args:
-        path: The file (``None``: keep runs in memory only).
-        settings: Everything that changes a run's result (sizes, epochs, data); compared on load.
-    """
-
-    def __init__(self, path: str | os.PathLike | None, settings: dict[str, Any]) -> None:
-        self.path = None if path is None else Path(path)
-        self.settings = json.loads(json.dumps(settings, sort_keys=True, default=str))
-        self.runs: dict[str, Any] = {}
-        self.reused = 0
-        if self.path is not None and self.path.exists():
-            try:
-                saved = json.loads(self.path.read_text())
-                stored, runs = saved["settings"], saved["runs"]
-            except (ValueError, KeyError, TypeError) as err:
-                raise SystemExit(f"{self.path} is not a run cache ({err}); pass another path or delete it") from None
-            if stored != self.settings:
-                differ = sorted(k for k in set(stored) | set(self.settings) if stored.get(k) != self.settings.get(k))
-                raise SystemExit(
-                    f"{self.path} holds runs made with other settings (differing: {', '.join(differ)}); "
-                    "pass another path or delete it"
-                )
-            self.runs = dict(runs)
-
-    @staticmethod
-    def _key(key: tuple[Any, ...]) -> str:
-        return json.dumps(list(key))
-
-    def __contains__(self, key: tuple[Any, ...]) -> bool:
-        return self._key(key) in self.runs
-
-    def __getitem__(self, key: tuple[Any, ...]) -> Any:
-        return self.runs[self._key(key)]
-
-    def __len__(self) -> int:
-        return len(self.runs)
-
-    def get(self, key: tuple[Any, ...]) -> Any:
-        """The saved value of ``key`` (counted as reused), or ``None``."""
-        if self._key(key) not in self.runs:
-            return None
-        self.reused += 1
-        return self.runs[self._key(key)]
-
-    def put(self, key: tuple[Any, ...], value: Any) -> None:
-        """Record a finished run and rewrite the file atomically (temporary file, then rename)."""
-        self.runs[self._key(key)] = json.loads(json.dumps(value, default=str))
-        if self.path is not None:
-            write_json_atomic(self.path, {"settings": self.settings, "runs": self.runs})
-
-    def wrap(
-        self, score: Callable[[str, float, int, str], float | tuple[float, dict[str, Any]]]
-    ) -> Callable[[str, float, int, str], tuple[float, dict[str, Any]]]:
-        """``score`` for :func:`tune_and_test` with every ``(method, lr, seed, split)`` run saved and reused."""
-
-        def cached(method: str, lr: float, seed: int, split: str) -> tuple[float, dict[str, Any]]:
-            key = (method, lr, seed, split)
-            saved = self.get(key)
-            if saved is None:
-                out = score(method, lr, seed, split)
-                value, extra = out if isinstance(out, tuple) else (out, {})
-                self.put(key, [value, extra])
-                saved = self.runs[self._key(key)]
-            return saved[0], saved[1]
-
-        return cached

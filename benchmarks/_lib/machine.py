@@ -1,0 +1,70 @@
+"""The machine a benchmark measured on: one record for its JSON, and the lines its report prints."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["cpu_name", "load_average", "record", "summary", "torch_platform"]
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def load_average() -> float:
+    """The load average over the last minute (``nan`` where the system has none)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
+def _gpu() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+
+
+def torch_platform() -> str:
+    """``torch <version>, <machine>``: the short form the scripts' last lines print."""
+    import torch
+
+    return f"torch {torch.__version__}, {platform.machine()}"
+
+
+def summary() -> str:
+    """One line: cores, CPU, GPU, Python, torch and the system (the report's machine line)."""
+    import torch
+
+    return (
+        f"{os.cpu_count()} CPU cores ({cpu_name()}), {_gpu()}; Python {platform.python_version()}, "
+        f"torch {torch.__version__}, {platform.system()} {platform.machine()}"
+    )
+
+
+def record(**extra: Any) -> dict[str, Any]:
+    """The machine as a JSON-able record (``extra`` added, e.g. the command), for a benchmark's results file."""
+    import torch
+
+    return {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "gpu": _gpu(),
+        "python": platform.python_version(),
+        "argv": sys.argv[1:],
+        **extra,
+    }
