@@ -21,7 +21,7 @@ Cost of the default (5 tasks x 4 classes, 40 train / 25 validation / 25 test glo
 steps per task, batch 32): 7 methods x (3 validation + 5 test runs) + 2 convergence runs at 6 epochs = 58 runs.
 Measured for the record (2026-12-01, one thread, the machine shared with a second benchmark): the 58 runs took 5,435
 CPU s in all (about 91 minutes on one idle core; 109 minutes wall here); per run seq_lora 78 s, splitlora 83 s,
-inflora 99 s, pclr_contribution 148 s of CPU (the issue-18 ``pclr`` entry: 93 s). The sizes are the fixed-lr
+inflora 99 s, pclr_contribution 148 s of CPU (the earlier ``pclr`` entry: 93 s). The sizes are the fixed-lr
 benchmark's: runs long enough to converge come first (the convergence check says whether they are; seq_lora at lr
 1e-3, seed 0: 23.6 -> 19.8 validation final accuracy from 3 to 6 epochs, more epochs only forget more).
 

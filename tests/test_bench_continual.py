@@ -1,4 +1,4 @@
-"""python -m benchmarks.continual_wordnet --quick: the issue-16 protocol end to end (real MiniLM-L6, toy sizes).
+"""python -m benchmarks.continual_wordnet --quick: the benchmark protocol end to end (real MiniLM-L6, toy sizes).
 
 One subprocess run of the script, then a ``--resume`` rerun with one run removed from the checkpoint: only that run
 trains again and the study equals the uninterrupted one.
