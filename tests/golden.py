@@ -21,10 +21,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
 from .helpers import save_tiny_bert
+from .single_thread import torch_threads
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden" / "runs.json"
@@ -79,12 +79,8 @@ def run_case(name: str, work: Path, backbone: Path, threads: int = 1) -> dict[st
     cfg = work / f"{name}.yaml"
     out = work / f"{name}-out"
     cfg.write_text(yaml.safe_dump(shrunk_config(name, backbone, out)))
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         status = main(["run", str(cfg), "--no-progress"])
-    finally:
-        torch.set_num_threads(before)
     if status != 0:
         raise RuntimeError(f"the golden run {name} failed with status {status} (its error is printed above)")
     payload = json.loads((out / "results.json").read_text())

@@ -17,9 +17,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from peft import PeftConfig
 from torch import nn
 from transformers import AutoTokenizer, BertConfig, BertModel
 
+from peft_ext import PCLRConfig, RiemannionConfig, SplitLoRAConfig
 from peft_ext.continual import TrainConfig, run_sequence
 from peft_ext.data.tasks import Example, Task, TaskSequence
 from peft_ext.models import SentenceClassifier, minilm_path, tiny_bert
@@ -71,6 +73,14 @@ def pclr_adapter(**fields) -> dict:
     """A PCLR ``adapter:`` section: what the ``pclr`` method used before it embedded PCLRConfig, then ``fields``."""
     base = {"pool_size": 64, "ranks_schedule": [16], "compress_schedule": [0.0, 0.0, 0.25], "top_k": 16, "alpha": 16.0}
     return {**base, "shared_r": 4, "shared_alpha": 8.0, "target_modules": list(QUERY_VALUE), **fields}
+
+
+#: A fresh config of three adapter types on BERT's query and value projections, by the type's name.
+ADAPTER_CONFIGS: dict[str, Callable[[], PeftConfig]] = {
+    "riemannion": lambda: RiemannionConfig(r=4, target_modules=list(QUERY_VALUE)),
+    "splitlora": lambda: SplitLoRAConfig(r=4, target_modules=list(QUERY_VALUE)),
+    "pclr": lambda: PCLRConfig(target_modules=list(QUERY_VALUE), pool_size=8, ranks_schedule=[4], top_k=2),
+}
 
 
 class ContractMLP(nn.Module):
@@ -136,6 +146,30 @@ def save_tiny_bert(path: Path, num_layers: int, seed: int | None = 0) -> Path:
     return path
 
 
+def offline_env(threads: int | None = None) -> dict[str, str]:
+    """This process's environment for a child run from the repository root: the checkout on ``PYTHONPATH``, the
+    Hugging Face hub offline, and ``OMP_NUM_THREADS=threads`` unless ``threads`` is ``None``."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def run_module(
+    module: str, *args: object, timeout: float = 600, threads: int | None = None, ok: bool = True
+) -> subprocess.CompletedProcess:
+    """Run ``python -m module *args`` from the repository root with :func:`offline_env` (``threads``), its output
+    captured as text, and return the finished process. It is killed after ``timeout`` seconds (the test errors with
+    ``TimeoutExpired``); with ``ok`` the test fails unless it exits 0, showing the tails of its output."""
+    cmd = [sys.executable, "-m", module, *map(str, args)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=offline_env(threads), capture_output=True, text=True, timeout=timeout)
+    if ok:
+        assert proc.returncode == 0, (
+            f"python -m {module}: exit status {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
+        )
+    return proc
+
+
 def launcher(name: str) -> str | None:
     """The path of the launcher ``name`` (``torchrun``, ``accelerate``): next to this Python first, else on PATH."""
     return shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
@@ -156,8 +190,7 @@ def opt_in_accelerate(cost: str) -> str:
 def run_launcher(cmd: list[str], timeout: float = 150, ok: bool = True) -> tuple[str, str]:
     """Run the multi-process launch ``cmd`` from the repository root, offline; return its stdout and stderr (every
     rank's). Fail the test if it outlives ``timeout`` seconds, or fails (``ok``) or succeeds (``not ok``)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    env["TRANSFORMERS_OFFLINE"] = "1"
+    env = offline_env(threads=1)
     # a session of its own, so a timeout can end the launcher *and* its workers (killing the launcher alone orphans
     # them)
     proc = subprocess.Popen(

@@ -7,26 +7,20 @@ trains again and the study equals the uninterrupted one.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from benchmarks._lib import continual as bench
 
-ROOT = Path(__file__).resolve().parents[1]
+from .helpers import run_module
+
 pytestmark = pytest.mark.slow  # a real pretrained model, about 70 s of CPU for the two runs
 METHODS = ["seq_lora", "inflora", "olora", "osf", "splitlora", "pclr", "joint"]
 
 
 def _run(out: Path, *extra: str) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "benchmarks.continual_wordnet", "--quick", "--out", str(out), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc.stdout
+    return run_module("benchmarks.continual_wordnet", "--quick", "--out", out, *extra).stdout
 
 
 @pytest.fixture(scope="module")

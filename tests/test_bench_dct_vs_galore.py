@@ -4,14 +4,10 @@ what must hold whatever the timing (energy bounds, the protocol's choices, check
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from .helpers import run_module
 
 pytest.importorskip("galore_torch")
 pytest.importorskip("apollo_torch")
@@ -20,16 +16,7 @@ pytest.importorskip("apollo_torch")
 @pytest.mark.slow
 def test_quick_run_covers_every_optimizer_and_basis(tmp_path):
     out, png = tmp_path / "dct.json", tmp_path / "lr.png"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.dct_vs_galore", "--quick", "--json", str(out)] + ["--png", str(png)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_module("benchmarks.dct_vs_galore", "--quick", "--json", out, "--png", png)
     results = json.loads(out.read_text())
 
     # table 1: one timing per basis and shape

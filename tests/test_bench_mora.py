@@ -4,16 +4,11 @@ tiny random BERT as the text tower keeps it short; the real MiniLM run is the sc
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from .helpers import save_tiny_bert
+from .helpers import run_module, save_tiny_bert
 
-ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["linear_probe", "lora", "mora", "prompts", "lora_matched"]
 
 
@@ -21,12 +16,7 @@ METHODS = ["linear_probe", "lora", "mora", "prompts", "lora_matched"]
 def test_quick_run_tunes_on_validation_and_reports_test(tmp_path):
     text = save_tiny_bert(tmp_path / "tiny-bert", num_layers=3)
     out = tmp_path / "mora.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "benchmarks.mora_missing_modality", "--quick", "--text", str(text)]
-    cmd += ["--json", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    log = proc.stdout
+    log = run_module("benchmarks.mora_missing_modality", "--quick", "--text", text, "--json", out).stdout
     assert "train / 293 validation / 363 test" in log
     assert (
         "learning rate chosen per method on the validation split (mean over seed(s) [0]), then test over seeds [0, 1]"

@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from .helpers import run_module
 
 
 @pytest.mark.slow
 def test_quick_ablation_reports_every_variant_and_a_rerun_trains_nothing(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "benchmarks.pclr_ablation", "--quick", "--out", str(tmp_path)]
-    first = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    args = ("benchmarks.pclr_ablation", "--quick", "--out", tmp_path)
+    first = run_module(*args)
     head = "| variant | change | final acc | avg incr acc | forgetting | new-task acc | first task |"
     assert head in first.stdout
     rows = {line.split(" | ")[0][2:]: line for line in first.stdout.splitlines() if line.startswith("| ")}
@@ -33,6 +27,6 @@ def test_quick_ablation_reports_every_variant_and_a_rerun_trains_nothing(tmp_pat
     assert f"| {100 * sum(diag) / len(diag):.1f} |" in rows["base"]
     assert record["settings"]["options"]["no_proto"]["adapter"]["prototype_routing"] is False
 
-    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0 and "0 run(s) trained" in again.stdout
+    again = run_module(*args)
+    assert "0 run(s) trained" in again.stdout
     assert [line for line in again.stdout.splitlines() if line.startswith("| ")] == list(rows.values())

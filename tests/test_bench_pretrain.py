@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from .helpers import run_module
 
 
 @pytest.fixture(scope="module")
@@ -64,14 +60,11 @@ def test_schedule_and_splits(bench):
 def test_quick_run(tmp_path):
     """``--quick`` end to end: every optimizer tuned and tested, the table, the verdicts, the PNG and the JSON."""
     png, out = tmp_path / "loss.png", tmp_path / "pretrain.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    runs = tmp_path / "runs.json"
-    cmd = [sys.executable, "-m", "benchmarks.pretrain_llama", "--quick", "--png", str(png), "--json", str(out)]
-    cmd += ["--runs", str(runs)]
-    text = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900).stdout
+    args = ("benchmarks.pretrain_llama", "--quick", "--png", png, "--json", out, "--runs", tmp_path / "runs.json")
+    text = run_module(*args, timeout=900).stdout
     result = json.loads(out.read_text())
     # a re-started job trains nothing: every run comes from --runs, and it reports the same figures
-    again = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900).stdout
+    again = run_module(*args, timeout=900).stdout
     assert "21 finished run(s) saved" in again and "[round seed" not in again
     assert json.loads(out.read_text())["test"] == result["test"]
     names = ("adamw", "galore", "apollo", "dct_adamw", "subspace_adamw", "dct_channel", "subspace_channel")

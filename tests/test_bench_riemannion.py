@@ -3,28 +3,22 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import statistics
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from .helpers import run_module
+
 METHODS = ["riemannion_loi", "riemannion_random", "lora_adamw", "lora_rprec", "lora_ga", "lora_muon"]
 
 
 @pytest.mark.slow
 def test_quick_run_tunes_on_validation_reports_test_curves_timing_and_verdicts(tmp_path):
     out, png = tmp_path / "riemannion.json", tmp_path / "lr.png"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "benchmarks.riemannion", "--quick", "--json", str(out), "--figure", str(png)]
-    cmd += ["--methods", *METHODS]  # LoRA-GA too (not in the default set): every code path
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    text = proc.stdout
+    args = ["--quick", "--json", out, "--figure", png]
+    args += ["--methods", *METHODS]  # LoRA-GA too (not in the default set): every code path
+    text = run_module("benchmarks.riemannion", *args, timeout=900).stdout
 
     for method in METHODS:  # Study.table: every method with its 3-point grid, chosen lr and lr-range width
         row = rf"^\| {method} \| [^|]+ / [^|]+ / [^|]+ \| [0-9.e-]+ \| [0-9.]+ \| .* decades \|"

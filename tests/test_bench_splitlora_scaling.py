@@ -3,24 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from .helpers import run_module
 
 
 @pytest.mark.slow
 def test_quick_run_measures_every_part_and_prints_the_verdicts(tmp_path):
     out = tmp_path / "scaling.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "benchmarks.splitlora_scaling", "--quick", "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = run_module("benchmarks.splitlora_scaling", "--quick", "--json", out, threads=1)
     verdicts = [line for line in proc.stdout.splitlines() if line.startswith("target: ")]
     assert len(verdicts) == 4 and all(re.search(r": (met|NOT met)$", v) for v in verdicts), verdicts
     data = json.loads(out.read_text())

@@ -23,7 +23,7 @@ from peft_ext import RiemannionConfig, SplitLoRAConfig
 from peft_ext.integrations import optimizer_for_trainer
 from peft_ext.models import tiny_llama, tiny_qwen2
 
-from .single_thread import single_thread  # noqa: F401  (fixture)
+from .single_thread import one_thread, single_thread  # noqa: F401  (fixture)
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 FAMILIES = {"llama": tiny_llama, "qwen2": tiny_qwen2}
@@ -145,16 +145,14 @@ def greedy(model: torch.nn.Module, use_cache: bool = True, new_tokens: int = 8) 
 
 
 @pytest.fixture(scope="module")
-def one_thread() -> Iterator[None]:
+def module_one_thread() -> Iterator[None]:
     # tiny matrices: a second OpenMP thread only adds synchronization (see tests/single_thread.py)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_thread():
+        yield
 
 
 @pytest.fixture(scope="module", params=[(f, m) for f in FAMILIES for m in METHODS], ids=lambda p: "-".join(p))
-def trained(request, one_thread, tmp_path_factory) -> dict:
+def trained(request, module_one_thread, tmp_path_factory) -> dict:
     """A model of each family with each method, trained with Trainer on left-padded batches."""
     family, method = request.param
     out = tmp_path_factory.mktemp(f"{family}-{method}")

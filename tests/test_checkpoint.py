@@ -27,18 +27,12 @@ from peft_ext.continual.report import save_results
 from peft_ext.models import tiny_bert, tiny_clip
 from peft_ext_cli import main as cli_main
 
-ROOT = Path(__file__).resolve().parents[1]
-
-CONFIGS = {
-    "riemannion": lambda: RiemannionConfig(r=4, target_modules=["query", "value"]),
-    "splitlora": lambda: SplitLoRAConfig(r=4, target_modules=["query", "value"]),
-    "pclr": lambda: PCLRConfig(target_modules=["query", "value"], pool_size=8, ranks_schedule=[4], top_k=2),
-}
+from .helpers import ADAPTER_CONFIGS, offline_env
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", sorted(ADAPTER_CONFIGS))
 def test_atomic_save_round_trips_and_verifies(name, tmp_path):
-    model = get_peft_model(tiny_bert(), CONFIGS[name]())
+    model = get_peft_model(tiny_bert(), ADAPTER_CONFIGS[name]())
     path = save_pretrained_atomic(model, tmp_path / "ckpt")
     assert verify_checkpoint(path) == {str(path): name.upper()}
     loaded = PeftModel.from_pretrained(tiny_bert(), path)
@@ -49,7 +43,7 @@ def test_atomic_save_round_trips_and_verifies(name, tmp_path):
 
 
 def test_a_failing_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
-    model = get_peft_model(tiny_bert(), CONFIGS["splitlora"]())
+    model = get_peft_model(tiny_bert(), ADAPTER_CONFIGS["splitlora"]())
     path = save_pretrained_atomic(model, tmp_path / "ckpt")
     before = {p.name: p.read_bytes() for p in path.iterdir()}
     original = type(model).save_pretrained
@@ -69,7 +63,7 @@ def test_a_failing_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypa
 
 
 def test_verify_names_the_file_and_the_problem(tmp_path):
-    model = get_peft_model(tiny_bert(), CONFIGS["pclr"]())
+    model = get_peft_model(tiny_bert(), ADAPTER_CONFIGS["pclr"]())
     path = tmp_path / "ckpt"
     model.save_pretrained(path)
     weights = path / "adapter_model.safetensors"
@@ -98,8 +92,8 @@ def test_verify_names_the_file_and_the_problem(tmp_path):
 
 
 def test_verify_walks_several_adapters(tmp_path):
-    model = get_peft_model(tiny_bert(), CONFIGS["riemannion"]())
-    model.add_adapter("second", CONFIGS["riemannion"]())
+    model = get_peft_model(tiny_bert(), ADAPTER_CONFIGS["riemannion"]())
+    model.add_adapter("second", ADAPTER_CONFIGS["riemannion"]())
     model.save_pretrained(tmp_path / "ckpt")
     found = verify_checkpoint(tmp_path / "ckpt")
     assert sorted(found.values()) == ["RIEMANNION", "RIEMANNION"] and any(k.endswith("second") for k in found)
@@ -123,8 +117,8 @@ def _modes(root: Path) -> dict[str, int]:
 def test_atomic_save_and_results_follow_the_umask(mask, file_mode, dir_mode, tmp_path, umask):
     umask(mask)
     assert fileperm.current_umask() == mask
-    model = get_peft_model(tiny_bert(), CONFIGS["riemannion"]())
-    model.add_adapter("second", CONFIGS["riemannion"]())
+    model = get_peft_model(tiny_bert(), ADAPTER_CONFIGS["riemannion"]())
+    model.add_adapter("second", ADAPTER_CONFIGS["riemannion"]())
     atomic = _modes(save_pretrained_atomic(model, tmp_path / "atomic"))
     model.save_pretrained(tmp_path / "plain")
     plain = _modes(tmp_path / "plain")
@@ -166,7 +160,7 @@ def test_verify_passes_every_adapter_type_and_a_grown_splitlora(tmp_path):
     lora.save_pretrained(tmp_path / "lora")
     assert verify_checkpoint(tmp_path / "lora") == {str(tmp_path / "lora"): "LORA"}
     # After two finished tasks SplitLoRA's folded factors have grown to 2r rows: still a valid checkpoint.
-    split = get_peft_model(tiny_bert(), CONFIGS["splitlora"]())
+    split = get_peft_model(tiny_bert(), ADAPTER_CONFIGS["splitlora"]())
     for _ in range(2):
         with split.base_model.collect_statistics():
             split.train()(input_ids=torch.randint(0, 100, (2, 5)))
@@ -192,7 +186,7 @@ def test_verify_passes_every_adapter_type_and_a_grown_splitlora(tmp_path):
 )
 def test_verify_catches_weights_that_do_not_match_the_config(name, changes, message, tmp_path):
     path = tmp_path / "ckpt"
-    get_peft_model(tiny_bert(), CONFIGS[name]()).save_pretrained(path)
+    get_peft_model(tiny_bert(), ADAPTER_CONFIGS[name]()).save_pretrained(path)
     verify_checkpoint(path)
     _edit_config(path, **changes)
     with pytest.raises(ValueError, match=message) as err:
@@ -229,11 +223,9 @@ def test_loading_in_a_fresh_process_needs_import_peft_ext(tmp_path):
     """PEFT's own behaviour without the import (documented in the README's troubleshooting section), then the fix."""
     base = tmp_path / "base"
     tiny_bert().save_pretrained(base)
-    save_pretrained_atomic(get_peft_model(tiny_bert(), CONFIGS["splitlora"]()), tmp_path / "ckpt")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", LOAD_SCRIPT, str(base), str(tmp_path / "ckpt")], capture_output=True, text=True, env=env
-    )
+    save_pretrained_atomic(get_peft_model(tiny_bert(), ADAPTER_CONFIGS["splitlora"]()), tmp_path / "ckpt")
+    cmd = [sys.executable, "-c", LOAD_SCRIPT, str(base), str(tmp_path / "ckpt")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=offline_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-2:] == [
         "without import: KeyError('SPLITLORA')",
@@ -242,7 +234,7 @@ def test_loading_in_a_fresh_process_needs_import_peft_ext(tmp_path):
 
 
 def test_cli_verify_reports_and_says_how_to_load(tmp_path, capsys):
-    path = save_pretrained_atomic(get_peft_model(tiny_bert(), CONFIGS["pclr"]()), tmp_path / "ckpt")
+    path = save_pretrained_atomic(get_peft_model(tiny_bert(), ADAPTER_CONFIGS["pclr"]()), tmp_path / "ckpt")
     assert cli_main(["verify", str(path)]) == 0
     out = capsys.readouterr().out
     assert f"{path}: PCLR adapter, complete and consistent with its config" in out
@@ -257,10 +249,10 @@ def test_cli_verify_reports_and_says_how_to_load(tmp_path, capsys):
     assert "to load" not in capsys.readouterr().out, "PEFT's own types need no hint"
 
 
-@pytest.mark.parametrize("name", [*sorted(CONFIGS), "lora"])
+@pytest.mark.parametrize("name", [*sorted(ADAPTER_CONFIGS), "lora"])
 def test_verify_against_the_base_model_checks_widths_and_targets(name, tmp_path):
     """Shapes only the base fixes (input widths) and the set of adapted layers, from a meta copy of the base."""
-    make = CONFIGS.get(name, lambda: LoraConfig(r=4, target_modules=["query", "value"], task_type="SEQ_CLS"))
+    make = ADAPTER_CONFIGS.get(name, lambda: LoraConfig(r=4, target_modules=["query", "value"], task_type="SEQ_CLS"))
     path = tmp_path / "ckpt"
     get_peft_model(tiny_bert(), make()).save_pretrained(path)
     tiny_bert().save_pretrained(tmp_path / "base32")
@@ -282,7 +274,7 @@ def test_cli_verify_checks_against_the_named_base(tmp_path, capsys):
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(base)  # so the config names the base folder
-    path = save_pretrained_atomic(get_peft_model(model, CONFIGS["splitlora"]()), tmp_path / "ckpt")
+    path = save_pretrained_atomic(get_peft_model(model, ADAPTER_CONFIGS["splitlora"]()), tmp_path / "ckpt")
     assert cli_main(["verify", str(path)]) == 0
     assert f"consistent with its config and with base model {base}" in capsys.readouterr().out
     tiny_bert(hidden_size=64).save_pretrained(tmp_path / "wide")

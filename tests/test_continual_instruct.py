@@ -23,7 +23,7 @@ from peft_ext.integrations import run_continual_with_trainer
 from peft_ext.models import tiny_llama
 from peft_ext.tuners.pclr import default_query
 
-from .single_thread import single_thread  # noqa: F401  (fixture)
+from .single_thread import one_thread, single_thread  # noqa: F401  (fixture)
 from .test_continual_trainer import targs
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models; see tests/single_thread.py
@@ -95,8 +95,8 @@ def _run(seq: TaskSequence, collate: CausalLMCollator, name: str):
 
 @pytest.fixture(scope="module")
 def runs(seq, collate):
-    torch.set_num_threads(1)  # module fixtures run outside the function-scoped single_thread fixture
-    return {name: _run(seq, collate, name) for name in METHODS}
+    with one_thread():  # module fixtures run outside the function-scoped single_thread fixture
+        return {name: _run(seq, collate, name) for name in METHODS}
 
 
 # --- data and collate ------------------------------------------------------------------------------------------------

@@ -14,7 +14,15 @@ from peft_ext.continual import get_continual_method
 from peft_ext.integrations import run_continual_with_trainer
 from peft_ext.integrations.continual_trainer import STATE_FILE, last_complete_checkpoint, load_model_state
 
-from .helpers import QUERY_VALUE, lora_adapter, pclr_adapter, stack_collate, tiny_classifier, token_sequence
+from .helpers import (
+    QUERY_VALUE,
+    lora_adapter,
+    pclr_adapter,
+    run_module,
+    stack_collate,
+    tiny_classifier,
+    token_sequence,
+)
 from .single_thread import single_thread  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -201,16 +209,10 @@ def test_a_rewrapping_method_resumes_to_the_same_accuracy_matrix(seq, tmp_path):
 @pytest.mark.slow
 def test_a_killed_process_resumes_to_the_same_accuracy_matrix(seq, tmp_path):
     """A real SIGKILL in a subprocess, mid-task (task 1, step 9: after checkpoint-5, with no cleanup of any kind)."""
-    import os
     import signal
-    import subprocess
-    import sys
 
-    root = Path(__file__).resolve().parents[1]
     out = tmp_path / "killed"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "tests.workers.continual_kill", str(out), "splitlora", "1", "9"]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    proc = run_module("tests.workers.continual_kill", out, "splitlora", 1, 9, timeout=240, threads=1, ok=False)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert json.loads((out / STATE_FILE).read_text())["completed"] == 1
     resumed, _ = run(seq, "splitlora", out)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from benchmarks._lib.dct_tables import fit_linear_task, linear_task_mlp
 from peft_ext.optim import OPTIMIZERS, DCTAdamW
 from peft_ext.optim.adam_math import adam_direction
 from peft_ext.optim.dct import dct_matrix, dct_select
@@ -333,37 +334,14 @@ def test_quantize_8bit_round_trip_error_bounds():
         quantize_8bit(x, "nf4", 256)
 
 
-def _mlp(seed: int = 0) -> nn.Sequential:
-    """The 3-layer MLP of the training tests, seeded."""
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 96), nn.Tanh(), nn.Linear(96, 10))
-
-
-def _fit_linear_task(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> list[float]:
-    """``steps`` minibatch steps of ``opt`` on a fixed random linear 10-class task (the same for every call); returns
-    the losses."""
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(512, 64, generator=gen)
-    y = (x @ torch.randn(64, 10, generator=gen)).argmax(1)
-    losses = []
-    for _ in range(steps):
-        idx = torch.randint(0, 512, (64,), generator=gen)
-        loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
 def _train_mlp(steps: int, seed: int = 0, rank: int = 16, **kw):
     """A 3-layer MLP classifying a fixed random linear task; returns (initial, final params, losses, optimizer)."""
-    model = _mlp(seed)
+    model = linear_task_mlp(seed)
     start = [p.detach().clone() for p in model.parameters()]
     opt = DCTAdamW(model.named_parameters(), lr=1e-3, rank=rank, **kw)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the 10-row head is clamped to rank 10
-        losses = _fit_linear_task(model, opt, steps)
+        losses = fit_linear_task(model, opt, steps)
     return start, [p.detach().clone() for p in model.parameters()], losses, opt
 
 
@@ -692,7 +670,7 @@ def test_trains_a_classifier_like_galore_at_the_same_rank():
     from galore_torch import GaLoreAdamW
 
     _, _, dct_losses, _ = _train_mlp(150, rank=32)
-    model = _mlp()
+    model = linear_task_mlp()
     mats = [p for p in model.parameters() if p.ndim == 2]
     rest = [p for p in model.parameters() if p.ndim != 2]
     galore = GaLoreAdamW(
@@ -701,7 +679,7 @@ def test_trains_a_classifier_like_galore_at_the_same_rank():
         eps=1e-8,
         no_deprecation_warning=True,
     )
-    galore_losses = _fit_linear_task(model, galore, 150)
+    galore_losses = fit_linear_task(model, galore, 150)
     tail = sum(dct_losses[-20:]) / 20
     assert tail < 0.45 * sum(dct_losses[:10]) / 10
     assert tail <= sum(galore_losses[-20:]) / 20

@@ -3,14 +3,13 @@ end with identical parameters, equal to a single process training on the full ba
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from .helpers import run_launcher
 from .single_thread import single_thread  # noqa: F401  (fixture)
 from .workers import ddp_dct as worker
 
@@ -22,18 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(ROOT / "tests" / "workers" / "ddp_dct.py"),
-        str(out),
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    run_launcher([*cmd, str(ROOT / "tests" / "workers" / "ddp_dct.py"), str(out)], timeout=120)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 

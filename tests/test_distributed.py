@@ -20,7 +20,7 @@ from peft_ext.models import tiny_llama
 from peft_ext.optim import DCTAdamW, Riemannion, create_riemannion_optimizer
 
 from .helpers import opt_in_accelerate, run_launcher, torchrun_ranks
-from .single_thread import single_thread  # noqa: F401  (fixture)
+from .single_thread import one_thread, single_thread  # noqa: F401  (fixture)
 from .workers import distributed as worker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,12 +34,8 @@ def ranks(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def single():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         return {name: getattr(worker, name)(slice(None), lambda model: model) for name in METHODS}
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.distributed

@@ -25,6 +25,7 @@ from peft_ext.models import tiny_clip, tiny_llama
 from peft_ext.tuners.pclr import PCLRLayer
 
 from .helpers import opt_in_accelerate, run_launcher, torchrun_ranks
+from .single_thread import one_thread
 from .workers import fsdp2 as worker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,12 +39,8 @@ def ranks(tmp_path_factory):
 
 
 def _one_process(names) -> dict:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         return {name: worker.CASES[name](slice(None), lambda model: model) for name in names}
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

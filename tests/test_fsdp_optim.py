@@ -20,7 +20,7 @@ from peft_ext.models import tiny_llama
 from peft_ext.tuners.riemannion import find_adapters
 
 from .helpers import torchrun_ranks
-from .single_thread import single_thread  # noqa: F401  (fixture)
+from .single_thread import one_thread, single_thread  # noqa: F401  (fixture)
 from .workers import fsdp_optim as worker
 
 pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("single_thread")]
@@ -36,12 +36,8 @@ def ranks(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def single():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         return {name: case(slice(None), shard=False) for name, case in worker.CASES.items()}
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_riemannion_two_shards_equal_one_process(ranks, single):

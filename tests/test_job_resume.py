@@ -2,7 +2,6 @@
 resumes it, and the resumed job ends with the report of an uninterrupted run; a different config is refused."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -12,9 +11,8 @@ import pytest
 
 from peft_ext_cli import main
 
-from .helpers import job_config, save_tiny_bert
+from .helpers import job_config, offline_env, save_tiny_bert
 
-ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["frozen_linear", "seq_lora"]
 
 
@@ -23,14 +21,19 @@ def tiny_backbone(tmp_path_factory):
     return save_tiny_bert(tmp_path_factory.mktemp("tiny-bert"), num_layers=1, seed=0)
 
 
-def _cfg(tmp_path, backbone):
+def _cfg(tmp_path, backbone, methods=METHODS, n_tasks: int = 2, train_per_class: int = 16):
+    """configs/quickstart.yaml on ``backbone`` with only ``methods``, each at rank 2 (PCLR: a pool of 8 at rank 2, top
+    2), over ``n_tasks`` tasks of 2 classes for one epoch; written by :func:`job_config`."""
+
     def edit(data: dict) -> None:
         data["model"]["backbone"] = str(backbone)
-        data["data"].update(n_tasks=2, classes_per_task=2, train_per_class=16, test_per_class=4)
+        data["data"].update(n_tasks=n_tasks, classes_per_task=2, train_per_class=train_per_class, test_per_class=4)
         data["train"].update(epochs=1, batch_size=4)
-        data["methods"] = [m for m in data["methods"] if m["name"] in METHODS]
+        data["methods"] = [m for m in data["methods"] if m["name"] in methods]
         for m in data["methods"]:
-            if "adapter" in m:
+            if m["name"] == "pclr":
+                m["adapter"].update(pool_size=8, ranks_schedule=[2], top_k=2)
+            elif "adapter" in m:
                 m["adapter"]["r"] = 2
 
     return job_config(tmp_path, "quickstart", edit)
@@ -48,8 +51,7 @@ def test_sigint_then_resume_matches_an_uninterrupted_run(tmp_path, tiny_backbone
     first.mkdir()
     cfg = _cfg(first, tiny_backbone)
     out = first / "out"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    env["PYTHONUNBUFFERED"] = "1"
+    env = {**offline_env(), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "peft_ext", "run", str(cfg), "--no-progress"],
         env=env,
@@ -97,18 +99,7 @@ MID = ["seq_lora", "inflora", "splitlora", "pclr"]  # the order of configs/quick
 
 
 def _mid_cfg(tmp_path, backbone):
-    def edit(data: dict) -> None:
-        data["model"]["backbone"] = str(backbone)
-        data["data"].update(n_tasks=3, classes_per_task=2, train_per_class=8, test_per_class=4)
-        data["train"].update(epochs=1, batch_size=4)
-        data["methods"] = [m for m in data["methods"] if m["name"] in MID]
-        for m in data["methods"]:
-            if m["name"] == "pclr":
-                m["adapter"].update(pool_size=8, ranks_schedule=[2], top_k=2)
-            elif "adapter" in m:
-                m["adapter"]["r"] = 2
-
-    return job_config(tmp_path, "quickstart", edit)
+    return _cfg(tmp_path, backbone, MID, n_tasks=3, train_per_class=8)
 
 
 def _interrupt_after(monkeypatch, label: str, completed: int) -> None:

@@ -109,11 +109,16 @@ class OptimizerCase:
     bad_param: tuple[str, str]
 
 
-def _make_dct(cls: type) -> Callable[..., torch.optim.Optimizer]:
+def _plain_case(name: str, cls: Callable[..., torch.optim.Optimizer]) -> OptimizerCase:
+    """A projected AdamW on the plain MLP (every parameter its own, named): ``cls(named_params, **options)``."""
+
     def make(model: nn.Module, params: Any = None, **options: Any) -> torch.optim.Optimizer:
         return cls(_named(model) if params is None else params, **{"lr": 1e-2, "rank": 3, **options})
 
-    return make
+    bad_param = ("lin1.weight", "`lin1.weight`")
+    return OptimizerCase(
+        name, _plain_model, make, _plain_groups, _plain_observed, "lin0.", NonFiniteGradientError, bad_param
+    )
 
 
 def _make_riemannion(model: nn.Module, params: Any = None, **options: Any) -> torch.optim.Optimizer:
@@ -121,26 +126,8 @@ def _make_riemannion(model: nn.Module, params: Any = None, **options: Any) -> to
 
 
 CASES = [
-    OptimizerCase(
-        "dct_adamw",
-        _plain_model,
-        _make_dct(DCTAdamW),
-        _plain_groups,
-        _plain_observed,
-        "lin0.",
-        NonFiniteGradientError,
-        ("lin1.weight", "`lin1.weight`"),
-    ),
-    OptimizerCase(
-        "subspace_adamw",
-        _plain_model,
-        _make_dct(lambda params, **o: SubspaceAdamW(params, update_proj_gap=2, **o)),
-        _plain_groups,
-        _plain_observed,
-        "lin0.",
-        NonFiniteGradientError,
-        ("lin1.weight", "`lin1.weight`"),
-    ),
+    _plain_case("dct_adamw", DCTAdamW),
+    _plain_case("subspace_adamw", lambda params, **o: SubspaceAdamW(params, update_proj_gap=2, **o)),
     OptimizerCase(
         "riemannion",
         _riemannion_model,

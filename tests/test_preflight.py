@@ -6,7 +6,7 @@ import pytest
 
 from peft_ext_cli import main
 
-from .helpers import job_config, save_tiny_bert
+from .helpers import job_config, offline_env, save_tiny_bert
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,6 @@ def test_a_read_only_output_dir_is_refused_for_real(cfg, tmp_path):
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     out = tmp_path / "readonly"
     out.mkdir()
@@ -88,12 +87,10 @@ def test_a_read_only_output_dir_is_refused_for_real(cfg, tmp_path):
             if ctypes.CDLL(None, use_errno=True).prctl(24, 1, 0, 0, 0) != 0:
                 raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
 
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "HF_HUB_OFFLINE": "1"}
-    env["TRANSFORMERS_OFFLINE"] = "1"
     argv = [sys.executable, "-m", "peft_ext", "run", str(cfg), "--set", f"output.dir={out}"]
     try:
         proc = subprocess.run(
-            argv, env=env, capture_output=True, text=True, preexec_fn=drop_write_override, timeout=300
+            argv, env=offline_env(), capture_output=True, text=True, preexec_fn=drop_write_override, timeout=300
         )
     except subprocess.SubprocessError as err:
         pytest.skip(f"cannot start a process without write override here: {err}")

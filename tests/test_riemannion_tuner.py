@@ -20,7 +20,7 @@ from peft_ext.tuners.riemannion import RIEMANNION, Linear, RiemannionModel, find
 from .allocations import assert_no_allocation_of, record_allocations
 from .helpers import ContractMLP as MLP
 from .single_thread import single_thread  # noqa: F401  (fixture)
-from .tuner_contract import CONTRACT_CHECKS, TunerCase
+from .tuner_contract import TunerCase, contract_test
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -70,10 +70,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("check", CONTRACT_CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
-@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_tuner_contract(case: TunerCase, check, tmp_path):
-    check(case, tmp_path)
+test_tuner_contract = contract_test(CASES)
 
 
 def test_registered_with_peft():

@@ -33,7 +33,7 @@ from peft_ext.tuners.splitlora.stats import (
 )
 
 from .helpers import QUERY_VALUE, lora_adapter, stack_collate, tiny_classifier, token_sequence
-from .tuner_contract import CONTRACT_CHECKS, TunerCase
+from .tuner_contract import TunerCase, contract_test
 
 
 class MLP(nn.Module):
@@ -559,10 +559,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("check", CONTRACT_CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
-@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_tuner_contract(case: TunerCase, check, tmp_path):
-    check(case, tmp_path)
+test_tuner_contract = contract_test(CASES)
 
 
 def test_contract_holds_with_finished_tasks(tmp_path):

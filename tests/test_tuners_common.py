@@ -9,7 +9,7 @@ import torch
 from peft import get_peft_model
 from torch import nn
 
-from peft_ext import MoRAConfig, PCLRConfig, RiemannionConfig, SplitLoRAConfig
+from peft_ext import MoRAConfig
 from peft_ext.models import tiny_bert, tiny_clip
 from peft_ext.tuners import (
     AdapterLayer,
@@ -20,11 +20,7 @@ from peft_ext.tuners import (
     validate_target_selection,
 )
 
-CONFIGS = {
-    "riemannion": lambda: RiemannionConfig(r=4, target_modules=["query", "value"]),
-    "splitlora": lambda: SplitLoRAConfig(r=4, target_modules=["query", "value"]),
-    "pclr": lambda: PCLRConfig(target_modules=["query", "value"], pool_size=8, ranks_schedule=[4], top_k=2),
-}
+from .helpers import ADAPTER_CONFIGS
 
 
 def test_require_linear_target_names_the_module_and_its_type():
@@ -33,9 +29,9 @@ def test_require_linear_target_names_the_module_and_its_type():
         require_linear_target(nn.Embedding(4, 3), "a.emb", "X")
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", sorted(ADAPTER_CONFIGS))
 def test_non_linear_targets_are_refused_by_every_tuner(name):
-    config = CONFIGS[name]()
+    config = ADAPTER_CONFIGS[name]()
     config.target_modules = ["word_embeddings"]
     with pytest.raises(ValueError, match="word_embeddings"):
         get_peft_model(tiny_bert(), config)
@@ -46,9 +42,9 @@ def test_mora_refuses_a_rank_above_the_projection_width():
         get_peft_model(tiny_clip(), MoRAConfig(r=100, top_layers=1))
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", sorted(ADAPTER_CONFIGS))
 def test_adapter_names_errors_name_what_exists(name):
-    model = get_peft_model(tiny_bert(), CONFIGS[name]())
+    model = get_peft_model(tiny_bert(), ADAPTER_CONFIGS[name]())
     ids = torch.randint(0, 100, (2, 5))
     with pytest.raises(
         ValueError, match=r"^Cannot pass `adapter_names` when the model is in training mode\..*inference only"

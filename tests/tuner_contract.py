@@ -497,3 +497,15 @@ CONTRACT_CHECKS: tuple[Callable[[TunerCase, Path], None], ...] = (
     check_bnb_4bit,
     *HALF_PRECISION_CHECKS,
 )
+
+
+def contract_test(cases: dict[str, TunerCase]) -> Callable[[TunerCase, Callable[[TunerCase, Path], None], Path], None]:
+    """A test of every check in :data:`CONTRACT_CHECKS` on every case of ``cases`` (ids ``<case>-<check>``): a test
+    module with several cases binds it as ``test_tuner_contract = contract_test(CASES)``."""
+
+    @pytest.mark.parametrize("check", CONTRACT_CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
+    @pytest.mark.parametrize("case", cases.values(), ids=cases.keys())
+    def test_tuner_contract(case: TunerCase, check: Callable[[TunerCase, Path], None], tmp_path: Path) -> None:
+        check(case, tmp_path)
+
+    return test_tuner_contract

@@ -233,10 +233,15 @@ def table_energy(
 # table 4: ablation of DCTAdamW's column_bias_correction on a small MLP
 
 
-def _mlp_tail_loss(make_optimizer, steps: int = 150) -> float:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 96), nn.Tanh(), nn.Linear(96, 10))
-    optimizer = make_optimizer(model)
+def linear_task_mlp(seed: int = 0) -> nn.Sequential:
+    """The 3-layer MLP (64 -> 128 -> 96 -> 10, tanh) that :func:`fit_linear_task` trains, seeded with ``seed``."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 96), nn.Tanh(), nn.Linear(96, 10))
+
+
+def fit_linear_task(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> list[float]:
+    """``steps`` minibatch steps of ``optimizer`` on a fixed random linear 10-class task of 64 features (the same task
+    and batch order for every call: a generator of its own, seeded 1); returns the losses."""
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(512, 64, generator=gen)
     y = (x @ torch.randn(64, 10, generator=gen)).argmax(1)
@@ -248,7 +253,12 @@ def _mlp_tail_loss(make_optimizer, steps: int = 150) -> float:
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    return statistics.fmean(losses[-20:])
+    return losses
+
+
+def _mlp_tail_loss(make_optimizer, steps: int = 150) -> float:
+    model = linear_task_mlp()
+    return statistics.fmean(fit_linear_task(model, make_optimizer(model), steps)[-20:])
 
 
 def table_column_bias(lrs: list[float], ranks: list[int]) -> tuple[str, list[dict[str, Any]]]:
