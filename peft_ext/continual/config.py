@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import yaml
 
+from ..data.shipped import SHIPPED
 from ..data.tasks import PROTOCOLS
 from .config_schema import (  # noqa: F401 (re-exported: the config's error and builders)
     ConfigError,
@@ -75,16 +76,19 @@ class DataSection:
     """The task sequence.
 
     Args:
-        dataset: ``wordnet`` (WordNet 3.0 gloss -> supersense, shipped), ``files`` (your own classification data,
-            read by Hugging Face ``datasets``: docs/own_data.md) or ``instructions`` (instruction tasks in TRL's
-            formats for a ``causal_lm``: docs/continual_instruct.md).
+        dataset: ``wordnet`` (WordNet 3.0 gloss -> supersense, shipped), ``fortunes`` (Debian fortune -> topic file,
+            shipped: docs/own_data.md), ``files`` (your own classification data, read by Hugging Face ``datasets``:
+            docs/own_data.md) or ``instructions`` (instruction tasks in TRL's formats for a ``causal_lm``:
+            docs/continual_instruct.md).
         n_tasks: Number of tasks (``files``: default all classes in tasks of ``classes_per_task``, or one per
             ``task_column`` value).
         classes_per_task: Classes each task introduces.
-        train_per_class: Training examples per class (cap; ``wordnet`` default 80, ``files`` default all).
-        test_per_class: Test examples per class (cap; ``wordnet`` default 40, ``files`` default all).
-        val_per_class: ``wordnet``: validation examples per class, carved from WordNet's training synsets (for
-            ``tune``; ``files`` use ``validation`` / ``validation_share``).
+        train_per_class: Training examples per class (cap; ``wordnet`` default 80, ``fortunes`` 60, ``files`` default
+            all).
+        test_per_class: Test examples per class (cap; ``wordnet`` default 40, ``fortunes`` 30, ``files`` default
+            all).
+        val_per_class: ``wordnet`` / ``fortunes``: validation examples per class, carved from the shipped training
+            split (for ``tune``; ``files`` use ``validation`` / ``validation_share``).
         protocol: ``class-incremental`` or ``task-incremental``.
         seed: Seed that picks and orders the classes (and, for ``files``, carves the splits).
         classes: Explicit class names in task order (overrides the seed's choice).
@@ -101,7 +105,7 @@ class DataSection:
             config file's folder.
     """
 
-    dataset: Literal["wordnet", "files", "instructions"] = "wordnet"
+    dataset: Literal["wordnet", "fortunes", "files", "instructions"] = "wordnet"
     n_tasks: int | None = None
     classes_per_task: int | None = None
     train_per_class: int | None = None
@@ -120,13 +124,6 @@ class DataSection:
     validation_share: float = 0.0
     tasks: list[str] | None = None
 
-    #: The ``wordnet`` defaults of the fields that ``files`` leaves open.
-    WORDNET_DEFAULTS: typing.ClassVar[dict[str, int]] = {
-        "n_tasks": 5,
-        "classes_per_task": 4,
-        "train_per_class": 80,
-        "test_per_class": 40,
-    }
     FILES_ONLY: typing.ClassVar[tuple[str, ...]] = (
         "train",
         "test",
@@ -140,18 +137,19 @@ class DataSection:
     )
 
     def validate(self) -> None:
-        if self.dataset == "wordnet":
-            for key, value in self.WORDNET_DEFAULTS.items():
+        shipped = SHIPPED.get(self.dataset)  # a data set that ships with the package: its defaults fill the caps
+        if shipped is not None:
+            for key, value in shipped.defaults.items():
                 if getattr(self, key) is None:
                     setattr(self, key, value)
             defaults = DataSection()
             given = [k for k in self.FILES_ONLY if getattr(self, k) != getattr(defaults, k)]
             if given:
-                raise ValueError(f"`{given[0]}` is for `dataset: files`, not `wordnet`")
+                raise ValueError(f"`{given[0]}` is for `dataset: files`, not `{self.dataset}`")
         elif self.val_per_class is not None:
             raise ValueError(
-                "`val_per_class` is for `dataset: wordnet`; your own files take `validation` (a file) or "
-                "`validation_share` (carved from `train`)"
+                f"`val_per_class` is for the shipped data sets (`dataset: {' / '.join(SHIPPED)}`); your own files "
+                "take `validation` (a file) or `validation_share` (carved from `train`)"
             )
         elif self.dataset == "instructions":
             if (self.tasks is None) == (self.train is None):

@@ -1,13 +1,17 @@
-"""Data sets shipped with peft-ext: WordNet 3.0 glosses labelled with their supersense (see ``files/README.md``),
-and the task-sequence types (:mod:`.tasks`) every continual-learning run is built from.
+"""Data sets shipped with peft-ext: WordNet 3.0 glosses labelled with their supersense and short Debian fortunes
+labelled with their topic file (see ``files/README.md``), and the task-sequence types (:mod:`.tasks`) every
+continual-learning run is built from. :mod:`.shipped` holds what the shipped sets share (hash splits, seeded caps and
+class picks, validation carve) and the registry the job's ``data.dataset`` looks them up in.
 
-Rebuild the committed file with ``python -m peft_ext.data build`` (needs Debian's ``wordnet-base``).
+Rebuild the committed files with ``python -m peft_ext.data build`` (needs Debian's ``wordnet-base``) and
+``python -m peft_ext.data.fortunes_build`` (needs Debian's ``fortunes``).
 """
 
 from __future__ import annotations
 
-from . import wordnet, wordnet_build
+from . import fortunes, wordnet, wordnet_build
+from .fortunes import *  # noqa: F403
 from .wordnet import *  # noqa: F403  (the public names are listed once, in each module's __all__)
 from .wordnet_build import *  # noqa: F403
 
-__all__ = [*wordnet.__all__, *wordnet_build.__all__]
+__all__ = [*wordnet.__all__, *wordnet_build.__all__, *fortunes.__all__]

@@ -13,16 +13,14 @@ the caps, the seed or the classes asked for, and a synset is in the same split i
 from __future__ import annotations
 
 import functools
-import hashlib
 import lzma
 import os
-import random
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .tasks import PROTOCOLS, Example, Task, TaskSequence
+from .shipped import cap_per_class, check_class_names, count_by_class, file_sha256, hash_split, shipped_task_sequence
+from .tasks import TaskSequence
 
 __all__ = [
     "DEFAULT_PATH",
@@ -134,8 +132,7 @@ def split_of(synset: str) -> str:
     Args:
         synset: A synset id such as ``"n02084071"``.
     """
-    digest = hashlib.sha1(synset.encode("ascii")).digest()
-    return "test" if int.from_bytes(digest[:8], "big") % 100 < TEST_PERCENT else "train"
+    return hash_split(synset, TEST_PERCENT)
 
 
 @functools.lru_cache(maxsize=4)
@@ -181,17 +178,15 @@ def read_gloss_file(path: str | os.PathLike[str] | None = None) -> tuple[GlossEx
 
 
 def _check_supersenses(supersenses: Iterable[str]) -> list[str]:
-    if isinstance(supersenses, str):
-        raise ValueError(f"`supersenses` must be an iterable of names, not the string {supersenses!r}")
-    names = list(supersenses)
-    unknown = [name for name in names if name not in LEXNAMES]
-    if unknown:
-        raise ValueError(f"Unknown supersenses {unknown}; valid names are {list(LEXNAMES)}")
-    return names
+    return check_class_names(supersenses, LEXNAMES, "supersenses")
 
 
-def _rank(seed: int, synset: str) -> bytes:
-    return hashlib.sha1(f"{seed}:{synset}".encode("ascii")).digest()
+def _key(r: GlossExample) -> str:
+    return r.synset
+
+
+def _label(r: GlossExample) -> str:
+    return r.supersense
 
 
 def load_wordnet_glosses(
@@ -225,17 +220,7 @@ def load_wordnet_glosses(
         for r in read_gloss_file(path)
         if (split is None or r.split == split) and (wanted is None or r.supersense in wanted)
     ]
-    if max_per_class is None:
-        return records
-    by_class: dict[str, list[GlossExample]] = {}
-    for r in records:
-        by_class.setdefault(r.supersense, []).append(r)
-    keep = {
-        r.synset
-        for members in by_class.values()
-        for r in sorted(members, key=lambda r: _rank(seed, r.synset))[:max_per_class]
-    }
-    return [r for r in records if r.synset in keep]
+    return cap_per_class(records, max_per_class, seed, _key, _label)
 
 
 def class_counts(path: str | os.PathLike[str] | None = None) -> dict[str, dict[str, int]]:
@@ -244,15 +229,7 @@ def class_counts(path: str | os.PathLike[str] | None = None) -> dict[str, dict[s
     Args:
         path: Gloss file to read; defaults to the one shipped with the package.
     """
-    counts = Counter((r.supersense, r.split) for r in read_gloss_file(path))
-    present = {name for name, _ in counts}
-    return {name: {s: counts[name, s] for s in SPLITS} for name in LEXNAMES if name in present}
-
-
-def _positive_int(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"`{name}` must be a positive int, got {value!r}")
-    return value
+    return count_by_class(read_gloss_file(path), LEXNAMES, _label, lambda r: r.split)
 
 
 def wordnet_task_sequence(
@@ -308,97 +285,31 @@ def wordnet_task_sequence(
         path: Gloss file to read; defaults to the one shipped with the package.
         val_per_class: Validation examples per class (``Task.validation``; 0: none).
     """
-    n_tasks = _positive_int("n_tasks", n_tasks)
-    classes_per_task = _positive_int("classes_per_task", classes_per_task)
-    train_per_class = _positive_int("train_per_class", train_per_class)
-    test_per_class = _positive_int("test_per_class", test_per_class)
-    if isinstance(val_per_class, bool) or not isinstance(val_per_class, int) or val_per_class < 0:
-        raise ValueError(f"`val_per_class` must be an int >= 0, got {val_per_class!r}")
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"`protocol` must be one of {PROTOCOLS}, got {protocol!r}")
-    n_classes = n_tasks * classes_per_task
-    counts = class_counts(path)
-    eligible = sorted(
-        name
-        for name, c in counts.items()
-        if c["train"] >= train_per_class + val_per_class and c["test"] >= test_per_class
-    )
-    if supersenses is not None:
-        chosen = _check_supersenses(supersenses)
-        if len(set(chosen)) != len(chosen):
-            dupes = sorted({name for name in chosen if chosen.count(name) > 1})
-            raise ValueError(f"`supersenses` repeats {dupes}")
-        if len(chosen) != n_classes:
-            raise ValueError(
-                f"`supersenses` has {len(chosen)} names but n_tasks * classes_per_task = {n_tasks} * "
-                f"{classes_per_task} = {n_classes}"
-            )
-        too_small = [name for name in chosen if name not in eligible]
-        if too_small:
-            detail = ", ".join(
-                f"{n} ({counts.get(n, {}).get('train', 0)}/{counts.get(n, {}).get('test', 0)})" for n in too_small
-            )
-            raise ValueError(
-                f"Supersenses {detail} have fewer than {train_per_class + val_per_class} train / {test_per_class} "
-                "test synsets; "
-                f"eligible at these caps: {eligible}"
-            )
-    else:
-        if n_classes > len(eligible):
-            raise ValueError(
-                f"n_tasks * classes_per_task = {n_tasks} * {classes_per_task} = {n_classes} classes needed, but only "
-                f"{len(eligible)} supersenses have at least {train_per_class + val_per_class} train and "
-                f"{test_per_class} test "
-                f"synsets; lower the caps or ask for fewer classes"
-            )
-        chosen = random.Random(seed).sample(eligible, n_classes)
-
-    label_of = {name: i for i, name in enumerate(chosen)}
-    data = {
-        split: load_wordnet_glosses(split=split, supersenses=chosen, max_per_class=cap, seed=seed, path=path)
-        for split, cap in (("train", train_per_class), ("test", test_per_class))
-    }
-    validation: list[GlossExample] = []
-    if val_per_class:
-        # A smaller cap keeps a subset of a larger one: train + validation minus train is the validation part.
-        wider = load_wordnet_glosses("train", chosen, train_per_class + val_per_class, seed=seed, path=path)
-        used = {r.synset for r in data["train"]}
-        seen = {r.text for split in data.values() for r in split}  # a few glosses are shared by two synsets
-        validation = [r for r in wider if r.synset not in used and r.text not in seen]
-    tasks = []
-    for t in range(n_tasks):
-        names = chosen[t * classes_per_task : (t + 1) * classes_per_task]
-        wanted = set(names)
-        train = [Example(r.text, label_of[r.supersense]) for r in data["train"] if r.supersense in wanted]
-        test = [Example(r.text, label_of[r.supersense]) for r in data["test"] if r.supersense in wanted]
-        val = [Example(r.text, label_of[r.supersense]) for r in validation if r.supersense in wanted]
-        random.Random(f"{seed}:train:{t}").shuffle(train)
-        tasks.append(Task(f"t{t}:" + "+".join(names), [label_of[n] for n in names], train, test, val))
     source = Path(path) if path is not None else DEFAULT_PATH
-    return TaskSequence(
+    return shipped_task_sequence(
+        lambda: read_gloss_file(path),
+        key=_key,
+        label=_label,
+        text=lambda r: r.text,
+        split=lambda r: r.split,
+        class_names=LEXNAMES,
+        n_tasks=n_tasks,
+        classes_per_task=classes_per_task,
+        seed=seed,
+        train_per_class=train_per_class,
+        test_per_class=test_per_class,
+        protocol=protocol,
+        classes=supersenses,
+        val_per_class=val_per_class,
+        class_arg="supersenses",
+        item_word="synsets",
         name=f"wordnet-supersenses-{n_tasks}x{classes_per_task}-seed{seed}",
-        class_names=list(chosen),
-        tasks=tasks,
-        protocol=protocol,  # type: ignore[arg-type]
-        meta={
+        meta=lambda: {
             "dataset": "WordNet 3.0 gloss -> supersense (lexicographer file)",
             "source": source.name,
-            "source_sha256": _sha256(str(source.resolve())),
+            "source_sha256": file_sha256(source),
             "license": "WordNet 3.0 license (peft_ext/data/files/WORDNET_LICENSE)",
             "input": "definition",
-            "seed": seed,
-            "n_tasks": n_tasks,
-            "classes_per_task": classes_per_task,
-            "train_per_class": train_per_class,
-            "test_per_class": test_per_class,
-            "val_per_class": val_per_class,
-            "test_percent": TEST_PERCENT,
-            "class_selection": "given" if supersenses is not None else "random.Random(seed).sample(eligible)",
-            "n_eligible": len(eligible),
         },
+        test_percent=TEST_PERCENT,
     )
-
-
-@functools.lru_cache(maxsize=4)
-def _sha256(path: str) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()

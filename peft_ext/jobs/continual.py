@@ -32,6 +32,7 @@ from ..continual.progress import TaskProgress
 from ..continual.report import matrix_table, metrics_table, save_results
 from ..continual.runner import run_sequence
 from ..continual.sharding import sharding_from_launcher
+from ..data.shipped import SHIPPED
 from ..data.tasks import TaskSequence
 from ..distributed import on_rank_zero, rank, rank_zero_first, world_size
 from .errors import JobFailed, one_line
@@ -55,10 +56,8 @@ def build_sequence(config: RunConfig, tokenizer: Any = None) -> TaskSequence:
             seed=data.seed,
             name=config.name,
         )
-    if data.dataset == "wordnet":
-        from ..data.wordnet import wordnet_task_sequence
-
-        return wordnet_task_sequence(
+    if data.dataset in SHIPPED:  # wordnet, fortunes: files that ship with the package
+        return SHIPPED[data.dataset].task_sequence(
             n_tasks=data.n_tasks,
             classes_per_task=data.classes_per_task,
             seed=data.seed,
@@ -66,7 +65,7 @@ def build_sequence(config: RunConfig, tokenizer: Any = None) -> TaskSequence:
             test_per_class=data.test_per_class,
             val_per_class=data.val_per_class or 0,
             protocol=data.protocol,
-            supersenses=data.classes,
+            classes=data.classes,
         )
     if data.dataset == "files":
         from ..data.user_data import file_task_sequence

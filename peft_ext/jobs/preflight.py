@@ -78,20 +78,22 @@ def check_output_dir(path: str, key: str = "output.dir") -> None:
 def check_data(config: RunConfig, tokenizer: Any = None) -> Any:
     """Raise ``ConfigError`` when the ``data`` section asks for classes the data set does not have: an unknown
     ``data.classes`` name, or more classes than the data set has at the per-class caps (``data.n_tasks``)."""
-    from ..data.wordnet import LEXNAMES
+    from ..data.shipped import SHIPPED
     from .continual import build_sequence
 
     data = config.data
-    if data.dataset == "wordnet":
+    shipped = SHIPPED.get(data.dataset)
+    if shipped is not None:
+        names = shipped.names()
         for i, name in enumerate(data.classes or []):
-            if name not in LEXNAMES:
-                raise unknown_value(f"data.classes[{i}]", name, list(LEXNAMES))
+            if name not in names:
+                raise unknown_value(f"data.classes[{i}]", name, list(names))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the job itself warns (once) when it builds the sequence
             sequence = build_sequence(config, tokenizer)
     except (ValueError, FileNotFoundError, ImportError) as err:
-        if data.dataset != "wordnet":
+        if shipped is None:
             raise ConfigError(f"`data`: {err}") from None
         raise ConfigError(
             f"`data` (n_tasks={data.n_tasks}, classes_per_task={data.classes_per_task}): {err}"
