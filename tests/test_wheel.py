@@ -89,7 +89,8 @@ def test_wheel_carries_license_configs_and_every_package(installed):
     for init in (ROOT / "peft_ext").rglob("__init__.py"):
         assert init.relative_to(ROOT).as_posix() in names, f"{init.parent} is missing from pyproject's packages"
     assert "peft_ext_cli.py" in names
-    assert any(n.startswith("peft_ext/data/files/") for n in names)
+    for shipped in (ROOT / "peft_ext" / "data" / "files").iterdir():  # every data file with its license
+        assert f"peft_ext/data/files/{shipped.name}" in names, shipped.name
 
 
 @pytest.mark.slow  # about 25-55 s on 2 cores: the run imports torch, peft and transformers and loads MiniLM
