@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from peft_ext.continual.report import published_table
 from peft_ext_cli import main
 
 from .helpers import job_config, save_tiny_bert
@@ -50,6 +51,11 @@ def test_tune_chooses_each_lr_on_validation_and_runs_the_best_on_test(tmp_path, 
         assert chosen["lr"] == max(grid, key=grid.get) and chosen["protocol"] == "sequence"
         assert tuning["scores"][row["label"]] == chosen["validation"]
         assert f"{row['label']}: lr {chosen['lr']:g} chosen on validation (the whole sequence" in out
+        # the report and the published table carry the same choice and the whole grid's scores
+        scores = ", ".join(f"{lr:.3g}: {100 * acc:.1f}" for lr, acc in sorted(grid.items()))
+        line = f"| {row['label']} | sequence | {chosen['lr']:.3g} | {scores} |"
+        assert line in (tmp_path / "out" / "results.md").read_text()
+        assert line in published_table(tmp_path / "out" / "results.json")
 
     # --resume of the finished, tuned job trains nothing again
     before = (tmp_path / "out" / "tuning.json").read_text()

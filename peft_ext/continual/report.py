@@ -57,6 +57,20 @@ def metrics_table(results: Sequence[MethodResult], timings: bool = True) -> str:
     return "\n".join(lines)
 
 
+def tuning_table(results: Sequence[MethodResult]) -> str:
+    """A markdown table of the learning rates ``--tune`` chose, one row per tuned method: the protocol, the chosen lr
+    and the validation accuracy (percent) of every grid point, in lr order; ``""`` when no method was tuned."""
+    tuned = [(r, r.extras["tuning"]) for r in results if isinstance(r.extras.get("tuning"), dict)]
+    if not tuned:
+        return ""
+    lines = ["| method | protocol | chosen lr | validation acc per lr |", "|---|---|---:|---|"]
+    for r, tuning in tuned:
+        grid = sorted(tuning["validation"].items(), key=lambda kv: float(kv[0]))
+        scores = ", ".join(f"{float(lr):.3g}: {_pct(acc)}" for lr, acc in grid)
+        lines.append(f"| {r.label} | {tuning['protocol']} | {float(tuning['lr']):.3g} | {scores} |")
+    return "\n".join(lines)
+
+
 def matrix_table(result: MethodResult, task_names: Sequence[str] | None = None) -> str:
     """The accuracy matrix R[i][j] (percent) as a markdown table: rows = after training task i."""
     T = len(result.accuracy_matrix)
@@ -144,6 +158,8 @@ def save_results(
             json.dump(payload, fh, indent=2, allow_nan=False)
 
     md = [f"# {meta.get('name', 'continual run')}", "", metrics_table(results), ""]
+    if tuning_table(results):
+        md += ["## learning rates chosen on validation (--tune)", "", tuning_table(results), ""]
     for r in results:
         md += [f"## {r.label}", "", matrix_table(r, task_names), ""]
     if failures:
@@ -203,6 +219,8 @@ def published_table(path: str | Path) -> str:
         f"(percent; {len(results)} methods, {train:.0f} s training + {evaluation:.0f} s evaluation in all, "
         f"{meta.get('wall_seconds', 0):.0f} s for the job; {where})",
     ]
+    if tuning_table(results):
+        lines += ["", "Learning rates chosen on validation (`--tune`):", "", tuning_table(results)]
     return "\n".join(lines) + "\n"
 
 
