@@ -38,6 +38,22 @@ from ..distributed import on_rank_zero, rank, rank_zero_first, world_size
 from .errors import JobFailed, one_line
 from .resume import config_hash, finished_results
 
+#: The ``data`` keys every class-incremental sequence (a shipped data set or your files) is built from.
+CLASS_SEQUENCE_KEYS = (
+    "n_tasks",
+    "classes_per_task",
+    "classes",
+    "seed",
+    "train_per_class",
+    "test_per_class",
+    "protocol",
+)
+
+
+def _keys(section: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    """``{name: section.name}`` for ``names``."""
+    return {name: getattr(section, name) for name in names}
+
 
 def build_sequence(config: RunConfig, tokenizer: Any = None) -> TaskSequence:
     """The task sequence the config's ``data`` section describes (``tokenizer``: renders conversational instruction
@@ -58,14 +74,7 @@ def build_sequence(config: RunConfig, tokenizer: Any = None) -> TaskSequence:
         )
     if data.dataset in SHIPPED:  # wordnet, fortunes: files that ship with the package
         return SHIPPED[data.dataset].task_sequence(
-            n_tasks=data.n_tasks,
-            classes_per_task=data.classes_per_task,
-            seed=data.seed,
-            train_per_class=data.train_per_class,
-            test_per_class=data.test_per_class,
-            val_per_class=data.val_per_class or 0,
-            protocol=data.protocol,
-            classes=data.classes,
+            **_keys(data, CLASS_SEQUENCE_KEYS), val_per_class=data.val_per_class or 0
         )
     if data.dataset == "files":
         from ..data.user_data import file_task_sequence
@@ -74,18 +83,8 @@ def build_sequence(config: RunConfig, tokenizer: Any = None) -> TaskSequence:
             data.train,
             data.test,
             data.validation,
-            text_column=data.text_column,
-            label_column=data.label_column,
-            task_column=data.task_column,
-            n_tasks=data.n_tasks,
-            classes_per_task=data.classes_per_task,
-            classes=data.classes,
-            seed=data.seed,
-            train_per_class=data.train_per_class,
-            test_per_class=data.test_per_class,
-            test_share=data.test_share,
+            **_keys(data, (*CLASS_SEQUENCE_KEYS, "text_column", "label_column", "task_column", "test_share")),
             validation_share=data.validation_share,
-            protocol=data.protocol,
             name=config.name,
         )
     raise ValueError(f"unknown dataset {data.dataset!r}")  # unreachable: the config's Literal type checks it
