@@ -203,4 +203,3 @@ def run_command(args: argparse.Namespace) -> int:
             raise
         print(f"peft-ext: error: {one_line(err)} (run with --debug for the traceback)", file=sys.stderr)
         return 1
-
