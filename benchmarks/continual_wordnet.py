@@ -15,6 +15,8 @@ Usage (default: 5 tasks x 4 classes, 7 methods, 3 + 5 runs each, plus the conver
     python -m benchmarks.continual_wordnet --resume          # --resume continues an interrupted run
     python -m benchmarks.continual_wordnet --tasks 10 --resume --out runs/benchmark_continual_wordnet_10
     python -m benchmarks.continual_wordnet --quick --out /tmp/cw_quick   # smoke run of every code path (~1 min)
+    python -m benchmarks.continual_wordnet --dataset fortunes --tasks 4 --train-per-class 40 --val-per-class 20 \
+        --test-per-class 30   # the same protocol on the second shipped data set (12 topics of Debian's fortunes)
     python -m benchmarks.continual_wordnet --set splitlora.lr=5e-3 --set splitlora.trade_off=10
 
 Cost of the default (5 tasks x 4 classes, 40 train / 25 validation / 25 test glosses per class, 3 epochs = 15

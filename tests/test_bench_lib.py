@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from benchmarks._lib import continual as bench
 from benchmarks._lib import machine
 from benchmarks._lib.cache import RunCache
 from benchmarks._lib.cli import benchmark_parser, parse
@@ -254,3 +255,16 @@ def test_machine_record_and_lines():
     assert f"{record['cores']} CPU cores ({record['cpu']})" in machine.summary()
     assert machine.torch_platform() == f"torch {record['torch']}, {record['machine']}"
     assert machine.load_average() >= 0 or math.isnan(machine.load_average())
+
+
+def test_the_protocol_runs_on_either_shipped_data_set():
+    wordnet = bench.parse_args([])
+    assert wordnet.dataset == "wordnet" and wordnet.classes_per_task == 4
+    assert wordnet.out == "runs/benchmark_continual_wordnet" and "dataset" not in bench.settings(wordnet)
+    fortunes = bench.parse_args(["--dataset", "fortunes", "--tasks", "4"])
+    assert fortunes.classes_per_task == 3 and fortunes.out == "runs/benchmark_continual_wordnet_fortunes"
+    assert bench.settings(fortunes)["dataset"] == "fortunes"  # a WordNet cache is never read for fortunes
+    fortunes.train_per_class, fortunes.test_per_class, fortunes.val_per_class = 5, 3, 2
+    sequence = bench.Runs(fortunes).sequence(0)
+    assert len(sequence.tasks) == 4 and sequence.num_classes == 12
+    assert set(sequence.class_names) <= set(bench.SHIPPED["fortunes"].names())

@@ -23,8 +23,8 @@ from torch import nn
 from peft_ext.continual import TrainConfig, get_continual_method, run_sequence
 from peft_ext.continual.config import ConfigError, build_section
 from peft_ext.continual.engine import evaluate
-from peft_ext.data import wordnet_task_sequence
 from peft_ext.data.collate import TextCollator
+from peft_ext.data.shipped import SHIPPED
 from peft_ext.data.tasks import Task, TaskSequence
 from peft_ext.models import load_text_classifier
 
@@ -114,8 +114,16 @@ def parse_args(argv: list[str] | None = None, doc: str | None = __doc__) -> argp
     """The continual benchmark's command line (sizes, seeds, methods, ``--set``), each method's options validated
     as the run configs validate them; ``args.options`` holds every selected method's options."""
     parser = benchmark_parser(doc, quick=f"smoke run at toy size: {QUICK}", threads=1)
-    parser.add_argument("--tasks", type=int, default=5, choices=(2, 4, 5, 10, 20), help="tasks per sequence")
-    parser.add_argument("--classes-per-task", type=int, default=None, help=f"default {TOTAL_CLASSES} / tasks")
+    parser.add_argument(
+        "--dataset",
+        default="wordnet",
+        choices=sorted(SHIPPED),
+        help="the shipped data set (fortunes: 12 topics, e.g. --tasks 4 --train-per-class 40 --val-per-class 20)",
+    )
+    parser.add_argument("--tasks", type=int, default=5, choices=(2, 3, 4, 5, 6, 10, 12, 20), help="tasks per sequence")
+    parser.add_argument(
+        "--classes-per-task", type=int, default=None, help=f"default: the data set's classes ({TOTAL_CLASSES}) / tasks"
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="test seeds (data draws)")
     parser.add_argument("--tune-seeds", type=int, nargs="+", default=[0], help="seeds whose validation picks the lr")
     parser.add_argument("--grid-points", type=int, default=3, help="learning rates per method (half a decade apart)")
@@ -141,15 +149,20 @@ def parse_args(argv: list[str] | None = None, doc: str | None = __doc__) -> argp
         metavar="METHOD.KEY=VALUE",
         help="override a method option (METHOD.adapter.KEY for an adapter field; METHOD.lr moves the grid's centre)",
     )
-    parser.add_argument("--out", default="runs/benchmark_continual_wordnet", help="folder for results.json")
+    parser.add_argument(
+        "--out", default=None, help="folder for results.json (default runs/benchmark_continual_wordnet, or _DATASET)"
+    )
     parser.add_argument(
         "--resume",
         action="store_true",
         help="reuse the runs in OUT/checkpoint.json (written after every run) made with the same settings",
     )
     args = parse(parser, argv, quick=QUICK)
+    if args.out is None:
+        args.out = "runs/benchmark_continual_wordnet" + ("" if args.dataset == "wordnet" else f"_{args.dataset}")
     if args.classes_per_task is None:
-        args.classes_per_task = TOTAL_CLASSES // args.tasks
+        total = TOTAL_CLASSES if args.dataset == "wordnet" else len(SHIPPED[args.dataset].names())
+        args.classes_per_task = total // args.tasks
     if args.convergence is None:
         args.convergence = [name for name in ("seq_lora", "joint") if name in args.methods]
     unknown = sorted(set(args.convergence) - set(args.methods))
@@ -177,7 +190,8 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     """Everything a run's numbers depend on besides its key (method, lr, seed, split, tasks, epochs)."""
     keys = ("classes_per_task", "train_per_class", "val_per_class", "test_per_class", "batch_size", "max_length")
     options = {name: {k: v for k, v in opts.items() if k != "lr"} for name, opts in args.options.items()}
-    return {"format": RECORD_FORMAT, **{key: getattr(args, key) for key in keys}, "options": options}
+    dataset = {} if args.dataset == "wordnet" else {"dataset": args.dataset}  # WordNet caches keep their settings
+    return {"format": RECORD_FORMAT, **dataset, **{key: getattr(args, key) for key in keys}, "options": options}
 
 
 def checkpoint(args: argparse.Namespace) -> RunCache:
@@ -207,7 +221,7 @@ class Runs:
         """Seed ``seed``'s class draw and order, with train, validation and test examples."""
         if seed not in self._sequences:
             a = self.args
-            self._sequences[seed] = wordnet_task_sequence(
+            self._sequences[seed] = SHIPPED[a.dataset].task_sequence(
                 n_tasks=a.tasks,
                 classes_per_task=a.classes_per_task,
                 seed=seed,
