@@ -62,6 +62,7 @@ from benchmarks._lib.continual import (  # noqa: E402
 )
 from benchmarks._lib.protocol import Protocol, Study, log_grid, paired_interval, tune_and_test  # noqa: E402
 from benchmarks._lib.tables import markdown_table, mean_sd  # noqa: E402
+from peft_ext.data.shipped import SHIPPED  # noqa: E402
 
 
 def draws(runs: Runs, seeds: list[int]) -> tuple[str, bool]:
@@ -201,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     protocol = Protocol(tune_seeds=tuple(args.tune_seeds), test_seeds=tuple(args.seeds))
     print(
-        f"[benchmark] MiniLM-L6 on WordNet, {args.tasks} tasks x {args.classes_per_task} classes, "
-        f"methods {args.methods}"
+        f"[benchmark] MiniLM-L6 on {SHIPPED[args.dataset].describe}, {args.tasks} tasks x {args.classes_per_task} "
+        f"classes, methods {args.methods}"
     )
     print(
         f"[benchmark] {args.train_per_class} train / {args.val_per_class} validation / {args.test_per_class} test per "
