@@ -14,6 +14,7 @@ from peft_ext_cli import main
 from .helpers import job_config, offline_env, save_tiny_bert
 
 METHODS = ["frozen_linear", "seq_lora"]
+SIGINT_TRAIN = 160  # training examples per class of the interrupted job
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,9 @@ def _report(out: Path) -> list[dict]:
 def test_sigint_then_resume_matches_an_uninterrupted_run(tmp_path, tiny_backbone, capsys):
     first = tmp_path / "interrupted"
     first.mkdir()
-    cfg = _cfg(first, tiny_backbone)
+    # enough training that the second method is still running when the signal lands, on a loaded machine too (at 16
+    # examples per class it could finish before the parent had read its first line and sent SIGINT)
+    cfg = _cfg(first, tiny_backbone, train_per_class=SIGINT_TRAIN)
     out = first / "out"
     env = {**offline_env(), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
@@ -78,7 +81,7 @@ def test_sigint_then_resume_matches_an_uninterrupted_run(tmp_path, tiny_backbone
 
     fresh = tmp_path / "fresh"
     fresh.mkdir()
-    assert main(["run", str(_cfg(fresh, tiny_backbone)), "--no-progress"]) == 0
+    assert main(["run", str(_cfg(fresh, tiny_backbone, train_per_class=SIGINT_TRAIN)), "--no-progress"]) == 0
     assert [r["method"] for r in _report(out)] == METHODS
     assert _report(out) == _report(fresh / "out")
 
