@@ -40,6 +40,10 @@ def _cfg(tmp_path, backbone, methods=METHODS, n_tasks: int = 2, train_per_class:
     return job_config(tmp_path, "quickstart", edit)
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _report(out: Path) -> list[dict]:
     """The results without timings (the only part an interruption may change)."""
     results = json.loads((out / "results.json").read_text())["results"]
@@ -61,6 +65,9 @@ def test_sigint_then_resume_matches_an_uninterrupted_run(tmp_path, tiny_backbone
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Ctrl-C's default action in the child, whatever this process inherited: a shell without job control starts
+        # background jobs (e.g. `make test &`) with SIGINT ignored, and Python then installs no KeyboardInterrupt
+        preexec_fn=_default_sigint,
     )
     seen = []
     for line in proc.stdout:  # the first method finished and was written once the second one starts
