@@ -17,13 +17,21 @@ sequences are built exactly as WordNet's are (:func:`~peft_ext.data.shipped.ship
 from __future__ import annotations
 
 import functools
-import lzma
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .shipped import cap_per_class, check_class_names, count_by_class, file_sha256, hash_split, shipped_task_sequence
+from .shipped import (
+    cap_per_class,
+    check_class_names,
+    count_by_class,
+    file_sha256,
+    hash_split,
+    read_versioned,
+    shipped_task_sequence,
+    tsv_rows,
+)
 from .tasks import TaskSequence
 
 __all__ = ["FortuneExample", "fortunes_task_sequence", "load_fortunes", "read_fortune_file"]
@@ -81,19 +89,12 @@ def split_of(text: str) -> str:
 def _read_file(path: str, mtime_ns: int, size: int) -> tuple[FortuneExample, ...]:
     # mtime and size are part of the key so a rebuilt file is re-read rather than served stale.
     del mtime_ns, size
-    with lzma.open(path, "rt", encoding="utf-8", newline="\n") as fh:
-        header = fh.readline().rstrip("\n").split("\t")
-        if tuple(header) != COLUMNS:
-            raise ValueError(f"{path} has columns {header}, expected {list(COLUMNS)}")
-        records = []
-        for lineno, line in enumerate(fh, start=2):
-            fields = line.rstrip("\n").split("\t")
-            if len(fields) != len(COLUMNS):
-                raise ValueError(f"{path}:{lineno} has {len(fields)} fields, expected {len(COLUMNS)}")
-            id_, category, text = fields
-            if category not in CATEGORIES:
-                raise ValueError(f"{path}:{lineno} has category {category!r}, not one of {list(CATEGORIES)}")
-            records.append(FortuneExample(id_, category, text, split_of(text)))
+    records = []
+    for lineno, fields in tsv_rows(path, COLUMNS):
+        id_, category, text = fields
+        if category not in CATEGORIES:
+            raise ValueError(f"{path}:{lineno} has category {category!r}, not one of {list(CATEGORIES)}")
+        records.append(FortuneExample(id_, category, text, split_of(text)))
     return tuple(records)
 
 
@@ -104,12 +105,7 @@ def read_fortune_file(path: str | os.PathLike[str] | None = None) -> tuple[Fortu
         path: A file written by :func:`~peft_ext.data.fortunes_build.build_fortunes`.
     """
     p = Path(path) if path is not None else DEFAULT_PATH
-    if not p.is_file():
-        raise FileNotFoundError(
-            f"fortunes file {p} not found; rebuild it with `python -m peft_ext.data.fortunes_build --out {p}`"
-        )
-    stat = p.stat()
-    return _read_file(str(p.resolve()), stat.st_mtime_ns, stat.st_size)
+    return read_versioned(p, _read_file, "fortunes file", "python -m peft_ext.data.fortunes_build")
 
 
 def _check_categories(categories: Iterable[str]) -> list[str]:

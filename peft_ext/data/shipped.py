@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import lzma
 import random
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -34,6 +35,36 @@ __all__ = [
 ]
 
 R = TypeVar("R")
+
+
+def tsv_rows(path: str, columns: tuple[str, ...]) -> Iterator[tuple[int, list[str]]]:
+    """``(line number, fields)`` of every row of the xz-compressed TSV at ``path``, whose header must be ``columns``
+    and whose rows must have one field per column (``ValueError`` naming the file and line otherwise)."""
+    with lzma.open(path, "rt", encoding="utf-8", newline="\n") as fh:
+        header = fh.readline().rstrip("\n").split("\t")
+        if tuple(header) != columns:
+            raise ValueError(f"{path} has columns {header}, expected {list(columns)}")
+        for lineno, line in enumerate(fh, start=2):
+            fields = line.rstrip("\n").split("\t")
+            if len(fields) != len(columns):
+                raise ValueError(f"{path}:{lineno} has {len(fields)} fields, expected {len(columns)}")
+            yield lineno, fields
+
+
+def read_versioned(path: Path, parse: Callable[[str, int, int], Any], what: str, rebuild: str) -> Any:
+    """``parse(resolved path, mtime_ns, size)`` of the data file ``path`` (a cached parser keyed on the file's version,
+    so a rebuilt file is re-read); a missing file raises ``FileNotFoundError`` saying how to rebuild it.
+
+    Args:
+        path: The file.
+        parse: The module's ``functools.lru_cache``-wrapped reader.
+        what: The file, for the message (``"fortunes file"``).
+        rebuild: The command that rebuilds it, without ``--out``.
+    """
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {path} not found; rebuild it with `{rebuild} --out {path}`")
+    stat = path.stat()
+    return parse(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
 
 
 def hash_split(key: str, test_percent: int) -> str:

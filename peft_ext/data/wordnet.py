@@ -13,13 +13,21 @@ the caps, the seed or the classes asked for, and a synset is in the same split i
 from __future__ import annotations
 
 import functools
-import lzma
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .shipped import cap_per_class, check_class_names, count_by_class, file_sha256, hash_split, shipped_task_sequence
+from .shipped import (
+    cap_per_class,
+    check_class_names,
+    count_by_class,
+    file_sha256,
+    hash_split,
+    read_versioned,
+    shipped_task_sequence,
+    tsv_rows,
+)
 from .tasks import TaskSequence
 
 __all__ = [
@@ -139,26 +147,19 @@ def split_of(synset: str) -> str:
 def _read_file(path: str, mtime_ns: int, size: int) -> tuple[GlossExample, ...]:
     # mtime and size are part of the key so a rebuilt file is re-read rather than served stale.
     del mtime_ns, size
-    with lzma.open(path, "rt", encoding="utf-8", newline="\n") as fh:
-        header = fh.readline().rstrip("\n").split("\t")
-        if tuple(header) != COLUMNS:
-            raise ValueError(f"{path} has columns {header}, expected {list(COLUMNS)}")
-        records = []
-        for lineno, line in enumerate(fh, start=2):
-            fields = line.rstrip("\n").split("\t")
-            if len(fields) != len(COLUMNS):
-                raise ValueError(f"{path}:{lineno} has {len(fields)} fields, expected {len(COLUMNS)}")
-            synset, supersense, lemmas, definition, examples = fields
-            records.append(
-                GlossExample(
-                    synset,
-                    supersense,
-                    tuple(lemmas.split(" ")),
-                    definition,
-                    tuple(examples.split(EXAMPLE_SEP)) if examples else (),
-                    split_of(synset),
-                )
+    records = []
+    for _, fields in tsv_rows(path, COLUMNS):
+        synset, supersense, lemmas, definition, examples = fields
+        records.append(
+            GlossExample(
+                synset,
+                supersense,
+                tuple(lemmas.split(" ")),
+                definition,
+                tuple(examples.split(EXAMPLE_SEP)) if examples else (),
+                split_of(synset),
             )
+        )
     return tuple(records)
 
 
@@ -169,12 +170,7 @@ def read_gloss_file(path: str | os.PathLike[str] | None = None) -> tuple[GlossEx
         path: A file written by :func:`~peft_ext.data.wordnet_build.build_wordnet_glosses`.
     """
     p = Path(path) if path is not None else DEFAULT_PATH
-    if not p.is_file():
-        raise FileNotFoundError(
-            f"WordNet gloss file {p} not found; rebuild it with `python -m peft_ext.data build --out {p}`"
-        )
-    stat = p.stat()
-    return _read_file(str(p.resolve()), stat.st_mtime_ns, stat.st_size)
+    return read_versioned(p, _read_file, "WordNet gloss file", "python -m peft_ext.data build")
 
 
 def _check_supersenses(supersenses: Iterable[str]) -> list[str]:
