@@ -23,7 +23,6 @@ The id of a row is ``<category>/<n>``, ``n`` being the entry's 0-based position 
 from __future__ import annotations
 
 import argparse
-import lzma
 import os
 import re
 import subprocess
@@ -33,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .fortunes import CATEGORIES, COLUMNS, DEFAULT_PATH, FortuneExample, class_counts, read_fortune_file, split_of
+from .shipped import write_xz
 
 __all__ = ["DEFAULT_FORTUNE_DIR", "build_fortunes", "clean_entry", "parse_fortune_file"]
 
@@ -141,14 +141,7 @@ def build_fortunes(
             f"fortune files not found: {', '.join(missing)}. Pass --fortune-dir pointing at a directory of fortune "
             f"files, or on Debian/Ubuntu run `apt-get install fortunes` (it installs them in {DEFAULT_FORTUNE_DIR})."
         )
-    payload = lzma.compress(
-        _encode_tsv(_records(fortune_dir)), format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC64, preset=6
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_bytes(payload)
-    os.replace(tmp, out)
-    return out
+    return write_xz(out, _encode_tsv(_records(fortune_dir)))
 
 
 def installed_version(package: str = SOURCE_PACKAGE) -> str | None:
