@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from peft_ext.continual.config import ConfigError, config_from_dict
-from peft_ext.data import wordnet_task_sequence
+from peft_ext.data import SHIPPED, wordnet_task_sequence
 from peft_ext.data.fortunes import (
     CATEGORIES,
     DEFAULT_PATH,
@@ -36,7 +36,7 @@ from peft_ext.data.fortunes_build import (
     parse_fortune_file,
     stats_markdown,
 )
-from peft_ext.data.shipped import SHIPPED, hash_split
+from peft_ext.data.shipped import hash_split
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "fortunes.yaml"

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import yaml
 
-from ..data.shipped import SHIPPED
+from ..data import SHIPPED
 from ..data.tasks import PROTOCOLS
 from .config_schema import (  # noqa: F401 (re-exported: the config's error and builders)
     ConfigError,

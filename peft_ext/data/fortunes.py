@@ -11,30 +11,21 @@ package.
 It is the second shipped benchmark next to WordNet glosses (:mod:`.wordnet`): everyday jokes, quotations and
 aphorisms rather than dictionary definitions, with classes that are topics rather than lexical categories. The
 train/test split is a fixed function of the text (a SHA-1 hash, about 30% test: the classes are small), and task
-sequences are built exactly as WordNet's are (:func:`~peft_ext.data.shipped.shipped_task_sequence`).
+sequences are built exactly as WordNet's are (:class:`~peft_ext.data.shipped.ShippedTexts`).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from .shipped import (
-    cap_per_class,
-    check_class_names,
-    count_by_class,
-    file_sha256,
-    hash_split,
-    read_versioned,
-    shipped_task_sequence,
-    tsv_rows,
-)
+from .shipped import ShippedTexts, hash_split
 from .tasks import TaskSequence
 
-__all__ = ["FortuneExample", "fortunes_task_sequence", "load_fortunes", "read_fortune_file"]
+__all__ = ["FORTUNES", "FortuneExample", "fortunes_task_sequence", "load_fortunes", "read_fortune_file"]
 
 #: The fortune files used, one class each: topics that fortune-mod's ``cookie-files`` describes as distinct and that
 #: keep at least 130 entries after filtering.
@@ -52,7 +43,6 @@ CATEGORIES: tuple[str, ...] = (
     "startrek",
     "work",
 )
-SPLITS = ("train", "test")
 TEST_PERCENT = 30
 DEFAULT_PATH = Path(__file__).resolve().parent / "files" / "fortunes.tsv.xz"
 COLUMNS = ("id", "category", "text")
@@ -85,17 +75,36 @@ def split_of(text: str) -> str:
     return hash_split(text, TEST_PERCENT)
 
 
-@functools.lru_cache(maxsize=4)
-def _read_file(path: str, mtime_ns: int, size: int) -> tuple[FortuneExample, ...]:
-    # mtime and size are part of the key so a rebuilt file is re-read rather than served stale.
-    del mtime_ns, size
-    records = []
-    for lineno, fields in tsv_rows(path, COLUMNS):
-        id_, category, text = fields
-        if category not in CATEGORIES:
-            raise ValueError(f"{path}:{lineno} has category {category!r}, not one of {list(CATEGORIES)}")
-        records.append(FortuneExample(id_, category, text, split_of(text)))
-    return tuple(records)
+def _record(path: str, lineno: int, fields: list[str]) -> FortuneExample:
+    id_, category, text = fields
+    if category not in CATEGORIES:
+        raise ValueError(f"{path}:{lineno} has category {category!r}, not one of {list(CATEGORIES)}")
+    return FortuneExample(id_, category, text, split_of(text))
+
+
+#: The data set as the job's ``data.dataset: fortunes`` sees it.
+FORTUNES: ShippedTexts[FortuneExample] = ShippedTexts(
+    name="fortunes",
+    file=DEFAULT_PATH,
+    columns=COLUMNS,
+    record=_record,
+    rebuild="python -m peft_ext.data.fortunes_build",
+    class_names=CATEGORIES,
+    class_arg="categories",
+    item_word="entries",
+    key=lambda r: r.text,
+    label=lambda r: r.category,
+    text=lambda r: r.text,
+    test_percent=TEST_PERCENT,
+    provenance={
+        "dataset": "Debian fortunes: fortune -> fortune file (topic)",
+        "license": "fortune-mod BSD license (peft_ext/data/files/FORTUNES_LICENSE)",
+        "input": "text (attribution removed)",
+    },
+    sequence_name="fortunes",
+    defaults={"n_tasks": 4, "classes_per_task": 3, "train_per_class": 60, "test_per_class": 30},
+    describe="fortune cookie -> fortune file (topic)",
+)
 
 
 def read_fortune_file(path: str | os.PathLike[str] | None = None) -> tuple[FortuneExample, ...]:
@@ -104,20 +113,7 @@ def read_fortune_file(path: str | os.PathLike[str] | None = None) -> tuple[Fortu
     Args:
         path: A file written by :func:`~peft_ext.data.fortunes_build.build_fortunes`.
     """
-    p = Path(path) if path is not None else DEFAULT_PATH
-    return read_versioned(p, _read_file, "fortunes file", "python -m peft_ext.data.fortunes_build")
-
-
-def _check_categories(categories: Iterable[str]) -> list[str]:
-    return check_class_names(categories, CATEGORIES, "categories")
-
-
-def _key(r: FortuneExample) -> str:
-    return r.text
-
-
-def _label(r: FortuneExample) -> str:
-    return r.category
+    return FORTUNES.read(path)
 
 
 def load_fortunes(
@@ -137,17 +133,7 @@ def load_fortunes(
         seed: Picks the capped subset; unused without ``max_per_class``.
         path: Fortunes file to read; defaults to the one shipped with the package.
     """
-    if split is not None and split not in SPLITS:
-        raise ValueError(f"`split` must be one of {SPLITS} or None, got {split!r}")
-    if max_per_class is not None and (not isinstance(max_per_class, int) or max_per_class <= 0):
-        raise ValueError(f"`max_per_class` must be a positive int or None, got {max_per_class!r}")
-    wanted = set(_check_categories(categories)) if categories is not None else None
-    records = [
-        r
-        for r in read_fortune_file(path)
-        if (split is None or r.split == split) and (wanted is None or r.category in wanted)
-    ]
-    return cap_per_class(records, max_per_class, seed, _key, _label)
+    return FORTUNES.load(split, categories, max_per_class=max_per_class, seed=seed, path=path)
 
 
 def class_counts(path: str | os.PathLike[str] | None = None) -> dict[str, dict[str, int]]:
@@ -156,67 +142,45 @@ def class_counts(path: str | os.PathLike[str] | None = None) -> dict[str, dict[s
     Args:
         path: Fortunes file to read; defaults to the one shipped with the package.
     """
-    return count_by_class(read_fortune_file(path), CATEGORIES, _label, lambda r: r.split)
+    return FORTUNES.class_counts(path)
 
 
 def fortunes_task_sequence(
     n_tasks: int = 4,
     classes_per_task: int = 3,
-    seed: int = 0,
+    *,
+    categories: Sequence[str] | None = None,
     train_per_class: int = 60,
     test_per_class: int = 30,
-    protocol: str = "class-incremental",
-    categories: Sequence[str] | None = None,
-    path: str | os.PathLike[str] | None = None,
-    val_per_class: int = 0,
+    **kwargs: Any,
 ) -> TaskSequence:
     """A continual-learning sequence of fortune topic-classification tasks with disjoint classes.
 
-    Built exactly as :func:`~peft_ext.data.wordnet.wordnet_task_sequence` builds WordNet's: a class is eligible
-    with at least ``train_per_class + val_per_class`` train and ``test_per_class`` test entries (at the defaults,
-    60/30, all twelve are), ``random.Random(seed).sample`` over the sorted eligible names picks and orders the
-    classes, dealt to tasks ``classes_per_task`` at a time; each class contributes exactly ``train_per_class``
-    train and ``test_per_class`` test entries (the seeded caps of :func:`load_fortunes`), train examples are
-    shuffled per task, and the validation split (``val_per_class``) holds the train-split entries ranked right after
-    the training ones. ``Example.inputs`` is the fortune's text.
+    Built exactly as :func:`~peft_ext.data.wordnet.wordnet_task_sequence` builds WordNet's (both are
+    :meth:`ShippedTexts.task_sequence <peft_ext.data.shipped.ShippedTexts.task_sequence>`, which documents the other
+    keywords: ``seed``, ``protocol``, ``path``, ``val_per_class``): a class is eligible with at least
+    ``train_per_class + val_per_class`` train and ``test_per_class`` test entries (at the defaults all twelve are),
+    ``random.Random(seed).sample`` over the sorted eligible names picks and orders the classes, dealt to tasks
+    ``classes_per_task`` at a time; each class contributes exactly ``train_per_class`` train and ``test_per_class``
+    test entries (the seeded caps of :func:`load_fortunes`), train examples are shuffled per task, and the validation
+    split holds the train-split entries ranked right after the training ones. ``Example.inputs`` is the fortune's
+    text.
 
     Args:
         n_tasks: Number of tasks.
         classes_per_task: New classes per task.
-        seed: Picks and orders the classes and the capped example subsets.
-        train_per_class: Train examples per class.
-        test_per_class: Test examples per class.
-        protocol: ``"class-incremental"`` or ``"task-incremental"``.
         categories: Use exactly these classes in this order (``n_tasks * classes_per_task`` names, all eligible)
             instead of a seeded pick.
-        path: Fortunes file to read; defaults to the one shipped with the package.
-        val_per_class: Validation examples per class (``Task.validation``; 0: none).
+        train_per_class: Train examples per class.
+        test_per_class: Test examples per class.
+        kwargs: ``seed``, ``protocol``, ``path``, ``val_per_class``, as
+            :meth:`~peft_ext.data.shipped.ShippedTexts.task_sequence` takes them.
     """
-    source = Path(path) if path is not None else DEFAULT_PATH
-    return shipped_task_sequence(
-        lambda: read_fortune_file(path),
-        key=_key,
-        label=_label,
-        text=lambda r: r.text,
-        split=lambda r: r.split,
-        class_names=CATEGORIES,
-        n_tasks=n_tasks,
-        classes_per_task=classes_per_task,
-        seed=seed,
+    return FORTUNES.task_sequence(
+        n_tasks,
+        classes_per_task,
+        classes=categories,
         train_per_class=train_per_class,
         test_per_class=test_per_class,
-        protocol=protocol,
-        classes=categories,
-        val_per_class=val_per_class,
-        class_arg="categories",
-        item_word="entries",
-        name=f"fortunes-{n_tasks}x{classes_per_task}-seed{seed}",
-        meta=lambda: {
-            "dataset": "Debian fortunes: fortune -> fortune file (topic)",
-            "source": source.name,
-            "source_sha256": file_sha256(source),
-            "license": "fortune-mod BSD license (peft_ext/data/files/FORTUNES_LICENSE)",
-            "input": "text (attribution removed)",
-        },
-        test_percent=TEST_PERCENT,
+        **kwargs,
     )

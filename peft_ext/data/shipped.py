@@ -3,9 +3,10 @@
 Each is one committed, xz-compressed TSV of labelled texts. The train/test split of a record is a fixed function of
 its key (a SHA-1 hash), seeded caps keep the records with the smallest SHA-1 of ``f"{seed}:{key}"`` per class, a
 seeded ``random.Random(seed).sample`` picks and orders the classes of a task sequence, and the validation split is
-carved from the train-split records the capped training data leaves out. :func:`shipped_task_sequence` does all of
-it for any record type, given how to read a record's key, class and text; :data:`SHIPPED` names the data sets the job
-can run on (``data.dataset``) with the function that builds their sequences.
+carved from the train-split records the capped training data leaves out. A :class:`ShippedTexts` does all of it for
+any record type, given how to parse a row and read a record's key, class and text; each data set's module defines
+one (``wordnet.WORDNET``, ``fortunes.FORTUNES``) and ``peft_ext.data.SHIPPED`` names them for the job's
+``data.dataset``.
 """
 
 from __future__ import annotations
@@ -19,23 +20,22 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from .tasks import PROTOCOLS, Example, Task, TaskSequence
 
 __all__ = [
-    "SHIPPED",
-    "ShippedDataset",
+    "ShippedTexts",
     "cap_per_class",
     "check_class_names",
     "count_by_class",
     "file_sha256",
     "hash_split",
     "seeded_rank",
-    "shipped_task_sequence",
 ]
 
 R = TypeVar("R")
+SPLITS = ("train", "test")
 
 
 def tsv_rows(path: str, columns: tuple[str, ...]) -> Iterator[tuple[int, list[str]]]:
@@ -62,22 +62,6 @@ def write_xz(out: Path, data: bytes) -> Path:
     tmp.write_bytes(payload)
     os.replace(tmp, out)
     return out
-
-
-def read_versioned(path: Path, parse: Callable[[str, int, int], Any], what: str, rebuild: str) -> Any:
-    """``parse(resolved path, mtime_ns, size)`` of the data file ``path`` (a cached parser keyed on the file's version,
-    so a rebuilt file is re-read); a missing file raises ``FileNotFoundError`` saying how to rebuild it.
-
-    Args:
-        path: The file.
-        parse: The module's ``functools.lru_cache``-wrapped reader.
-        what: The file, for the message (``"fortunes file"``).
-        rebuild: The command that rebuilds it, without ``--out``.
-    """
-    if not path.is_file():
-        raise FileNotFoundError(f"{what} {path} not found; rebuild it with `{rebuild} --out {path}`")
-    stat = path.stat()
-    return parse(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
 
 
 def hash_split(key: str, test_percent: int) -> str:
@@ -161,91 +145,231 @@ def file_sha256(path: str | Path) -> str:
     return _sha256(str(Path(path).resolve()))
 
 
-@dataclass(frozen=True)
-class _Words:
-    arg: str  # the argument naming classes, e.g. "supersenses"
-    items: str  # what a record is, plural, e.g. "synsets"
+@functools.lru_cache(maxsize=8)
+def _parse(data: ShippedTexts[Any], path: str, mtime_ns: int, size: int) -> tuple[Any, ...]:
+    # mtime and size are part of the key so a rebuilt file is re-read rather than served stale.
+    del mtime_ns, size
+    return tuple(data.record(path, lineno, fields) for lineno, fields in tsv_rows(path, data.columns))
 
 
-def shipped_task_sequence(
-    records: Callable[[], Sequence[R]],
-    *,
-    key: Callable[[R], str],
-    label: Callable[[R], str],
-    text: Callable[[R], str],
-    split: Callable[[R], str],
-    class_names: Sequence[str],
-    n_tasks: int,
-    classes_per_task: int,
-    seed: int,
-    train_per_class: int,
-    test_per_class: int,
-    protocol: str,
-    classes: Sequence[str] | None,
-    val_per_class: int,
-    class_arg: str,
-    item_word: str,
-    name: str,
-    meta: Callable[[], dict[str, Any]],
-    test_percent: int,
-) -> TaskSequence:
-    """A continual-learning sequence of classification tasks with disjoint classes over shipped records.
-
-    A class is eligible when it has at least ``train_per_class + val_per_class`` train and ``test_per_class`` test
-    records. ``random.Random(seed).sample`` over the sorted eligible names picks and orders the classes (unless
-    ``classes`` gives them), which are dealt to tasks ``classes_per_task`` at a time. Each class contributes exactly
-    ``train_per_class`` train and ``test_per_class`` test records, chosen by :func:`cap_per_class` with the same
-    ``seed``. Labels are global ids into the chosen class names (in task order). Train examples are shuffled with
-    ``random.Random(f"{seed}:train:{t}")``; test examples keep the records' order.
-
-    The validation split (``val_per_class`` > 0) is, per class, the ``val_per_class`` train-split records ranked
-    right after the training ones (the same seeded ranking), in the records' order, less any whose text is also a
-    train or test example's. It is disjoint from train and test, and asking for it changes neither the training nor
-    the test examples (only, when a class is too small for both, which classes are eligible).
+@dataclass(frozen=True, eq=False)
+class ShippedTexts(Generic[R]):
+    """A labelled-text data set that ships with the package: its file, its records, and how it is loaded, counted
+    and dealt into continual-learning task sequences. ``data.dataset`` names one (see ``peft_ext.data.SHIPPED``).
 
     Args:
-        records: Reads every record of the data set, in file order (called once, after the arguments are checked).
+        name: Its ``data.dataset`` name; task sequences are named ``f"{sequence_name}-{n_tasks}x{k}-seed{seed}"``.
+        file: The committed file, an xz-compressed TSV.
+        columns: The file's header.
+        record: ``(path, line number, fields) -> record``: one row as a record (raising ``ValueError`` that names
+            the file and line for a bad row).
+        rebuild: The command that rebuilds the file, without ``--out`` (said when the file is missing).
+        class_names: Every class name, in the data set's order.
+        class_arg: The loaders' keyword for class names (``"supersenses"``), used in messages.
+        item_word: What a record is, plural (``"synsets"``), used in messages.
         key: A record's unique key (the caps rank it; the file's split is a function of it).
         label: A record's class name.
         text: What the classifier sees (``Example.inputs``).
-        split: A record's split, ``"train"`` or ``"test"``.
-        class_names: Every class name of the data set (for checking ``classes``).
-        n_tasks, classes_per_task, seed, train_per_class, test_per_class, protocol, val_per_class: As in
-            :func:`~peft_ext.data.wordnet.wordnet_task_sequence`.
-        classes: Use exactly these classes in this order instead of a seeded pick.
-        class_arg: The caller's name for ``classes`` (``"supersenses"``, ``"categories"``), used in messages.
-        item_word: What a record is, plural (``"synsets"``, ``"entries"``), used in messages.
-        name: The sequence's name.
-        meta: Gives the provenance recorded first in ``TaskSequence.meta`` (data set, source, license, input); the
-            caps, the seed and the class selection follow.
-        test_percent: The data set's test share in percent (recorded in ``meta``).
+        test_percent: The share of the test split, in percent.
+        provenance: Recorded first in ``TaskSequence.meta``: ``dataset``, ``license`` and ``input``.
+        sequence_name: The prefix of the sequences' names.
+        defaults: ``n_tasks``, ``classes_per_task``, ``train_per_class`` and ``test_per_class`` for a job config that
+            leaves them unset.
+        describe: One line for messages and docs.
     """
-    words = _Words(class_arg, item_word)
-    n_tasks = positive_int("n_tasks", n_tasks)
-    classes_per_task = positive_int("classes_per_task", classes_per_task)
-    train_per_class = positive_int("train_per_class", train_per_class)
-    test_per_class = positive_int("test_per_class", test_per_class)
-    if isinstance(val_per_class, bool) or not isinstance(val_per_class, int) or val_per_class < 0:
-        raise ValueError(f"`val_per_class` must be an int >= 0, got {val_per_class!r}")
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"`protocol` must be one of {PROTOCOLS}, got {protocol!r}")
-    n_classes = n_tasks * classes_per_task
-    records = records()
-    counts = count_by_class(records, class_names, label, split)
-    eligible = sorted(
-        name
-        for name, c in counts.items()
-        if c["train"] >= train_per_class + val_per_class and c["test"] >= test_per_class
-    )
-    if classes is not None:
-        chosen = check_class_names(classes, class_names, words.arg)
+
+    name: str
+    file: Path
+    columns: tuple[str, ...]
+    record: Callable[[str, int, list[str]], R]
+    rebuild: str
+    class_names: tuple[str, ...]
+    class_arg: str
+    item_word: str
+    key: Callable[[R], str]
+    label: Callable[[R], str]
+    text: Callable[[R], str]
+    test_percent: int
+    provenance: dict[str, str]
+    sequence_name: str
+    defaults: dict[str, int]
+    describe: str
+
+    def names(self) -> tuple[str, ...]:
+        """Every class name of the data set."""
+        return self.class_names
+
+    def read(self, path: str | os.PathLike[str] | None = None) -> tuple[R, ...]:
+        """Every record of the file at ``path`` (default: the shipped one), parsed once per file version (a
+        rebuilt file is re-read); a missing file raises ``FileNotFoundError`` saying how to rebuild it."""
+        p = Path(path) if path is not None else self.file
+        if not p.is_file():
+            raise FileNotFoundError(f"{self.name} data file {p} not found; rebuild it with `{self.rebuild} --out {p}`")
+        stat = p.stat()
+        return _parse(self, str(p.resolve()), stat.st_mtime_ns, stat.st_size)
+
+    def load(
+        self,
+        split: str | None = None,
+        classes: Iterable[str] | None = None,
+        *,
+        max_per_class: int | None = None,
+        seed: int = 0,
+        path: str | os.PathLike[str] | None = None,
+    ) -> list[R]:
+        """The records of ``split`` (``"train"``, ``"test"``, ``None`` for both) and ``classes`` (``None``: all), in
+        file order, at most ``max_per_class`` per class (:func:`cap_per_class` with ``seed``)."""
+        if split is not None and split not in SPLITS:
+            raise ValueError(f"`split` must be one of {SPLITS} or None, got {split!r}")
+        if max_per_class is not None and (not isinstance(max_per_class, int) or max_per_class <= 0):
+            raise ValueError(f"`max_per_class` must be a positive int or None, got {max_per_class!r}")
+        wanted = set(check_class_names(classes, self.class_names, self.class_arg)) if classes is not None else None
+        records = [
+            r
+            for r in self.read(path)
+            if (split is None or self.split(r) == split) and (wanted is None or self.label(r) in wanted)
+        ]
+        return cap_per_class(records, max_per_class, seed, self.key, self.label)
+
+    @staticmethod
+    def split(record: Any) -> str:
+        """A record's split, ``"train"`` or ``"test"`` (its ``split`` field)."""
+        return record.split
+
+    def class_counts(self, path: str | os.PathLike[str] | None = None) -> dict[str, dict[str, int]]:
+        """``{class: {"train": n, "test": m}}`` for the classes that have records, in the data set's order."""
+        return count_by_class(self.read(path), self.class_names, self.label, self.split)
+
+    def task_sequence(
+        self,
+        n_tasks: int,
+        classes_per_task: int,
+        *,
+        train_per_class: int,
+        test_per_class: int,
+        seed: int = 0,
+        protocol: str = "class-incremental",
+        classes: Sequence[str] | None = None,
+        path: str | os.PathLike[str] | None = None,
+        val_per_class: int = 0,
+    ) -> TaskSequence:
+        """A continual-learning sequence of classification tasks with disjoint classes.
+
+        A class is eligible when it has at least ``train_per_class + val_per_class`` train and ``test_per_class``
+        test records. ``random.Random(seed).sample`` over the sorted eligible names picks and orders the classes
+        (unless ``classes`` gives them), which are dealt to tasks ``classes_per_task`` at a time. Each class
+        contributes exactly ``train_per_class`` train and ``test_per_class`` test records, chosen by
+        :func:`cap_per_class` with the same ``seed``. Labels are global ids into the chosen class names (in task
+        order). Train examples are shuffled with ``random.Random(f"{seed}:train:{t}")``; test examples keep the
+        records' order.
+
+        The validation split (``val_per_class`` > 0) is, per class, the ``val_per_class`` train-split records ranked
+        right after the training ones (the same seeded ranking), in the records' order, less any whose text is also
+        a train or test example's. It is disjoint from train and test, and asking for it changes neither the
+        training nor the test examples (only, when a class is too small for both, which classes are eligible).
+
+        Args:
+            n_tasks: Number of tasks.
+            classes_per_task: New classes per task.
+            seed: Picks and orders the classes and the capped example subsets.
+            train_per_class: Train examples per class.
+            test_per_class: Test examples per class.
+            protocol: ``"class-incremental"`` or ``"task-incremental"``.
+            classes: Use exactly these classes in this order (``n_tasks * classes_per_task`` names, all eligible)
+                instead of a seeded pick.
+            path: The file to read; defaults to the shipped one.
+            val_per_class: Validation examples per class (``Task.validation``; 0: none).
+        """
+        n_tasks = positive_int("n_tasks", n_tasks)
+        classes_per_task = positive_int("classes_per_task", classes_per_task)
+        train_per_class = positive_int("train_per_class", train_per_class)
+        test_per_class = positive_int("test_per_class", test_per_class)
+        if isinstance(val_per_class, bool) or not isinstance(val_per_class, int) or val_per_class < 0:
+            raise ValueError(f"`val_per_class` must be an int >= 0, got {val_per_class!r}")
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"`protocol` must be one of {PROTOCOLS}, got {protocol!r}")
+        records = self.read(path)
+        counts = self.class_counts(path)
+        eligible = sorted(
+            name
+            for name, c in counts.items()
+            if c["train"] >= train_per_class + val_per_class and c["test"] >= test_per_class
+        )
+        need = _Need(n_tasks * classes_per_task, train_per_class + val_per_class, test_per_class)
+        chosen = (
+            self._given_classes(classes, counts, eligible, need, f"{n_tasks} * {classes_per_task}")
+            if classes is not None
+            else self._sampled_classes(eligible, need, seed, f"{n_tasks} * {classes_per_task}")
+        )
+        label_of = {name: i for i, name in enumerate(chosen)}
+        wanted_all = set(chosen)
+
+        def select(which: str, cap: int) -> list[R]:
+            kept = [r for r in records if self.split(r) == which and self.label(r) in wanted_all]
+            return cap_per_class(kept, cap, seed, self.key, self.label)
+
+        data = {which: select(which, cap) for which, cap in (("train", train_per_class), ("test", test_per_class))}
+        validation: list[R] = []
+        if val_per_class:
+            # A smaller cap keeps a subset of a larger one: train + validation minus train is the validation part.
+            wider = select("train", train_per_class + val_per_class)
+            used = {self.key(r) for r in data["train"]}
+            seen = {self.text(r) for part in data.values() for r in part}  # a few records may share a text
+            validation = [r for r in wider if self.key(r) not in used and self.text(r) not in seen]
+
+        def examples(part: list[R], wanted: set[str]) -> list[Example]:
+            return [Example(self.text(r), label_of[self.label(r)]) for r in part if self.label(r) in wanted]
+
+        tasks = []
+        for t in range(n_tasks):
+            names = chosen[t * classes_per_task : (t + 1) * classes_per_task]
+            wanted = set(names)
+            train = examples(data["train"], wanted)
+            random.Random(f"{seed}:train:{t}").shuffle(train)
+            tasks.append(
+                Task(
+                    f"t{t}:" + "+".join(names),
+                    [label_of[n] for n in names],
+                    train,
+                    examples(data["test"], wanted),
+                    examples(validation, wanted),
+                )
+            )
+        source = Path(path) if path is not None else self.file
+        return TaskSequence(
+            name=f"{self.sequence_name}-{n_tasks}x{classes_per_task}-seed{seed}",
+            class_names=list(chosen),
+            tasks=tasks,
+            protocol=protocol,  # type: ignore[arg-type]
+            meta={
+                "dataset": self.provenance["dataset"],
+                "source": source.name,
+                "source_sha256": file_sha256(source),
+                "license": self.provenance["license"],
+                "input": self.provenance["input"],
+                "seed": seed,
+                "n_tasks": n_tasks,
+                "classes_per_task": classes_per_task,
+                "train_per_class": train_per_class,
+                "test_per_class": test_per_class,
+                "val_per_class": val_per_class,
+                "test_percent": self.test_percent,
+                "class_selection": "given" if classes is not None else "random.Random(seed).sample(eligible)",
+                "n_eligible": len(eligible),
+            },
+        )
+
+    def _given_classes(
+        self, classes: Sequence[str], counts: dict[str, dict[str, int]], eligible: list[str], need: _Need, product: str
+    ) -> list[str]:
+        chosen = check_class_names(classes, self.class_names, self.class_arg)
         if len(set(chosen)) != len(chosen):
             dupes = sorted({name for name in chosen if chosen.count(name) > 1})
-            raise ValueError(f"`{words.arg}` repeats {dupes}")
-        if len(chosen) != n_classes:
+            raise ValueError(f"`{self.class_arg}` repeats {dupes}")
+        if len(chosen) != need.classes:
             raise ValueError(
-                f"`{words.arg}` has {len(chosen)} names but n_tasks * classes_per_task = {n_tasks} * "
-                f"{classes_per_task} = {n_classes}"
+                f"`{self.class_arg}` has {len(chosen)} names but n_tasks * classes_per_task = {product} = "
+                f"{need.classes}"
             )
         too_small = [name for name in chosen if name not in eligible]
         if too_small:
@@ -253,115 +377,23 @@ def shipped_task_sequence(
                 f"{n} ({counts.get(n, {}).get('train', 0)}/{counts.get(n, {}).get('test', 0)})" for n in too_small
             )
             raise ValueError(
-                f"{words.arg.capitalize()} {detail} have fewer than {train_per_class + val_per_class} train / "
-                f"{test_per_class} test {words.items}; eligible at these caps: {eligible}"
+                f"{self.class_arg.capitalize()} {detail} have fewer than {need.train} train / {need.test} test "
+                f"{self.item_word}; eligible at these caps: {eligible}"
             )
-    else:
-        if n_classes > len(eligible):
+        return chosen
+
+    def _sampled_classes(self, eligible: list[str], need: _Need, seed: int, product: str) -> list[str]:
+        if need.classes > len(eligible):
             raise ValueError(
-                f"n_tasks * classes_per_task = {n_tasks} * {classes_per_task} = {n_classes} classes needed, but only "
-                f"{len(eligible)} {words.arg} have at least {train_per_class + val_per_class} train and "
-                f"{test_per_class} test {words.items}; lower the caps or ask for fewer classes"
+                f"n_tasks * classes_per_task = {product} = {need.classes} classes needed, but only {len(eligible)} "
+                f"{self.class_arg} have at least {need.train} train and {need.test} test {self.item_word}; lower the "
+                "caps or ask for fewer classes"
             )
-        chosen = random.Random(seed).sample(eligible, n_classes)
-
-    label_of = {name: i for i, name in enumerate(chosen)}
-    wanted_all = set(chosen)
-
-    def select(which: str, cap: int) -> list[R]:
-        kept = [r for r in records if split(r) == which and label(r) in wanted_all]
-        return cap_per_class(kept, cap, seed, key, label)
-
-    data = {which: select(which, cap) for which, cap in (("train", train_per_class), ("test", test_per_class))}
-    validation: list[R] = []
-    if val_per_class:
-        # A smaller cap keeps a subset of a larger one: train + validation minus train is the validation part.
-        wider = select("train", train_per_class + val_per_class)
-        used = {key(r) for r in data["train"]}
-        seen = {text(r) for part in data.values() for r in part}  # a few records may share a text
-        validation = [r for r in wider if key(r) not in used and text(r) not in seen]
-    tasks = []
-    for t in range(n_tasks):
-        names = chosen[t * classes_per_task : (t + 1) * classes_per_task]
-        wanted = set(names)
-        train = [Example(text(r), label_of[label(r)]) for r in data["train"] if label(r) in wanted]
-        test = [Example(text(r), label_of[label(r)]) for r in data["test"] if label(r) in wanted]
-        val = [Example(text(r), label_of[label(r)]) for r in validation if label(r) in wanted]
-        random.Random(f"{seed}:train:{t}").shuffle(train)
-        tasks.append(Task(f"t{t}:" + "+".join(names), [label_of[n] for n in names], train, test, val))
-    return TaskSequence(
-        name=name,
-        class_names=list(chosen),
-        tasks=tasks,
-        protocol=protocol,  # type: ignore[arg-type]
-        meta={
-            **meta(),
-            "seed": seed,
-            "n_tasks": n_tasks,
-            "classes_per_task": classes_per_task,
-            "train_per_class": train_per_class,
-            "test_per_class": test_per_class,
-            "val_per_class": val_per_class,
-            "test_percent": test_percent,
-            "class_selection": "given" if classes is not None else "random.Random(seed).sample(eligible)",
-            "n_eligible": len(eligible),
-        },
-    )
+        return random.Random(seed).sample(eligible, need.classes)
 
 
 @dataclass(frozen=True)
-class ShippedDataset:
-    """A data set that ships with the package, as the job's ``data.dataset`` names it.
-
-    Args:
-        module: The module (under :mod:`peft_ext.data`) that loads it.
-        sequence: The name of its task-sequence function there; it takes ``n_tasks``, ``classes_per_task``,
-            ``seed``, ``train_per_class``, ``test_per_class``, ``val_per_class``, ``protocol`` and the class names
-            as the keyword ``class_arg``.
-        class_arg: The keyword of that function that takes explicit class names.
-        class_names: The name of the module's tuple of every class name.
-        defaults: ``n_tasks``, ``classes_per_task``, ``train_per_class`` and ``test_per_class`` for a config that
-            leaves them unset.
-        describe: One line for messages and docs.
-    """
-
-    module: str
-    sequence: str
-    class_arg: str
-    class_names: str
-    defaults: dict[str, int]
-    describe: str
-
-    def _module(self) -> Any:
-        import importlib
-
-        return importlib.import_module(f"{__package__}.{self.module}")
-
-    def names(self) -> tuple[str, ...]:
-        """Every class name of the data set."""
-        return tuple(getattr(self._module(), self.class_names))
-
-    def task_sequence(self, classes: Sequence[str] | None = None, **kwargs: Any) -> TaskSequence:
-        """The data set's task sequence (keywords as its sequence function takes them; ``classes``: explicit names)."""
-        return getattr(self._module(), self.sequence)(**kwargs, **{self.class_arg: classes})
-
-
-#: The shipped data sets by their ``data.dataset`` name. The modules load lazily.
-SHIPPED: dict[str, ShippedDataset] = {
-    "wordnet": ShippedDataset(
-        module="wordnet",
-        sequence="wordnet_task_sequence",
-        class_arg="supersenses",
-        class_names="LEXNAMES",
-        defaults={"n_tasks": 5, "classes_per_task": 4, "train_per_class": 80, "test_per_class": 40},
-        describe="WordNet 3.0 gloss -> supersense",
-    ),
-    "fortunes": ShippedDataset(
-        module="fortunes",
-        sequence="fortunes_task_sequence",
-        class_arg="categories",
-        class_names="CATEGORIES",
-        defaults={"n_tasks": 4, "classes_per_task": 3, "train_per_class": 60, "test_per_class": 30},
-        describe="fortune cookie -> fortune file (topic)",
-    ),
-}
+class _Need:
+    classes: int  # n_tasks * classes_per_task
+    train: int  # train (+ validation) records per class
+    test: int  # test records per class

@@ -12,26 +12,18 @@ the caps, the seed or the classes asked for, and a synset is in the same split i
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from .shipped import (
-    cap_per_class,
-    check_class_names,
-    count_by_class,
-    file_sha256,
-    hash_split,
-    read_versioned,
-    shipped_task_sequence,
-    tsv_rows,
-)
+from .shipped import SPLITS, ShippedTexts, hash_split
 from .tasks import TaskSequence
 
 __all__ = [
     "DEFAULT_PATH",
+    "WORDNET",
     "LEXNAMES",
     "SPLITS",
     "TEST_PERCENT",
@@ -92,7 +84,6 @@ LEXNAMES: tuple[str, ...] = (
     "adj.ppl",
 )
 
-SPLITS = ("train", "test")
 TEST_PERCENT = 20
 DEFAULT_PATH = Path(__file__).resolve().parent / "files" / "wordnet_glosses.tsv.xz"
 COLUMNS = ("synset", "supersense", "lemmas", "definition", "examples")
@@ -143,24 +134,42 @@ def split_of(synset: str) -> str:
     return hash_split(synset, TEST_PERCENT)
 
 
-@functools.lru_cache(maxsize=4)
-def _read_file(path: str, mtime_ns: int, size: int) -> tuple[GlossExample, ...]:
-    # mtime and size are part of the key so a rebuilt file is re-read rather than served stale.
-    del mtime_ns, size
-    records = []
-    for _, fields in tsv_rows(path, COLUMNS):
-        synset, supersense, lemmas, definition, examples = fields
-        records.append(
-            GlossExample(
-                synset,
-                supersense,
-                tuple(lemmas.split(" ")),
-                definition,
-                tuple(examples.split(EXAMPLE_SEP)) if examples else (),
-                split_of(synset),
-            )
-        )
-    return tuple(records)
+def _record(path: str, lineno: int, fields: list[str]) -> GlossExample:
+    del path, lineno  # every field is free text
+    synset, supersense, lemmas, definition, examples = fields
+    return GlossExample(
+        synset,
+        supersense,
+        tuple(lemmas.split(" ")),
+        definition,
+        tuple(examples.split(EXAMPLE_SEP)) if examples else (),
+        split_of(synset),
+    )
+
+
+#: The data set as the job's ``data.dataset: wordnet`` sees it.
+WORDNET: ShippedTexts[GlossExample] = ShippedTexts(
+    name="wordnet",
+    file=DEFAULT_PATH,
+    columns=COLUMNS,
+    record=_record,
+    rebuild="python -m peft_ext.data build",
+    class_names=LEXNAMES,
+    class_arg="supersenses",
+    item_word="synsets",
+    key=lambda r: r.synset,
+    label=lambda r: r.supersense,
+    text=lambda r: r.text,
+    test_percent=TEST_PERCENT,
+    provenance={
+        "dataset": "WordNet 3.0 gloss -> supersense (lexicographer file)",
+        "license": "WordNet 3.0 license (peft_ext/data/files/WORDNET_LICENSE)",
+        "input": "definition",
+    },
+    sequence_name="wordnet-supersenses",
+    defaults={"n_tasks": 5, "classes_per_task": 4, "train_per_class": 80, "test_per_class": 40},
+    describe="WordNet 3.0 gloss -> supersense",
+)
 
 
 def read_gloss_file(path: str | os.PathLike[str] | None = None) -> tuple[GlossExample, ...]:
@@ -169,20 +178,7 @@ def read_gloss_file(path: str | os.PathLike[str] | None = None) -> tuple[GlossEx
     Args:
         path: A file written by :func:`~peft_ext.data.wordnet_build.build_wordnet_glosses`.
     """
-    p = Path(path) if path is not None else DEFAULT_PATH
-    return read_versioned(p, _read_file, "WordNet gloss file", "python -m peft_ext.data build")
-
-
-def _check_supersenses(supersenses: Iterable[str]) -> list[str]:
-    return check_class_names(supersenses, LEXNAMES, "supersenses")
-
-
-def _key(r: GlossExample) -> str:
-    return r.synset
-
-
-def _label(r: GlossExample) -> str:
-    return r.supersense
+    return WORDNET.read(path)
 
 
 def load_wordnet_glosses(
@@ -206,17 +202,7 @@ def load_wordnet_glosses(
     Returns:
         The matching examples in synset-id order.
     """
-    if split is not None and split not in SPLITS:
-        raise ValueError(f"`split` must be one of {SPLITS} or None, got {split!r}")
-    if max_per_class is not None and (not isinstance(max_per_class, int) or max_per_class <= 0):
-        raise ValueError(f"`max_per_class` must be a positive int or None, got {max_per_class!r}")
-    wanted = set(_check_supersenses(supersenses)) if supersenses is not None else None
-    records = [
-        r
-        for r in read_gloss_file(path)
-        if (split is None or r.split == split) and (wanted is None or r.supersense in wanted)
-    ]
-    return cap_per_class(records, max_per_class, seed, _key, _label)
+    return WORDNET.load(split, supersenses, max_per_class=max_per_class, seed=seed, path=path)
 
 
 def class_counts(path: str | os.PathLike[str] | None = None) -> dict[str, dict[str, int]]:
@@ -225,19 +211,17 @@ def class_counts(path: str | os.PathLike[str] | None = None) -> dict[str, dict[s
     Args:
         path: Gloss file to read; defaults to the one shipped with the package.
     """
-    return count_by_class(read_gloss_file(path), LEXNAMES, _label, lambda r: r.split)
+    return WORDNET.class_counts(path)
 
 
 def wordnet_task_sequence(
     n_tasks: int = 5,
     classes_per_task: int = 4,
-    seed: int = 0,
+    *,
+    supersenses: Sequence[str] | None = None,
     train_per_class: int = 100,
     test_per_class: int = 40,
-    protocol: str = "class-incremental",
-    supersenses: Sequence[str] | None = None,
-    path: str | os.PathLike[str] | None = None,
-    val_per_class: int = 0,
+    **kwargs: Any,
 ) -> TaskSequence:
     """A continual-learning sequence of WordNet supersense-classification tasks with disjoint classes.
 
@@ -272,40 +256,18 @@ def wordnet_task_sequence(
     Args:
         n_tasks: Number of tasks.
         classes_per_task: New classes per task.
-        seed: Picks and orders the classes and the capped example subsets.
-        train_per_class: Train examples per class.
-        test_per_class: Test examples per class.
-        protocol: ``"class-incremental"`` or ``"task-incremental"``.
         supersenses: Use exactly these classes in this order (``n_tasks * classes_per_task`` names, all eligible)
             instead of a seeded pick.
-        path: Gloss file to read; defaults to the one shipped with the package.
-        val_per_class: Validation examples per class (``Task.validation``; 0: none).
+        train_per_class: Train examples per class.
+        test_per_class: Test examples per class.
+        kwargs: ``seed``, ``protocol``, ``path``, ``val_per_class``, as
+            :meth:`~peft_ext.data.shipped.ShippedTexts.task_sequence` takes them.
     """
-    source = Path(path) if path is not None else DEFAULT_PATH
-    return shipped_task_sequence(
-        lambda: read_gloss_file(path),
-        key=_key,
-        label=_label,
-        text=lambda r: r.text,
-        split=lambda r: r.split,
-        class_names=LEXNAMES,
-        n_tasks=n_tasks,
-        classes_per_task=classes_per_task,
-        seed=seed,
+    return WORDNET.task_sequence(
+        n_tasks,
+        classes_per_task,
+        classes=supersenses,
         train_per_class=train_per_class,
         test_per_class=test_per_class,
-        protocol=protocol,
-        classes=supersenses,
-        val_per_class=val_per_class,
-        class_arg="supersenses",
-        item_word="synsets",
-        name=f"wordnet-supersenses-{n_tasks}x{classes_per_task}-seed{seed}",
-        meta=lambda: {
-            "dataset": "WordNet 3.0 gloss -> supersense (lexicographer file)",
-            "source": source.name,
-            "source_sha256": file_sha256(source),
-            "license": "WordNet 3.0 license (peft_ext/data/files/WORDNET_LICENSE)",
-            "input": "definition",
-        },
-        test_percent=TEST_PERCENT,
+        **kwargs,
     )

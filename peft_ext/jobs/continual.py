@@ -32,7 +32,7 @@ from ..continual.progress import TaskProgress
 from ..continual.report import matrix_table, metrics_table, save_results
 from ..continual.runner import run_sequence
 from ..continual.sharding import sharding_from_launcher
-from ..data.shipped import SHIPPED
+from ..data import SHIPPED
 from ..data.tasks import TaskSequence
 from ..distributed import on_rank_zero, rank, rank_zero_first, world_size
 from .errors import JobFailed, one_line

@@ -78,7 +78,7 @@ def check_output_dir(path: str, key: str = "output.dir") -> None:
 def check_data(config: RunConfig, tokenizer: Any = None) -> Any:
     """Raise ``ConfigError`` when the ``data`` section asks for classes the data set does not have: an unknown
     ``data.classes`` name, or more classes than the data set has at the per-class caps (``data.n_tasks``)."""
-    from ..data.shipped import SHIPPED
+    from ..data import SHIPPED
     from .continual import build_sequence
 
     data = config.data
