@@ -53,7 +53,8 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from benchmarks._lib import machine
-from benchmarks._lib.cli import benchmark_parser, parse
+from benchmarks._lib.cache import without, write_json_atomic
+from benchmarks._lib.cli import benchmark_parser, int_options, parse
 from benchmarks._lib.data import eval_loss, fixed_windows, plot_loss_curves, random_windows, state_bytes
 from benchmarks._lib.tables import markdown_table, mean_sd
 from benchmarks._lib.timing import Interleaved
@@ -266,15 +267,8 @@ QUICK |= {"eval_windows": 8, "probe_steps": 1}
 def main(argv: list[str] | None = None) -> None:
     parser = benchmark_parser(__doc__, quick="smoke run: tiny sizes, 1 seed, 1 lr per method", json=True, threads=1)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--eval-every", type=int, default=10)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--pretrain-steps", type=int, default=300)
-    parser.add_argument("--eval-windows", type=int, default=64)
-    parser.add_argument("--probe-steps", type=int, default=3)
+    int_options(parser, steps=60, eval_every=10, batch=8, seq=32, hidden=128, layers=2, pretrain_steps=300)
+    int_options(parser, eval_windows=64, probe_steps=3)
     parser.add_argument("--png", type=Path, default=None, help="write the loss curves here")
     parser.add_argument("--cache", type=Path, default=Path("runs/causal_lm_bf16"), help="pretrained base cache")
     parser.add_argument("--memory-probe", choices=METHODS, default=None, help=argparse.SUPPRESS)
@@ -331,17 +325,12 @@ def main(argv: list[str] | None = None) -> None:
     print(markdown_table([*head, "optimizer state KiB", "trainable params"], rows, align="ll" + "r" * 6))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     device = "CUDA" if torch.cuda.is_available() else "CPU"
-    print(
-        f"\nwall time {(time.perf_counter() - wall) / 60:.1f} min, {args.threads} thread(s), "
-        f"{machine.torch_platform()}, {device}; peak RSS of this process {rss:.0f} MiB"
-    )
+    print(machine.wall_line(wall, args.threads, f"{device}; peak RSS of this process {rss:.0f} MiB"))
     if args.png is not None:
         plot(results, args.png, f"tiny Llama bf16 ({size}), {len(args.seeds)} seed(s)")
         print(f"loss curves: {args.png}")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        slim = {m: [{k: v for k, v in r.items() if k != "times"} for r in rs] for m, rs in results.items()}
-        args.json.write_text(json.dumps({"chosen": chosen, "results": slim, "memory": memory}, indent=1))
+        write_json_atomic(args.json, {"chosen": chosen, "results": without(results, "times"), "memory": memory})
 
 
 if __name__ == "__main__":

@@ -25,27 +25,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig, get_peft_model
+from torch import nn
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from peft import LoraConfig, get_peft_model  # noqa: E402
-from torch import nn  # noqa: E402
-
-from benchmarks._lib.cli import benchmark_parser, parse  # noqa: E402
-from benchmarks._lib.graphs import GraphCounter  # noqa: E402
-from benchmarks._lib.tables import markdown_table  # noqa: E402
-from benchmarks._lib.timing import Interleaved, timed  # noqa: E402
-from peft_ext import MoRAConfig, PCLRConfig, RiemannionConfig, SplitLoRAConfig  # noqa: E402
-from peft_ext.models import tiny_clip, tiny_llama  # noqa: E402
-from peft_ext.tuners.pclr import query_loss  # noqa: E402
+from benchmarks._lib.cli import benchmark_parser, int_options, parse
+from benchmarks._lib.graphs import GraphCounter
+from benchmarks._lib.tables import markdown_table
+from benchmarks._lib.timing import Interleaved, timed
+from peft_ext import MoRAConfig, PCLRConfig, RiemannionConfig, SplitLoRAConfig
+from peft_ext.models import tiny_clip, tiny_llama
+from peft_ext.tuners.pclr import query_loss
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TYPES = ("lora", "riemannion", "splitlora", "pclr", "mora")
@@ -179,10 +175,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--types", nargs="+", default=list(TYPES), choices=TYPES)
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (inductor, aot_eager, ...)")
     parser.add_argument("--width", type=int, default=256, help="hidden width of the Llama (and of CLIP's towers)")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=64)
+    int_options(parser, layers=2, rank=16, batch=4, tokens=64)
     parser.add_argument("--rounds", type=int, default=20, help="interleaved timed steps per copy")
     return parse(parser, argv, quick=QUICK)
 

@@ -39,20 +39,16 @@ selectable with ``--methods``. The methods, their options and the runs live in b
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks._lib import machine  # noqa: E402
-from benchmarks._lib.continual import (  # noqa: E402
+from benchmarks._lib import machine
+from benchmarks._lib.continual import (
     LORA_VALUES_PER_TASK,
     METHODS,
     PCLR_VARIANTS,
@@ -60,9 +56,9 @@ from benchmarks._lib.continual import (  # noqa: E402
     parse_args,
     settings,
 )
-from benchmarks._lib.protocol import Protocol, Study, log_grid, paired_interval, tune_and_test  # noqa: E402
-from benchmarks._lib.tables import markdown_table, mean_sd  # noqa: E402
-from peft_ext.data.shipped import SHIPPED  # noqa: E402
+from benchmarks._lib.protocol import Protocol, Study, log_grid, paired_interval, tune_and_test
+from benchmarks._lib.tables import markdown_table, mean_sd
+from peft_ext.data import SHIPPED
 
 
 def draws(runs: Runs, seeds: list[int]) -> tuple[str, bool]:

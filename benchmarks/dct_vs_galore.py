@@ -47,7 +47,7 @@ from torch import nn
 
 from benchmarks._lib import machine
 from benchmarks._lib.cache import RunCache
-from benchmarks._lib.cli import benchmark_parser, parse
+from benchmarks._lib.cli import benchmark_parser, int_options, parse
 from benchmarks._lib.data import minilm, tensor_bytes, wordnet_all_classes
 from benchmarks._lib.dct_tables import (
     TARGETS,
@@ -354,12 +354,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--galore-gap", type=int, default=500, help="GaLore's update_proj_gap (fine-tuning recipe)")
     parser.add_argument("--apollo-gap", type=int, default=200, help="APOLLO's update_proj_gap (its default)")
     parser.add_argument("--power-gap", type=int, default=10, help="update_proj_gap of the power-iteration options")
-    parser.add_argument("--train-per-class", type=int, default=40)
-    parser.add_argument("--val-per-class", type=int, default=10)
-    parser.add_argument("--test-per-class", type=int, default=20)
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--max-length", type=int, default=32)
+    int_options(
+        parser, train_per_class=40, val_per_class=10, test_per_class=20, epochs=2, batch_size=32, max_length=32
+    )
     parser.add_argument(
         "--png", type=Path, default=None, help="table 3: validation accuracy vs learning rate, one panel per rank"
     )

@@ -42,23 +42,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks._lib.cache import RunCache  # noqa: E402
-from benchmarks._lib.cli import benchmark_parser, parse  # noqa: E402
-from benchmarks._lib.protocol import Protocol, Study, log_grid, paired_interval, tune_and_test  # noqa: E402
-from benchmarks._lib.tables import mean_sd  # noqa: E402
-from peft_ext.multimodal import MISSING_TYPES, MissingSpec  # noqa: E402
-from peft_ext.multimodal.experiment import (  # noqa: E402
+from benchmarks._lib.cache import RunCache
+from benchmarks._lib.cli import benchmark_parser, parse
+from benchmarks._lib.protocol import Protocol, Study, log_grid, paired_interval, tune_and_test
+from benchmarks._lib.tables import mean_sd
+from peft_ext.multimodal import MISSING_TYPES, MissingSpec
+from peft_ext.multimodal.experiment import (
     ALL_METHODS,
     ExperimentSettings,
     grid_specs,

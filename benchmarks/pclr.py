@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from benchmarks._lib.cli import benchmark_parser
+from benchmarks._lib.cli import benchmark_parser, int_options
 from benchmarks._lib.tables import markdown_table
 from benchmarks._lib.timing import Interleaved
 from peft_ext.continual import TrainConfig, get_continual_method, run_sequence
@@ -34,16 +34,11 @@ from peft_ext.tuners.pclr import group_layers
 
 def main(argv: list[str] | None = None) -> None:
     parser = benchmark_parser(__doc__)
-    parser.add_argument("--tasks", type=int, default=4)
-    parser.add_argument("--classes-per-task", type=int, default=3)
-    parser.add_argument("--train-per-class", type=int, default=40)
-    parser.add_argument("--test-per-class", type=int, default=20)
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--pool-size", type=int, default=32)
-    parser.add_argument("--ranks", type=int, default=16)
+    int_options(
+        parser, tasks=4, classes_per_task=3, train_per_class=40, test_per_class=20, epochs=2, pool_size=32, ranks=16
+    )
     parser.add_argument("--compress", type=float, default=0.5, help="fraction dropped after every task but the first")
-    parser.add_argument("--top-k", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
+    int_options(parser, top_k=16, seed=0)
     parser.add_argument("--no-baselines", action="store_true", help="skip seq_lora and the no-integration variant")
     parser.add_argument("--overhead-only", action="store_true", help="only time one forward: PCLR vs LoRA")
     args = parser.parse_args(argv)

@@ -22,20 +22,16 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import statistics
 import sys
 import time
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks._lib import continual as cw  # noqa: E402
-from benchmarks._lib.cli import benchmark_parser  # noqa: E402
-from benchmarks._lib.tables import markdown_table, mean_sd  # noqa: E402
+from benchmarks._lib import continual as cw
+from benchmarks._lib.cli import benchmark_parser
+from benchmarks._lib.tables import markdown_table, mean_sd
 
 #: The chosen learning rates of benchmarks/continual_wordnet.py (validation, seed 0; docs/benchmarks.md).
 CHOSEN_LR = {"pclr": 2e-3, "seq_lora": 1e-3, "splitlora": 5e-3}
@@ -117,18 +113,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def summarize(run: dict[str, Any]) -> dict[str, float]:
+def summarize(run: dict[str, Any]) -> dict[str, Any]:
     """One run's figures (percent): final, average incremental, forgetting, new-task and first-task accuracy."""
-    matrix, metrics = run["matrix"], run["metrics"]
-    diagonal = [matrix[t][t] for t in range(len(matrix))]
-    out = {
-        "final": 100 * metrics["final_acc"],
-        "incremental": 100 * metrics["avg_incremental_acc"],
-        "forgetting": 100 * metrics["forgetting"],
-        "new_task": 100 * statistics.fmean(diagonal[1:]),
-        "first_task": 100 * diagonal[0],
-        "cpu": run["cpu_seconds"],
-    }
+    out = {**cw.accuracy_figures(run), "cpu": run["cpu_seconds"]}
     extras = run.get("extras", {})
     if extras.get("pool_ranks"):
         out["pool"] = max(extras["pool_ranks"])
@@ -148,7 +135,7 @@ def table(rows: dict[str, list[dict[str, float]]], entries: dict[str, dict[str, 
         pool = max((r["pool"] for r in runs if "pool" in r), default=None)
         stored = max((r["stored"] for r in runs if "stored" in r), default=None)
         cells = [name, entries[name]["about"], cell("final"), cell("incremental"), cell("forgetting")]
-        cells += [cell("new_task"), cell("first_task"), "—" if pool is None else str(pool)]
+        cells += [cell("new_tasks"), cell("first_task"), "—" if pool is None else str(pool)]
         cells += ["—" if stored is None else f"{stored:,}", f"{statistics.fmean(r['cpu'] for r in runs):.0f}"]
         table_rows.append(cells)
     return markdown_table(head, table_rows, align="ll" + "r" * (len(head) - 2))

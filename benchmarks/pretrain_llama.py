@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import math
 import statistics
 import time
@@ -70,8 +69,8 @@ import torch
 from torch import nn
 
 from benchmarks._lib import machine
-from benchmarks._lib.cache import RunCache
-from benchmarks._lib.cli import benchmark_parser, parse
+from benchmarks._lib.cache import RunCache, without, write_json_atomic
+from benchmarks._lib.cli import benchmark_parser, int_options, parse
 from benchmarks._lib.data import eval_loss, fixed_windows, plot_loss_curves, random_windows, tensor_bytes
 from benchmarks._lib.protocol import Protocol, Study, paired_interval, tune_and_test
 from benchmarks._lib.tables import markdown_table
@@ -344,9 +343,7 @@ def main(argv: list[str] | None = None) -> None:
         __doc__, quick="toy sizes, 2 grid points, 2 test seeds: a smoke run", json=True, threads=1, runs=True
     )
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--rank", type=int, default=64)
+    int_options(parser, hidden=256, layers=8, rank=64)
     parser.add_argument("--gap", type=int, default=50, help="update_proj_gap of every low-rank optimizer")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=64, help="bytes per window (tiny_llama's positions: <= 128)")
@@ -391,20 +388,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nshared DCT matrices (process-wide, every DCT-family optimizer): {dct_cache_bytes() / 1024:.0f} KiB")
     for line in verdicts(study):
         print(line)
-    print(
-        f"\nwall time {(time.perf_counter() - wall) / 60:.1f} min, {args.threads} thread(s), "
-        f"{machine.torch_platform()}"
-    )
+    print(machine.wall_line(wall, args.threads))
     if args.png is not None:
         plot(study, args.png, f"tiny Llama ({size}), {len(args.test_seeds)} seed(s)")
         print(f"loss curves: {args.png}")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        out = study.to_dict()
-        slim = {n: [{k: v for k, v in r.items() if k != "times"} for r in rs] for n, rs in study.extras.items()}
-        out["extras"] = slim
+        out = {**study.to_dict(), "extras": without(study.extras, "times")}
         out["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-        args.json.write_text(json.dumps(out, indent=1))
+        write_json_atomic(args.json, out)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ import argparse
 import copy
 import dataclasses
 import json
-import os
 import statistics
 import sys
 import time
@@ -40,19 +39,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks._lib.cache import RunCache  # noqa: E402
-from benchmarks._lib.cli import benchmark_parser, parse  # noqa: E402
-from benchmarks._lib.splitlora_variants import AdaptiveSplitLoRA, RecordedSplitLoRA, WithinTaskMixin  # noqa: E402
-from benchmarks._lib.tables import markdown_table  # noqa: E402
-from benchmarks._lib.timing import cpu_seconds  # noqa: E402
-from peft_ext.continual.config import RunConfig, config_from_dict, read_config  # noqa: E402
-from peft_ext.continual.methods import ContinualMethod, get_continual_method  # noqa: E402
-from peft_ext.continual.runner import run_sequence  # noqa: E402
+from benchmarks._lib.cache import RunCache
+from benchmarks._lib.cli import benchmark_parser, parse
+from benchmarks._lib.continual import accuracy_figures
+from benchmarks._lib.splitlora_variants import AdaptiveSplitLoRA, RecordedSplitLoRA, WithinTaskMixin
+from benchmarks._lib.tables import markdown_table
+from benchmarks._lib.timing import cpu_seconds
+from peft_ext.continual.config import RunConfig, config_from_dict, read_config
+from peft_ext.continual.methods import ContinualMethod, get_continual_method
+from peft_ext.continual.runner import run_sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"fortunes": ROOT / "configs" / "fortunes.yaml", "wordnet": ROOT / "configs" / "quickstart.yaml"}
@@ -268,16 +265,7 @@ def run_variants(args: argparse.Namespace, cache: RunCache) -> tuple[dict[str, l
 
 def summarize(record: dict[str, Any]) -> dict[str, Any]:
     """One run's figures (percent)."""
-    matrix, metrics = record["matrix"], record["metrics"]
-    diagonal = [matrix[t][t] for t in range(len(matrix))]
-    out = {
-        "final": 100 * metrics["final_acc"],
-        "forgetting": 100 * metrics["forgetting"],
-        "learning": 100 * metrics["learning_acc"],
-        "new_tasks": 100 * statistics.fmean(diagonal[1:]),
-        "diagonal": [100 * d for d in diagonal],
-        "seconds": record["seconds"],
-    }
+    out = {**accuracy_figures(record), "seconds": record["seconds"]}
     within = record["extras"].get("within_task")
     if within:
         out["within_tasks"] = [100 * a for a in within]

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunCache", "write_json_atomic"]
+__all__ = ["RunCache", "without", "write_json_atomic"]
 
 Key = tuple[Any, ...] | str
 
@@ -33,6 +33,11 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1))
     os.replace(tmp, path)
+
+
+def without(runs: dict[str, list[dict[str, Any]]], key: str) -> dict[str, list[dict[str, Any]]]:
+    """``{name: [run, ...]}`` with ``key`` left out of every run (e.g. per-step times before a results file)."""
+    return {name: [{k: v for k, v in r.items() if k != key} for r in rs] for name, rs in runs.items()}
 
 
 def _normalized(value: Any) -> Any:

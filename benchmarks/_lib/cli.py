@@ -3,7 +3,7 @@
 Each script asks for the ones it has and adds its own::
 
     parser = benchmark_parser(__doc__, quick="smoke run: 4 classes, 2 seeds", runs=True)
-    parser.add_argument("--epochs", type=int, default=6)
+    int_options(parser, epochs=6, batch_size=16)    # --epochs 6, --batch-size 16
     args = parse(parser, argv, quick={"epochs": 1})     # --quick sets these values
     torch.set_num_threads(args.threads)
 """
@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["THREADS_HELP", "benchmark_parser", "parse"]
+__all__ = ["THREADS_HELP", "benchmark_parser", "int_options", "parse"]
 
 THREADS_HELP = (
     "torch threads (default {default}: on a shared 2-core machine OpenMP threads that wait for a busy core make "
@@ -54,6 +54,13 @@ def benchmark_parser(
             "--runs", type=Path, default=None, help="save every finished run here and reuse the ones already saved"
         )
     return parser
+
+
+def int_options(parser: argparse.ArgumentParser, **defaults: int) -> None:
+    """Add one integer option per keyword, named after it with dashes (``train_per_class=40``: ``--train-per-class``,
+    default 40): the sizes and counts every benchmark takes without further help text."""
+    for name, default in defaults.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default)
 
 
 def parse(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import copy
 import random
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -23,13 +24,13 @@ from torch import nn
 from peft_ext.continual import TrainConfig, get_continual_method, run_sequence
 from peft_ext.continual.config import ConfigError, build_section
 from peft_ext.continual.engine import evaluate
+from peft_ext.data import SHIPPED
 from peft_ext.data.collate import TextCollator
-from peft_ext.data.shipped import SHIPPED
 from peft_ext.data.tasks import Task, TaskSequence
 from peft_ext.models import load_text_classifier
 
 from .cache import RunCache
-from .cli import benchmark_parser, parse
+from .cli import benchmark_parser, int_options, parse
 from .timing import cpu_seconds
 
 TOTAL_CLASSES = 20
@@ -136,12 +137,9 @@ def parse_args(argv: list[str] | None = None, doc: str | None = __doc__) -> argp
         help="methods run again at twice the epochs (validation, first tune seed) to check convergence (default: "
         "seq_lora and joint when they run; no names: skip)",
     )
-    parser.add_argument("--train-per-class", type=int, default=40)
-    parser.add_argument("--val-per-class", type=int, default=25)
-    parser.add_argument("--test-per-class", type=int, default=25)
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--max-length", type=int, default=32)
+    int_options(
+        parser, train_per_class=40, val_per_class=25, test_per_class=25, epochs=3, batch_size=32, max_length=32
+    )
     parser.add_argument(
         "--set",
         action="append",
@@ -184,6 +182,23 @@ def parse_args(argv: list[str] | None = None, doc: str | None = __doc__) -> argp
         except ConfigError as err:
             parser.error(str(err))
     return args
+
+
+def accuracy_figures(run: dict[str, Any]) -> dict[str, Any]:
+    """A finished run's accuracies in percent, from its accuracy matrix and metrics: final, average incremental,
+    forgetting, learning (mean of the diagonal: each task right after learning it), new tasks (the diagonal past the
+    first task), first task, and the diagonal itself."""
+    matrix, metrics = run["matrix"], run["metrics"]
+    diagonal = [matrix[t][t] for t in range(len(matrix))]
+    return {
+        "final": 100 * metrics["final_acc"],
+        "incremental": 100 * metrics["avg_incremental_acc"],
+        "forgetting": 100 * metrics["forgetting"],
+        "learning": 100 * metrics.get("learning_acc", statistics.fmean(diagonal)),
+        "new_tasks": 100 * statistics.fmean(diagonal[1:]),
+        "first_task": 100 * diagonal[0],
+        "diagonal": [100 * d for d in diagonal],
+    }
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:

@@ -43,6 +43,15 @@ def torch_platform() -> str:
     return f"torch {torch.__version__}, {platform.machine()}"
 
 
+def wall_line(start: float, threads: int, *extra: str) -> str:
+    """The scripts' closing line: wall time since ``start`` (``time.perf_counter()``), threads, torch and machine,
+    then ``extra`` parts, comma-separated."""
+    import time
+
+    minutes = (time.perf_counter() - start) / 60
+    return "\n" + ", ".join([f"wall time {minutes:.1f} min", f"{threads} thread(s)", torch_platform(), *extra])
+
+
 def summary() -> str:
     """One line: cores, CPU, GPU, Python, torch and the system (the report's machine line)."""
     import torch
