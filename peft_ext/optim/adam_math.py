@@ -13,44 +13,32 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["adam_direction", "adam_moments", "adamw_update"]
+__all__ = ["adam_direction", "adamw_update"]
+
+_Denom = tuple[Tensor, float | Tensor]  # (denominator, first moment's bias correction)
 
 
-def adam_moments(
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor,
-    grad: Tensor,
-    betas: tuple[float, float],
-    eps: float,
-    step: int | Tensor,
-) -> tuple[Tensor, float | Tensor]:
+def _moments(m: Tensor, v: Tensor, g: Tensor, betas: tuple[float, float], eps: float, step: int | Tensor) -> _Denom:
     """Update Adam's moments in place; return the denominator ``sqrt(v) / sqrt(1 - b2^t) + eps`` and ``1 - b1^t``.
 
-    Args:
-        exp_avg: First moment ``m``, updated in place.
-        exp_avg_sq: Second moment ``v``, updated in place.
-        grad: The gradient, same shape as the moments.
-        betas: ``(beta1, beta2)``.
-        eps: Added to ``sqrt(v^)``.
-        step: Number of updates these moments have seen, including this one: an int, or an integer tensor
-            broadcastable to the moments when every entry has its own age (DCT-AdamW's per-column correction).
+    The arguments are :func:`adam_direction`'s (``m``, ``v``, ``g``: its ``exp_avg``, ``exp_avg_sq``, ``grad``).
 
     Returns:
         ``(denom, bias_correction1)``: a new tensor and the first moment's bias correction (a tensor when ``step``
         is one).
     """
     beta1, beta2 = betas
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     if isinstance(step, Tensor):
-        t = step.to(exp_avg.dtype)
+        t = step.to(m.dtype)
         bias1 = 1 - torch.pow(beta1, t)
         bias2_sqrt = (1 - torch.pow(beta2, t)).sqrt()
     else:
         bias1 = 1 - beta1**step
         bias2_sqrt = math.sqrt(1 - beta2**step)
     # one temporary, the rest in place: for an embedding-sized tensor every extra copy is a full pass
-    return exp_avg_sq.sqrt().div_(bias2_sqrt).add_(eps), bias1
+    return v.sqrt().div_(bias2_sqrt).add_(eps), bias1
 
 
 def adam_direction(
@@ -67,9 +55,16 @@ def adam_direction(
     basis DCT-AdamW is AdamW up to floating-point rounding (the division by ``1 - b1^t`` comes last here, where
     AdamW folds it into the step size).
 
-    Args: as :func:`adam_moments`.
+    Args:
+        exp_avg: First moment ``m``, updated in place.
+        exp_avg_sq: Second moment ``v``, updated in place.
+        grad: The gradient, same shape as the moments.
+        betas: ``(beta1, beta2)``.
+        eps: Added to ``sqrt(v^)``.
+        step: Number of updates these moments have seen, including this one: an int, or an integer tensor
+            broadcastable to the moments when every entry has its own age (DCT-AdamW's per-column correction).
     """
-    denom, bias1 = adam_moments(exp_avg, exp_avg_sq, grad, betas, eps, step)
+    denom, bias1 = _moments(exp_avg, exp_avg_sq, grad, betas, eps, step)
     return torch.div(exp_avg, denom, out=denom).div_(bias1)
 
 
@@ -116,5 +111,5 @@ def adamw_update(
         param.copy_(work)
         return
     param.mul_(1 - lr * weight_decay)
-    denom, bias1 = adam_moments(exp_avg, exp_avg_sq, grad, betas, eps, step)
+    denom, bias1 = _moments(exp_avg, exp_avg_sq, grad, betas, eps, step)
     param.addcdiv_(exp_avg, denom, value=-lr / bias1)

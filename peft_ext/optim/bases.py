@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,16 @@ from .dct import ScoreReduce, dct_matrix, dct_select, project, project_back
 from .dct_state import rotate_selected
 from .subspace import coordinate_select, one_hot_rows, power_refresh, rotate_by_overlap
 
-__all__ = ["BASES", "CoordinateBasis", "DCTBasis", "PowerBasis", "SubspaceBasis", "SubspaceSpec"]
+__all__ = ["BASES", "CoordinateBasis", "DCTBasis", "Moments", "PowerBasis", "SubspaceBasis", "SubspaceSpec"]
+
+
+class Moments(NamedTuple):
+    """Adam's first and second moments of one projected matrix, in the subspace, and the age (steps seen) of each
+    basis vector when column bias correction tracks them (else ``None``)."""
+
+    m: torch.Tensor
+    v: torch.Tensor
+    ages: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -107,17 +116,9 @@ class SubspaceBasis(ABC):
         return project_back(low, basis, spec.side)
 
     @abstractmethod
-    def carry(
-        self,
-        m: torch.Tensor,
-        v: torch.Tensor,
-        ages: torch.Tensor | None,
-        old: torch.Tensor,
-        new: torch.Tensor,
-        spec: SubspaceSpec,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Adam's moments ``m``, ``v`` (and per-basis-vector ``ages``, when tracked) carried from the basis stored as
-        ``old`` to the one stored as ``new`` (both as in ``state[self.key]``)."""
+    def carry(self, moments: Moments, old: torch.Tensor, new: torch.Tensor, spec: SubspaceSpec) -> Moments:
+        """Adam's moments (and per-basis-vector ages, when tracked) carried from the basis stored as ``old`` to the
+        one stored as ``new`` (both as in ``state[self.key]``)."""
 
 
 class _SelectedRows(SubspaceBasis):
@@ -148,22 +149,15 @@ class _SelectedRows(SubspaceBasis):
     def current(self, grad: torch.Tensor, state: dict[str, Any], spec: SubspaceSpec) -> torch.Tensor:
         return self.rows(state[self.key], grad, spec)
 
-    def carry(
-        self,
-        m: torch.Tensor,
-        v: torch.Tensor,
-        ages: torch.Tensor | None,
-        old: torch.Tensor,
-        new: torch.Tensor,
-        spec: SubspaceSpec,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def carry(self, moments: Moments, old: torch.Tensor, new: torch.Tensor, spec: SubspaceSpec) -> Moments:
         # the rows are orthonormal, so the paper's rotation Q[I_old] Q[I_new]^T is a 0/1 partial permutation: a row in
         # both selections keeps its moments (and age), a new one starts at zero
-        m = rotate_selected(m, old, new, spec.dim)
-        v = rotate_selected(v, old, new, spec.dim)
-        if ages is not None:
-            ages = rotate_selected(ages, old, new, 0)
-        return m, v, ages
+        ages = moments.ages
+        return Moments(
+            rotate_selected(moments.m, old, new, spec.dim),
+            rotate_selected(moments.v, old, new, spec.dim),
+            None if ages is None else rotate_selected(ages, old, new, 0),
+        )
 
 
 class DCTBasis(_SelectedRows):
@@ -235,17 +229,9 @@ class PowerBasis(SubspaceBasis):
     def current(self, grad: torch.Tensor, state: dict[str, Any], spec: SubspaceSpec) -> torch.Tensor:
         return state[self.key].to(grad.dtype)
 
-    def carry(
-        self,
-        m: torch.Tensor,
-        v: torch.Tensor,
-        ages: torch.Tensor | None,
-        old: torch.Tensor,
-        new: torch.Tensor,
-        spec: SubspaceSpec,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        m, v = rotate_by_overlap(m, v, old, new, spec.side)
-        return m, v.clamp_min(0), ages
+    def carry(self, moments: Moments, old: torch.Tensor, new: torch.Tensor, spec: SubspaceSpec) -> Moments:
+        m, v = rotate_by_overlap(moments.m, moments.v, old, new, spec.side)
+        return Moments(m, v.clamp_min(0), moments.ages)
 
 
 #: ``projection=`` name -> basis class; the keys are :data:`~.subspace.PROJECTIONS`.

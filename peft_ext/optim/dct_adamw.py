@@ -74,11 +74,9 @@ class DCTAdamW(SubspaceAdamW):
         lr: float = 1e-3,
         rank: int = 128,
         update_proj_gap: int = 1,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        *,
+        *args: Any,
         projection: str = "dct",
         **kwargs: Any,
     ) -> None:
-        super().__init__(params, lr, rank, update_proj_gap, betas, eps, weight_decay, projection=projection, **kwargs)
+        # betas, eps and weight_decay follow positionally, as SubspaceAdamW takes them (and with its defaults)
+        super().__init__(params, lr, rank, update_proj_gap, *args, projection=projection, **kwargs)

@@ -29,13 +29,13 @@ from ..distributed import (
 )
 from ..precision import compute_dtype
 from .adam_math import adam_direction
-from .bases import BASES, SubspaceSpec
+from .bases import BASES, Moments, SubspaceSpec
 from .dct import projection_side
 from .dct_checks import check_group, matches_target, unmatched_targets
 from .dct_state import load_buffer, store_buffer
 from .nonfinite import caller_stacklevel, check_gradients, nonfinite_policy, skipped_steps
 from .saved_state import restore_saved_dtypes
-from .update_rules import UPDATE_RULES
+from .update_rules import UPDATE_RULES, ProjectedStep
 
 __all__ = ["SubspaceAdamW"]
 
@@ -398,7 +398,7 @@ class SubspaceAdamW(Optimizer):
         if old is None or state["step"] % group["update_proj_gap"] == 0:
             matrix, low = basis.select(grad, state, spec)
             if old is not None and group["rotate_moments"]:
-                m, v, ages = basis.carry(m, v, ages, old, state[basis.key], spec)
+                m, v, ages = basis.carry(Moments(m, v, ages), old, state[basis.key], spec)
         else:
             matrix = basis.current(grad, state, spec)
             low = basis.project(grad, matrix, spec)
@@ -417,7 +417,7 @@ class SubspaceAdamW(Optimizer):
         direction = adam_direction(m, v, low, group["betas"], group["eps"], step)
         store_buffer(state, "exp_avg", m, group["moments_8bit"], "dynamic", group, work)
         store_buffer(state, "exp_avg_sq", v, group["moments_8bit"], "udynamic", group, work)
-        update = rule.update(basis, matrix, grad, low, direction, state, spec)
+        update = rule.update(ProjectedStep(basis, matrix, grad, low, direction, state, spec))
         self._apply_update(p, update, -group["lr"] * group["scale"], group["lr"] * group["weight_decay"])
 
     # ------------------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -20,7 +21,30 @@ import torch
 from .bases import SubspaceBasis, SubspaceSpec
 from .subspace import channel_scaled_update, limit_norm_growth
 
-__all__ = ["UPDATE_RULES", "ChannelUpdate", "ProjectedUpdate", "UpdateRule"]
+__all__ = ["UPDATE_RULES", "ChannelUpdate", "ProjectedStep", "ProjectedUpdate", "UpdateRule"]
+
+
+@dataclass(frozen=True)
+class ProjectedStep:
+    """What an :class:`UpdateRule` gets for one projected matrix at one step.
+
+    Args:
+        basis: The matrix's basis kind.
+        matrix: Its current ``(r, n)`` basis (from :meth:`~SubspaceBasis.select` / :meth:`~SubspaceBasis.current`).
+        grad: The full gradient (with the error-feedback residual added, when on).
+        low: ``grad`` projected onto ``matrix``.
+        direction: Adam's direction computed on ``low``.
+        state: The parameter's optimizer state (for rules that keep something, e.g. the last update's norm).
+        spec: The matrix's side, rank and process layout.
+    """
+
+    basis: SubspaceBasis
+    matrix: torch.Tensor
+    grad: torch.Tensor
+    low: torch.Tensor
+    direction: torch.Tensor
+    state: dict[str, Any]
+    spec: SubspaceSpec
 
 
 class UpdateRule(ABC):
@@ -40,27 +64,8 @@ class UpdateRule(ABC):
         return None  # the default accepts every combination
 
     @abstractmethod
-    def update(
-        self,
-        basis: SubspaceBasis,
-        matrix: torch.Tensor,
-        grad: torch.Tensor,
-        low: torch.Tensor,
-        direction: torch.Tensor,
-        state: dict[str, Any],
-        spec: SubspaceSpec,
-    ) -> torch.Tensor:
-        """The update (before ``-lr * scale``) in the full shape.
-
-        Args:
-            basis: The matrix's basis kind.
-            matrix: Its current ``(r, n)`` basis (from :meth:`~SubspaceBasis.select` / :meth:`~SubspaceBasis.current`).
-            grad: The full gradient (with the error-feedback residual added, when on).
-            low: ``grad`` projected onto ``matrix``.
-            direction: Adam's direction computed on ``low``.
-            state: The parameter's optimizer state (for rules that keep something, e.g. the last update's norm).
-            spec: The matrix's side, rank and process layout.
-        """
+    def update(self, step: ProjectedStep) -> torch.Tensor:
+        """The update (before ``-lr * scale``) in the full shape, from one matrix's projected step."""
 
 
 class ProjectedUpdate(UpdateRule):
@@ -68,17 +73,8 @@ class ProjectedUpdate(UpdateRule):
 
     name = "projected"
 
-    def update(
-        self,
-        basis: SubspaceBasis,
-        matrix: torch.Tensor,
-        grad: torch.Tensor,
-        low: torch.Tensor,
-        direction: torch.Tensor,
-        state: dict[str, Any],
-        spec: SubspaceSpec,
-    ) -> torch.Tensor:
-        return basis.project_back(direction, matrix, spec)
+    def update(self, step: ProjectedStep) -> torch.Tensor:
+        return step.basis.project_back(step.direction, step.matrix, step.spec)
 
 
 class ChannelUpdate(UpdateRule):
@@ -107,18 +103,9 @@ class ChannelUpdate(UpdateRule):
                 "gradient, so there is no residual to feed back; turn one of them off"
             )
 
-    def update(
-        self,
-        basis: SubspaceBasis,
-        matrix: torch.Tensor,
-        grad: torch.Tensor,
-        low: torch.Tensor,
-        direction: torch.Tensor,
-        state: dict[str, Any],
-        spec: SubspaceSpec,
-    ) -> torch.Tensor:
-        scaled = channel_scaled_update(grad, low, direction, spec.side)
-        return limit_norm_growth(scaled, state, self.norm_growth_limit, spec.reduce)
+    def update(self, step: ProjectedStep) -> torch.Tensor:
+        scaled = channel_scaled_update(step.grad, step.low, step.direction, step.spec.side)
+        return limit_norm_growth(scaled, step.state, self.norm_growth_limit, step.spec.reduce)
 
 
 #: ``update=`` name -> rule class; the keys are :data:`~.subspace.UPDATES`.
