@@ -59,6 +59,7 @@ import warnings
 from typing import Any, Optional
 
 import torch
+from peft.tuners._buffer_dict import BufferDict
 from peft.tuners.tuners_utils import BaseTunerLayer, _get_in_out_features, check_adapters_to_merge
 from peft.utils import quantization_extra_repr, resolve_quantization_backend
 from torch import nn
@@ -89,9 +90,11 @@ def delta_matmul(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
 class AdapterLayer(BaseTunerLayer):
     """State and hooks of a layer carrying additive adapters of one type (see the module docstring).
 
-    Subclasses set ``method_name``, ``adapter_dict_name``, PEFT's ``adapter_layer_names`` / ``other_param_names``,
-    call ``AdapterLayer.__init__(self, base_layer, **kwargs)`` first in their ``__init__`` and then create their
-    per-adapter dicts, and implement :meth:`adapter_output` and :meth:`get_delta_weight`.
+    Subclasses set ``method_name``, ``adapter_dict_name``, PEFT's ``adapter_layer_names`` / ``other_param_names``
+    (and ``adapter_buffer_names``), call ``AdapterLayer.__init__(self, base_layer, **kwargs)`` first in their
+    ``__init__`` and then create their other per-adapter state, and implement :meth:`adapter_output` and
+    :meth:`get_delta_weight`. ``__init__`` creates an empty ``nn.ParameterDict`` per name of ``adapter_layer_names``
+    and then an empty persistent ``BufferDict`` per name of ``adapter_buffer_names``, in that order.
 
     Args:
         base_layer: The layer to adapt (``nn.Linear`` or a quantized linear layer).
@@ -102,6 +105,9 @@ class AdapterLayer(BaseTunerLayer):
     method_name: str = ""
     #: The per-adapter dict whose keys are the adapters this layer carries, e.g. ``"riemannion_A"``.
     adapter_dict_name: str = ""
+    #: Per-adapter tensors saved with the adapter but not trained, one persistent ``BufferDict`` each (list them in
+    #: ``other_param_names`` too, so PEFT deletes their entries with the adapter).
+    adapter_buffer_names: tuple[str, ...] = ()
 
     def __init__(self, base_layer: nn.Module, **kwargs: Any) -> None:
         self.base_layer = base_layer
@@ -122,6 +128,10 @@ class AdapterLayer(BaseTunerLayer):
         self.out_features = out_features
         #: The base stores its weight ``in x out`` (transformers' ``Conv1D``): see :meth:`get_base_weight`.
         self.fan_in_fan_out = isinstance(self.get_base_layer(), Conv1D)
+        for name in self.adapter_layer_names:
+            setattr(self, name, nn.ParameterDict({}))
+        for name in self.adapter_buffer_names:
+            setattr(self, name, BufferDict({}, persistent=True))
 
     # -- the base weight, out x in ----------------------------------------------------------------------------------
 

@@ -26,7 +26,6 @@ import math
 from typing import Any, Optional
 
 import torch
-from peft.tuners._buffer_dict import BufferDict
 from torch import nn
 
 from ...kernels import rank_pool_gather
@@ -52,14 +51,17 @@ class PCLRLayer(AdapterLayer, RankPoolStore):
     adapter_dict_name = "pclr_A"
 
     adapter_layer_names: tuple[str, ...] = ("pclr_A", "pclr_B", "pclr_keys", "pclr_shared_A", "pclr_shared_B")
-    other_param_names: tuple[str, ...] = (
+    adapter_buffer_names: tuple[str, ...] = (
         "pclr_A_static",
         "pclr_B_static",
         "pclr_keys_static",
         "pclr_rank_task",
         "pclr_counts",
-        "pclr_host_counts",
         "pclr_prototypes",
+    )
+    other_param_names: tuple[str, ...] = (
+        *adapter_buffer_names,
+        "pclr_host_counts",
         "pclr_scale",
         "pclr_top_k",
         "pclr_shared_scale",
@@ -67,18 +69,7 @@ class PCLRLayer(AdapterLayer, RankPoolStore):
     )
 
     def __init__(self, base_layer: nn.Module, **kwargs: Any) -> None:
-        AdapterLayer.__init__(self, base_layer, **kwargs)
-        self.pclr_A = nn.ParameterDict({})
-        self.pclr_B = nn.ParameterDict({})
-        self.pclr_keys = nn.ParameterDict({})
-        self.pclr_shared_A = nn.ParameterDict({})
-        self.pclr_shared_B = nn.ParameterDict({})
-        self.pclr_A_static = BufferDict({}, persistent=True)
-        self.pclr_B_static = BufferDict({}, persistent=True)
-        self.pclr_keys_static = BufferDict({}, persistent=True)
-        self.pclr_rank_task = BufferDict({}, persistent=True)
-        self.pclr_counts = BufferDict({}, persistent=True)
-        self.pclr_prototypes = BufferDict({}, persistent=True)
+        AdapterLayer.__init__(self, base_layer, **kwargs)  # the parameter and buffer dicts named above
         # The counts every forward needs, as python ints: the source of truth (pclr_counts mirrors them for
         # checkpoints and is read back into them on load), so no forward reads a tensor back to the host.
         self.pclr_host_counts: dict[str, list[int]] = {}

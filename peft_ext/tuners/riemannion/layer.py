@@ -49,11 +49,8 @@ class RiemannionLayer(AdapterLayer):
     )
 
     def __init__(self, base_layer: nn.Module, **kwargs: Any) -> None:
-        AdapterLayer.__init__(self, base_layer, **kwargs)
+        AdapterLayer.__init__(self, base_layer, **kwargs)  # riemannion_A, _B, _Z
         self.r: dict[str, int] = {}
-        self.riemannion_A = nn.ParameterDict({})
-        self.riemannion_B = nn.ParameterDict({})
-        self.riemannion_Z = nn.ParameterDict({})
         # Persistent: X0 is part of the adapter, saved and loaded with it (what makes LOI portable).
         self.riemannion_X0_A = BufferDict({}, persistent=True)
         self.riemannion_X0_B = BufferDict({}, persistent=True)
@@ -232,14 +229,10 @@ class RiemannionLayer(AdapterLayer):
 
 
 class Linear(AdapterLinear, RiemannionLayer):
-    """A ``torch.nn.Linear`` (or a bitsandbytes ``Linear8bitLt`` / ``Linear4bit``) with Riemannion adapters.
+    """A ``torch.nn.Linear`` (or a bitsandbytes ``Linear8bitLt`` / ``Linear4bit``) ``base_layer`` with Riemannion
+    adapters, the first one ``adapter_name`` built from ``config``.
 
     Forward dispatch, mixed-adapter batches, merging and ``repr`` come from :class:`AdapterLinear`.
-
-    Args:
-        base_layer: The layer to adapt.
-        adapter_name: Name of the first adapter.
-        config: Its configuration.
     """
 
     def __init__(self, base_layer: nn.Module, adapter_name: str, config: RiemannionConfig, **kwargs: Any) -> None:
