@@ -130,6 +130,7 @@ def generation_scores(
     examples: Sequence[Example],
     collate: Collate,
     device: torch.device,
+    *,
     batch_size: int = 128,
     progress: bool = False,
     desc: str = "eval",
@@ -171,19 +172,14 @@ def generation_scores(
 
 
 def evaluate_generation(
-    model: nn.Module,
-    examples: Sequence[Example],
-    collate: Collate,
-    device: torch.device,
-    batch_size: int = 128,
-    progress: bool = False,
-    desc: str = "eval",
+    model: nn.Module, examples: Sequence[Example], collate: Collate, device: torch.device, **options: Any
 ) -> float:
     """Exact match of greedy generation (KV cache, at most the longest answer plus eos new tokens, or the collate's
     ``max_new_tokens``, stopping at eos) against each example's answer, as a fraction of ``examples``: the
-    ``exact_match`` of :func:`generation_scores`, which takes the same arguments.
+    ``exact_match`` of :func:`generation_scores`, which takes the same arguments (``options``: ``batch_size``,
+    ``progress``, ``desc``).
     """
-    return generation_scores(model, examples, collate, device, batch_size, progress, desc)["exact_match"]
+    return generation_scores(model, examples, collate, device, **options)["exact_match"]
 
 
 def prompt_query(separator_id: int) -> QueryFn:

@@ -280,6 +280,7 @@ def integrate_over_tasks(
     batches: Sequence[Batch],
     teacher: PoolSnapshot,
     adapter: str = "default",
+    *,
     epochs: int = 1,
     lr: float = 1e-3,
     temperature: float = 2.0,

@@ -442,8 +442,9 @@ class PCLRModel(AdapterTuner):
         compress(self, n_drop, adapter=adapter, scores=scores)
         if not integrating:
             return None
-        args = (self, batches, teacher, adapter, settings.integrate_epochs, settings.integrate_lr)
-        args += (settings.temperature, settings.top_logits, forward, mask)
+        options = {"epochs": settings.integrate_epochs, "lr": settings.integrate_lr, "forward": forward, "mask": mask}
+        options |= {"temperature": settings.temperature, "top_logits": settings.top_logits}
         if by_tasks:
-            return integrate_over_tasks(*args, generator=generator, measure=settings.measure_integration)
-        return integrate(*args, measure=settings.measure_integration)
+            options["generator"] = generator
+        distill = integrate_over_tasks if by_tasks else integrate
+        return distill(self, batches, teacher, adapter, measure=settings.measure_integration, **options)
