@@ -55,7 +55,13 @@ from torch import nn
 from benchmarks._lib import machine
 from benchmarks._lib.cache import without, write_json_atomic
 from benchmarks._lib.cli import benchmark_parser, int_options, parse
-from benchmarks._lib.data import eval_loss, fixed_windows, plot_loss_curves, random_windows, state_bytes
+from benchmarks._lib.data import (
+    eval_loss,
+    evaluation_windows,
+    plot_loss_curves,
+    random_windows,
+    state_bytes,
+)
 from benchmarks._lib.tables import markdown_table, mean_sd
 from benchmarks._lib.timing import Interleaved
 from peft_ext import RiemannionConfig
@@ -280,11 +286,7 @@ def main(argv: list[str] | None = None) -> None:
 
     wall = time.perf_counter()
     streams = byte_streams()
-    data = {
-        "train": streams["train"],
-        "val": fixed_windows(streams["val"], args.eval_windows, args.seq),
-        "test": fixed_windows(streams["test"], args.eval_windows, args.seq),
-    }
+    data = evaluation_windows(streams, args.eval_windows, args.seq, val="val", test="test")
     state = pretrained_base(args, streams["pretrain"], None if args.quick else args.cache)
 
     # learning rates: seed 0, every grid point, best final validation loss

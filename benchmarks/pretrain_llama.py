@@ -71,7 +71,13 @@ from torch import nn
 from benchmarks._lib import machine
 from benchmarks._lib.cache import RunCache, without, write_json_atomic
 from benchmarks._lib.cli import benchmark_parser, int_options, parse
-from benchmarks._lib.data import eval_loss, fixed_windows, plot_loss_curves, random_windows, tensor_bytes
+from benchmarks._lib.data import (
+    eval_loss,
+    evaluation_windows,
+    plot_loss_curves,
+    random_windows,
+    tensor_bytes,
+)
 from benchmarks._lib.protocol import Protocol, Study, paired_interval, tune_and_test
 from benchmarks._lib.tables import markdown_table
 from benchmarks._lib.timing import Interleaved
@@ -363,11 +369,7 @@ def main(argv: list[str] | None = None) -> None:
     wall = time.perf_counter()
 
     streams = gloss_streams()
-    data = {
-        "train": streams["train"],
-        "val_windows": fixed_windows(streams["validation"], args.eval_windows, args.seq),
-        "test_windows": fixed_windows(streams["test"], args.eval_windows, args.seq),
-    }
+    data = evaluation_windows(streams, args.eval_windows, args.seq, val_windows="validation", test_windows="test")
     sizes = {k: v.numel() for k, v in streams.items()}
     model = tiny_llama(vocab_size=VOCAB, hidden_size=args.hidden, num_layers=args.layers)
     params = sum(p.numel() for p in model.parameters())

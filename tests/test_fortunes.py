@@ -135,7 +135,7 @@ def test_load_caps_and_arguments():
     assert capped == load_fortunes("train", ["food", "law"], max_per_class=25, seed=0)
     smaller = load_fortunes("train", ["food", "law"], max_per_class=10, seed=0)
     assert {r.id for r in smaller} < {r.id for r in capped}
-    assert {r.id for r in load_fortunes("train", ["food", "law"], 25, seed=1)} != {r.id for r in capped}
+    assert {r.id for r in load_fortunes("train", ["food", "law"], max_per_class=25, seed=1)} != {r.id for r in capped}
     assert isinstance(capped[0], FortuneExample)
     with pytest.raises(ValueError, match=r"Unknown categories \['sport'\]"):
         load_fortunes(categories=["sport"])

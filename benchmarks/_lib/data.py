@@ -64,6 +64,12 @@ def fixed_windows(stream: torch.Tensor, count: int, seq: int) -> torch.Tensor:
 
 
 @torch.no_grad()
+def evaluation_windows(streams: dict[str, torch.Tensor], count: int, seq: int, **keys: str) -> dict[str, Any]:
+    """``{"train": streams["train"], key: fixed_windows(streams[name], count, seq) for key=name in keys}``: the
+    training stream whole and each evaluation stream cut into the same ``count`` windows of ``seq`` tokens."""
+    return {"train": streams["train"], **{key: fixed_windows(streams[name], count, seq) for key, name in keys.items()}}
+
+
 def eval_loss(model: nn.Module, windows: torch.Tensor, batch: int = 32) -> float:
     """Mean next-token loss of ``model`` over ``windows`` (eval mode, then back to train mode)."""
     model.eval()

@@ -20,7 +20,6 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from .shipped import ShippedTexts, hash_split
 from .tasks import TaskSequence
@@ -148,11 +147,13 @@ def class_counts(path: str | os.PathLike[str] | None = None) -> dict[str, dict[s
 def fortunes_task_sequence(
     n_tasks: int = 4,
     classes_per_task: int = 3,
-    *,
-    categories: Sequence[str] | None = None,
+    seed: int = 0,
     train_per_class: int = 60,
     test_per_class: int = 30,
-    **kwargs: Any,
+    protocol: str = "class-incremental",
+    categories: Sequence[str] | None = None,
+    path: str | os.PathLike[str] | None = None,
+    val_per_class: int = 0,
 ) -> TaskSequence:
     """A continual-learning sequence of fortune topic-classification tasks with disjoint classes.
 
@@ -173,14 +174,9 @@ def fortunes_task_sequence(
             instead of a seeded pick.
         train_per_class: Train examples per class.
         test_per_class: Test examples per class.
-        kwargs: ``seed``, ``protocol``, ``path``, ``val_per_class``, as
-            :meth:`~peft_ext.data.shipped.ShippedTexts.task_sequence` takes them.
+        seed, protocol, path, val_per_class: As :meth:`~peft_ext.data.shipped.ShippedTexts.task_sequence` takes
+            them.
     """
     return FORTUNES.task_sequence(
-        n_tasks,
-        classes_per_task,
-        classes=categories,
-        train_per_class=train_per_class,
-        test_per_class=test_per_class,
-        **kwargs,
+        n_tasks, classes_per_task, seed, train_per_class, test_per_class, protocol, categories, path, val_per_class
     )

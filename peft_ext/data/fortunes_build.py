@@ -31,8 +31,16 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from .fortunes import CATEGORIES, COLUMNS, DEFAULT_PATH, FortuneExample, class_counts, read_fortune_file, split_of
-from .shipped import write_xz
+from .fortunes import (
+    CATEGORIES,
+    COLUMNS,
+    DEFAULT_PATH,
+    FORTUNES,
+    FortuneExample,
+    read_fortune_file,
+    split_of,
+)
+from .shipped import source_folder, write_xz
 
 __all__ = ["DEFAULT_FORTUNE_DIR", "build_fortunes", "clean_entry", "parse_fortune_file"]
 
@@ -133,15 +141,8 @@ def build_fortunes(
     Returns:
         The path written.
     """
-    fortune_dir = Path(fortune_dir)
-    out = Path(out_path) if out_path is not None else DEFAULT_PATH
-    missing = [str(fortune_dir / name) for name in CATEGORIES if not (fortune_dir / name).is_file()]
-    if missing:
-        raise FileNotFoundError(
-            f"fortune files not found: {', '.join(missing)}. Pass --fortune-dir pointing at a directory of fortune "
-            f"files, or on Debian/Ubuntu run `apt-get install fortunes` (it installs them in {DEFAULT_FORTUNE_DIR})."
-        )
-    return write_xz(out, _encode_tsv(_records(fortune_dir)))
+    fortune_dir = source_folder(fortune_dir, CATEGORIES, "fortune files", "--fortune-dir", "fortunes")
+    return write_xz(Path(out_path or DEFAULT_PATH), _encode_tsv(_records(fortune_dir)))
 
 
 def installed_version(package: str = SOURCE_PACKAGE) -> str | None:
@@ -158,14 +159,7 @@ def installed_version(package: str = SOURCE_PACKAGE) -> str | None:
 
 def stats_markdown(path: str | os.PathLike[str] | None = None) -> str:
     """The per-category train/test counts of the fortunes file as a Markdown table."""
-    counts = class_counts(path)
-    lines = ["| category | train | test | total |", "|---|---:|---:|---:|"]
-    for name, c in counts.items():
-        lines.append(f"| {name} | {c['train']} | {c['test']} | {c['train'] + c['test']} |")
-    train = sum(c["train"] for c in counts.values())
-    test = sum(c["test"] for c in counts.values())
-    lines.append(f"| **all ({len(counts)} classes)** | {train} | {test} | {train + test} |")
-    return "\n".join(lines)
+    return FORTUNES.stats_markdown("category", path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -64,6 +64,28 @@ def write_xz(out: Path, data: bytes) -> Path:
     return out
 
 
+def source_folder(folder: str | os.PathLike[str], names: Sequence[str], what: str, option: str, package: str) -> Path:
+    """``folder`` as a ``Path`` once every file of ``names`` is in it (a data set's rebuild reads them); otherwise
+    ``FileNotFoundError`` naming the missing files, the builder's ``option`` that points elsewhere and the Debian
+    ``package`` that installs them.
+
+    Args:
+        folder: Where the source files should be.
+        names: Their names.
+        what: What they are, for the message (``"WordNet data files"``).
+        option: The builder's command-line option for another folder (``"--wordnet-dir"``).
+        package: The Debian / Ubuntu package that installs them (``"wordnet-base"``).
+    """
+    folder = Path(folder)
+    missing = [str(folder / name) for name in names if not (folder / name).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"{what} not found: {', '.join(missing)}. Pass {option} pointing at the folder that holds them, or on "
+            f"Debian/Ubuntu run `apt-get install {package}`."
+        )
+    return folder
+
+
 def hash_split(key: str, test_percent: int) -> str:
     """``"test"`` for about ``test_percent`` percent of keys, else ``"train"``: a fixed function of the key.
 
@@ -240,14 +262,23 @@ class ShippedTexts(Generic[R]):
         """``{class: {"train": n, "test": m}}`` for the classes that have records, in the data set's order."""
         return count_by_class(self.read(path), self.class_names, self.label, self.split)
 
+    def stats_markdown(self, column: str, path: str | os.PathLike[str] | None = None) -> str:
+        """The per-class train / test counts as a Markdown table whose first column is headed ``column``."""
+        counts = self.class_counts(path)
+        lines = [f"| {column} | train | test | total |", "|---|---:|---:|---:|"]
+        lines += [f"| {name} | {c['train']} | {c['test']} | {c['train'] + c['test']} |" for name, c in counts.items()]
+        train = sum(c["train"] for c in counts.values())
+        test = sum(c["test"] for c in counts.values())
+        lines.append(f"| **all ({len(counts)} classes)** | {train} | {test} | {train + test} |")
+        return "\n".join(lines)
+
     def task_sequence(
         self,
         n_tasks: int,
         classes_per_task: int,
-        *,
+        seed: int,
         train_per_class: int,
         test_per_class: int,
-        seed: int = 0,
         protocol: str = "class-incremental",
         classes: Sequence[str] | None = None,
         path: str | os.PathLike[str] | None = None,

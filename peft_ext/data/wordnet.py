@@ -16,7 +16,6 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from .shipped import SPLITS, ShippedTexts, hash_split
 from .tasks import TaskSequence
@@ -217,11 +216,13 @@ def class_counts(path: str | os.PathLike[str] | None = None) -> dict[str, dict[s
 def wordnet_task_sequence(
     n_tasks: int = 5,
     classes_per_task: int = 4,
-    *,
-    supersenses: Sequence[str] | None = None,
+    seed: int = 0,
     train_per_class: int = 100,
     test_per_class: int = 40,
-    **kwargs: Any,
+    protocol: str = "class-incremental",
+    supersenses: Sequence[str] | None = None,
+    path: str | os.PathLike[str] | None = None,
+    val_per_class: int = 0,
 ) -> TaskSequence:
     """A continual-learning sequence of WordNet supersense-classification tasks with disjoint classes.
 
@@ -260,14 +261,9 @@ def wordnet_task_sequence(
             instead of a seeded pick.
         train_per_class: Train examples per class.
         test_per_class: Test examples per class.
-        kwargs: ``seed``, ``protocol``, ``path``, ``val_per_class``, as
-            :meth:`~peft_ext.data.shipped.ShippedTexts.task_sequence` takes them.
+        seed, protocol, path, val_per_class: As :meth:`~peft_ext.data.shipped.ShippedTexts.task_sequence` takes
+            them.
     """
     return WORDNET.task_sequence(
-        n_tasks,
-        classes_per_task,
-        classes=supersenses,
-        train_per_class=train_per_class,
-        test_per_class=test_per_class,
-        **kwargs,
+        n_tasks, classes_per_task, seed, train_per_class, test_per_class, protocol, supersenses, path, val_per_class
     )

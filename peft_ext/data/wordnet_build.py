@@ -14,14 +14,14 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from .shipped import write_xz
+from .shipped import source_folder, write_xz
 from .wordnet import (
     COLUMNS,
     DEFAULT_PATH,
     EXAMPLE_SEP,
     LEXNAMES,
+    WORDNET,
     GlossExample,
-    class_counts,
     read_gloss_file,
     split_of,
 )
@@ -165,15 +165,7 @@ def build_wordnet_glosses(
     Returns:
         The path written.
     """
-    wordnet_dir = Path(wordnet_dir)
-    out = Path(out_path) if out_path is not None else DEFAULT_PATH
-    missing = [str(wordnet_dir / name) for name in DATA_FILES if not (wordnet_dir / name).is_file()]
-    if missing:
-        raise FileNotFoundError(
-            f"WordNet data files not found: {', '.join(missing)}. Pass --wordnet-dir pointing at the WordNet 3.0 "
-            f"`dict` directory, or on Debian/Ubuntu run `apt-get install wordnet-base` (it installs them in "
-            f"{DEFAULT_WORDNET_DIR})."
-        )
+    wordnet_dir = source_folder(wordnet_dir, DATA_FILES, "WordNet 3.0 data files", "--wordnet-dir", "wordnet-base")
     records: list[GlossExample] = []
     for name in DATA_FILES:
         # WordNet 3.0 is pure ASCII; latin-1 cannot fail on other bytes, and the parser rejects anything malformed.
@@ -189,18 +181,7 @@ def build_wordnet_glosses(
     dupes = sorted(s for s, n in ids.items() if n > 1)
     if dupes:
         raise ValueError(f"Synset ids repeated in {wordnet_dir}: {dupes[:5]}")
-    return write_xz(out, _encode_tsv(records))
-
-
-def _stats_markdown(path: str | os.PathLike[str] | None = None) -> str:
-    counts = class_counts(path)
-    lines = ["| supersense | train | test | total |", "|---|---:|---:|---:|"]
-    for name, c in counts.items():
-        lines.append(f"| {name} | {c['train']} | {c['test']} | {c['train'] + c['test']} |")
-    train = sum(c["train"] for c in counts.values())
-    test = sum(c["test"] for c in counts.values())
-    lines.append(f"| **all ({len(counts)} classes)** | {train} | {test} | {train + test} |")
-    return "\n".join(lines)
+    return write_xz(Path(out_path or DEFAULT_PATH), _encode_tsv(records))
 
 
 def export_csv(
@@ -271,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             print(f"wrote {args.out} ({rows} rows: text,label)")
         else:
-            print(_stats_markdown(args.path))
+            print(WORDNET.stats_markdown("supersense", args.path))
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
