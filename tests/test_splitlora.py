@@ -781,6 +781,6 @@ def test_modules_fed_the_same_input_share_one_product():
     # batch 1 learns the groups; batches 2 and 3 reuse the leaders' products, in both layers
     assert sorted(shared) == sorted(["k_proj", "v_proj", "up_proj"] * 2 * 2), shared
     for key, layer in layers.items():
-        pending = layer._splitlora_pending["default"]
+        pending = layer.reduced_statistics("default")  # the dense sum mirrored from its lower triangle
         assert int(pending["tokens"]) == 3 * 10, key
         torch.testing.assert_close(pending["cov"].double(), seen[key], rtol=1e-5, atol=1e-5)

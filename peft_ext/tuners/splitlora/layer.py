@@ -15,13 +15,14 @@ from ...precision import is_half
 from ..adapter_layer import AdapterLayer, AdapterLinear
 from .config import SplitLoRAConfig
 from .stats import (
-    accumulate_covariance,
+    accumulate_covariance_lower,
     covariance_spectrum,
     fd_append,
     fd_compress,
     kaiming_lora_A,
     seeded_generator,
     sketch_spectrum,
+    symmetrize_lower_,
 )
 from .task import commit_task, distributed_group, plan_task
 
@@ -245,12 +246,13 @@ class SplitLoRALayer(AdapterLayer):
         Args:
             adapter_name: Name of the adapter.
             rows: Inputs, one token per row, reshaped to ``(N, in_features)``.
-            gram: ``rows^T rows`` already computed (in the adapter dtype) by a module fed the same input; dense
-                statistics add it instead of multiplying again.
+            gram: ``rows^T rows`` already computed (in the adapter dtype, its lower block triangle) by a module fed
+                the same input; dense statistics add it instead of multiplying again.
             keep_gram: Dense statistics: compute ``rows^T rows`` apart, add it and return it (for such modules).
 
         Returns:
-            ``rows^T rows`` when ``keep_gram`` and the statistics are dense, else ``None``.
+            ``rows^T rows`` (lower block triangle, the rest zero) when ``keep_gram`` and the statistics are dense,
+            else ``None``.
         """
         if adapter_name not in self.splitlora_B:
             raise ValueError(f"no SplitLoRA adapter named {adapter_name!r} on {self._splitlora_seed_key!r}")
@@ -266,14 +268,16 @@ class SplitLoRALayer(AdapterLayer):
         # only the running total is float64
         pending["energy"] += rows.square().sum().to(torch.float64)
         if "cov" in pending:
+            # only the lower block triangle is accumulated (half the products); reduced_statistics mirrors it
             if gram is not None:
                 pending["cov"].add_(gram)
             elif keep_gram:
-                gram = rows.T @ rows
+                gram = torch.zeros_like(pending["cov"])
+                accumulate_covariance_lower(gram, rows)
                 pending["cov"].add_(gram)
                 return gram
             else:
-                accumulate_covariance(pending["cov"], rows)
+                accumulate_covariance_lower(pending["cov"], rows)
         else:
             fill, delta = fd_append(pending["sketch"], int(pending["fill"]), rows)
             pending["fill"].fill_(fill)
@@ -281,7 +285,8 @@ class SplitLoRALayer(AdapterLayer):
         return None
 
     def reduced_statistics(self, adapter_name: str, group: Any = None) -> dict[str, torch.Tensor]:
-        """The task in progress's statistics, summed over all processes under ``torch.distributed``; changes nothing.
+        """The task in progress's statistics, summed over all processes under ``torch.distributed``; changes nothing
+        but the dense sum's upper triangle, mirrored from the lower one (the only one accumulated) to the same value.
 
         Every rank must call this for every layer in the same order (it runs collectives). Under
         ``torch.distributed`` the result is a reduced copy, so a refused ``end_task`` can be retried without counting
@@ -294,6 +299,8 @@ class SplitLoRALayer(AdapterLayer):
         pending = self._splitlora_pending.get(adapter_name)
         if pending is None:
             pending = self._new_pending(adapter_name)
+        if "cov" in pending:
+            symmetrize_lower_(pending["cov"])  # accumulated on the lower triangle only; idempotent
         sync, group = distributed_group(group)
         if not sync:
             return pending
