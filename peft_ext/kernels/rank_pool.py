@@ -33,9 +33,11 @@ ran.
 
 from __future__ import annotations
 
+import functools
 from typing import Literal, Optional
 
 import torch
+from torch import Tensor
 
 from .dispatch import fast_rank_pool_kernel
 
@@ -93,31 +95,8 @@ def _as_3d(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return (x.unsqueeze(1), True) if x.dim() == 2 else (x, False)
 
 
-def rank_pool_gather_loop(
-    x: torch.Tensor,
-    A_pool: torch.Tensor,
-    B_pool: torch.Tensor,
-    indices: torch.Tensor,
-    scale: float,
-    gates: Optional[torch.Tensor] = None,
-    *,
-    check_range: bool = True,
-) -> torch.Tensor:
-    """Per-sample loop reference (the oracle): ``y[b] = scale * (x[b] A[:, S_b] diag(g_b)) B[S_b, :]``.
-
-    Args:
-        x: (batch, in) or (batch, tokens, in).
-        A_pool: (in, N).
-        B_pool: (N, out).
-        indices: (batch, K) rank indices per sample.
-        scale: Output scale (PCLR: ``alpha / K``).
-        gates: Optional (batch, K) gate values (0/1 in PCLR); default all ones.
-        check_range: Check the indices' range (a device sync); see :func:`rank_pool_gather`.
-
-    Returns:
-        (batch, out) or (batch, tokens, out), the dtype of ``x``.
-    """
-    _check(x, A_pool, B_pool, indices, gates, check_range)
+def _loop(x: Tensor, A_pool: Tensor, B_pool: Tensor, indices: Tensor, scale: float, gates: Tensor | None) -> Tensor:
+    # the oracle: y[b] = scale * (x[b] A[:, S_b] diag(g_b)) B[S_b, :], one sample at a time
     rows = []
     for b in range(x.shape[0]):
         idx = indices[b].long()
@@ -128,21 +107,7 @@ def rank_pool_gather_loop(
     return torch.stack(rows)
 
 
-def rank_pool_gather_indexed(
-    x: torch.Tensor,
-    A_pool: torch.Tensor,
-    B_pool: torch.Tensor,
-    indices: torch.Tensor,
-    scale: float,
-    gates: Optional[torch.Tensor] = None,
-    *,
-    check_range: bool = True,
-) -> torch.Tensor:
-    """Gather-based reference: copy each sample's ``K`` ranks, then two batched matmuls (BGMV style).
-
-    Args: as :func:`rank_pool_gather_loop`.
-    """
-    _check(x, A_pool, B_pool, indices, gates, check_range)
+def _indexed(x: Tensor, A_pool: Tensor, B_pool: Tensor, indices: Tensor, scale: float, gates: Tensor | None) -> Tensor:
     x3, squeeze = _as_3d(x)
     idx = indices.long()
     # A_pool.mT[idx] reads rows of the (N, in) transpose: when the pool is stored rank-major (PCLR stores A as N x in
@@ -156,22 +121,7 @@ def rank_pool_gather_indexed(
     return y.squeeze(1) if squeeze else y
 
 
-def rank_pool_gather_masked(
-    x: torch.Tensor,
-    A_pool: torch.Tensor,
-    B_pool: torch.Tensor,
-    indices: torch.Tensor,
-    scale: float,
-    gates: Optional[torch.Tensor] = None,
-    *,
-    check_range: bool = True,
-) -> torch.Tensor:
-    """Masked-dense reference: all ``N`` ranks for every sample, weighted by how often (and with which gate) each
-    sample selected them. Exact for 0/1 gates; ``N / K`` times the FLOPs of the gathered version.
-
-    Args: as :func:`rank_pool_gather_loop`.
-    """
-    _check(x, A_pool, B_pool, indices, gates, check_range)
+def _masked(x: Tensor, A_pool: Tensor, B_pool: Tensor, indices: Tensor, scale: float, gates: Tensor | None) -> Tensor:
     x3, squeeze = _as_3d(x)
     weights = torch.zeros(indices.shape[0], A_pool.shape[1], dtype=x.dtype, device=x.device)
     src = torch.ones(indices.shape, dtype=x.dtype, device=x.device) if gates is None else gates.to(x.dtype)
@@ -180,6 +130,9 @@ def rank_pool_gather_masked(
     h = (x3 @ A_pool) * weights.unsqueeze(1)  # (batch, tokens, N)
     y = (h @ B_pool) * scale
     return y.squeeze(1) if squeeze else y
+
+
+_REFERENCES = {"indexed": _indexed, "masked": _masked, "loop": _loop}
 
 
 def choose_reference(tokens: int, n_ranks: int, k: int, width_in: int, width_out: int) -> str:
@@ -239,9 +192,13 @@ def rank_pool_gather(
             return fast.fn(x, A_pool, B_pool, indices, scale, gates)
         tokens = 1 if x.dim() == 2 else x.shape[1]
         method = choose_reference(tokens, A_pool.shape[1], indices.shape[1], A_pool.shape[0], B_pool.shape[1])
-    impl = {
-        "indexed": rank_pool_gather_indexed,
-        "masked": rank_pool_gather_masked,
-        "loop": rank_pool_gather_loop,
-    }[method]
-    return impl(x, A_pool, B_pool, indices, scale, gates, check_range=check_range)
+    _check(x, A_pool, B_pool, indices, gates, check_range)
+    return _REFERENCES[method](x, A_pool, B_pool, indices, scale, gates)
+
+
+#: :func:`rank_pool_gather` forced to one torch reference (same arguments, less ``method``): the per-sample loop
+#: (slow; the oracle of the tests), the gathered copies with two batched matmuls (BGMV style) and the masked dense
+#: pass over all ``N`` ranks. Each checks its inputs as :func:`rank_pool_gather` does.
+rank_pool_gather_loop = functools.partial(rank_pool_gather, method="loop")
+rank_pool_gather_indexed = functools.partial(rank_pool_gather, method="indexed")
+rank_pool_gather_masked = functools.partial(rank_pool_gather, method="masked")

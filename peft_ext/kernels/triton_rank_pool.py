@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 __all__ = ["supports", "triton_rank_pool_gather"]
 
@@ -322,13 +323,8 @@ class _RankPoolGather(torch.autograd.Function):
 
 
 def triton_rank_pool_gather(
-    x: torch.Tensor,
-    A_pool: torch.Tensor,
-    B_pool: torch.Tensor,
-    indices: torch.Tensor,
-    scale: float,
-    gates: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+    x: Tensor, A_pool: Tensor, B_pool: Tensor, indices: Tensor, scale: float, gates: Tensor | None = None
+) -> Tensor:
     """The fused rank-pool gather; same signature and result as :func:`.rank_pool.rank_pool_gather_indexed`.
 
     Differentiable in ``x``, ``A_pool`` and ``B_pool``. Gates are treated as constants (PCLR's are hard 0/1 and its
