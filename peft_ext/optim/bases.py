@@ -121,6 +121,11 @@ class SubspaceBasis(ABC):
         one stored as ``new`` (both as in ``state[self.key]``)."""
 
 
+def _dct_select(grad: torch.Tensor, spec: SubspaceSpec, norm: float, method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~.dct.dct_select` for one matrix's spec: its rank, side and row-shard score reduction."""
+    return dct_select(grad, spec.rank, spec.side, norm=norm, method=method, reduce=spec.reduce)
+
+
 class _SelectedRows(SubspaceBasis):
     """A basis of ``r`` rows picked from a fixed orthonormal ``n x n`` matrix; only their indices are stored."""
 
@@ -170,7 +175,7 @@ class DCTBasis(_SelectedRows):
     label = "DCT"
 
     def _select(self, grad: torch.Tensor, spec: SubspaceSpec) -> tuple[torch.Tensor, torch.Tensor]:
-        return dct_select(grad, spec.rank, spec.side, self.norm, self.dct_method, spec.reduce)
+        return _dct_select(grad, spec, self.norm, self.dct_method)
 
     def rows(self, indices: torch.Tensor, like: torch.Tensor, spec: SubspaceSpec) -> torch.Tensor:
         return dct_matrix(like.shape[spec.dim], like.dtype, like.device).index_select(0, indices)
@@ -215,7 +220,7 @@ class PowerBasis(SubspaceBasis):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         old = state.get(self.key)
         if old is None:
-            indices, _ = dct_select(grad, spec.rank, spec.side, self.norm, self.dct_method, spec.reduce)
+            indices, _ = _dct_select(grad, spec, self.norm, self.dct_method)
             start = dct_matrix(grad.shape[spec.dim], grad.dtype, grad.device).index_select(0, indices)
             new = power_refresh(grad, start.to(torch.float32), spec.side, spec.reduce)
         else:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -273,12 +273,7 @@ def dct_scores(
 
 
 def dct_select(
-    grad: torch.Tensor,
-    rank: int,
-    side: str | None = None,
-    norm: float = 1.0,
-    method: str = "auto",
-    reduce: ScoreReduce | None = None,
+    grad: torch.Tensor, rank: int, side: str | None = None, **scoring: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick the ``rank`` DCT basis vectors that score highest on ``grad``; also return ``grad`` projected onto them.
 
@@ -286,10 +281,8 @@ def dct_select(
         grad: The ``(R, C)`` gradient.
         rank: How many basis vectors to keep, ``1 <= rank <= n`` (``n`` = the projected dimension).
         side: Projection side (default: :func:`projection_side`).
-        norm: Score norm (see :func:`dct_scores`); the paper uses L1, which favours directions where many rows
-            (columns) agree over a single large entry.
-        method: DCT implementation, see :func:`dct2`.
-        reduce: Combines partial scores of a row shard over processes; see :func:`dct_scores`.
+        scoring: ``norm``, ``method`` and ``reduce``, as :func:`dct_scores` takes them (the paper's L1 norm, the
+            default, favours directions where many rows (columns) agree over a single large entry).
 
     Returns:
         ``(indices, low_rank)``: ``indices`` (int64, length ``rank``) sorted ascending, so two selections can be
@@ -297,7 +290,7 @@ def dct_select(
         ``Q[I] G`` (left), read straight from the transform (no second product).
     """
     side = projection_side(grad.shape) if side is None else side
-    coeffs, scores = dct_scores(grad, side, norm, method, reduce)
+    coeffs, scores = dct_scores(grad, side, **scoring)
     n = scores.numel()
     if isinstance(rank, bool) or not isinstance(rank, int):
         raise TypeError(f"`rank` must be an int, got {type(rank).__name__} {rank!r}")
