@@ -41,6 +41,13 @@ class Moments(NamedTuple):
     ages: torch.Tensor | None
 
 
+def refuse_options(group: dict[str, Any], refuses: dict[str, str]) -> None:
+    """Raise ``ValueError`` when ``group`` turns on an option of ``refuses`` (``{option: why}``), saying why."""
+    for option, why in refuses.items():
+        if group[option]:
+            raise ValueError(f"`{option}=True` {why}")
+
+
 @dataclass(frozen=True)
 class SubspaceSpec:
     """Where one projected matrix's subspace lives, as far as a basis needs to know.
@@ -88,10 +95,13 @@ class SubspaceBasis(ABC):
         """The basis configured by a param group's ``selection_norm`` and ``dct_method``."""
         return cls(group["selection_norm"], group["dct_method"])
 
+    #: Options this basis cannot honour, ``{option: why}``: :meth:`check_options` refuses a group that turns one on.
+    refuses: ClassVar[dict[str, str]] = {}
+
     @classmethod
     def check_options(cls, group: dict[str, Any]) -> None:
-        """Raise ``ValueError`` for a param group's options this basis cannot honour (none by default)."""
-        return None  # the default accepts every combination
+        """Raise ``ValueError`` for a param group's options this basis cannot honour (:attr:`refuses`)."""
+        refuse_options(group, cls.refuses)
 
     @abstractmethod
     def select(
@@ -207,13 +217,10 @@ class PowerBasis(SubspaceBasis):
     label = "power-iteration"
     key = "basis"
 
-    @classmethod
-    def check_options(cls, group: dict[str, Any]) -> None:
-        if group["column_bias_correction"]:
-            raise ValueError(
-                "`column_bias_correction=True` ages individual DCT columns; projection='power' rotates the whole "
-                "basis, so there are no columns to age: turn it off"
-            )
+    refuses: ClassVar[dict[str, str]] = {
+        "column_bias_correction": "ages individual DCT columns; projection='power' rotates the whole basis, so there "
+        "are no columns to age: turn it off"
+    }
 
     def select(
         self, grad: torch.Tensor, state: dict[str, Any], spec: SubspaceSpec

@@ -23,13 +23,10 @@ Against GaLore (the usual alternative), what changes for a user:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
-import torch
-
 from .dct_checks import NONFINITE_POLICIES, matches_target
-from .subspace_adamw import SubspaceAdamW
+from .subspace_adamw import Params, SubspaceAdamW
 
 __all__ = ["NONFINITE_POLICIES", "DCTAdamW", "SubspaceAdamW", "matches_target"]
 
@@ -69,14 +66,8 @@ class DCTAdamW(SubspaceAdamW):
     """
 
     def __init__(
-        self,
-        params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[dict[str, Any]],
-        lr: float = 1e-3,
-        rank: int = 128,
-        update_proj_gap: int = 1,
-        *args: Any,
-        projection: str = "dct",
-        **kwargs: Any,
+        self, params: Params, lr: float = 1e-3, rank: int = 128, update_proj_gap: int = 1, *args: Any, **kwargs: Any
     ) -> None:
-        # betas, eps and weight_decay follow positionally, as SubspaceAdamW takes them (and with its defaults)
-        super().__init__(params, lr, rank, update_proj_gap, *args, projection=projection, **kwargs)
+        # betas, eps and weight_decay follow positionally, as SubspaceAdamW takes them (and with its defaults); the
+        # preset's projection is "dct" unless a keyword says otherwise
+        super().__init__(params, lr, rank, update_proj_gap, *args, **{"projection": "dct", **kwargs})

@@ -39,6 +39,10 @@ from .update_rules import UPDATE_RULES, ProjectedStep
 
 __all__ = ["SubspaceAdamW"]
 
+#: What the optimizers take as ``params``: tensors, ``(name, tensor)`` pairs (names enable ``target_modules``) or
+#: param-group dicts.
+Params = Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[dict[str, Any]]
+
 
 class SubspaceAdamW(Optimizer):
     """AdamW with low-rank moments in an SVD-free subspace per projected matrix; by default a power-iteration basis.
@@ -148,7 +152,7 @@ class SubspaceAdamW(Optimizer):
 
     def __init__(
         self,
-        params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Iterable[dict[str, Any]],
+        params: Params,
         lr: float = 1e-3,
         rank: int = 128,
         update_proj_gap: int = 50,

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from .bases import SubspaceBasis, SubspaceSpec
+from .bases import SubspaceBasis, SubspaceSpec, refuse_options
 from .subspace import channel_scaled_update, limit_norm_growth
 
 __all__ = ["UPDATE_RULES", "ChannelUpdate", "ProjectedStep", "ProjectedUpdate", "UpdateRule"]
@@ -58,10 +58,13 @@ class UpdateRule(ABC):
         """The rule configured by a param group."""
         return cls()
 
+    #: Options this rule cannot honour, ``{option: why}``: :meth:`check_options` refuses a group that turns one on.
+    refuses: ClassVar[dict[str, str]] = {}
+
     @classmethod
     def check_options(cls, group: dict[str, Any]) -> None:
-        """Raise ``ValueError`` for a param group's options this rule cannot honour (none by default)."""
-        return None  # the default accepts every combination
+        """Raise ``ValueError`` for a param group's options this rule cannot honour (:attr:`refuses`)."""
+        refuse_options(group, cls.refuses)
 
     @abstractmethod
     def update(self, step: ProjectedStep) -> torch.Tensor:
@@ -95,13 +98,10 @@ class ChannelUpdate(UpdateRule):
     def from_group(cls, group: dict[str, Any]) -> UpdateRule:
         return cls(group.get("norm_growth_limit"))
 
-    @classmethod
-    def check_options(cls, group: dict[str, Any]) -> None:
-        if group["error_feedback"]:
-            raise ValueError(
-                "`error_feedback=True` with update='channel': the channel-scaled update already uses the whole "
-                "gradient, so there is no residual to feed back; turn one of them off"
-            )
+    refuses: ClassVar[dict[str, str]] = {
+        "error_feedback": "with update='channel': the channel-scaled update already uses the whole gradient, so "
+        "there is no residual to feed back; turn one of them off"
+    }
 
     def update(self, step: ProjectedStep) -> torch.Tensor:
         scaled = channel_scaled_update(step.grad, step.low, step.direction, step.spec.side)
