@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from peft_ext.continual.report import published_table
 from peft_ext_cli import main
@@ -120,3 +121,77 @@ def test_an_interrupted_tuning_resumes_from_the_finished_grid_points(tmp_path, b
     assert grid_runs == [] and "seq_lora: lr 0.0001 chosen on validation" in capsys.readouterr().out
     row = json.loads((out / "results.json").read_text())["results"][0]
     assert row["extras"]["tuning"]["lr"] == 1e-4
+
+
+def test_one_method_setting_is_tuned_at_the_chosen_lr_for_the_test_run(tmp_path, backbone, monkeypatch, capsys):
+    """``tune.settings``: SplitLoRA's trade-off tried at its chosen lr (the configured value is the lr grid's run),
+    the best value used for the test run, reported, cached for --resume; a method without a setting is unchanged."""
+    from peft_ext.jobs import tuning
+
+    seen = []
+    original = tuning.run_sequence
+
+    def spy(sequence, method, *args, **kwargs):
+        options = method.options
+        seen.append((method.name, options.lr, getattr(getattr(options, "adapter", None), "trade_off", None)))
+        return original(sequence, method, *args, **kwargs)
+
+    monkeypatch.setattr(tuning, "run_sequence", spy)
+    cfg = _cfg(tmp_path, backbone)
+    data = yaml.safe_load(cfg.read_text())
+    data["tune"]["settings"] = {"splitlora": {"adapter.trade_off": [20.0, 2.0]}}
+    cfg.write_text(yaml.safe_dump(data))
+    assert main(["run", str(cfg), "--no-progress", "--tune"]) == 0
+    out = capsys.readouterr().out
+    results = {r["label"]: r for r in json.loads((tmp_path / "out" / "results.json").read_text())["results"]}
+    split = results["splitlora"]["extras"]["tuning"]
+    # the lr grid at the configured trade-off (20), then one more run: trade-off 2 at the chosen lr
+    assert [s for s in seen if s[0] == "splitlora"] == [
+        ("splitlora", 1e-4, 20.0),
+        ("splitlora", 1e-2, 20.0),
+        ("splitlora", split["lr"], 2.0),
+    ]
+    setting = split["setting"]
+    assert setting["key"] == "adapter.trade_off" and list(setting["validation"]) == ["20.0", "2.0"]
+    assert setting["validation"]["20.0"] == split["validation"][f"{split['lr']:g}"]
+    best = max(setting["validation"].values())
+    assert setting["value"] == (20.0 if setting["validation"]["20.0"] == best else 2.0)
+    assert f"splitlora: adapter.trade_off {json.dumps(setting['value'])} chosen at lr {split['lr']:g}" in out
+    assert "setting" not in results["seq_lora"]["extras"]["tuning"]
+    report = (tmp_path / "out" / "results.md").read_text()
+    assert (
+        f"`adapter.trade_off` {json.dumps(setting['value'])} (20.0: " in report and "| seq_lora | sequence |" in report
+    )
+    # the options of the test run carry the chosen value
+    entry = next(
+        e
+        for e in __import__("peft_ext.continual.config", fromlist=["x"]).load_config(cfg).methods
+        if e.name == "splitlora"
+    )
+    assert tuning.tuned_options(entry, split).adapter.trade_off == setting["value"]
+    assert tuning.tuned_options(entry, split).lr == split["lr"]
+    # --resume trains no grid point again
+    seen.clear()
+    monkeypatch.setattr(tuning, "run_sequence", lambda *a, **k: pytest.fail("grid re-run"))
+    assert main(["run", str(cfg), "--no-progress", "--tune", "--resume"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"nope": {"lr": [1.0]}}, "tune.settings"),
+        ({"splitlora": {"adapter.trade_of": [2.0]}}, "unknown key `adapter.trade_of` (did you mean `trade_off`?)"),
+        ({"splitlora": {"adapter.trade_off": [-1.0]}}, "`adapter.trade_off: -1.0`"),
+        ({"splitlora": {"adapter.trade_off": [2.0], "adapter.r": [4]}}, "exactly one setting"),
+        ({"splitlora": {"adapter.trade_off": [2.0, 2.0]}}, "lists a value twice"),
+        ({"splitlora": {"adapter.trade_off": []}}, "at least one value"),
+    ],
+)
+def test_a_bad_tuned_setting_is_refused_before_training(tmp_path, backbone, capsys, settings, message):
+    cfg = _cfg(tmp_path, backbone)
+    data = yaml.safe_load(cfg.read_text())
+    data["tune"]["settings"] = settings
+    cfg.write_text(yaml.safe_dump(data))
+    assert main(["run", str(cfg), "--no-progress", "--tune"]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out" / "tuning.json").exists()

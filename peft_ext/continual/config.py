@@ -6,6 +6,7 @@ one :class:`ConfigError` that names the key (``train.epochs``) and says what wou
 
 from __future__ import annotations
 
+import dataclasses
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -197,11 +198,16 @@ class TuneSection:
             ``first_task``: each grid point trains and scores the first task only (what a continual learner could
             really do before the sequence goes on).
         lr_factors: The grid: each method's ``lr`` times each factor (default half a decade each way).
+        settings: At most one method-specific setting per method, tried at the chosen ``lr``: ``{method: {key:
+            [values]}}``, the method by its label (or name) and the key a dotted path into its options
+            (``adapter.trade_off`` for SplitLoRA, ``adapter.compress_schedule`` for PCLR's schedule). The configured
+            value is the lr grid's own run; every other value costs one run.
     """
 
     enabled: bool = False
     protocol: str = "sequence"
     lr_factors: list[float] = field(default_factory=lambda: [0.316, 1.0, 3.16])
+    settings: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.protocol not in TUNE_PROTOCOLS:
@@ -210,6 +216,16 @@ class TuneSection:
             raise ValueError(f"`lr_factors` must be a non-empty list of numbers > 0, got {self.lr_factors}")
         if len(set(self.lr_factors)) != len(self.lr_factors):
             raise ValueError(f"`lr_factors` lists a factor twice: {self.lr_factors}")
+        for method, setting in self.settings.items():
+            if len(setting) != 1:
+                raise ValueError(
+                    f"`settings.{method}` must name exactly one setting (at most one per method), got {list(setting)}"
+                )
+            ((key, values),) = setting.items()
+            if not values:
+                raise ValueError(f"`settings.{method}.{key}` must list at least one value")
+            if any(values.count(v) > 1 for v in values):
+                raise ValueError(f"`settings.{method}.{key}` lists a value twice: {values}")
 
 
 @dataclass
@@ -262,6 +278,48 @@ def _build_method(data: Any, index: int) -> MethodEntry:
     return MethodEntry(name=cls.name, options=build_section(cls.options_cls, data, prefix, skip=("name",)))
 
 
+def with_setting(options: Any, key: str, value: Any, prefix: str = "") -> Any:
+    """A copy of ``options`` with the dotted ``key`` (``adapter.trade_off``) set to ``value``; nested dataclasses
+    (an adapter config) are copied with :func:`dataclasses.replace`, so their own checks run, and the method's
+    options are validated again.
+
+    Raises:
+        ConfigError: ``key`` names no option (with the valid ones), or ``value`` is not valid for it.
+    """
+    head, _, rest = key.partition(".")
+    names = [f.name for f in dataclasses.fields(options) if f.init]
+    if head not in names:
+        raise unknown_key(head, prefix, names)
+    current = getattr(options, head)
+    if rest and not dataclasses.is_dataclass(current):
+        raise ConfigError(f"`{prefix}{head}` is a {type(current).__name__}, not a section with a `{rest}`")
+    # a ConfigError from below names its whole key
+    inner = with_setting(current, rest, value, f"{prefix}{head}.") if rest else value
+    try:
+        new = dataclasses.replace(options, **{head: inner})
+        if hasattr(new, "validate"):
+            new.validate()
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"`{prefix}{key}: {value!r}`: {err}") from None
+    return new
+
+
+def _check_tuned_settings(tune: TuneSection, entries: list[MethodEntry]) -> None:
+    """Each ``tune.settings`` method is one of the run's (by label or name) and each value applies to its options."""
+    labels = [e.options.label or e.name for e in entries]
+    for method, setting in tune.settings.items():
+        matching = [e for e, label in zip(entries, labels) if method in (label, e.name)]
+        if not matching:
+            raise unknown_value("tune.settings", method, labels)
+        ((key, values),) = setting.items()
+        for entry in matching:
+            for value in values:
+                try:
+                    with_setting(entry.options, key, value)
+                except ConfigError as err:
+                    raise ConfigError(f"`tune.settings.{method}`: {err}") from None
+
+
 def config_from_dict(data: Any) -> RunConfig:
     """Validate a parsed YAML document and build a :class:`RunConfig`."""
     if not isinstance(data, dict):
@@ -296,6 +354,7 @@ def config_from_dict(data: Any) -> RunConfig:
     dup = {x for x in labels if labels.count(x) > 1}
     if dup:
         raise ConfigError(f"`methods` has two entries labelled {sorted(dup)[0]!r}; give them distinct `label`s")
+    _check_tuned_settings(built["tune"], entries)
     return RunConfig(name=name, methods=entries, **built)
 
 

@@ -28,6 +28,8 @@ def _type_name(tp: Any) -> str:
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is list:
         return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return f"mapping of {_type_name(typing.get_args(tp)[1])}"
     return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
@@ -46,6 +48,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if value not in typing.get_args(tp):
             raise ConfigError(f"`{key}` must be one of {list(typing.get_args(tp))}, got {value!r}")
         return value
+    if tp is Any:
+        return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"`{key}` must be a {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        key_type, item = typing.get_args(tp)
+        return {_coerce(k, key_type, key): _coerce(v, item, f"{key}.{k}") for k, v in value.items()}
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"`{key}` must be a {_type_name(tp)}, got {type(value).__name__} {value!r}")

@@ -63,11 +63,22 @@ def tuning_table(results: Sequence[MethodResult]) -> str:
     tuned = [(r, r.extras["tuning"]) for r in results if isinstance(r.extras.get("tuning"), dict)]
     if not tuned:
         return ""
-    lines = ["| method | protocol | chosen lr | validation acc per lr |", "|---|---|---:|---|"]
+    settings = any("setting" in tuning for _, tuning in tuned)
+    head = ["method", "protocol", "chosen lr", "validation acc per lr"]
+    head += ["setting tuned at the chosen lr: chosen (validation acc per value)"] if settings else []
+    lines = ["| " + " | ".join(head) + " |", "|---|---|---:|---|" + ("---|" if settings else "")]
     for r, tuning in tuned:
         grid = sorted(tuning["validation"].items(), key=lambda kv: float(kv[0]))
         scores = ", ".join(f"{float(lr):.3g}: {_pct(acc)}" for lr, acc in grid)
-        lines.append(f"| {r.label} | {tuning['protocol']} | {float(tuning['lr']):.3g} | {scores} |")
+        cells = [r.label, tuning["protocol"], f"{float(tuning['lr']):.3g}", scores]
+        if settings:
+            setting = tuning.get("setting")
+            if setting is None:
+                cells.append("—")
+            else:
+                values = ", ".join(f"{v}: {_pct(acc)}" for v, acc in setting["validation"].items())
+                cells.append(f"`{setting['key']}` {json.dumps(setting['value'])} ({values})")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

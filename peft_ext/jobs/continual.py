@@ -324,10 +324,10 @@ def run_job(
                     )
                 tuned = None
                 if config.tune.enabled:
-                    from .tuning import tune_methods
+                    from .tuning import tune_methods, tuned_options
 
                     tuned = tune_methods(config, [entry], sequence, base, collate, fingerprint, echo)[label]
-                    method = get_continual_method(entry.name)(dataclasses.replace(entry.options, lr=tuned["lr"]))
+                    method = get_continual_method(entry.name)(tuned_options(entry, tuned))
                 result = run_sequence(sequence, method, base, collate, config.train, progress=progress)
                 if tuned is not None:
                     result.extras["tuning"] = tuned

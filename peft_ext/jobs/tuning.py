@@ -19,14 +19,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..continual.config import ConfigError, MethodEntry, RunConfig
+from ..continual.config import ConfigError, MethodEntry, RunConfig, with_setting
 from ..continual.methods import get_continual_method
 from ..continual.progress import write_json_atomic
 from ..continual.runner import run_sequence
 from ..data.tasks import TaskSequence
 from ..distributed import on_rank_zero
 
-__all__ = ["TUNING_FILE", "tune_methods", "validation_sequence"]
+__all__ = ["TUNING_FILE", "tune_methods", "tuned_options", "validation_sequence"]
 
 TUNING_FILE = "tuning.json"
 
@@ -87,25 +87,66 @@ def tune_methods(
     train = dataclasses.replace(config.train, progress=False)
     tuned: dict[str, dict[str, Any]] = {}
     described = "the whole sequence" if tune.protocol == "sequence" else "the first task"
-    for entry in entries:
-        method_cls = get_continual_method(entry.name)
-        label = method_cls(entry.options).label
+
+    def score(label: str, key: str, options: Any) -> float:
+        """The validation score of one grid point, trained once (and written at once) or read from the cache."""
         scores: dict[str, float] = cache.setdefault(label, {})
+        if key not in scores:
+            method = get_continual_method(entry.name)(options)
+            scores[key] = run_sequence(val, method, base, collate, train).metrics["final_acc"]
+            saved = {"config_hash": fingerprint, "protocol": tune.protocol, "scores": cache}
+            on_rank_zero(lambda: write_json_atomic(saved, path))
+        return scores[key]
+
+    for entry in entries:
+        label = get_continual_method(entry.name)(entry.options).label
         lrs = _grid(entry, tune.lr_factors)
-        for lr in lrs:
-            key = f"{lr:g}"
-            if key not in scores:
-                method = method_cls(dataclasses.replace(entry.options, lr=lr))
-                result = run_sequence(val, method, base, collate, train)
-                scores[key] = result.metrics["final_acc"]
-                on_rank_zero(
-                    lambda: write_json_atomic(
-                        {"config_hash": fingerprint, "protocol": tune.protocol, "scores": cache}, path
-                    )
-                )
-        grid = {lr: scores[f"{lr:g}"] for lr in lrs}  # in grid order, whatever order tuning.json holds
+        grid = {lr: score(label, f"{lr:g}", dataclasses.replace(entry.options, lr=lr)) for lr in lrs}
         chosen = max(grid, key=lambda lr: (grid[lr], -lrs.index(lr)))
         tuned[label] = {"protocol": tune.protocol, "validation": {f"{k:g}": v for k, v in grid.items()}, "lr": chosen}
         cells = ", ".join(f"{k:g}: {100 * v:.1f}" for k, v in grid.items())
         echo(f"  {label}: lr {chosen:g} chosen on validation ({described}; lr: val acc % {{{cells}}})")
+        setting = tune.settings.get(label, tune.settings.get(entry.name))
+        if setting:
+            tuned[label]["setting"] = _tune_setting(entry, setting, chosen, grid[chosen], label, score, echo)
     return tuned
+
+
+def _tune_setting(
+    entry: MethodEntry,
+    setting: dict[str, list[Any]],
+    lr: float,
+    at_configured: float,
+    label: str,
+    score: Callable[[str, str, Any], float],
+    echo: Callable[[str], Any],
+) -> dict[str, Any]:
+    """Each value of the method's one tuned setting at the chosen ``lr`` (the configured value's score is the lr
+    grid's); returns ``{"key", "validation": {value: score}, "value"}`` with the first best value in the listed
+    order, the configured value first on a tie."""
+    ((key, values),) = setting.items()
+    base = dataclasses.replace(entry.options, lr=lr)
+    configured = _get(base, key)
+    grid = {json.dumps(configured): at_configured}
+    for value in values:
+        if value != configured:
+            name = json.dumps(value)
+            grid[name] = score(f"{label}|{key}", f"{name}@{lr:g}", with_setting(base, key, value))
+    order = list(grid)
+    chosen = max(order, key=lambda v: (grid[v], -order.index(v)))  # the first best; the configured value first
+    cells = ", ".join(f"{v}: {100 * s:.1f}" for v, s in grid.items())
+    echo(f"  {label}: {key} {chosen} chosen at lr {lr:g} (configured {order[0]}; val acc % {{{cells}}})")
+    return {"key": key, "validation": grid, "value": json.loads(chosen)}
+
+
+def _get(options: Any, key: str) -> Any:
+    for part in key.split("."):
+        options = getattr(options, part)
+    return options
+
+
+def tuned_options(entry: MethodEntry, tuned: dict[str, Any]) -> Any:
+    """``entry``'s options with what tuning chose: its ``lr`` and, when one was tuned, its method setting."""
+    options = dataclasses.replace(entry.options, lr=tuned["lr"])
+    setting = tuned.get("setting")
+    return with_setting(options, setting["key"], setting["value"]) if setting else options
