@@ -75,6 +75,41 @@ ENTRIES: tuple[Entry, ...] = (
         "settings, so a rerun costs only what is missing (`--tasks 10` runs the 10 x 2 sequence).",
     ),
     Entry(
+        "continual_fortunes",
+        "Continual learning on a second data set: fortunes (MiniLM-L6)",
+        (
+            "benchmarks.continual_wordnet",
+            "--dataset",
+            "fortunes",
+            "--tasks",
+            "4",
+            "--train-per-class",
+            "40",
+            "--val-per-class",
+            "20",
+            "--test-per-class",
+            "30",
+            "--max-length",
+            "64",
+            "--methods",
+            "seq_lora",
+            "inflora",
+            "splitlora",
+            "pclr",
+            "joint",
+            "--seeds",
+            "0",
+            "1",
+            "2",
+            "--resume",
+        ),
+        65,
+        "The same protocol on twelve topics of Debian's `fortunes` (4 tasks x 3 topics, 40 train / 20 validation / 30 "
+        "test per class, 64 tokens): seq_lora, InfLoRA-style, SplitLoRA, PCLR and joint training, each method's "
+        "learning rate chosen on the validation split of seed 0, then the test split of 3 seeds (class draws and "
+        "orders). The grid centres are the WordNet run's, so the two tables compare the same settings.",
+    ),
+    Entry(
         "riemannion",
         "Riemannion against LoRA optimizers (WordNet, MiniLM-L6, one task)",
         (
