@@ -18,7 +18,7 @@ from peft_ext.manifolds import FixedRankPoint, ortho_dense, proju_dense, retr_de
 from peft_ext.models import tiny_bert
 from peft_ext.optim import OPTIMIZERS, Riemannion, RiemannLoRA, create_riemannion_optimizer
 from peft_ext.optim.adam_math import adamw_update
-from peft_ext.optim.riemannion_math import riemannion_update
+from peft_ext.optim.riemannion_math import riemannion_update, riemannion_update_reference
 from peft_ext.tuners.riemannion import find_adapters
 
 from .allocations import assert_no_allocation_of, record_allocations
@@ -94,9 +94,10 @@ def _dense_reference(A, B, grads, *, lr, beta, nesterov, wd, ortho):
     return out
 
 
+@pytest.mark.parametrize("update", [riemannion_update, riemannion_update_reference], ids=["factored", "reference"])
 @pytest.mark.parametrize("ortho", [True, False], ids=["riemannion", "riemannlora"])
 @pytest.mark.parametrize("nesterov", [False, True])
-def test_update_equals_the_dense_algorithm(ortho, nesterov):
+def test_update_equals_the_dense_algorithm(update, ortho, nesterov):
     g = torch.Generator().manual_seed(0)
     m, n, r = 11, 8, 3
     A = torch.linalg.qr(torch.randn(m, r, generator=g, dtype=F64)).Q
@@ -106,7 +107,7 @@ def test_update_equals_the_dense_algorithm(ortho, nesterov):
     expected = _dense_reference(A, B, grads, ortho=ortho, **kwargs)
     point, momentum = FixedRankPoint.from_factors(A, B), None
     for G, X in zip(grads, expected):
-        point, momentum = riemannion_update(
+        point, momentum = update(
             point,
             G @ point.B_R,
             G.T @ point.A,
@@ -118,6 +119,30 @@ def test_update_equals_the_dense_algorithm(ortho, nesterov):
             orthogonalize_step=ortho,
         )
         torch.testing.assert_close(to_dense(point), X)
+
+
+@pytest.mark.parametrize("shape", [(40, 30, 4), (6, 30, 4), (40, 5, 4)], ids=["tall", "m<2r", "n<2r"])
+@pytest.mark.parametrize("options", [{}, {"nesterov": True}, {"orthogonalize_step": False}, {"weight_decay": 0.5}])
+def test_factored_update_equals_the_reference_on_a_float32_stack(shape, options):
+    """The shared-basis step (riemannion_update) against the composition of the geometry's functions, on a stack of
+    3 adapters: with and without momentum, a zero gradient, and factors too narrow for 2r independent columns."""
+    m, n, r = shape
+    g = torch.Generator().manual_seed(0)
+    A = torch.linalg.qr(torch.randn(3, m, r, generator=g)).Q
+    point = FixedRankPoint.from_factors(A, torch.randn(3, n, r, generator=g) * 0.1)
+    momentum = riemannion_update_reference(
+        point, torch.randn(3, m, r, generator=g), torch.randn(3, n, r, generator=g), None, lr=0.0, beta=0.9
+    )[1]
+    for grad_scale, buf in ((1.0, None), (1.0, momentum), (0.0, momentum), (0.0, None)):
+        grads = (torch.randn(3, m, r, generator=g) * grad_scale, torch.randn(3, n, r, generator=g) * grad_scale)
+        kwargs = {"lr": 0.03, "beta": 0.9, **options}
+        new, moved = riemannion_update(point, *grads, buf, **kwargs)
+        want, want_moved = riemannion_update_reference(point, *grads, buf, **kwargs)
+        torch.testing.assert_close(to_dense(new), to_dense(want), rtol=0, atol=1e-6)
+        torch.testing.assert_close(new.A.mT @ new.A, torch.eye(r).expand(3, r, r), rtol=0, atol=1e-5)
+        torch.testing.assert_close(new.B_R, fixed_rank.right_basis(new.B))
+        dense = fixed_rank.tangent_to_dense
+        torch.testing.assert_close(dense(new, moved), dense(want, want_moved), rtol=0, atol=1e-5)
 
 
 # -- manifold invariants ----------------------------------------------------------------------------------------

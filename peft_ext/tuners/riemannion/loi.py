@@ -8,8 +8,11 @@ Riemannian gradient is the best rank-2r approximation of G.
 Only the top 2r singular vectors of G are needed, and G itself is never formed: :func:`backprop_rsvd` runs Halko's
 randomized range finder with power iterations where every product with G comes from a backward pass. A zero probe
 ``Zp`` added to the layer's output as ``Zp (N^T x)`` has gradient ``dL/dZp = G N``; added as ``M (Zp^T x)`` it has
-gradient ``G^T M``. All layers are probed at once, so the whole model costs ``2 (q + 1)`` passes (forward + backward)
-over the calibration batches, with every weight frozen (no weight gradient, of any size, is computed).
+gradient ``G^T M``. All layers are probed at once, so the whole model costs ``2 (q + 1)`` products, with every weight
+frozen (no weight gradient, of any size, is computed). Only the first is a pass (forward + backward) over the
+calibration batches: it records each layer's input and output gradient, which every later pass would see again
+unchanged, and the later products replay the probes on the recording (bit for bit a pass's result; a memory budget,
+``max_cached_bytes``, falls back to passes).
 
 Unlike LoRA-GA (which forms G, rewrites ``W <- W - X0`` and so needs a full-precision base and special saving), the
 initial point stays inside the adapter (``riemannion_X0_A/B``): the base weight is untouched, a 4-bit base works, and
@@ -18,9 +21,11 @@ the adapter saves and loads like any other.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -94,7 +99,8 @@ class LoiResult:
 
     Args:
         singular_values: Per adapted layer, the estimated top-2r singular values of its weight gradient.
-        passes: Forward + backward passes over the calibration batches (``2 (q + 1)``).
+        passes: Forward + backward passes of the model over the calibration batches: 1 when the first pass's
+            recording fit ``max_cached_bytes``, else ``2 (q + 1)``.
         batches: Calibration batches per pass.
         seconds: Wall time.
     """
@@ -137,6 +143,7 @@ def initialize_loi(
     power_iters: int = 1,
     init_scale: Optional[float] = None,
     seed: int = 0,
+    max_cached_bytes: int = 2**30,
 ) -> LoiResult:
     """Move every Riemannion adapter named ``adapter_name`` to its LOI point, keeping the model's output unchanged.
 
@@ -146,8 +153,9 @@ def initialize_loi(
     Call it before building the optimizer (it overwrites the adapter, so old momentum would be stale).
 
     The model runs in eval mode (dropout off) so that every pass sees the same G; the batches are cached for the same
-    reason. All parameters are frozen while it runs (their ``requires_grad`` is restored afterwards), so no weight
-    gradient is computed; only the zero probes receive gradients.
+    reason, and the later products are replayed from the first pass's recorded layer inputs and output gradients.
+    All parameters are frozen while it runs (their ``requires_grad`` is restored afterwards), so no weight gradient is
+    computed; only the zero probes receive gradients.
 
     Under ``torch.distributed`` (DDP) every process passes its own calibration batches and the probes' gradients are
     averaged over the processes, so all of them reach the same point (that of G over all batches, with each process's
@@ -167,6 +175,9 @@ def initialize_loi(
         init_scale: Singular values of the LOI point; default the adapter config's ``init_scale``
             (``1e-2 / sqrt(r)``).
         seed: Seed of the random probes.
+        max_cached_bytes: Memory for the recorded layer inputs and output gradients (per process). Within it, the
+            model runs once over the batches and the later products are replayed from the recording; beyond it (or
+            with 0), every product is a pass over the model. Same result either way.
 
     Returns:
         A :class:`LoiResult`.
@@ -175,6 +186,8 @@ def initialize_loi(
     refs = _select_adapters(model, adapter_name)
     if num_batches is not None and num_batches < 1:
         raise ValueError(f"`num_batches` must be a positive integer or None, got {num_batches}")
+    if not (isinstance(max_cached_bytes, int) and max_cached_bytes >= 0):
+        raise ValueError(f"`max_cached_bytes` must be an integer >= 0, got {max_cached_bytes!r}")
     cached = list(itertools.islice(batches, num_batches))
     if not cached:
         raise ValueError("initialize_loi needs at least one calibration batch; `batches` was empty")
@@ -193,25 +206,35 @@ def initialize_loi(
     shapes = {name: (layer.out_features, layer.in_features) for name, layer in layers.items()}
     passes = 0
 
+    # the first pass records what every later pass would recompute identically (see _Recording)
+    recording = _Recording(layers, max_cached_bytes)
+
     def products(kind: str, bases: dict[Hashable, Tensor]) -> dict[Hashable, Tensor]:
         nonlocal passes
-        passes += 1
-        probes = {}
-        for name, layer in layers.items():
-            m, n = shapes[name]
-            rows = m if kind == "right" else n
-            probes[name] = torch.zeros(rows, bases[name].shape[1], dtype=dtype, device=device, requires_grad=True)
-            layer._riemannion_probe = (kind, bases[name].to(dtype), probes[name])
-        try:
-            for batch in cached:
-                loss_fn(model, batch).backward()
-        finally:
-            for layer in layers.values():
-                layer._riemannion_probe = None
-        # a layer the loss does not reach has G = 0 (its probe gets no gradient at all)
-        result = {
-            name: probe.grad if probe.grad is not None else torch.zeros_like(probe) for name, probe in probes.items()
-        }
+        if passes > 0 and recording.complete:
+            result = recording.replay(kind, {name: basis.to(dtype) for name, basis in bases.items()}, shapes)
+        else:
+            passes += 1
+            probes = {}
+            for name, layer in layers.items():
+                m, n = shapes[name]
+                rows = m if kind == "right" else n
+                probes[name] = torch.zeros(rows, bases[name].shape[1], dtype=dtype, device=device, requires_grad=True)
+                layer._riemannion_probe = (kind, bases[name].to(dtype), probes[name])
+            try:
+                with recording.active(passes == 1):
+                    for batch in cached:
+                        loss_fn(model, batch).backward()
+            finally:
+                for layer in layers.values():
+                    layer._riemannion_probe = None
+            # a layer the loss does not reach has G = 0 (its probe gets no gradient at all)
+            result = {
+                name: probe.grad if probe.grad is not None else torch.zeros_like(probe)
+                for name, probe in probes.items()
+            }
+            if passes == 1:
+                recording.agree(device)
         # Under data parallelism each process sees its own batches: average G's products over the processes (as DDP
         # averages gradients), so every process finds the same point, the one G of all the batches gives.
         all_reduce_(list(result.values()), mean=True)
@@ -262,6 +285,98 @@ def initialize_loi(
         batches=len(cached),
         seconds=time.perf_counter() - start,
     )
+
+
+class _Recording:
+    """The first pass's layer inputs ``x`` and output gradients ``dy``, from which later products are replayed.
+
+    Every pass of :func:`initialize_loi` runs the same frozen model in eval mode on the same batches, and the zero
+    probes change neither the outputs nor the gradients that flow past them, so every pass sees the same ``x`` and
+    ``dy`` at each layer; only the probe's basis differs. Replaying a probe on the recorded tensors (the same
+    product, the same backward) gives the probe's gradient bit for bit, for a product with the probe's size instead
+    of a pass over the model. Recording stops, and the passes go on as before, once it would hold more than
+    ``budget`` bytes.
+
+    Args:
+        layers: The probed layers by name.
+        budget: Bytes the recording may hold.
+    """
+
+    def __init__(self, layers: Mapping[str, nn.Module], budget: int) -> None:
+        self.layers = layers
+        self.budget = budget
+        self.used = 0
+        self.complete = False
+        self.calls: dict[str, list[list[Optional[Tensor]]]] = {name: [] for name in layers}
+
+    @contextlib.contextmanager
+    def active(self, record: bool) -> Iterator[None]:
+        """Record ``x`` and ``dy`` of every call of the layers in the block (when ``record``)."""
+        if not record or self.budget == 0:
+            yield
+            return
+        self.complete = True
+        handles = [
+            layer.register_forward_hook(functools.partial(self._forward_hook, name), with_kwargs=True)
+            for name, layer in self.layers.items()
+        ]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def agree(self, device: torch.device) -> None:
+        """Replay only if every process recorded everything (the passes' collectives must match; FSDP2)."""
+        flag = torch.tensor([float(self.complete)], dtype=torch.float64, device=device)
+        all_reduce_([flag], mean=True)
+        self.complete = bool(flag.item() == 1.0)
+        if not self.complete:
+            self.calls = {name: [] for name in self.layers}
+
+    def _take(self, t: Tensor) -> Optional[Tensor]:
+        self.used += t.numel() * t.element_size()
+        if not self.complete or self.used > self.budget:
+            self.complete = False
+            self.calls = {name: [] for name in self.layers}
+            return None
+        return t.detach().clone()  # the model may reuse the memory of either in place
+
+    def _forward_hook(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        x = args[0] if args else next((v for v in kwargs.values() if isinstance(v, Tensor)), None)
+        if not self.complete or not isinstance(x, Tensor) or not isinstance(output, Tensor):
+            self.complete = False
+            return
+        x = self._take(x)
+        if x is None:
+            return
+        call = [x, None]
+        self.calls[name].append(call)
+        if output.requires_grad:
+            output.register_hook(functools.partial(self._grad_hook, call))
+
+    def _grad_hook(self, call: list[Optional[Tensor]], grad: Tensor) -> None:
+        if self.complete:
+            call[1] = self._take(grad)
+
+    def replay(
+        self, kind: str, bases: Mapping[str, Tensor], shapes: Mapping[str, tuple[int, int]]
+    ) -> dict[Hashable, Tensor]:
+        """The probes' gradients of a pass of ``kind`` with ``bases`` (in the probes' dtype), from the recording."""
+        result: dict[Hashable, Tensor] = {}
+        for name, basis in bases.items():
+            m, n = shapes[name]
+            probe = torch.zeros(m if kind == "right" else n, basis.shape[1], dtype=basis.dtype, device=basis.device)
+            probe.requires_grad_(True)
+            for x, dy in self.calls[name]:
+                if dy is None:
+                    continue  # that call's output did not reach the loss
+                # RiemannionLayer._add_probe's product and backward, on the recorded x and dy
+                x = x.to(probe.dtype)
+                extra = (x @ basis) @ probe.mT if kind == "right" else (x @ probe) @ basis.mT
+                extra.backward(dy.to(extra.dtype))
+            result[name] = probe.grad if probe.grad is not None else torch.zeros_like(probe)
+        return result
 
 
 def _select_adapters(model: nn.Module, adapter_name: Optional[str]) -> list[AdapterRef]:
