@@ -13,6 +13,16 @@ Prints one table: accuracy on each task right after learning it (the diagonal, a
 accuracy, forgetting, average incremental accuracy, pool ranks after each task, how many ranks of each task survive
 at the end, and wall time per method. ``--overhead-only`` times one forward pass instead. docs/pclr.md records
 the figures.
+
+``--step`` times a training step instead (forward, backward, AdamW step) of a random Llama (2 layers, all seven
+projections adapted) with PCLR at a full pool against PEFT's LoRA of rank ``top_k``, interleaved in one process, per
+width::
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.pclr --step --widths 256 1024 2048 --rounds 20 12 6
+
+PCLR runs as it trains the fourth task of 16-rank tasks: 48 static ranks of tasks 0-2 (their prototypes stored, so
+prototype routing runs), 16 new trainable ranks, top-16 of the 64 (the pool at its cap), the query-key loss in the
+loss. Target: PCLR step / LoRA step <= 1.10x at every width (median of the per-round ratios).
 """
 
 from __future__ import annotations
@@ -41,9 +51,17 @@ def main(argv: list[str] | None = None) -> None:
     int_options(parser, top_k=16, seed=0)
     parser.add_argument("--no-baselines", action="store_true", help="skip seq_lora and the no-integration variant")
     parser.add_argument("--overhead-only", action="store_true", help="only time one forward: PCLR vs LoRA")
+    parser.add_argument("--step", action="store_true", help="only time a training step: PCLR vs LoRA, per width")
+    parser.add_argument("--widths", type=int, nargs="+", default=[256, 1024, 2048], help="--step: Llama widths")
+    parser.add_argument(
+        "--rounds", type=int, nargs="+", default=[20, 12, 6], help="--step: timed rounds per width (last repeats)"
+    )
     args = parser.parse_args(argv)
     if args.overhead_only:
         routing_overhead(args)
+        return
+    if args.step:
+        step_overhead(args)
         return
 
     sequence = wordnet_task_sequence(
@@ -166,6 +184,106 @@ def routing_overhead(args: argparse.Namespace, batch: int = 32, tokens: int = 32
     )
     cells = [[label, f"{1000 * seconds:.1f}", f"{seconds / best['base']:.2f}x"] for label, seconds in best.items()]
     print(markdown_table(["model", "ms per forward", "vs base"], cells))
+
+
+#: The training step's target: PCLR step / LoRA step (median of the per-round ratios) at every width.
+STEP_TARGET = 1.10
+LLAMA_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _full_pool_pclr(base: torch.nn.Module, ids: torch.Tensor, ranks: int, top_k: int) -> torch.nn.Module:
+    """PCLR on ``base`` training the fourth task of ``ranks``-rank tasks: the pool (``4 * ranks``) at its cap."""
+    from peft import get_peft_model
+
+    from peft_ext import PCLRConfig
+
+    config = PCLRConfig(
+        target_modules=LLAMA_PROJECTIONS,
+        pool_size=4 * ranks,
+        ranks_schedule=[ranks],
+        compress_schedule=[0.0],
+        compress_rule="importance",
+        top_k=top_k,
+        alpha=float(top_k),
+        init_weights=False,
+    )
+    model = get_peft_model(base, config)
+    for task in range(3):  # each task's prototype from its own sample, so prototype routing has work to do
+        proto = model.query_prototype([{"input_ids": ids[task : task + 1]}])
+        model.end_task(task, proto)
+        model.begin_task(task + 1, proto)
+    with torch.no_grad():  # new b_i non-zero (begin_task starts them at 0), as after a few steps of training
+        for name, p in model.named_parameters():
+            if ".pclr_B." in name:
+                p.normal_(0.0, 0.02)
+    return model
+
+
+def _training_step(model: torch.nn.Module, ids: torch.Tensor, vocab: int, extra_loss=None):
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1))
+        extra = extra_loss(model) if extra_loss is not None else None
+        (loss if extra is None else loss + extra).backward()
+        optimizer.step()
+
+    return step
+
+
+def step_overhead(args: argparse.Namespace, batch: int = 4, tokens: int = 64, layers: int = 2, vocab: int = 256):
+    """Time a training step of PCLR at a full pool against LoRA of rank ``top_k``, side by side, per width.
+
+    Per width both models adapt the same random Llama; each round runs one step of each (the order alternating),
+    and the ratio is taken within each round (a shared machine's load moves both alike), then summarized over the
+    rounds: the median and the geometric mean with its 95 % interval.
+    """
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from peft_ext.models import tiny_llama
+    from peft_ext.tuners.pclr import query_loss
+
+    ids = torch.randint(0, vocab, (batch, tokens), generator=torch.Generator().manual_seed(0))
+    cells, met = [], True
+    for i, width in enumerate(args.widths):
+        rounds = args.rounds[min(i, len(args.rounds) - 1)]
+        base = tiny_llama(vocab_size=vocab, hidden_size=width, num_layers=layers).train()
+        torch.manual_seed(1)
+        lora = get_peft_model(
+            copy.deepcopy(base),
+            LoraConfig(r=args.top_k, lora_alpha=args.top_k, target_modules=LLAMA_PROJECTIONS, init_lora_weights=False),
+        )
+        torch.manual_seed(2)
+        pclr = _full_pool_pclr(base, ids, args.ranks, args.top_k)
+        steps = {
+            "pclr": _training_step(pclr.train(), ids, vocab, query_loss),
+            "lora": _training_step(lora.train(), ids, vocab),
+        }
+        timer = Interleaved(list(steps), warmup=2)
+        for _ in range(rounds + 2):
+            timer.round(steps)
+        ratio = timer.ratio("pclr", "lora")
+        mean, low, high = ratio.interval
+        met = met and ratio.median <= STEP_TARGET
+        cells.append(
+            [width, rounds, f"{1000 * timer.median('pclr'):.1f}", f"{1000 * timer.median('lora'):.1f}",
+             f"{ratio.median:.2f}x", f"{mean:.2f}x [{low:.2f}, {high:.2f}]"]
+        )  # fmt: skip
+        print(f"  width {width}: {cells[-1]}", flush=True)
+    pool = 4 * args.ranks
+    print(
+        f"\nTraining step (forward, backward, AdamW), random Llama x {layers} layers, all 7 projections, batch "
+        f"{batch} x {tokens} tokens, {torch.get_num_threads()} thread(s); PCLR pool {pool} full ({pool - args.ranks} "
+        f"static + {args.ranks} new ranks, top-{args.top_k}) vs LoRA r={args.top_k}; interleaved, after 2 warm-up "
+        "rounds\n"
+    )
+    head = ["width", "rounds", "PCLR ms / step", "LoRA ms / step", "PCLR / LoRA (median)", "geo. mean [95 % CI]"]
+    print(markdown_table(head, cells))
+    print(f"\ntarget: PCLR step / LoRA step <= {STEP_TARGET:.2f}x at every width: {'met' if met else 'NOT met'}")
 
 
 if __name__ == "__main__":

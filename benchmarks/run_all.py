@@ -190,6 +190,16 @@ ENTRIES: tuple[Entry, ...] = (
         quick=False,
     ),
     Entry(
+        "pclr_step",
+        "PCLR training step against LoRA",
+        ("benchmarks.pclr", "--step", "--widths", "256", "1024", "2048", "--rounds", "20", "12", "8"),
+        25,
+        "Random Llama (2 layers, all 7 projections, batch 4 x 64 tokens, one thread): a training step (forward, "
+        "backward, AdamW) of PCLR with its pool at the cap (64 ranks: 48 static of three finished 16-rank tasks, 16 "
+        "new; top-16, query-key loss) against PEFT's LoRA r = 16, the two taking turns in one process.",
+        quick=False,
+    ),
+    Entry(
         "kernels",
         "Kernels: rank-pool gather and batched retraction (torch reference paths on CPU)",
         ("benchmarks.kernel_speed",),

@@ -24,7 +24,9 @@ from peft_ext.tuners.pclr import (
     importance_scores,
     integrate,
     pool_in_use,
+    query_key_loss,
     query_loss,
+    route,
     select_top_k,
     teacher_outputs,
 )
@@ -157,6 +159,28 @@ def test_select_top_k_masks_and_gates_slots_without_allowed_ranks():
     indices, gates = select_top_k(query, keys, 3, allowed)
     assert set(indices[0, :2].tolist()) == {0, 4} and gates[0].tolist() == [1.0, 1.0, 0.0]
     assert gates[1].tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_route_equals_select_top_k_and_query_key_loss(masked):
+    # the layer's one-pass routing against the two references: same selection, same loss and key gradients
+    g = torch.Generator().manual_seed(0)
+    query = F.normalize(torch.randn(4, 8, generator=g), dim=-1)
+    keys = torch.randn(12, 8, generator=g).requires_grad_()
+    allowed = torch.rand(4, 12, generator=g) > 0.6 if masked else None
+    allowed = None if allowed is None else allowed | torch.eye(4, 12, dtype=torch.bool)  # >= 1 rank per sample
+    indices, gates, loss = route(query, keys, 5, allowed)
+    (grad,) = torch.autograd.grad(loss, keys)
+    want_indices, want_gates = select_top_k(query, keys, 5, allowed)
+    want_loss = query_key_loss(query, keys, want_indices, want_gates)
+    (want_grad,) = torch.autograd.grad(want_loss, keys)
+    assert torch.equal(indices, want_indices) and torch.equal(gates, want_gates)
+    assert masked == bool((gates == 0).any())
+    torch.testing.assert_close(loss, want_loss)
+    torch.testing.assert_close(grad, want_grad)
+    with torch.no_grad():  # no loss without gradients (nor for frozen keys)
+        assert route(query, keys, 5, allowed)[2] is None
+    assert route(query, keys.detach(), 5, allowed)[2] is None
 
 
 def test_per_sample_routing_in_a_mixed_batch_equals_each_sample_alone():

@@ -41,7 +41,15 @@ from .query import (
     pooled_query,
     query_source,
 )
-from .router import RoutingState, allowed_by_prototype, forward_arguments, per_sample, query_key_loss, select_top_k
+from .router import (
+    RoutingState,
+    allowed_by_prototype,
+    forward_arguments,
+    per_sample,
+    query_key_loss,
+    route,
+    select_top_k,
+)
 from .scoring import compress, contribution_scores, importance_scores
 
 __all__ = [
@@ -78,6 +86,7 @@ __all__ = [
     "query_loss",
     "query_prototype",
     "query_source",
+    "route",
     "routed_as",
     "task_route",
     "select_top_k",

@@ -33,6 +33,7 @@ __all__ = [
     "forward_arguments",
     "per_sample",
     "query_key_loss",
+    "route",
     "select_top_k",
 ]
 
@@ -114,6 +115,24 @@ def allowed_by_prototype(
     return (tags <= nearest.unsqueeze(1)) | (tags >= prototypes.shape[0])
 
 
+def _top_k(
+    scores: torch.Tensor, k: int, allowed: Optional[torch.Tensor], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # (indices, gates) of the top-k scores per row among the allowed ones; a slot no allowed rank fills gets gate 0
+    with torch.no_grad():
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        top, indices = scores.topk(min(k, scores.shape[-1]), dim=-1)
+        return indices, torch.isfinite(top).to(dtype)
+
+
+def _cosine_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    # (batch, N) cos(q_b, k_i) in float32; gradients reach the keys unless they are detached
+    if keys.shape[0] == 0:
+        raise ValueError("cannot route over an empty rank pool (0 active ranks)")
+    return F.normalize(query.detach().float(), dim=-1) @ F.normalize(keys.float(), dim=-1).mT
+
+
 def select_top_k(
     query: torch.Tensor, keys: torch.Tensor, k: int, allowed: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,21 +148,16 @@ def select_top_k(
         ``(indices, gates)``, both (batch, min(k, N)): rank indices and 0/1 gates (0 where a sample has fewer than
         ``k`` allowed ranks; those slots point at an arbitrary rank that contributes nothing).
     """
-    if keys.shape[0] == 0:
-        raise ValueError("cannot route over an empty rank pool (0 active ranks)")
     with torch.no_grad():
-        scores = F.normalize(query.float(), dim=-1) @ F.normalize(keys.detach().float(), dim=-1).mT
-        if allowed is not None:
-            scores = scores.masked_fill(~allowed, float("-inf"))
-        top, indices = scores.topk(min(k, keys.shape[0]), dim=-1)
-        gates = torch.isfinite(top).to(query.dtype)
-    return indices, gates
+        return _top_k(_cosine_scores(query, keys.detach()), k, allowed, query.dtype)
 
 
 def query_key_loss(
     query: torch.Tensor, keys: torch.Tensor, indices: torch.Tensor, gates: torch.Tensor
 ) -> torch.Tensor:
     """``mean over selected (gated) slots of 1 - cos(q_b, k_i)`` (docs/methods.md (PCLR)); gradients reach the keys.
+
+    The reference of the loss :func:`route` computes from its selection's scores.
 
     Args:
         query: (batch, d).
@@ -153,6 +167,36 @@ def query_key_loss(
     """
     cos = F.cosine_similarity(query.detach().unsqueeze(1).to(keys.dtype), keys[indices], dim=-1)
     return ((1.0 - cos) * gates.to(cos.dtype)).sum() / gates.sum().clamp_min(1.0)
+
+
+def route(
+    query: torch.Tensor, keys: torch.Tensor, k: int, allowed: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """:func:`select_top_k` and, when gradients are on and the keys train, the :func:`query_key_loss` of that
+    selection, both from one score matrix.
+
+    A layer group routes once per forward pass; computing the loss from the selection's own cosines (gathered at
+    the selected indices, gradients reaching the keys through the normalization) spares the second normalization,
+    the (batch, K, d) copy of the selected keys and its backward that :func:`query_key_loss` pays. Same selection;
+    the loss equal to :func:`query_key_loss`'s to float rounding (in float32, cast to the keys' dtype).
+
+    Args:
+        query: (batch, d) queries.
+        keys: (N, d) keys of the active ranks, possibly trainable.
+        k: Ranks per sample; ``min(k, N)`` are returned.
+        allowed: Optional (batch, N) bool mask of usable ranks.
+
+    Returns:
+        ``(indices, gates, loss)``: as :func:`select_top_k`, and the loss (``None`` without gradients or trainable
+        keys).
+    """
+    if not (torch.is_grad_enabled() and keys.requires_grad):
+        return (*select_top_k(query, keys, k, allowed), None)
+    cos = _cosine_scores(query, keys)
+    indices, gates = _top_k(cos.detach(), k, allowed, query.dtype)
+    weights = gates.to(cos.dtype)
+    loss = ((1.0 - cos.gather(1, indices)) * weights).sum() / weights.sum().clamp_min(1.0)
+    return indices, gates, loss.to(keys.dtype)
 
 
 def _cache_argument(arguments: Mapping[str, Any]) -> Optional[Any]:

@@ -36,6 +36,12 @@ def write_rows_(store: torch.Tensor, rows: torch.Tensor) -> None:
     write_full_(store, whole)
 
 
+def leading_rows(store: torch.Tensor, n: int) -> torch.Tensor:
+    """``store[:n]``, or ``store`` itself when it has ``n`` rows: a full store's slice would put a slice node in every
+    forward's graph, whose backward writes the gradient into a zero tensor of the store's size."""
+    return store if store.shape[0] == n else store[:n]
+
+
 class RankPoolStore:
     """The pool API of :class:`~.layer.PCLRLayer`: views of the active ranks and every write into the stores.
 
@@ -81,19 +87,25 @@ class RankPoolStore:
     def static_ranks(self, adapter_name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``(A, B)`` of the active static ranks: (N_s x in) and (N_s x out), no copy."""
         n_s = self.pclr_host_counts[adapter_name][N_STATIC]
-        return self.pclr_A_static[adapter_name][:n_s], self.pclr_B_static[adapter_name][:n_s]
+        return leading_rows(self.pclr_A_static[adapter_name], n_s), leading_rows(self.pclr_B_static[adapter_name], n_s)
 
     def new_ranks(self, adapter_name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``(A, B)`` of the active new (trainable) ranks: (N_n x in) and (N_n x out), no copy (a gathered copy
         for FSDP2 DTensor stores, between forward passes)."""
         n_n = self.pclr_host_counts[adapter_name][N_NEW]
         # outside the forward an FSDP2 store is a DTensor shard: the whole store then (a copy, not a view)
-        return full_tensor(self.pclr_A[adapter_name])[:n_n], full_tensor(self.pclr_B[adapter_name])[:n_n]
+        return leading_rows(full_tensor(self.pclr_A[adapter_name]), n_n), leading_rows(
+            full_tensor(self.pclr_B[adapter_name]), n_n
+        )
 
     def pool(self, adapter_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """A copy of the active ranks ``(A, B)``: (N x in) and (N x out), static rows first; gradients reach the new
-        ones. For inspection, scoring and merging; the forward pass reads the two stores in place instead."""
+        """The active ranks ``(A, B)``: (N x in) and (N x out), static rows first; gradients reach the new ones.
+        Read-only: a view of one store when the other holds no rank, else the two concatenated (a copy)."""
         (A_s, B_s), (A_n, B_n) = self.static_ranks(adapter_name), self.new_ranks(adapter_name)
+        if A_n.shape[0] == 0:
+            return A_s, B_s
+        if A_s.shape[0] == 0:
+            return A_n, B_n
         return torch.cat([A_s, A_n]), torch.cat([B_s, B_n])
 
     def keys(self, adapter_name: str) -> torch.Tensor:
@@ -101,7 +113,10 @@ class RankPoolStore:
         owner = self.group_owner(adapter_name)
         n_s, n_n = owner.counts(adapter_name)[:2]
         return torch.cat(
-            [owner.pclr_keys_static[adapter_name][:n_s], full_tensor(owner.pclr_keys[adapter_name])[:n_n]]
+            [
+                leading_rows(owner.pclr_keys_static[adapter_name], n_s),
+                leading_rows(full_tensor(owner.pclr_keys[adapter_name]), n_n),
+            ]
         )
 
     def static_keys(self, adapter_name: str) -> torch.Tensor:
