@@ -23,7 +23,7 @@ Two implementations of the same step:
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -112,19 +112,11 @@ def _proju_core(A_c: Tensor, B_R_c: Tensor, Y: Tensor) -> Tensor:
 
 
 def riemannion_update_reference(
-    point: FixedRankPoint,
-    grad_right: Tensor,
-    grad_left: Tensor,
-    momentum: Optional[TangentVector],
-    *,
-    lr: float,
-    beta: float,
-    nesterov: bool = False,
-    weight_decay: float = 0.0,
-    orthogonalize_step: bool = True,
-    rtol: Optional[float] = None,
+    point: FixedRankPoint, grad_right: Tensor, grad_left: Tensor, momentum: Optional[TangentVector], **settings: Any
 ) -> tuple[FixedRankPoint, TangentVector]:
-    """:func:`riemannion_update` composed from the geometry's functions (see the module docstring); same arguments."""
+    """:func:`riemannion_update` composed from the geometry's functions (see the module docstring); the same
+    arguments (``settings``: its keywords, ``lr`` and ``beta`` required)."""
+    lr, beta, nesterov, weight_decay, orthogonalize_step, rtol = _step_settings(**settings)
     grad = egrad2rgrad(point, grad_right, grad_left)
     buf = grad if momentum is None else momentum * beta + grad
     direction = grad + buf * beta if nesterov else buf
@@ -134,3 +126,11 @@ def riemannion_update_reference(
     # CholeskyQR2 with Triton Gram kernels on CUDA (peft_ext.kernels.retraction)
     new_point = retract(point, direction * (-lr), x_scale=1.0 - lr * weight_decay)
     return new_point, transp(point, new_point, buf)
+
+
+def _step_settings(*, lr: float, beta: float, nesterov: bool = False, weight_decay: float = 0.0, **rest: Any) -> tuple:
+    # riemannion_update's keywords with its defaults, in its order (an unknown keyword is a TypeError, as there)
+    orthogonalize_step, rtol = rest.pop("orthogonalize_step", True), rest.pop("rtol", None)
+    if rest:
+        raise TypeError(f"riemannion_update_reference() got unexpected keyword arguments {sorted(rest)}")
+    return lr, beta, nesterov, weight_decay, orthogonalize_step, rtol
