@@ -71,11 +71,11 @@ import torch
 from torch import nn
 
 from benchmarks._lib import machine
-from benchmarks._lib.cache import RunCache
+from benchmarks._lib.cache import RunCache, write_json_atomic
 from benchmarks._lib.cli import benchmark_parser, parse
 from benchmarks._lib.continual import Instrumented
 from benchmarks._lib.data import wordnet_all_classes
-from benchmarks._lib.protocol import Protocol, Study, log_grid, paired_interval, tune_and_test
+from benchmarks._lib.protocol import Protocol, Study, log_grid, paired_interval, single_task_train, tune_and_test
 from benchmarks._lib.tables import markdown_table
 from benchmarks._lib.timing import Interleaved, timed
 from peft_ext.continual import ContinualEngine, TrainConfig, get_continual_method, run_sequence
@@ -156,17 +156,7 @@ class Runner:
         return self._bases[seed]
 
     def train_config(self, seed: int) -> TrainConfig:
-        return TrainConfig(
-            epochs=self.args.epochs,
-            batch_size=self.args.batch_size,
-            eval_batch_size=128,
-            train_logit_mask="all",
-            lr_schedule="linear",
-            warmup_ratio=0.1,
-            seed=seed,
-            device="cpu",
-            progress=False,
-        )
+        return single_task_train(self.args.epochs, self.args.batch_size, seed, eval_batch_size=128)
 
     def train(self, label: str, lr: float, seed: int, split: str) -> dict[str, Any]:
         """One run scored by ``run_sequence`` on ``split``; the other split and the early checkpoints by the hook."""
@@ -412,19 +402,11 @@ def main(argv: list[str] | None = None) -> None:
         labels = [m[0] for m in METHODS if m[0] in args.methods]
         timing = interleaved_timing(runner, labels, args.timing_rounds, warmup, repeats)
         table, summary = _timing_table(timing, runner.steps)
-        print(f"\n{table}\n")
-        for line in _targets(None, summary, runner.steps):
-            print(line)
-        print(f"\nwall time {(time.perf_counter() - wall) / 60:.1f} min, {args.threads} thread(s)")
+        targets = _targets(None, summary, runner.steps)
+        print(f"\n{table}\n\n" + "\n".join(targets) + machine.wall_line(wall, args.threads))
         if args.json is not None:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
             meta = {"steps": runner.steps, "batch_size": args.batch_size, **machine.record(threads=args.threads)}
-            payload = {
-                "meta": meta,
-                "timing": {**summary, "raw": timing},
-                "targets": _targets(None, summary, runner.steps),
-            }
-            args.json.write_text(json.dumps(payload, indent=2))
+            write_json_atomic(args.json, {"meta": meta, "timing": {**summary, "raw": timing}, "targets": targets})
         return
     grids = {m[0]: log_grid(m[2]["lr"], args.grid_points) for m in METHODS if m[0] in args.methods}
     study = run_protocol(runner, grids, protocol, args.jobs)

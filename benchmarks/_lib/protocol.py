@@ -39,6 +39,7 @@ __all__ = [
     "plot_lr_panels",
     "t_quantile",
     "tune_and_test",
+    "single_task_train",
 ]
 
 # Two-sided 95 % quantiles of Student's t for 1..30 degrees of freedom.
@@ -47,6 +48,15 @@ _T95 = (
     2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
     2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
 )  # fmt: skip
+
+
+def single_task_train(epochs: int, batch_size: int, seed: int, **more: Any) -> Any:
+    """The one-task protocol's training settings (a ``TrainConfig``): every logit trained, a linear schedule with 10 %
+    warm-up, on the CPU, no progress bar; ``more`` adds or overrides fields."""
+    from peft_ext.continual import TrainConfig
+
+    fixed = {"train_logit_mask": "all", "lr_schedule": "linear", "warmup_ratio": 0.1, "device": "cpu"}
+    return TrainConfig(epochs=epochs, batch_size=batch_size, seed=seed, **{**fixed, "progress": False, **more})
 
 
 def t_quantile(df: int) -> float:

@@ -54,7 +54,7 @@ class SplitLoRALayer(AdapterLayer):
     method_name = "SplitLoRA"
     adapter_dict_name = "splitlora_B"
     adapter_layer_names: tuple[str, ...] = ("splitlora_B",)
-    other_param_names: tuple[str, ...] = (
+    adapter_buffer_names: tuple[str, ...] = (
         "splitlora_A",
         "splitlora_old_A",
         "splitlora_old_B",
@@ -66,9 +66,8 @@ class SplitLoRALayer(AdapterLayer):
         "splitlora_energy",
         "splitlora_tasks",
         "splitlora_primary",
-        "r",
-        "splitlora_config",
     )
+    other_param_names: tuple[str, ...] = (*adapter_buffer_names, "r", "splitlora_config")
     #: The delta's factors: float32, or the base's dtype with ``autocast_adapter_dtype=False``.
     weight_names: tuple[str, ...] = (
         "splitlora_B",
@@ -81,21 +80,9 @@ class SplitLoRALayer(AdapterLayer):
     resizable_buffer_names: tuple[str, ...] = ("splitlora_old_A", "splitlora_old_B", "splitlora_old_dense")
 
     def __init__(self, base_layer: nn.Module, seed_key: str, **kwargs: Any) -> None:
-        AdapterLayer.__init__(self, base_layer, **kwargs)
+        AdapterLayer.__init__(self, base_layer, **kwargs)  # the parameter and buffer dicts named above
         self.r: dict[str, int] = {}
         self.splitlora_config: dict[str, SplitLoRAConfig] = {}
-        self.splitlora_B = nn.ParameterDict({})
-        self.splitlora_A = BufferDict({}, persistent=True)
-        self.splitlora_old_A = BufferDict({}, persistent=True)
-        self.splitlora_old_B = BufferDict({}, persistent=True)
-        self.splitlora_old_dense = BufferDict({}, persistent=True)
-        self.splitlora_cov = BufferDict({}, persistent=True)
-        self.splitlora_sketch = BufferDict({}, persistent=True)
-        self.splitlora_sketch_error = BufferDict({}, persistent=True)
-        self.splitlora_tokens = BufferDict({}, persistent=True)
-        self.splitlora_energy = BufferDict({}, persistent=True)
-        self.splitlora_tasks = BufferDict({}, persistent=True)
-        self.splitlora_primary = BufferDict({}, persistent=True)
         self._splitlora_pending: dict[str, dict[str, torch.Tensor]] = {}
         self._splitlora_seed_key = seed_key
 
