@@ -22,10 +22,8 @@ class ScaledLowRankLayer(AdapterLayer):
     other_param_names: tuple[str, ...] = ("r", "scaling")
 
     def __init__(self, base_layer: nn.Module, **kwargs: Any) -> None:
-        AdapterLayer.__init__(self, base_layer, **kwargs)
+        AdapterLayer.__init__(self, base_layer, **kwargs)  # also scaledlr_A / scaledlr_B, empty ParameterDicts
         self.r, self.scaling = {}, {}  # per adapter: rank, alpha / r
-        self.scaledlr_A = nn.ParameterDict({})
-        self.scaledlr_B = nn.ParameterDict({})
 
     def update_layer(self, adapter_name: str, config: ScaledLowRankConfig, inference_mode: bool = False) -> None:
         """Add (or re-create) adapter ``adapter_name``.
