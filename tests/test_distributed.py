@@ -62,10 +62,13 @@ def test_two_ranks_equal_one_process_on_the_global_batch(ranks, single, method):
 
 @pytest.mark.distributed
 def test_loi_and_riemannion_points_match_one_process(ranks, single):
-    for key in ("loi", "points"):
+    # The ranks all-reduce their gradients in another order than one process sums the global batch: float32 rounding
+    # that a few Riemannion steps carry into the points, up to 1.4e-6 (composed step) / 2.3e-6 (factored step) on
+    # entries of size up to 3.4e-2 here; the LOI starts agree to 4e-9.
+    for key, atol in (("loi", 1e-6), ("points", 5e-6)):
         for layer, X in single["riemannion"][key].items():
             for rank in ranks:
-                torch.testing.assert_close(rank["riemannion"][key][layer], X, rtol=1e-4, atol=1e-6, msg=layer)
+                torch.testing.assert_close(rank["riemannion"][key][layer], X, rtol=1e-4, atol=atol, msg=layer)
 
 
 @pytest.mark.distributed
