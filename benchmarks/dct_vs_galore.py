@@ -50,16 +50,18 @@ from benchmarks._lib.cache import RunCache
 from benchmarks._lib.cli import benchmark_parser, int_options, parse
 from benchmarks._lib.data import minilm, tensor_bytes, wordnet_all_classes
 from benchmarks._lib.dct_tables import (
+    RANK_SCALE_RULES,
     TARGETS,
+    add_rank_variants,
     refresh_verdicts,
     table_column_bias,
     table_energy,
     table_refresh,
     table_step_time,
 )
-from benchmarks._lib.protocol import Protocol, Study, log_grid, plot_lr_panels, tune_and_test
+from benchmarks._lib.protocol import Protocol, Study, log_grid, plot_lr_panels, single_task_train, tune_and_test
 from benchmarks._lib.tables import fmt_bytes, fmt_s, markdown_table
-from peft_ext.continual import TrainConfig, run_sequence
+from peft_ext.continual import run_sequence
 from peft_ext.continual.methods_optim import MAX_SHAPE, FullFineTune, is_projected, named_trainable
 from peft_ext.optim.dct import clear_dct_cache, dct_cache_bytes
 
@@ -80,13 +82,23 @@ def loads_weights_only(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def optimizer_specs(
-    ranks: list[int], scale: float, galore_gap: int, apollo_gap: int, power_gap: int
+    ranks: list[int],
+    scale: float,
+    galore_gap: int,
+    apollo_gap: int,
+    power_gap: int,
+    dct_gaps: tuple[int, ...] = (1,),
+    scale_rules: tuple[str, ...] = (),
+    scale_ref_rank: int = 8,
 ) -> dict[str, dict[str, Any]]:
     """``{label: spec}``: AdamW, then per rank GaLore, APOLLO and peft-ext's SVD-free options.
 
     Projected-update optimizers (GaLore, DCT, power, coordinates) get GaLore's fine-tuning ``scale``; the
     channel-wise ones (APOLLO, ``update="channel"``) scale 1, since their update already has Adam's magnitude.
     ``center`` is the middle of the 3-point lr grid; ``basis`` names the table-1 refresh of SVD-free options.
+    ``dct_gaps`` other than 1 add ``"DCT-AdamW r=8 gap=10"``-style labels (the DCT basis refreshed every ``gap``
+    steps); ``scale_rules`` (keys of ``RANK_SCALE_RULES``) add ``"DCT-AdamW r=64 scale sqrt"``-style labels at every
+    rank but ``scale_ref_rank``, their grid centred where that rank's DCT-AdamW grid is.
     """
     # Centres moved up half a decade (2026-12-01): with 1e-4 / 3e-4 / 1e-4 the first 16 validation runs chose the
     # top edge of every grid (AdamW, GaLore, APOLLO, DCT-AdamW); the new grids keep two of the three old points each
@@ -112,6 +124,7 @@ def optimizer_specs(
     for label, center in EDGE_MOVES.items():
         if label in specs:
             specs[label]["center"] = center
+    add_rank_variants(specs, ranks, scale, dct_gaps, scale_rules, scale_ref_rank)
     return specs
 
 
@@ -208,16 +221,7 @@ def make_score(specs: dict[str, dict[str, Any]], data: dict[str, int], epochs: i
     def score(method: str, lr: float, seed: int, split: str) -> tuple[float, dict[str, Any]]:
         runner = MeasuredFullFineTune(optimizer="adamw", lr=lr, label=method)
         runner.spec = specs[method]
-        train = TrainConfig(
-            epochs=epochs,
-            batch_size=batch_size,
-            train_logit_mask="all",
-            lr_schedule="linear",
-            warmup_ratio=0.1,
-            seed=seed,
-            device="cpu",
-            progress=False,
-        )
+        train = single_task_train(epochs, batch_size, seed)
         clear_dct_cache()  # so the shared-matrix figure is what this run needs
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
@@ -354,6 +358,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--galore-gap", type=int, default=500, help="GaLore's update_proj_gap (fine-tuning recipe)")
     parser.add_argument("--apollo-gap", type=int, default=200, help="APOLLO's update_proj_gap (its default)")
     parser.add_argument("--power-gap", type=int, default=10, help="update_proj_gap of the power-iteration options")
+    parser.add_argument(
+        "--dct-gaps",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="also run DCT-AdamW and DCT channel with these update_proj_gap values (labels '... gap=G'; 1 is the "
+        "default label)",
+    )
+    parser.add_argument(
+        "--scale-rules",
+        nargs="+",
+        default=[],
+        choices=sorted(RANK_SCALE_RULES),
+        help="also run DCT-AdamW at every rank but --scale-ref-rank with scale * (ref / r) ** p (sqrt: p = 1/2, "
+        "linear: p = 1), lr grid centred on the reference rank's (labels '... scale RULE')",
+    )
+    parser.add_argument("--scale-ref-rank", type=int, default=8, help="the rank --scale-rules keep the scale of")
     int_options(
         parser, train_per_class=40, val_per_class=10, test_per_class=20, epochs=2, batch_size=32, max_length=32
     )
@@ -375,7 +396,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "test_per_class": args.test_per_class,
         "max_length": args.max_length,
     }
-    specs = optimizer_specs(args.ranks, args.scale, args.galore_gap, args.apollo_gap, args.power_gap)
+    specs = optimizer_specs(
+        args.ranks,
+        args.scale,
+        args.galore_gap,
+        args.apollo_gap,
+        args.power_gap,
+        tuple(args.dct_gaps),
+        tuple(args.scale_rules),
+        args.scale_ref_rank,
+    )
     if args.methods is not None:
         unknown = sorted(set(args.methods) - set(specs))
         if unknown:

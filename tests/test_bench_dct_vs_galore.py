@@ -50,4 +50,23 @@ def test_quick_run_covers_every_optimizer_and_basis(tmp_path):
     assert any("refresh vs SVD" in t for t in targets) and any(">= APOLLO accuracy" in t for t in targets)
     assert all(t.endswith(("met", "NOT met")) for t in targets)
     assert "step_time" in results and "column_bias" in results
+    adamw_step = next(r for r in results["step_time"] if r["label"] == "AdamW")
+    assert adamw_step["mean_vs_adamw"] == 1.0 and all(r["mean_s"] > 0 for r in results["step_time"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the lr-robustness figure of table 3
+
+
+def test_gap_and_scale_rule_labels_leave_the_default_specs_unchanged():
+    from benchmarks.dct_vs_galore import optimizer_specs
+
+    default = optimizer_specs([8, 64], 4.0, 500, 200, 10)
+    specs = optimizer_specs([8, 64], 4.0, 500, 200, 10, dct_gaps=(1, 10), scale_rules=("sqrt", "linear"))
+    assert {m: specs[m] for m in default} == default  # cached runs of the default labels stay valid
+    for base in ("DCT-AdamW r=8", "DCT channel r=64"):
+        assert specs[f"{base} gap=10"] == {**default[base], "gap": 10}
+    assert "DCT-AdamW r=8 gap=1" not in specs and "DCT-AdamW r=8 scale sqrt" not in specs  # r=8 is the reference
+    sqrt, linear = specs["DCT-AdamW r=64 scale sqrt"], specs["DCT-AdamW r=64 scale linear"]
+    assert sqrt["scale"] == pytest.approx(4.0 / 8**0.5) and linear["scale"] == pytest.approx(0.5)
+    assert sqrt["center"] == linear["center"] == default["DCT-AdamW r=8"]["center"]  # r=8's lr carries over
+    assert {k: v for k, v in sqrt.items() if k not in ("scale", "center")} == {
+        k: v for k, v in default["DCT-AdamW r=64"].items() if k not in ("scale", "center")
+    }

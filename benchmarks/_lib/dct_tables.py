@@ -38,6 +38,40 @@ TARGETS = ["query", "key", "value", "dense"]
 # refresh time
 
 
+#: ``--scale-rules``: projected-update scale ``scale * (r0 / r) ** power`` at rank ``r`` (``r0``: ``--scale-ref-rank``)
+#: so that the lr tuned at ``r0`` carries over. ``sqrt``: the Adam direction's Frobenius norm grows as ``sqrt(r)``
+#: (each of its ``r`` columns has entries of size about 1); ``linear``: a stronger cut (the update's norm then falls as
+#: ``1 / sqrt(r)``), since the full run's best lr fell about tenfold from rank 8 to 64.
+RANK_SCALE_RULES = {"sqrt": 0.5, "linear": 1.0}
+
+
+def add_rank_variants(
+    specs: dict[str, dict[str, Any]],
+    ranks: list[int],
+    scale: float,
+    dct_gaps: tuple[int, ...],
+    scale_rules: tuple[str, ...],
+    scale_ref_rank: int,
+) -> None:
+    """Add to ``specs`` (dct_vs_galore's ``{label: spec}``) the DCT-basis options refreshed every ``gap`` steps
+    (``"DCT-AdamW r=8 gap=10"``, ``"DCT channel r=8 gap=10"``; gap 1, the paper's, keeps its label) and, per rule of
+    ``scale_rules``, DCT-AdamW at every rank but ``scale_ref_rank`` with the scale that rule gives
+    (``"DCT-AdamW r=64 scale sqrt"``), its lr grid centred where the reference rank's is."""
+    for r in ranks:
+        for gap in dct_gaps:  # the DCT-basis options refreshed less often (gap 1, the paper's, keeps its label)
+            for base in (f"DCT-AdamW r={r}", f"DCT channel r={r}"):
+                if gap != 1:
+                    specs[f"{base} gap={gap}"] = {**specs[base], "gap": gap}
+        for rule, power in RANK_SCALE_RULES.items():  # rank-dependent scale: the reference rank's lr carries over
+            if rule in scale_rules and r != scale_ref_rank:
+                # the reference rank's grid centre (3e-3, DCT-AdamW's own, when that rank is not run)
+                ref = specs.get(f"DCT-AdamW r={scale_ref_rank}", {"center": 3e-3})
+                rule_scale = scale * (scale_ref_rank / r) ** power
+                specs[f"DCT-AdamW r={r} scale {rule}"] = {
+                    **specs[f"DCT-AdamW r={r}"], "scale": rule_scale, "center": ref["center"]
+                }  # fmt: skip
+
+
 def random_orthonormal(n: int, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """An ``n x n`` random orthonormal matrix (QR of a Gaussian), rows as basis vectors."""
     gen = torch.Generator().manual_seed(seed)
@@ -305,7 +339,9 @@ def table_step_time(
     from other processes on a shared machine shifts them. Here every round times one step of each optimizer back to
     back on the same gradients, and the median over rounds is reported; a step of an optimizer whose gap is below
     the window includes its refreshes; for a gap > 1 (GaLore, APOLLO, power) the first step's excess over the median
-    (state creation and a refresh) is amortized over the gap.
+    (state creation and a refresh) is amortized over the gap. The mean over the rounds holds every refresh that
+    fell inside them (the whole cost for a gap up to the number of rounds), and is given as a ratio to AdamW's mean
+    over the same rounds when AdamW is among ``specs``.
     """
     sequence = wordnet_all_classes(data["train_per_class"], data["test_per_class"])
     model, collate = minilm(sequence.num_classes, data["max_length"])
@@ -334,15 +370,26 @@ def table_step_time(
     for _ in range(rounds + 1):
         timer.round({label: opt.step for label, opt in optimizers.items()}, fresh_gradients, same_weights)
     rows, records = [], []
+    base = next((label for label, spec in specs.items() if spec["kind"] == "adamw"), None)
     for label, spec in specs.items():
         t0, median = timer.all_rounds[0][label], timer.median(label)
         gap = spec.get("gap", 0)
         # a refresh every `gap` > 1 steps mostly falls outside the median: amortize the first step's excess instead
         refresh = max(t0 - median, 0.0) if gap > 1 else 0.0
         amortized = median + (refresh / gap if gap else 0.0)
-        records.append({"label": label, "median_s": median, "first_step_s": t0, "amortized_s": amortized})
-        rows.append([label, fmt_s(median), fmt_s(t0), fmt_s(amortized)])
+        # the mean over the recorded rounds holds every refresh that fell inside them (exact for gap <= rounds)
+        mean = statistics.fmean(timer.times(label))
+        record = {"label": label, "median_s": median, "first_step_s": t0, "amortized_s": amortized, "mean_s": mean}
+        row = [label, fmt_s(median), fmt_s(t0), fmt_s(amortized), fmt_s(mean)]
+        if base is not None:  # both means over the same interleaved rounds, so load shifts them alike
+            record["mean_vs_adamw"] = mean / statistics.fmean(timer.times(base))
+            row.append(f"{record['mean_vs_adamw']:.2f}")
+        records.append(record)
+        rows.append(row)
     header = ["optimizer", "step (median)", "first step (state + refresh)", "amortized incl. refresh (gap > 1)"]
+    header.append("mean over rounds (refreshes inside)")
+    if base is not None:
+        header.append(f"mean / {base}'s")
     return markdown_table(header, rows), records
 
 
