@@ -114,8 +114,8 @@ def _indexed(x: Tensor, A_pool: Tensor, B_pool: Tensor, indices: Tensor, scale: 
     # transpose), each gathered rank is one contiguous row. index_select rather than A_pool.mT[indices]: the same
     # values, and its backward is one index_add, where advanced indexing's accumulating index_put made the gather's
     # forward + backward about 2x slower on CPU (width 2048, 4 x 64 tokens, K = 16 of a 64-rank pool).
-    a = A_pool.mT.index_select(0, idx).view(*indices.shape, -1)  # (batch, K, in)
-    b = B_pool.index_select(0, idx).view(*indices.shape, -1)  # (batch, K, out)
+    a = A_pool.mT.index_select(0, idx).view(*indices.shape, A_pool.shape[0])  # (batch, K, in); K or batch may be 0
+    b = B_pool.index_select(0, idx).view(*indices.shape, B_pool.shape[1])  # (batch, K, out)
     h = torch.bmm(x3, a.mT)  # (batch, tokens, K)
     if gates is not None:
         h = h * gates.to(h.dtype).unsqueeze(1)
