@@ -278,6 +278,13 @@ def _build_method(data: Any, index: int) -> MethodEntry:
     return MethodEntry(name=cls.name, options=build_section(cls.options_cls, data, prefix, skip=("name",)))
 
 
+def get_setting(options: Any, key: str) -> Any:
+    """The value of the dotted ``key`` (``adapter.trade_off``) in ``options``, as :func:`with_setting` reads it."""
+    for part in key.split("."):
+        options = getattr(options, part)
+    return options
+
+
 def with_setting(options: Any, key: str, value: Any, prefix: str = "") -> Any:
     """A copy of ``options`` with the dotted ``key`` (``adapter.trade_off``) set to ``value``; nested dataclasses
     (an adapter config) are copied with :func:`dataclasses.replace`, so their own checks run, and the method's

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..continual.config import ConfigError, MethodEntry, RunConfig, with_setting
+from ..continual.config import ConfigError, MethodEntry, RunConfig, get_setting, with_setting
 from ..continual.methods import get_continual_method
 from ..continual.progress import write_json_atomic
 from ..continual.runner import run_sequence
@@ -88,20 +88,20 @@ def tune_methods(
     tuned: dict[str, dict[str, Any]] = {}
     described = "the whole sequence" if tune.protocol == "sequence" else "the first task"
 
-    def score(label: str, key: str, options: Any) -> float:
+    def score(label: str, key: str, method: Any) -> float:
         """The validation score of one grid point, trained once (and written at once) or read from the cache."""
         scores: dict[str, float] = cache.setdefault(label, {})
         if key not in scores:
-            method = get_continual_method(entry.name)(options)
             scores[key] = run_sequence(val, method, base, collate, train).metrics["final_acc"]
             saved = {"config_hash": fingerprint, "protocol": tune.protocol, "scores": cache}
             on_rank_zero(lambda: write_json_atomic(saved, path))
         return scores[key]
 
     for entry in entries:
-        label = get_continual_method(entry.name)(entry.options).label
+        method_cls = get_continual_method(entry.name)
+        label = method_cls(entry.options).label
         lrs = _grid(entry, tune.lr_factors)
-        grid = {lr: score(label, f"{lr:g}", dataclasses.replace(entry.options, lr=lr)) for lr in lrs}
+        grid = {lr: score(label, f"{lr:g}", method_cls(dataclasses.replace(entry.options, lr=lr))) for lr in lrs}
         chosen = max(grid, key=lambda lr: (grid[lr], -lrs.index(lr)))
         tuned[label] = {"protocol": tune.protocol, "validation": {f"{k:g}": v for k, v in grid.items()}, "lr": chosen}
         cells = ", ".join(f"{k:g}: {100 * v:.1f}" for k, v in grid.items())
@@ -126,23 +126,18 @@ def _tune_setting(
     order, the configured value first on a tie."""
     ((key, values),) = setting.items()
     base = dataclasses.replace(entry.options, lr=lr)
-    configured = _get(base, key)
+    configured = get_setting(base, key)
     grid = {json.dumps(configured): at_configured}
     for value in values:
         if value != configured:
             name = json.dumps(value)
-            grid[name] = score(f"{label}|{key}", f"{name}@{lr:g}", with_setting(base, key, value))
+            method = get_continual_method(entry.name)(with_setting(base, key, value))
+            grid[name] = score(f"{label}|{key}", f"{name}@{lr:g}", method)
     order = list(grid)
     chosen = max(order, key=lambda v: (grid[v], -order.index(v)))  # the first best; the configured value first
     cells = ", ".join(f"{v}: {100 * s:.1f}" for v, s in grid.items())
     echo(f"  {label}: {key} {chosen} chosen at lr {lr:g} (configured {order[0]}; val acc % {{{cells}}})")
     return {"key": key, "validation": grid, "value": json.loads(chosen)}
-
-
-def _get(options: Any, key: str) -> Any:
-    for part in key.split("."):
-        options = getattr(options, part)
-    return options
 
 
 def tuned_options(entry: MethodEntry, tuned: dict[str, Any]) -> Any:
