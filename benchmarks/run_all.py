@@ -182,6 +182,17 @@ ENTRIES: tuple[Entry, ...] = (
         "per task boundary and per GPU under FSDP2 (docs/splitlora.md).",
     ),
     Entry(
+        "splitlora_fsdp2",
+        "SplitLoRA's statistics under FSDP2: sharded over the input features or whole on every process",
+        ("benchmarks.splitlora_fsdp2", "--json", "runs/benchmarks/splitlora_fsdp2.json"),
+        2,
+        "A random Llama (hidden 256, 2 layers, r = 16 on all seven projections) sharded with fully_shard over 2 gloo "
+        "processes on CPU: one task's statistics (dense, and 64-row sketches) with shard_statistics on and off, bytes "
+        "per process against one process, the statistics pass against a plain forward, collectives, end_task and "
+        "the splits; Llama-3-8B / 70B per-process bytes on 8 processes on paper (docs/distributed.md).",
+        quick=False,
+    ),
+    Entry(
         "pclr_overhead",
         "PCLR routing overhead per forward",
         ("benchmarks.pclr", "--overhead-only"),

@@ -51,7 +51,12 @@ def single():
 def _assert_matches(got: dict, want: dict, case: str) -> None:
     assert got["state"].keys() == want["state"].keys() and want["state"], case
     for name, value in want["state"].items():
-        torch.testing.assert_close(got["state"][name], value, rtol=1e-4, atol=1e-5, msg=f"{case}: {name}")
+        mine = got["state"][name]
+        if ".splitlora_sketch." in name:
+            # a sketch is defined up to a rotation of its rows (eigenvectors of nearly equal eigenvalues turn with
+            # the rounding of the Gram matrix, summed over the processes' features): compare what it sketches
+            mine, value = mine.T @ mine, value.T @ value
+        torch.testing.assert_close(mine, value, rtol=1e-4, atol=1e-5, msg=f"{case}: {name}")
     torch.testing.assert_close(got["logits"], want["logits"], rtol=1e-4, atol=1e-5, msg=case)
 
 
@@ -86,6 +91,38 @@ def test_cycle_decisions_are_those_of_one_process(ranks, single):
     # the cycle did what it is scheduled to: task 0 compressed (6 -> 4 static ranks), task 1 distilled over tasks
     assert single["pclr"]["task_state0"]["model.layers.0"]["static"] == 4
     assert sum(single["pclr"]["draws1"]) == worker.STEPS
+
+
+@pytest.mark.distributed
+def test_splitlora_statistics_are_sharded_over_the_processes(ranks, single):
+    # each process holds half of every module's running statistics (the widths, 32 and 64, split evenly), running and
+    # in progress; with shard_statistics=False every process holds them whole, as one process does
+    for rank in ranks:
+        for case in ("splitlora", "splitlora_sketch"):
+            assert [2 * b for b in rank[case]["statistics_bytes"]] == single[case]["statistics_bytes"], case
+            assert rank[case]["splits"] == single[case]["splits"], case
+        replicated = rank["splitlora_replicated"]
+        assert replicated["statistics_bytes"] == single["splitlora_replicated"]["statistics_bytes"]
+        assert replicated["splits"] == single["splitlora_replicated"]["splits"]
+    # the sketch case really sketched: 8-row sketches of the 32- and 64-wide inputs
+    sketches = {n: v.shape for n, v in single["splitlora_sketch"]["state"].items() if "splitlora_sketch." in n}
+    assert sketches and all(shape[0] == 8 for shape in sketches.values()), sketches
+
+
+@pytest.mark.distributed
+def test_feature_shards_layout_and_collectives(ranks):
+    # 7 features over 2 processes: torch.chunk's 4 + 3; process p's rows are (p + 2) x 7, whole = arange * (p + 1)
+    whole = torch.arange(21.0).reshape(3, 7)
+    rows = [torch.arange(7.0 * (p + 2)).reshape(p + 2, 7) + 100 * p for p in range(2)]
+    for p, rank in enumerate(ranks):
+        got = rank["feature_shards"]
+        start, stop = got["bounds"]
+        assert (start, stop) == ((0, 4), (4, 7))[p]
+        # each process's own columns, reassembled: process 0's of whole * 1, process 1's of whole * 2
+        assembled = torch.cat([whole[:, :4], 2 * whole[:, 4:]], dim=1)
+        assert torch.equal(got["gathered"], assembled) and torch.equal(got["dtensor"], assembled)
+        assert torch.equal(got["scattered"], (whole * 3).T[start:stop])  # the sum over both, this process's rows
+        assert torch.equal(got["exchanged"], torch.cat(rows)[:, start:stop])  # process 0's rows first
 
 
 @pytest.mark.distributed
@@ -334,11 +371,12 @@ def test_sharding_is_checked_and_the_default_keeps_earlier_fingerprints():
         load_config(ROOT / "configs" / "quickstart.yaml", ["train.sharding=fsdp"])
     config = load_config(ROOT / "configs" / "quickstart.yaml")
     # the fingerprint as it was computed before the keys added since existed: train.sharding, data.val_per_class,
-    # tune, and the adapters' loading_note (a saved adapter's note, not a setting)
+    # tune, the adapters' loading_note (a saved adapter's note, not a setting) and SplitLoRA's shard_statistics
     data = dataclasses.asdict(config)
     del data["train"]["progress"], data["train"]["sharding"], data["data"]["val_per_class"], data["tune"]
     for method in data["methods"]:
         method["options"].get("adapter", {}).pop("loading_note", None)
+        method["options"].get("adapter", {}).pop("shard_statistics", None)
     before = hashlib.sha256(json.dumps(data, sort_keys=True, default=_plain).encode()).hexdigest()[:16]
     assert config_hash(config) == before
     # what runs of the shipped quickstart have in their results.json (change it only with configs/quickstart.yaml
@@ -346,6 +384,9 @@ def test_sharding_is_checked_and_the_default_keeps_earlier_fingerprints():
     assert before == "6cc4906bad4be375"
     sharded = dataclasses.replace(config, train=dataclasses.replace(config.train, sharding="fsdp2"))
     assert config_hash(sharded) != before
+    override = ["methods.splitlora.adapter.shard_statistics=false"]
+    replicated = load_config(ROOT / "configs" / "quickstart.yaml", override)
+    assert config_hash(replicated) != before
 
 
 def test_the_units_are_the_layer_stack_entries(monkeypatch):

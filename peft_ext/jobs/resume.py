@@ -36,6 +36,10 @@ def _plain(value: Any) -> Any:
     return sorted(map(str, value)) if isinstance(value, (set, frozenset)) else str(value)
 
 
+#: Adapter options added after runs were fingerprinted, with their defaults (SplitLoRA's sharding under FSDP2).
+_ADAPTER_KEYS_ADDED = {"shard_statistics": True}
+
+
 def config_hash(config: Any) -> str:
     """A fingerprint of everything that changes a job's results (the whole validated config dataclass of any job,
     except whether progress bars show), 16 hex digits."""
@@ -53,6 +57,9 @@ def config_hash(config: Any) -> str:
         adapter = method.get("options", {}).get("adapter") if isinstance(method, dict) else None
         if isinstance(adapter, dict):
             adapter.pop("loading_note", None)
+            for key, default in _ADAPTER_KEYS_ADDED.items():
+                if key in adapter and adapter[key] == default:
+                    adapter.pop(key)
     text = json.dumps(data, sort_keys=True, default=_plain)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 from peft_ext import SplitLoRAConfig
 from peft_ext.distributed import full_tensor, is_dtensor
 from peft_ext.models import tiny_llama
+from peft_ext.tuners.splitlora import SplitLoRALayer
 from tests.workers.distributed import (
     STEPS,
     clip_batches,
@@ -82,11 +84,12 @@ def lora(part: slice, shard: Shard) -> dict:
     return finish(model, "lora_", {})
 
 
-def splitlora(part: slice, shard: Shard) -> dict:
-    """Two SplitLoRA tasks: begin_task, AdamW, statistics on this part, end_task (split, fold, next A)."""
-    config = SplitLoRAConfig(r=2, target_modules=TARGETS, trade_off=3.0, dense_max_features=64)
+def splitlora(part: slice, shard: Shard, **options) -> dict:
+    """Two SplitLoRA tasks: begin_task, AdamW, statistics on this part, end_task (split, fold, next A); the bytes of
+    running statistics this process holds after each task (its share when they are sharded)."""
+    config = SplitLoRAConfig(r=2, target_modules=TARGETS, trade_off=3.0, dense_max_features=64, **options)
     model = shard(get_peft_model(tiny_llama(), config))
-    splits = []
+    splits, held = [], []
     for task in range(2):
         model.begin_task()
         data = [x[part] for x in tokens(10 + task, STEPS, low=40 * task, high=40 * task + 60)]
@@ -95,7 +98,30 @@ def splitlora(part: slice, shard: Shard) -> dict:
             for ids in data:
                 model(input_ids=ids)
         splits.append({key: (s.k_star, s.primary) for key, s in model.end_task().items()})
-    return finish(model, "splitlora_", {"splits": splits})
+        layers = [m for m in model.modules() if isinstance(m, SplitLoRALayer)]
+        held.append(sum(m.local_statistics("default").nbytes for m in layers))
+    return finish(model, "splitlora_", {"splits": splits, "statistics_bytes": held})
+
+
+def feature_shards() -> dict:
+    """peft_ext.distributed.FeatureShards on 7 features (uneven: 4 + 3 over 2 processes) and unequal row counts: the
+    whole tensor gathered, a sum reduce-scattered, rows exchanged, a DTensor built from the local part. One process:
+    the same calls are not made (the test computes what they must return)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from peft_ext.distributed.features import FeatureShards
+
+    rank = dist.get_rank()
+    shards = FeatureShards(init_device_mesh("cpu", (dist.get_world_size(),)), 7)
+    whole = torch.arange(21.0).reshape(3, 7) * (rank + 1)
+    rows = torch.arange(7.0 * (rank + 2)).reshape(rank + 2, 7) + 100 * rank
+    return {
+        "bounds": shards.bounds(),
+        "gathered": shards.gather(shards.local(whole, 1), 1),
+        "scattered": shards.reduce_scatter(whole.T.contiguous()),
+        "exchanged": shards.exchange(rows),
+        "dtensor": full_tensor(shards.dtensor(shards.local(whole, 1), 1)),
+    }
 
 
 def pclr(part: slice, shard: Shard, rank: int = 0) -> dict:
@@ -136,7 +162,15 @@ def mora(part: slice, shard: Shard) -> dict:
     return record
 
 
-CASES = {"lora": lora, "splitlora": splitlora, "pclr": pclr, "mora": mora}
+CASES = {
+    "lora": lora,
+    "splitlora": splitlora,
+    # every module a frequent-directions sketch (8 rows of 16-row buffers, shrinking every 8 tokens)
+    "splitlora_sketch": partial(splitlora, statistics="sketch", sketch_rank=8),
+    "splitlora_replicated": partial(splitlora, shard_statistics=False),
+    "pclr": pclr,
+    "mora": mora,
+}
 
 
 def fsdp2(mesh) -> Shard:
@@ -207,6 +241,8 @@ def main(out_dir: str) -> None:
         if only and name not in only.split(","):
             continue
         record[name] = case(part, shard, rank) if name == "pclr" else case(part, shard)
+    if not only:
+        record["feature_shards"] = feature_shards()
     torch.save(record, Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()

@@ -45,6 +45,11 @@ class SplitLoRAConfig(AdapterConfig):
             continued after ``from_pretrained`` or run under DDP draws the same matrices.
         init_weights: ``True`` (default) starts ``B`` at zero, so a new adapter leaves the model unchanged. ``False``
             starts ``B`` random (for tests that need a non-trivial adapter).
+        shard_statistics: Under FSDP2 (``B`` a DTensor over a one-dimensional mesh of several processes), each
+            process keeps only its share of the input features of the statistics, running and in progress (``True``,
+            default: about ``1 / world`` of them per process; each batch's inputs are reduced as they arrive).
+            ``False`` keeps them whole on every process and reduces the task's increment at ``end_task``, as under
+            DDP. docs/distributed.md compares the two.
     """
 
     r: int = field(default=10, metadata={"help": "Rank of each task's adapter (the paper uses 10)."})
@@ -65,6 +70,9 @@ class SplitLoRAConfig(AdapterConfig):
     )
     seed: int = field(default=0, metadata={"help": "Seed of the frozen A draws."})
     init_weights: bool = field(default=True, metadata={"help": "Start B at zero (True) or random (False, for tests)."})
+    shard_statistics: bool = field(
+        default=True, metadata={"help": "Under FSDP2, keep each process's share of the input features' statistics."}
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -84,6 +92,11 @@ class SplitLoRAConfig(AdapterConfig):
             raise ValueError(f"`init_scaling` must be one of {INIT_SCALINGS}, got {self.init_scaling!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"`seed` must be an integer, got {type(self.seed).__name__} {self.seed!r}")
+        if not isinstance(self.shard_statistics, bool):
+            raise TypeError(
+                f"`shard_statistics` must be True or False, got {type(self.shard_statistics).__name__} "
+                f"{self.shard_statistics!r}"
+            )
 
     def statistics_for(self, in_features: int) -> Literal["dense", "sketch"]:
         """The statistics kind a layer with ``in_features`` inputs uses under this config."""

@@ -5,31 +5,23 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from peft.tuners._buffer_dict import BufferDict
 from torch import nn
 
 from ...distributed import full_tensor
+from ...distributed.features import FeatureShards
 from ...precision import is_half
 from ..adapter_layer import AdapterLayer, AdapterLinear
 from .config import SplitLoRAConfig
-from .stats import (
-    accumulate_covariance_lower,
-    covariance_spectrum,
-    fd_append,
-    fd_compress,
-    kaiming_lora_A,
-    seeded_generator,
-    sketch_spectrum,
-    symmetrize_lower_,
-)
-from .task import commit_task, distributed_group, plan_task
+from .statistics import LayerStatistics
+from .stats import kaiming_lora_A, seeded_generator
+from .task import commit_task, plan_task
 
 __all__ = ["Linear", "SplitLoRALayer"]
 
 
-class SplitLoRALayer(AdapterLayer):
+class SplitLoRALayer(LayerStatistics, AdapterLayer):
     """Per-adapter state of a SplitLoRA layer.
 
     Saved with the adapter (``BufferDict``/``ParameterDict`` entries keyed by adapter name):
@@ -84,6 +76,7 @@ class SplitLoRALayer(AdapterLayer):
         self.r: dict[str, int] = {}
         self.splitlora_config: dict[str, SplitLoRAConfig] = {}
         self._splitlora_pending: dict[str, dict[str, torch.Tensor]] = {}
+        self._splitlora_shards: dict[str, FeatureShards] = {}
         self._splitlora_seed_key = seed_key
 
     # --- creation ------------------------------------------------------------------------------------------------
@@ -180,214 +173,10 @@ class SplitLoRALayer(AdapterLayer):
             else:
                 container[adapter_name] = value.to(target)
 
-    # --- statistics ----------------------------------------------------------------------------------------------
-
     @property
     def seed_key(self) -> str:
         """The module's name in the model: seeds its frozen ``A`` draws and names it in messages."""
         return self._splitlora_seed_key
-
-    def statistics_kind(self, adapter_name: str) -> str:
-        """``"dense"`` or ``"sketch"``: how ``adapter_name`` keeps its running statistics here.
-
-        Args:
-            adapter_name: Name of the adapter.
-        """
-        return "dense" if adapter_name in self.splitlora_cov else "sketch"
-
-    def has_pending_statistics(self, adapter_name: str) -> bool:
-        """Whether statistics of the task in progress were collected and not yet folded in by ``end_task``.
-
-        Args:
-            adapter_name: Name of the adapter.
-        """
-        return adapter_name in self._splitlora_pending
-
-    def _new_pending(self, adapter_name: str) -> dict[str, torch.Tensor]:
-        dtype, device = self._adapter_dtype(), self._adapter_device()
-        pending = {
-            "tokens": torch.zeros((), dtype=torch.int64, device=device),
-            "energy": torch.zeros((), dtype=torch.float64, device=device),
-        }
-        if self.statistics_kind(adapter_name) == "dense":
-            pending["cov"] = torch.zeros(self.in_features, self.in_features, dtype=dtype, device=device)
-        else:
-            # a (2 l, n) buffer: new rows are appended and shrunk to l rows once per l rows (fd_append); "fill"
-            # (rows in use) stays on the CPU so that reading it never waits for the device
-            sketch = self.splitlora_sketch[adapter_name]
-            pending["sketch"] = torch.zeros(2 * sketch.shape[0], self.in_features, dtype=dtype, device=device)
-            pending["fill"] = torch.zeros((), dtype=torch.int64)
-            pending["error"] = torch.zeros((), dtype=torch.float64, device=device)
-        return pending
-
-    @torch.no_grad()
-    def accumulate_statistics(
-        self,
-        adapter_name: str,
-        rows: torch.Tensor,
-        gram: Optional[torch.Tensor] = None,
-        keep_gram: bool = False,
-    ) -> Optional[torch.Tensor]:
-        """Add inputs to the statistics of the task in progress (kept apart until :meth:`finish_statistics`).
-
-        Args:
-            adapter_name: Name of the adapter.
-            rows: Inputs, one token per row, reshaped to ``(N, in_features)``.
-            gram: ``rows^T rows`` already computed (in the adapter dtype, its lower block triangle) by a module fed
-                the same input; dense statistics add it instead of multiplying again.
-            keep_gram: Dense statistics: compute ``rows^T rows`` apart, add it and return it (for such modules).
-
-        Returns:
-            ``rows^T rows`` (lower block triangle, the rest zero) when ``keep_gram`` and the statistics are dense,
-            else ``None``.
-        """
-        if adapter_name not in self.splitlora_B:
-            raise ValueError(f"no SplitLoRA adapter named {adapter_name!r} on {self._splitlora_seed_key!r}")
-        pending = self._splitlora_pending.get(adapter_name)
-        if pending is None:
-            pending = self._splitlora_pending[adapter_name] = self._new_pending(adapter_name)
-        rows = rows.detach().reshape(-1, self.in_features).to(device=pending["tokens"].device)
-        rows = rows.to(self._adapter_dtype())
-        if rows.shape[0] == 0:
-            return None
-        pending["tokens"] += rows.shape[0]
-        # summed in the adapter dtype (a float64 copy of every batch costs as much as the covariance update itself);
-        # only the running total is float64
-        pending["energy"] += rows.square().sum().to(torch.float64)
-        if "cov" in pending:
-            # only the lower block triangle is accumulated (half the products); reduced_statistics mirrors it
-            if gram is not None:
-                pending["cov"].add_(gram)
-            elif keep_gram:
-                gram = torch.zeros_like(pending["cov"])
-                accumulate_covariance_lower(gram, rows)
-                pending["cov"].add_(gram)
-                return gram
-            else:
-                accumulate_covariance_lower(pending["cov"], rows)
-        else:
-            fill, delta = fd_append(pending["sketch"], int(pending["fill"]), rows)
-            pending["fill"].fill_(fill)
-            pending["error"] += delta
-        return None
-
-    def reduced_statistics(self, adapter_name: str, group: Any = None) -> dict[str, torch.Tensor]:
-        """The task in progress's statistics, summed over all processes under ``torch.distributed``; changes nothing
-        but the dense sum's upper triangle, mirrored from the lower one (the only one accumulated) to the same value.
-
-        Every rank must call this for every layer in the same order (it runs collectives). Under
-        ``torch.distributed`` the result is a reduced copy, so a refused ``end_task`` can be retried without counting
-        other processes' tokens twice.
-
-        Args:
-            adapter_name: Name of the adapter.
-            group: ``torch.distributed`` process group (default: the default group, when initialized).
-        """
-        pending = self._splitlora_pending.get(adapter_name)
-        if pending is None:
-            pending = self._new_pending(adapter_name)
-        if "cov" in pending:
-            symmetrize_lower_(pending["cov"])  # accumulated on the lower triangle only; idempotent
-        sync, group = distributed_group(group)
-        if not sync:
-            return pending
-        pending = {key: value.clone() for key, value in pending.items()}
-        for key in ("tokens", "energy", "cov", "error"):
-            if key in pending:
-                dist.all_reduce(pending[key], group=group)
-        if "sketch" in pending:
-            # Frequent-directions sketches merge by stacking and compressing (Ghashami et al. 2016, sec. 3):
-            # every rank gathers the same stack, so every rank computes the same merged sketch.
-            parts = [torch.empty_like(pending["sketch"]) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(parts, pending["sketch"].contiguous(), group=group)
-            pending["sketch"] = torch.cat(parts)
-        return pending
-
-    @torch.no_grad()
-    def add_statistics(
-        self,
-        adapter_name: str,
-        pending: dict[str, torch.Tensor],
-        sketch: Optional[torch.Tensor] = None,
-        sketch_error: Optional[torch.Tensor] = None,
-    ) -> None:
-        """Add (reduced) task statistics to the running ones and drop the task in progress's.
-
-        Args:
-            adapter_name: Name of the adapter.
-            pending: :meth:`reduced_statistics`.
-            sketch: The merged sketch when already computed (``plan_task``); default: merged here.
-            sketch_error: Its error bound, with ``sketch``.
-        """
-        self._splitlora_pending.pop(adapter_name, None)
-        # model.to(torch.bfloat16) casts these running sums too: back to their working dtypes before adding to them
-        sums = (("splitlora_energy", "energy"), ("splitlora_cov", "cov"), ("splitlora_sketch_error", "error"))
-        for attr, key in sums:
-            container = getattr(self, attr)
-            if key in pending and container[adapter_name].dtype != pending[key].dtype:
-                container[adapter_name] = container[adapter_name].to(pending[key].dtype)
-        self.splitlora_tokens[adapter_name] += pending["tokens"]
-        self.splitlora_energy[adapter_name] += pending["energy"]
-        if "cov" in pending:
-            self.splitlora_cov[adapter_name] += pending["cov"]
-        elif sketch is not None:
-            self.splitlora_sketch[adapter_name] = sketch
-            self.splitlora_sketch_error[adapter_name] = sketch_error
-        else:
-            running = self.splitlora_sketch[adapter_name].to(pending["sketch"].dtype)
-            stacked = torch.cat([running, pending["sketch"]])
-            sketch, delta = fd_compress(stacked, self.splitlora_sketch[adapter_name].shape[0])
-            self.splitlora_sketch[adapter_name] = sketch
-            self.splitlora_sketch_error[adapter_name] += pending["error"] + delta
-
-    def finish_statistics(self, adapter_name: str, group: Any = None) -> None:
-        """Fold the task in progress into the running statistics; under ``torch.distributed``, all ranks' first.
-
-        Every rank must call this for every layer in the same order (it runs collectives).
-
-        Args:
-            adapter_name: Name of the adapter.
-            group: ``torch.distributed`` process group (default: the default group, when initialized).
-        """
-        self.add_statistics(adapter_name, self.reduced_statistics(adapter_name, group))
-
-    def covariance(self, adapter_name: str) -> torch.Tensor:
-        """The running uncentered input covariance ``C`` (token-weighted mean over all finished tasks).
-
-        For a sketch this is ``S^T S / tokens``, which differs from ``C`` by at most :meth:`statistics_error` in
-        spectral norm (the bound is on ``S^T S`` itself; this float32 product of it rounds once more).
-
-        Args:
-            adapter_name: Name of the adapter.
-        """
-        tokens = int(self.splitlora_tokens[adapter_name])
-        if tokens == 0:
-            raise ValueError(f"no statistics yet for adapter {adapter_name!r} on {self._splitlora_seed_key!r}")
-        if self.statistics_kind(adapter_name) == "dense":
-            return self.splitlora_cov[adapter_name] / tokens
-        sketch = self.splitlora_sketch[adapter_name]
-        return sketch.T @ sketch / tokens
-
-    def statistics_error(self, adapter_name: str) -> float:
-        """Certified spectral-norm bound on ``C_true - S^T S / tokens`` (0 for dense statistics), rounding included.
-
-        Args:
-            adapter_name: Name of the adapter.
-        """
-        if self.statistics_kind(adapter_name) == "dense":
-            return 0.0
-        tokens = max(int(self.splitlora_tokens[adapter_name]), 1)
-        return float(self.splitlora_sketch_error[adapter_name]) / tokens
-
-    def spectrum(self, adapter_name: str) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """Eigenvalues (descending), eigenvectors and trace of the running statistics (sum scale).
-
-        Args:
-            adapter_name: Name of the adapter.
-        """
-        if self.statistics_kind(adapter_name) == "dense":
-            return covariance_spectrum(self.splitlora_cov[adapter_name])
-        return sketch_spectrum(self.splitlora_sketch[adapter_name], float(self.splitlora_energy[adapter_name]))
 
     # --- the task lifecycle --------------------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from .sequence_state import (
     missing_sequence_state,
     save_sequence_state,
 )
+from .statistics import statistics_mesh
 from .task import commit_task, plan_task
 
 __all__ = ["SplitLoRAModel", "TaskSplit"]
@@ -278,6 +279,15 @@ class SplitLoRAModel(AdapterTuner):
             )
         return layers
 
+    def _shard_statistics(self, adapter_name: str, layers: list[tuple[str, SplitLoRALayer]]) -> None:
+        # FSDP2: each process keeps its features' share of the statistics (shard_statistics; a no-op once done)
+        if not self.peft_config[adapter_name].shard_statistics:
+            return
+        for _, layer in layers:
+            mesh = statistics_mesh(layer.splitlora_B[adapter_name])
+            if mesh is not None:
+                layer.shard_statistics(adapter_name, mesh)
+
     @staticmethod
     def _reject_zero3(layers: list[tuple[str, SplitLoRALayer]], method: str) -> None:
         # end_task folds the whole B into dW_old: a ZeRO-3 partition is not B (FSDP2 shards are gathered instead)
@@ -392,6 +402,7 @@ class SplitLoRAModel(AdapterTuner):
         layers = self._layers(name)
         if not layers:
             raise ValueError(f"adapter {name!r} adapts no module")
+        self._shard_statistics(name, layers)
         holder = _MaskHolder()
         handles = []
         try:
@@ -434,6 +445,7 @@ class SplitLoRAModel(AdapterTuner):
         name = self._resolve_adapter(adapter_name)
         layers = self._lifecycle_layers(name)
         self._reject_zero3(layers, "end_task")
+        self._shard_statistics(name, layers)
         task_index = self.finished_tasks(name)
         self._require_sequence_state(name)
         # All-or-nothing: reduce and check every module's statistics and plan its split first, then change them all

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ...distributed import full_tensor, write_full_
 from ...fileperm import atomic_write
 from .layer import SplitLoRALayer
 
@@ -110,7 +111,8 @@ def save_sequence_state(model: nn.Module, adapter_name: str, save_directory: str
         tensors[f"{name}.splitlora_tasks"] = layer.splitlora_tasks[adapter_name]
         for buffer, value in _entries(layer, adapter_name).items():
             tensors[f"{name}.{buffer}"] = value
-    tensors = {key: value.detach().to("cpu").contiguous() for key, value in tensors.items()}
+    # FSDP2 with sharded statistics: gathered whole (a collective: every process calls this, as for the weights)
+    tensors = {key: full_tensor(value).detach().to("cpu").contiguous() for key, value in tensors.items()}
     path = _path(save_directory, adapter_name)
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"format": _FORMAT, "adapter": adapter_name}))
     return path
@@ -149,7 +151,6 @@ def load_sequence_state(model: nn.Module, adapter_name: str, save_directory: str
                     f"{path}: {key} has shape {tuple(saved[key].shape)}, the adapter's has {tuple(current.shape)}"
                 )
             copies.append((current, saved[key]))
-    with torch.no_grad():
-        for current, value in copies:
-            current.copy_(value)
+    for current, value in copies:
+        write_full_(current, value.to(current.device))  # a DTensor (sharded statistics) takes its own share
     return path

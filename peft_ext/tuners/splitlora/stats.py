@@ -34,8 +34,12 @@ from __future__ import annotations
 
 import math
 import zlib
+from typing import TYPE_CHECKING, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from ...distributed.features import FeatureShards
 
 __all__ = [
     "accumulate_covariance",
@@ -122,7 +126,7 @@ def _float64_allowance(m: int, n: int, ell: int) -> float:
     return 2 * (m + n) * (2 + math.sqrt(ell)) * torch.finfo(torch.float64).eps
 
 
-def fd_compress(stacked: torch.Tensor, ell: int) -> tuple[torch.Tensor, float]:
+def fd_compress(stacked: torch.Tensor, ell: int, shards: Optional[FeatureShards] = None) -> tuple[torch.Tensor, float]:
     """Shrink a stack of rows to an ``ell``-row frequent-directions sketch.
 
     With ``stacked = U diag(s) V^T`` and ``shrinkage = s_ell^2`` (the ``(ell + 1)``-th largest squared singular
@@ -148,9 +152,16 @@ def fd_compress(stacked: torch.Tensor, ell: int) -> tuple[torch.Tensor, float]:
     shrinks add up (triangle inequality), which is how the layers accumulate them. Tested against float64 covariances
     in ``tests/test_splitlora_stats.py``.
 
+    With ``shards``, ``stacked`` holds this process's columns (input features) of the rows, and so does the sketch
+    returned: the ``m x m`` Gram matrix is summed over the processes (one all-reduce, and one of a scalar for the
+    rounding residual), so every process computes the same eigenpairs and its columns of the one-process sketch, to
+    the rounding of that sum. A stack with more rows than features (never the layers' case: a sketch is only kept
+    for layers wider than it) is gathered whole first.
+
     Args:
         stacked: ``(m, n)`` rows (a previous sketch stacked with new data or with other sketches).
         ell: Number of rows of the sketch.
+        shards: The features' split over the processes, when ``stacked`` holds only this process's columns.
 
     Returns:
         ``(sketch, delta)``: ``sketch`` of shape ``(ell, n)`` in ``stacked``'s dtype (zero rows where the rank is
@@ -164,9 +175,15 @@ def fd_compress(stacked: torch.Tensor, ell: int) -> tuple[torch.Tensor, float]:
     if m <= ell:  # nothing to shrink: the rows themselves are an exact sketch
         out[:m] = stacked
         return out, 0.0
+    width = n if shards is None else shards.size
+    wide = m <= width
+    if shards is not None and not wide:
+        sketch, delta = fd_compress(shards.gather(stacked, 1), ell)
+        return shards.local(sketch, 1), delta
     work = stacked.to(torch.float64)
-    wide = m <= n
     gram = work @ work.T if wide else work.T @ work
+    if shards is not None:
+        shards.all_reduce_(gram)
     values, vectors = torch.linalg.eigh(0.5 * (gram + gram.T))
     values, vectors = values.flip(0), vectors.flip(1)
     shrinkage = values[ell].clamp_min(0.0) if values.numel() > ell else values.new_zeros(())
@@ -180,16 +197,21 @@ def fd_compress(stacked: torch.Tensor, ell: int) -> tuple[torch.Tensor, float]:
         rows = shrunk.sqrt()[:, None] * vectors[:, :keep].T
     out[:keep] = rows.to(out.dtype)
     # rows - fl(rows) is exact in float64 (Sterbenz), so this is the true residual's norm up to its own rounding
-    residual = torch.linalg.vector_norm(rows - out[:keep].to(torch.float64))
+    if shards is None:
+        residual = torch.linalg.vector_norm(rows - out[:keep].to(torch.float64))
+    else:
+        residual = shards.all_reduce_((rows - out[:keep].to(torch.float64)).square().sum()).sqrt()
     # one device-to-host transfer per shrink
     shrinkage, residual, top_value, energy = torch.stack(
         [shrinkage, residual, values[0].clamp_min(0.0), gram.diagonal().sum()]
     ).tolist()
     storage = (2 * math.sqrt(top_value) + residual) * residual
-    return out, shrinkage + storage + _float64_allowance(m, n, ell) * energy
+    return out, shrinkage + storage + _float64_allowance(m, width, ell) * energy
 
 
-def fd_append(buffer: torch.Tensor, fill: int, rows: torch.Tensor) -> tuple[int, float]:
+def fd_append(
+    buffer: torch.Tensor, fill: int, rows: torch.Tensor, shards: Optional[FeatureShards] = None
+) -> tuple[int, float]:
     """Stream ``rows`` into a ``(2 ell, n)`` frequent-directions buffer in place, shrinking once per ``ell`` rows.
 
     The buffer's first ``fill`` rows hold the data so far (a shrunk sketch and raw rows after it). Rows are copied
@@ -201,6 +223,8 @@ def fd_append(buffer: torch.Tensor, fill: int, rows: torch.Tensor) -> tuple[int,
         buffer: ``(2 ell, n)`` buffer, changed in place.
         fill: Number of rows of ``buffer`` in use.
         rows: ``(N, n)`` new inputs, cast to ``buffer``'s dtype.
+        shards: The features' split, when ``buffer`` and ``rows`` hold this process's columns (every process
+            appends the same rows, so all shrink together; :func:`fd_compress`).
 
     Returns:
         ``(fill, delta)``: the new fill and the sum of the shrinks' certified errors (the sketch's error bound grows
@@ -215,7 +239,7 @@ def fd_append(buffer: torch.Tensor, fill: int, rows: torch.Tensor) -> tuple[int,
     total, start = 0.0, 0
     while start < rows.shape[0]:
         if fill == two_ell:
-            sketch, delta = fd_compress(buffer, two_ell // 2)
+            sketch, delta = fd_compress(buffer, two_ell // 2, shards)
             buffer.zero_()
             buffer[: two_ell // 2] = sketch
             fill, total = two_ell // 2, total + delta
@@ -286,7 +310,7 @@ def _check_spectrum_dtype(dtype: torch.dtype) -> None:
 
 
 def sketch_spectrum(
-    sketch: torch.Tensor, trace: float, dtype: torch.dtype = torch.float32
+    sketch: torch.Tensor, trace: float, dtype: torch.dtype = torch.float32, shards: Optional[FeatureShards] = None
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Top eigenpairs of ``sketch^T sketch``; the exact ``trace`` of the sketched data is passed through.
 
@@ -301,18 +325,27 @@ def sketch_spectrum(
         sketch: ``(ell, n)`` frequent-directions sketch.
         trace: Exact sum of squared norms of all rows that went into the sketch.
         dtype: ``torch.float32`` (default) or ``torch.float64``.
+        shards: The features' split, when ``sketch`` holds this process's columns: the Gram matrix and the vectors'
+            norms are summed over the processes, and the eigenvectors returned are this process's rows of them.
 
     Returns:
         ``(eigenvalues, eigenvectors, trace)`` as in :func:`covariance_spectrum`, with ``min(ell, n)`` pairs.
     """
     _check_spectrum_dtype(dtype)
     work = sketch.to(dtype)
-    values, u = torch.linalg.eigh(work @ work.T)
-    keep = min(work.shape)
+    gram = work @ work.T
+    if shards is not None:
+        shards.all_reduce_(gram)
+    values, u = torch.linalg.eigh(gram)
+    keep = min(work.shape[0], work.shape[1] if shards is None else shards.size)
     values, u = values.flip(0)[:keep].clamp_min(0.0), u.flip(1)[:, :keep]
     vectors = work.T @ u
+    if shards is None:
+        norms = vectors.norm(dim=0)
+    else:
+        norms = shards.all_reduce_(vectors.square().sum(dim=0)).sqrt()
     # directions of (numerically) zero energy come out as zero columns; they never count as primary on their own
-    vectors = vectors / vectors.norm(dim=0).clamp_min(torch.finfo(dtype).tiny)
+    vectors = vectors / norms.clamp_min(torch.finfo(dtype).tiny)
     return values.to(torch.float64), vectors.to(torch.float64), float(trace)
 
 

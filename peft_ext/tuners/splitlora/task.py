@@ -117,22 +117,32 @@ def plan_task(
             f"module {key!r} saw no non-zero inputs for adapter {adapter_name!r}: run forward passes over the "
             "task's data inside `collect_statistics()` before `end_task()`"
         )
+    # sharded (FSDP2): this process's features of the statistics; the eigensolve gathers what it needs, one module
+    # at a time (a dense covariance whole; of a sketch only the primary eigenvectors, below)
+    shards = layer.statistics_shards(adapter_name)
     if layer.statistics_kind(adapter_name) == "dense":
-        cov = layer.splitlora_cov[adapter_name]
+        cov = layer.local_statistics(adapter_name)
         if pending is not None:
             cov = cov.to(pending["cov"].dtype) + pending["cov"]  # as commit's in-place sum: the same bits
+        if shards is not None:
+            cov = shards.gather(cov, 0)
         check_finite(cov, what, key)
         values, vectors, total = covariance_spectrum(cov)
         del cov
+        shards = None  # the eigenvectors are whole
     else:
-        plan_sketch = layer.splitlora_sketch[adapter_name]
+        plan_sketch = layer.local_statistics(adapter_name)
         plan_error = layer.splitlora_sketch_error[adapter_name]
         if pending is not None:
             stacked = torch.cat([plan_sketch.to(pending["sketch"].dtype), pending["sketch"]])
-            plan_sketch, delta = fd_compress(stacked, plan_sketch.shape[0])
+            plan_sketch, delta = fd_compress(stacked, plan_sketch.shape[0], shards)
             plan_error = plan_error.to(pending["error"].dtype) + (pending["error"] + delta)
+        if shards is not None:
+            bad = (~torch.isfinite(plan_sketch)).any().to(torch.int64)
+            if int(shards.all_reduce_(bad)):
+                check_finite(shards.gather(plan_sketch, 1), what, key)  # every process raises the same error
         check_finite(plan_sketch, what, key)
-        values, vectors, total = sketch_spectrum(plan_sketch, float(energy))
+        values, vectors, total = sketch_spectrum(plan_sketch, float(energy), shards=shards)
     task_index, n = int(layer.splitlora_tasks[adapter_name]), layer.in_features
     k_star = choose_split(values, task_index, config.trade_off, dim=n, total=total)
     primary = primary_dimension(k_star, n)
@@ -161,7 +171,8 @@ def plan_task(
     if config.init_scaling == "inverse_task":
         # the new task has index t = task_index + 1; docs/methods.md (SplitLoRA): / (t + 1)
         target_norm /= task_index + 2
-    new_a = minor_subspace_A(vectors[:, :primary], layer.r[adapter_name], target_norm, generator, a.dtype)
+    primary_vectors = vectors[:, :primary] if shards is None else shards.gather(vectors[:, :primary], 0)
+    new_a = minor_subspace_A(primary_vectors, layer.r[adapter_name], target_norm, generator, a.dtype)
     new_a = new_a.to(a.device)
     sync, group = distributed_group(group)
     if sync:

@@ -1,0 +1,221 @@
+"""SplitLoRA's statistics under FSDP2: what each process holds, sharded over the input features or whole.
+
+Part 1, measured on 2 CPU processes (gloo, ``fully_shard`` on every decoder layer and the root): a random Llama
+(hidden 256, intermediate 512, 2 layers, r = 16 on all seven projections), one task's statistics collected over the
+same global batches (8 x 64 tokens, each process its half) with ``shard_statistics=True`` (each process keeps its
+share of the features) and ``False`` (every process whole, the increment all-reduced at ``end_task``), for dense
+covariances and for frequent-directions sketches of 64 rows. Per process: the running statistics after ``end_task``
+and their peak while collecting (running + the task in progress), against one process; the statistics pass against a
+plain forward of the sharded model (interleaved, per batch), the collectives per statistics batch, ``end_task``'s
+time; and whether every module's split ``k*`` is one process's.
+
+Part 2, on paper: the same per-process bytes for Llama-3-8B and -70B (``statistics="auto"``: every projection is
+wider than 2048, so each keeps a 256-row sketch) on 8 processes, from the layout the code uses (``torch.chunk``'s
+over the input features, :class:`peft_ext.distributed.features.FeatureShards`).
+
+Usage (about a minute on a 2-core CPU; starts its own 2 processes, no torchrun needed)::
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.splitlora_fsdp2 --json runs/benchmarks/splitlora_fsdp2.json
+
+Target: statistics per process, running and while collecting, about ``1 / world`` of one process's (<= 0.55x at 2
+processes: half, and what a split that is not even leaves over).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from peft import get_peft_model
+from torch import nn
+
+from benchmarks._lib.cli import benchmark_parser
+from benchmarks._lib.tables import fmt_bytes, markdown_table
+from peft_ext import SplitLoRAConfig
+from peft_ext.distributed import count_collectives
+from peft_ext.models import tiny_llama
+from peft_ext.tuners.splitlora import SplitLoRALayer
+
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+HIDDEN, LAYERS, VOCAB, RANK, BATCHES = 256, 2, 512, 16, 6
+KINDS = {"dense": {"statistics": "dense"}, "sketch (64 rows)": {"statistics": "sketch", "sketch_rank": 64}}
+LAYOUTS = {"sharded": True, "whole on every process": False}
+LLAMA3 = (("Llama-3-8B", 4096, 1024, 14336, 32), ("Llama-3-70B", 8192, 1024, 28672, 80))
+TARGET = 0.55
+
+
+def batches(part: slice) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, VOCAB, (8, 64), generator=g)[part] for _ in range(BATCHES)]
+
+
+def make_model(kind: dict[str, Any], sharded: bool) -> nn.Module:
+    config = SplitLoRAConfig(r=RANK, target_modules=PROJECTIONS, shard_statistics=sharded, **kind)
+    return get_peft_model(tiny_llama(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, seed=0), config)
+
+
+def shard(model: nn.Module) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def held_bytes(model: nn.Module) -> tuple[int, int]:
+    """(running, task in progress) statistics bytes this process holds, over every module."""
+    layers = [m for m in model.modules() if isinstance(m, SplitLoRALayer)]
+    running = sum(m.local_statistics("default").nbytes for m in layers)
+    pending = sum(sum(t.nbytes for t in m._splitlora_pending.get("default", {}).values()) for m in layers)
+    return running, pending
+
+
+def measure(kind: dict[str, Any], sharded: bool, part: slice, distributed: bool) -> dict[str, Any]:
+    model = make_model(kind, sharded)
+    if distributed:
+        model = shard(model)
+    model.begin_task()
+    data = batches(part)
+    plain, collect, calls, peak = [], [], [], 0
+    with torch.no_grad():
+        model(input_ids=data[0])  # warm-up (FSDP2's lazy init)
+        with model.collect_statistics():
+            for ids in data:
+                with count_collectives() as counted:
+                    model(input_ids=ids)
+                calls.append(counted.calls)
+                peak = max(peak, sum(held_bytes(model)))
+        # timing: the same batches again, statistics and plain forward in turn (the order alternates)
+        for i, ids in enumerate(data):
+            for mode in ("plain", "stats") if i % 2 else ("stats", "plain"):
+                start = time.perf_counter()
+                if mode == "stats":
+                    with model.collect_statistics():
+                        model(input_ids=ids)
+                else:
+                    model(input_ids=ids)
+                (collect if mode == "stats" else plain).append(time.perf_counter() - start)
+    start = time.perf_counter()
+    splits = model.end_task()
+    end_task = time.perf_counter() - start
+    with torch.no_grad():
+        plain_calls = _plain_collectives(model, data[0])
+    return {
+        "running_bytes": held_bytes(model)[0],
+        "collecting_bytes": peak,
+        "plain_s": plain,
+        "statistics_s": collect,
+        "collectives_per_batch": statistics.median(calls) - plain_calls,
+        "end_task_s": end_task,
+        "splits": {key: s.k_star for key, s in splits.items()},
+    }
+
+
+def _plain_collectives(model: nn.Module, ids: torch.Tensor) -> int:
+    with count_collectives() as counted:
+        model(input_ids=ids)
+    return counted.calls
+
+
+def _worker(rank: int, world: int, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    per = 8 // world
+    part = slice(rank * per, (rank + 1) * per)
+    result = {
+        (kind, layout): measure(KINDS[kind], sharded, part, distributed=True)
+        for kind in KINDS
+        for layout, sharded in LAYOUTS.items()
+    }
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def on_paper(world: int, ell: int = 256) -> list[dict[str, Any]]:
+    """Statistics bytes per process for the Llama-3 shapes: a float32 ``ell``-row sketch per projection (and the
+    ``2 ell``-row buffer of the task in progress while collecting), whole or split over ``world`` processes."""
+    rows = []
+    for name, h, _kv, inter, layers in LLAMA3:
+        inputs = [h] * 6 + [inter]  # q, k, v, o, gate, up read the hidden state (or o the attention's); down inter
+        whole = layers * sum(ell * n * 4 for n in inputs)
+        mine = layers * sum(ell * -(-n // world) * 4 for n in inputs)
+        rows.append({"model": name, "world": world, "whole": whole, "sharded": mine})
+    return rows
+
+
+def report(one: dict, ranks: list[dict]) -> list[str]:
+    head = ["statistics", "layout", "running / process", "while collecting", "/ one process (running, collecting)"]
+    head += ["stats pass / plain forward", "collectives per stats batch", "end_task", "k* = one process's"]
+    rows, lines = [], []
+    for kind in KINDS:
+        base = one[kind]
+        for layout in LAYOUTS:
+            r = [rank[(kind, layout)] for rank in ranks]
+            running = max(x["running_bytes"] for x in r)
+            collecting = max(x["collecting_bytes"] for x in r)
+            # a batch ends when its slower process does; ratios per batch, median
+            stats = [max(t) for t in zip(*(x["statistics_s"] for x in r))]
+            plain = [max(t) for t in zip(*(x["plain_s"] for x in r))]
+            ratio = statistics.median(s / p for s, p in zip(stats, plain))
+            same = all(x["splits"] == base["splits"] for x in r)
+            shares = (running / base["running_bytes"], collecting / base["collecting_bytes"])
+            rows.append(
+                [kind, layout, fmt_bytes(running), fmt_bytes(collecting), f"{shares[0]:.2f}x, {shares[1]:.2f}x",
+                 f"{ratio:.2f}x", f"{r[0]['collectives_per_batch']:.0f}",
+                 f"{1e3 * max(x['end_task_s'] for x in r):.0f} ms", "yes" if same else "NO"]
+            )  # fmt: skip
+            if LAYOUTS[layout]:
+                verdict = "met" if max(shares) <= TARGET and same else "NOT met"
+                lines.append(
+                    f"target: {kind} statistics per process <= {TARGET}x one process's at 2 processes: running "
+                    f"{shares[0]:.2f}x, while collecting {shares[1]:.2f}x, splits as one process's: {same}: {verdict}"
+                )
+    print(
+        f"\n### Part 1: random Llama (hidden {HIDDEN}, {LAYERS} layers), r = {RANK} on 7 projections, FSDP2 on 2 "
+        f"processes (gloo, CPU), {BATCHES} batches of 8 x 64 tokens (4 x 64 per process)\n"
+    )
+    print(markdown_table(head, rows, align="llrrlrrrl"))
+    print("\n### Part 2, on paper: 256-row sketches of every projection's input, float32, 8 processes\n")
+    head = ["model", "processes", "whole on every process", "sharded (per process)", "while collecting (x3)"]
+    paper = [
+        [p["model"], str(p["world"]), f"{p['whole'] / 2**30:.2f} GiB", f"{p['sharded'] / 2**30:.3f} GiB",
+         f"{p['whole'] * 3 / 2**30:.2f} -> {p['sharded'] * 3 / 2**30:.3f} GiB"]
+        for p in on_paper(8)
+    ]  # fmt: skip
+    print(markdown_table(head, paper, align="lrrrr"))
+    print()
+    for line in lines:
+        print(line)
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = benchmark_parser(__doc__, json="also write the numbers here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    one = {kind: measure(KINDS[kind], True, slice(None), distributed=False) for kind in KINDS}
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(2, str(Path(tmp) / "store"), tmp), nprocs=2, join=True)
+        ranks = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    report(one, ranks)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        flat = [{f"{k} / {layout}": v for (k, layout), v in rank.items()} for rank in ranks]
+        args.json.write_text(json.dumps({"one_process": one, "ranks": flat}, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
