@@ -148,6 +148,26 @@ def test_orthogonalization_sets_nonzero_singular_values_to_one():
     assert (s[4:] < 1e-12).all()
 
 
+def test_orthogonalization_of_factors_that_are_not_tall_factors_no_qr(monkeypatch):
+    """Square factors (the factored step's 2r x 2r triangular cores, signs as they come) and wide ones go into the SVD
+    as they are, with the result of the QR route (whose Q is exactly diag(+-1) for triangular factors) and the dense
+    one."""
+    g = _gen(12)
+    T_L = torch.linalg.qr(torch.randn(3, 20, 6, generator=g)).R  # 6 x 6 upper triangular, diagonal of either sign
+    T_R = torch.linalg.qr(torch.randn(3, 20, 6, generator=g)).R
+    qr_route = ortho_lowrank(torch.cat([T_L, torch.zeros(3, 2, 6)], -2), torch.cat([T_R, torch.zeros(3, 2, 6)], -2))
+    real_qr, calls = torch.linalg.qr, []
+    monkeypatch.setattr(torch.linalg, "qr", lambda *a, **k: calls.append(a[0].shape) or real_qr(*a, **k))
+    Uo, Vo = ortho_lowrank(T_L, T_R)
+    assert calls == []
+    want = qr_route[0][..., :6, :] @ qr_route[1][..., :6, :].mT
+    torch.testing.assert_close(Uo @ Vo.mT, want, rtol=0, atol=1e-6)
+    wide = torch.randn(4, 6, generator=g, dtype=F64), torch.randn(N, 6, generator=g, dtype=F64)
+    Uo, Vo = ortho_lowrank(*wide)
+    assert calls == [(N, 6)]  # only the tall factor is factored
+    torch.testing.assert_close(Uo @ Vo.T, ortho_dense(wide[0] @ wide[1].T))
+
+
 def test_orthogonalization_keeps_zero_singular_values_zero():
     g = _gen(5)
     U = torch.randn(M, 2, generator=g, dtype=F64) @ torch.randn(2, 4, generator=g, dtype=F64)  # rank 2 in 4 columns

@@ -292,13 +292,16 @@ def ortho_lowrank(U: Tensor, V: Tensor, rtol: float | None = None) -> tuple[Tens
     if is_half(U.dtype):
         U_o, V_o = ortho_lowrank(U.float(), V.float(), rtol)
         return U_o.to(U.dtype), V_o.to(V.dtype)
-    Q_L, T_L = _qr(U)
-    Q_R, T_R = _qr(V)
+    # a factor that is not tall (k >= its rows) goes into the core as it is: its QR would only rotate it by a square
+    # Q. Riemannion's factored step passes 2r x 2r triangular factors, whose Householder Q is exactly diag(+-1).
+    Q_L, T_L = _qr(U) if U.shape[-2] > U.shape[-1] else (None, U)
+    Q_R, T_R = _qr(V) if V.shape[-2] > V.shape[-1] else (None, V)
     P, S, Qh = torch.linalg.svd(T_L @ T_R.mT, full_matrices=False)
     if rtol is None:
         rtol = max(U.shape[-2], V.shape[-2]) * torch.finfo(S.dtype).eps
     keep = (S > rtol * S[..., :1]).to(S.dtype)
-    return Q_L @ (P * keep.unsqueeze(-2)), Q_R @ Qh.mT
+    U_o, V_o = P * keep.unsqueeze(-2), Qh.mT
+    return U_o if Q_L is None else Q_L @ U_o, V_o if Q_R is None else Q_R @ V_o
 
 
 def orthogonalize(x: FixedRankPoint, u: TangentVector, rtol: float | None = None) -> TangentVector:
