@@ -23,6 +23,15 @@ width::
 PCLR runs as it trains the fourth task of 16-rank tasks: 48 static ranks of tasks 0-2 (their prototypes stored, so
 prototype routing runs), 16 new trainable ranks, top-16 of the 64 (the pool at its cap), the query-key loss in the
 loss. Target: PCLR step / LoRA step <= 1.10x at every width (median of the per-round ratios).
+
+``--sequence-cost`` times whole runs instead: the continual benchmark's ``pclr`` entry against ``seq_lora``
+(benchmarks/continual_wordnet.py's methods, sizes and data; its defaults unless ``--tasks``, ``--classes-per-task``,
+``--train-per-class``, ``--test-per-class`` or ``--epochs`` are given), the two alternating run by run, one thread,
+``--cost-rounds`` runs each::
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.pclr --sequence-cost --tasks 10 --cost-rounds 2
+
+Target: PCLR CPU s per run <= 1.5x sequential LoRA's (median of the per-round ratios).
 """
 
 from __future__ import annotations
@@ -44,9 +53,11 @@ from peft_ext.tuners.pclr import group_layers
 
 def main(argv: list[str] | None = None) -> None:
     parser = benchmark_parser(__doc__)
-    int_options(
-        parser, tasks=4, classes_per_task=3, train_per_class=40, test_per_class=20, epochs=2, pool_size=32, ranks=16
-    )
+    for name, default in SIZES.items():
+        option = "--" + name.replace("_", "-")
+        text = f"default {default}; --sequence-cost: the continual benchmark's"
+        parser.add_argument(option, type=int, default=None, help=text)
+    int_options(parser, pool_size=32, ranks=16)
     parser.add_argument("--compress", type=float, default=0.5, help="fraction dropped after every task but the first")
     int_options(parser, top_k=16, seed=0)
     parser.add_argument("--no-baselines", action="store_true", help="skip seq_lora and the no-integration variant")
@@ -56,7 +67,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--rounds", type=int, nargs="+", default=[20, 12, 6], help="--step: timed rounds per width (last repeats)"
     )
+    parser.add_argument(
+        "--sequence-cost",
+        action="store_true",
+        help="only time whole continual runs: the benchmark's pclr entry vs seq_lora, alternating, CPU s per run",
+    )
+    parser.add_argument("--cost-rounds", type=int, default=1, help="--sequence-cost: runs of each method")
     args = parser.parse_args(argv)
+    if args.sequence_cost:
+        sequence_cost_table(args)
+        return
+    for name, default in SIZES.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     if args.overhead_only:
         routing_overhead(args)
         return
@@ -139,6 +162,28 @@ def main(argv: list[str] | None = None) -> None:
         accs = [f"{100 * x:.1f}" for x in (diagonal, final, forget, aia)]
         cells.append([label, *accs, pool, kept, f"{seconds:.0f}"])
     print(markdown_table(head, cells, align="l" * 8))
+
+
+#: The sizes of the comparison table (``--sequence-cost`` takes the continual benchmark's unless they are given).
+SIZES = {"tasks": 4, "classes_per_task": 3, "train_per_class": 40, "test_per_class": 20, "epochs": 2}
+#: The whole-run target: PCLR CPU s per run / sequential LoRA's (median of the per-round ratios).
+SEQUENCE_COST_TARGET = 1.5
+
+
+def sequence_cost_table(args: argparse.Namespace) -> None:
+    """Time whole runs of the continual benchmark's ``pclr`` entry and ``seq_lora``, alternating (see the module
+    docstring), and print CPU seconds per run, the ratio and its verdict."""
+    from benchmarks._lib.continual import Runs
+    from benchmarks._lib.continual import parse_args as benchmark_args
+    from benchmarks._lib.sequence_cost import cost_report, sequence_cost
+
+    argv = ["--methods", "seq_lora", "pclr", "--convergence"]
+    for name in SIZES:
+        if getattr(args, name) is not None:
+            argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    torch.set_num_threads(1)
+    cost = sequence_cost(Runs(benchmark_args(argv)), "pclr", "seq_lora", args.cost_rounds, seed=args.seed)
+    print("\n".join(cost_report(cost, SEQUENCE_COST_TARGET)))
 
 
 def routing_overhead(args: argparse.Namespace, batch: int = 32, tokens: int = 32, rounds: int = 9) -> None:

@@ -9,8 +9,10 @@ import pytest
 import torch
 from peft import get_peft_model
 
+import peft_ext.tuners.pclr.layer as pclr_layer
 import peft_ext.tuners.pclr.model as pclr_model
 from peft_ext import PCLRConfig
+from peft_ext.kernels import rank_pool_gather
 from peft_ext.models import tiny_llama
 from peft_ext.tuners.pclr import (
     compress,
@@ -67,9 +69,10 @@ def _batches(task: int, n: int = 2) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": torch.randint(low, low + 40, (5, 7), generator=g)} for _ in range(n)]
 
 
-def _sequence(n_tasks: int, rule: str) -> None:
+def _sequence(n_tasks: int, rule: str, routing: str = "tasks") -> tuple[torch.nn.Module, list]:
     """Learn ``n_tasks`` tasks through begin_task / end_task on a tiny Llama (compressing after every task but the
-    first, scored by the measured-contribution ``rule``)."""
+    first, scored by the measured-contribution ``rule``, distilled with ``routing``); the model and each end_task's
+    integration result."""
     torch.manual_seed(0)
     config = PCLRConfig(
         target_modules=["q_proj", "v_proj", "up_proj"],
@@ -82,6 +85,7 @@ def _sequence(n_tasks: int, rule: str) -> None:
         shared_r=2,
     )
     model = get_peft_model(tiny_llama(vocab_size=VOCAB, hidden_size=32), config)
+    results = []
     for task in range(n_tasks):
         batches = _batches(task)
         proto = model.query_prototype(batches)
@@ -92,7 +96,11 @@ def _sequence(n_tasks: int, rule: str) -> None:
         for step in range(4):
             pclr_lm_step(model, model, batches[step % 2]["input_ids"], optimizer)
         model.eval()
-        model.end_task(task, proto, batches, integrate_epochs=1, integrate_routing="tasks")
+        generator = torch.Generator().manual_seed(task)
+        results.append(
+            model.end_task(task, proto, batches, integrate_epochs=1, integrate_routing=routing, generator=generator)
+        )
+    return model, results
 
 
 @pytest.mark.parametrize("rule", ["contribution", "contribution_max"])
@@ -100,10 +108,10 @@ def test_stacked_scores_and_drops_equal_one_pass_per_task_through_end_task(monke
     measured = []
     stacked_scores = pclr_model.contribution_scores
 
-    def both(model, batches, adapter, forward, aggregate):
+    def both(model, batches, adapter, forward, aggregate, **options):
         assert forward is None
         reference = _reference_scores(model, batches, adapter, aggregate=aggregate)
-        stacked = stacked_scores(model, batches, adapter, forward, aggregate=aggregate)
+        stacked = stacked_scores(model, batches, adapter, forward, aggregate=aggregate, **options)
         n_drop = sum(group_layers(model)["model.layers.0"][0].counts(adapter)[:2]) // 2
         dropped = [compress(copy.deepcopy(model), n_drop, rule=rule, scores=s) for s in (reference, stacked)]
         measured.append((stored_prototypes(model).shape[0], reference, stacked, dropped))
@@ -127,13 +135,13 @@ def test_one_forward_per_batch_whatever_the_number_of_tasks(monkeypatch):
     counts = []
     stacked_scores = pclr_model.contribution_scores
 
-    def counting(model, batches, adapter, forward, aggregate):
+    def counting(model, batches, adapter, forward, aggregate, **options):
         rows = []
         hook = pclr_tuner(model).model.register_forward_pre_hook(
             lambda module, args, kwargs: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
         )
         try:
-            return stacked_scores(model, batches, adapter, forward, aggregate=aggregate)
+            return stacked_scores(model, batches, adapter, forward, aggregate=aggregate, **options)
         finally:
             hook.remove()
             counts.append((stored_prototypes(model).shape[0], rows))
@@ -177,3 +185,67 @@ def test_stacked_routing_routes_each_copy_as_its_task_alone():
     reference = _reference_scores(model, _batches(0))
     for group, value in scores.items():
         torch.testing.assert_close(value, reference[group], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("routing", ["tasks", "input"])
+def test_the_distillation_teacher_is_the_contribution_pass(monkeypatch, routing):
+    """The contribution pass runs the uncompressed pool on every batch routed as every stored task, the forward
+    passes of the distillation's teacher: end_task keeps its outputs and the teacher runs none of its own, and the
+    distillation ends where it ends when the teacher runs them again (to float rounding: one stacked pass)."""
+    teacher_passes = []
+    snapshot_active = pclr_model.PoolSnapshot.active
+    teacher_outputs = pclr_model.teacher_outputs
+
+    def counted_active(self):
+        teacher_passes.append("snapshot")
+        return snapshot_active(self)
+
+    def counted_outputs(*args, **kwargs):
+        teacher_passes.append("input")
+        return teacher_outputs(*args, **kwargs)
+
+    monkeypatch.setattr(pclr_model.PoolSnapshot, "active", counted_active)
+    monkeypatch.setattr(pclr_model, "teacher_outputs", counted_outputs)
+    model, results = _sequence(3, "contribution", routing)
+    assert teacher_passes == []
+    monkeypatch.setattr(pclr_model._KeptOutputs, "offer", lambda self, index, task, output: None)
+    again, reference = _sequence(3, "contribution", routing)
+    assert teacher_passes and set(teacher_passes) == {"snapshot" if routing == "tasks" else "input"}
+    for result, want in zip(results[1:], reference[1:]):  # the schedule compresses after tasks 1 and 2
+        assert result.steps == want.steps > 0 and result.task_draws == want.task_draws
+        if routing == "tasks":
+            torch.testing.assert_close(result.task_weights, want.task_weights, rtol=1e-4, atol=1e-6)
+    for (name, value), (_, want) in zip(model.named_parameters(), again.named_parameters()):
+        torch.testing.assert_close(value, want, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_copies_routed_as_a_task_take_the_shared_index_gather(monkeypatch):
+    """Every row of a copy routed as a stored task has the task's prototype as query, so one selection: the layers
+    compute such a copy with rank_pool_gather_shared, and the outputs are the per-row gather's."""
+    model, _ = _sequence(3, "contribution")
+    batch = _batches(3)[0]
+    protos = stored_prototypes(model)
+    routes = [
+        task_route(protos, task) for task in range(protos.shape[0])
+    ]  # older tasks as themselves, the last by input
+
+    def logits():
+        with torch.no_grad(), evaluating(model), routed_as_tasks(model, routes):
+            return default_forward(model, stack_batch(batch, len(routes))).logits
+
+    calls = []
+    shared = pclr_layer.rank_pool_gather_shared
+
+    def counted(x, *args):
+        calls.append(x.shape[0])
+        return shared(x, *args)
+
+    def per_row(x, A, B, index, scale, gate):
+        rows = x.shape[0]
+        return rank_pool_gather(x, A, B, index.expand(rows, -1), scale, gate.expand(rows, -1), method="indexed")
+
+    monkeypatch.setattr(pclr_layer, "rank_pool_gather_shared", counted)
+    fast = logits()
+    assert calls == [5] * 2 * 6  # two copies routed as a task, five rows each, through each of the 6 adapted linears
+    monkeypatch.setattr(pclr_layer, "rank_pool_gather_shared", per_row)
+    torch.testing.assert_close(fast, logits(), rtol=1e-6, atol=1e-6)

@@ -13,6 +13,7 @@ from peft_ext.kernels import (
     rank_pool_gather_indexed,
     rank_pool_gather_loop,
     rank_pool_gather_masked,
+    rank_pool_gather_shared,
     register_rank_pool_kernel,
 )
 
@@ -92,6 +93,25 @@ def test_gradients_accumulate_over_shared_ranks(variant):
     assert unused and grads[0][1][:, unused].abs().max() == 0 and grads[0][2][unused].abs().max() == 0
     # analytic check of one column: dL/dA[:, 4] = scale * sum_b sum_occurrences x_b^T (g_b B[4]^T)
     assert grads[0][1][:, 4].abs().sum() > 0
+
+
+@pytest.mark.parametrize("tokens", [None, 4])
+def test_shared_index_set_equals_the_gather_with_it_repeated_values_and_gradients(tokens):
+    # every sample selects the same ranks (PCLR routing a batch as one stored task), a repeat and a zero gate included
+    x, A, B, _ = _inputs(5, tokens, 6, 7, 4, 3, seed=4)
+    index, gate = torch.tensor([4, 1, 4]), torch.tensor([1.0, 0.0, 1.0])
+    repeated, gates = index.expand(5, -1), gate.expand(5, -1)
+    results = []
+    for fn, args in ((rank_pool_gather_shared, (index, 0.6, gate)), (rank_pool_gather, (repeated, 0.6, gates))):
+        leaves = [t.clone().requires_grad_(True) for t in (x, A, B)]
+        y = fn(*leaves, *args)
+        (y * torch.randn(y.shape, generator=torch.Generator().manual_seed(5))).sum().backward()
+        results.append([y.detach(), *(t.grad for t in leaves)])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results[0][0].double(), _naive(x, A, B, repeated, 0.6, gates), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"`index` must be \(K,\)"):
+        rank_pool_gather_shared(x, A, B, repeated, 0.6)
 
 
 def test_choose_reference_by_pool_size_and_k():

@@ -246,7 +246,8 @@ class Runs:
             )
         return self._sequences[seed]
 
-    def _base(self, seed: int) -> tuple[torch.nn.Module, Any]:
+    def base(self, seed: int) -> tuple[torch.nn.Module, Any]:
+        """Seed ``seed``'s MiniLM classifier (its head drawn from the seed) and tokenizer, loaded once."""
         if seed not in self._bases:  # run_sequence deep-copies the base, so one load per seed serves every run
             self._bases[seed] = load_text_classifier("minilm", self.sequence(seed).num_classes, seed=seed)
         return self._bases[seed]
@@ -263,10 +264,18 @@ class Runs:
         if key in self.cache:
             print(f"  {key:<58} (from {self.cache.path})", flush=True)
             return self.cache.get(key)
-        base, tokenizer = self._base(seed)
+        record = self.train(method, lr, seed, split, epochs)
+        return self.cache.put(key, record)  # saved at once: a run killed later loses none before it
+
+    def train(self, method: str, lr: float, seed: int, split: str, epochs: int, wrap: Any = None) -> dict[str, Any]:
+        """Train one run, never read from or saved to the checkpoint: the record :meth:`run` keeps. ``wrap(plugin)``
+        (e.g. :class:`Instrumented`) replaces the method plugin the run drives."""
+        key = f"{method}|lr={lr:g}|seed={seed}|{split}|tasks={self.args.tasks}|epochs={epochs}"
+        base, tokenizer = self.base(seed)
         cls = get_continual_method(METHOD_OF[method])
         options = {**self.args.options[method], "lr": lr}
         plugin = cls(build_section(cls.options_cls, options, prefix=f"{method}."))
+        plugin = plugin if wrap is None else wrap(plugin)
         train = TrainConfig(epochs=epochs, batch_size=self.args.batch_size, seed=seed, progress=False, device="cpu")
         start, cpu_start = time.perf_counter(), cpu_seconds()
         sequence = self.sequence(seed).evaluated_on(split)
@@ -283,7 +292,7 @@ class Runs:
         self.trained += 1
         shown = {k: None if v is None else round(100 * v, 1) for k, v in result.metrics.items()}
         print(f"  {key:<58} {shown}  {seconds:.0f} s ({cpu:.0f} s CPU)", flush=True)
-        return self.cache.put(key, record)  # saved at once: a run killed later loses none before it
+        return record
 
     def score(self, method: str, lr: float, seed: int, split: str) -> tuple[float, dict[str, Any]]:
         """``tune_and_test``'s score: final average accuracy, plus the run's other figures as extras."""

@@ -20,6 +20,7 @@ from .rank_pool import (
     rank_pool_gather_indexed,
     rank_pool_gather_loop,
     rank_pool_gather_masked,
+    rank_pool_gather_shared,
 )
 from .retraction import batched_retraction, cholesky_qr2, choose_retraction, retract, stack_by_shape
 
@@ -36,6 +37,7 @@ __all__ = [
     "rank_pool_gather_indexed",
     "rank_pool_gather_loop",
     "rank_pool_gather_masked",
+    "rank_pool_gather_shared",
     "register_rank_pool_kernel",
     "registered_rank_pool_kernel",
     "retract",

@@ -19,6 +19,11 @@ accumulate over samples that share a rank):
 - :func:`rank_pool_gather_masked`: one dense pass over all ``N`` ranks, then a per-sample count mask (exact because
   the gates are 0/1). No copies, ``N / K`` times the FLOPs; the better choice when ``K`` is close to ``N`` or the
   batch has many samples with few tokens.
+- :func:`rank_pool_gather_shared`: the case where every sample selects the same ``K`` ranks (PCLR routing a batch
+  as one stored task): the ``K`` ranks are gathered once and the batch goes through two plain matmuls. It is
+  :func:`rank_pool_gather` with those indices repeated per sample (tested against it), without the per-sample
+  copies and the batch of small matmuls: at 320 samples x 32 tokens, width 384, K = 16 of 64 ranks, about 3x less
+  CPU time than the gathered version, the same values.
 
 :func:`rank_pool_gather` is the dispatch point. It picks the fast kernel when one is registered and usable, else the
 cheaper torch reference by a cost model (:func:`choose_reference`).
@@ -47,6 +52,7 @@ __all__ = [
     "rank_pool_gather_indexed",
     "rank_pool_gather_loop",
     "rank_pool_gather_masked",
+    "rank_pool_gather_shared",
 ]
 
 _METHODS = ("auto", "indexed", "masked", "loop")
@@ -204,3 +210,38 @@ def rank_pool_gather(
 rank_pool_gather_loop = functools.partial(rank_pool_gather, method="loop")
 rank_pool_gather_indexed = functools.partial(rank_pool_gather, method="indexed")
 rank_pool_gather_masked = functools.partial(rank_pool_gather, method="masked")
+
+
+def rank_pool_gather_shared(
+    x: torch.Tensor,
+    A_pool: torch.Tensor,
+    B_pool: torch.Tensor,
+    index: torch.Tensor,
+    scale: float,
+    gate: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``y[b] = scale * (x[b] @ A_pool[:, S]) @ B_pool[S, :]`` with one index set ``S`` for every sample.
+
+    Equals :func:`rank_pool_gather` with ``index`` (and ``gate``) repeated for every sample, computed as two
+    matmuls over the ``K`` gathered ranks.
+
+    Args:
+        x: (batch, in) or (batch, tokens, in).
+        A_pool: (in, N); pass the transpose of a rank-major (N, in) tensor so each rank is contiguous.
+        B_pool: (N, out).
+        index: (K,) int64/int32 rank indices shared by every sample, in ``[0, N)`` (not checked: a host read).
+        scale: Output scale.
+        gate: Optional (K,) 0/1 gates; default all ones.
+
+    Returns:
+        The adapter output, (batch, out) or (batch, tokens, out).
+    """
+    if index.dim() != 1:
+        raise ValueError(f"`index` must be (K,), one index set for every sample, got shape {tuple(index.shape)}")
+    gates = None if gate is None else gate.reshape(1, -1).expand(x.shape[0], -1)
+    _check(x, A_pool, B_pool, index.reshape(1, -1).expand(x.shape[0], -1), gates, check_range=False)
+    idx = index.long()
+    h = x @ A_pool.mT.index_select(0, idx).mT  # (..., K)
+    if gate is not None:
+        h = h * gate.to(h.dtype)
+    return (h @ B_pool.index_select(0, idx)) * scale

@@ -14,7 +14,7 @@ processes itself (as DDP would), so every process keeps the same pool.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -290,6 +290,7 @@ def integrate_over_tasks(
     generator: Optional[torch.Generator] = None,
     measure: bool = True,
     route_current_by_input: bool = True,
+    known_outputs: Optional[Mapping[tuple[int, int], torch.Tensor]] = None,
 ) -> IntegrateResult:
     """Distill the uncompressed pool into the compressed one with every batch routed as one stored task.
 
@@ -320,6 +321,9 @@ def integrate_over_tasks(
             batches are), route teacher and student by the samples' own queries, as the task is routed at inference;
             off (the public code): by the prototype, which can select none of the task's own ranks (see
             :func:`~.scoring.contribution_scores`), so the teacher itself would not show what the task learnt.
+        known_outputs: Teacher outputs already at hand, by ``(batch index, task)``: the snapshot's outputs on that
+            batch routed as that task (``end_task`` keeps them from :func:`~.scoring.contribution_scores`' pass over
+            the uncompressed pool); the snapshot runs only for the pairs not among them.
 
     Returns:
         Distillation loss before and after over the batches (batch ``i`` routed as task ``i mod T``), the steps, how
@@ -332,9 +336,9 @@ def integrate_over_tasks(
         raise ValueError("no task prototype is stored; end_task stores the current one before integrating")
 
     # The teacher (a fixed snapshot, eval mode) gives the same output for the same (batch, task) pair: the outputs
-    # kept for the before/after figures serve the steps that draw the same pair. Nothing else is kept (a causal LM's
-    # outputs over the vocabulary for every pair would not fit).
-    kept: dict[tuple[int, int], torch.Tensor] = {}
+    # known beforehand and those kept for the before/after figures serve the steps that draw the same pair. Nothing
+    # else is kept (a causal LM's outputs over the vocabulary for every pair need not fit).
+    kept: dict[tuple[int, int], torch.Tensor] = dict(known_outputs or {})
 
     def routing(task: int) -> Any:
         return routed_as(model, task_route(protos, task, route_current_by_input))

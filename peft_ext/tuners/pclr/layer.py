@@ -28,11 +28,11 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ...kernels import rank_pool_gather
+from ...kernels import rank_pool_gather, rank_pool_gather_shared
 from ...precision import is_half
 from ..adapter_layer import AdapterLayer, AdapterLinear
 from .config import PCLRConfig
-from .router import RoutingState, allowed_by_prototype, per_sample, route
+from .router import RoutingState, allowed_by_prototype, copy_blocks, per_sample, route
 from .store import N_NEW, N_PROTOS, N_STATIC, TASK, RankPoolStore
 
 __all__ = ["N_NEW", "N_PROTOS", "N_STATIC", "TASK", "Linear", "PCLRLayer"]
@@ -201,12 +201,23 @@ class PCLRLayer(AdapterLayer, RankPoolStore):
         # where reading each store in place took two gathers of all K slots (the other store's gated to 0): twice the
         # work, and a training step 1.40x LoRA's at width 256 against 1.25x now (benchmarks/pclr.py --step).
         A, B = self.pool(adapter_name)
-        if rows is None and self._pclr_state.recorder is not None:
-            self._pclr_state.recorder(self, adapter_name, samples, A, B, indices, gates)
-        # The router's top-K over this pool's own keys gives in-range indices: skip the range check's host read.
-        out = rank_pool_gather(
-            samples, A.mT, B, indices, self.pclr_scale[adapter_name], gates.to(x.dtype), check_range=False
-        )
+        state = self._pclr_state
+        if rows is None and state.recorder is not None:
+            state.recorder(self, adapter_name, samples, A, B, indices, gates)
+        scale, gates = self.pclr_scale[adapter_name], gates.to(x.dtype)
+        copies = state.routed_copies if rows is None else None
+        if copies is None:
+            # The router's top-K over this pool's own keys gives in-range indices: skip the range check's host read.
+            out = rank_pool_gather(samples, A.mT, B, indices, scale, gates, check_range=False)
+        else:
+            out = torch.cat(
+                [
+                    rank_pool_gather(part, A.mT, B, index, scale, gate, check_range=False)
+                    if shared is None
+                    else rank_pool_gather_shared(part, A.mT, B, index[0], scale, gate[0])
+                    for part, index, gate, shared in copy_blocks(samples, indices, gates, copies)
+                ]
+            )
         out = out.reshape(*x.shape[:-1], out.shape[-1])
         if adapter_name in self.pclr_shared_A:
             shared_A, shared_B = self.pclr_shared_A[adapter_name], self.pclr_shared_B[adapter_name]

@@ -36,7 +36,7 @@ from .config import MEASURED_RULES, PCLRConfig, PCLRCycleConfig
 from .distill import IntegrateResult, integrate, integrate_over_tasks, teacher_outputs
 from .keys import pull_keys_to_prototypes, query_prototype
 from .layer import N_NEW, N_STATIC, TASK, Linear, PCLRLayer
-from .pool import PoolSnapshot, fold_new_ranks, group_layers
+from .pool import PoolSnapshot, fold_new_ranks, group_layers, stored_prototypes
 from .query import encoder_decoder_stacks, query_source
 from .router import QueryFn, RoutingState
 from .scoring import compress, contribution_scores, drop_count
@@ -432,19 +432,55 @@ class PCLRModel(AdapterTuner):
     ) -> Optional[IntegrateResult]:
         by_tasks = settings.integrate_routing == "tasks"
         integrating = bool(batches) and settings.integrate_epochs > 0
-        teacher: Any = None
-        if integrating:
-            teacher = PoolSnapshot(self, adapter) if by_tasks else teacher_outputs(self, batches, forward)
-        scores = None
         rule = self.peft_config[adapter].compress_rule
-        if rule in MEASURED_RULES:
-            scores = contribution_scores(self, batches, adapter, forward, aggregate=MEASURED_RULES[rule])
+        measured = rule in MEASURED_RULES
+        # The contribution pass runs the uncompressed pool on every batch routed as every stored task: exactly the
+        # teacher's forward passes (the current task routed by its own queries, as `integrate` routes it). Its
+        # outputs are kept for the distillation, which then runs the teacher only for pairs it could not keep.
+        kept = _KeptOutputs() if integrating and measured else None
+        teacher: Any = None
+        if integrating and by_tasks:
+            teacher = PoolSnapshot(self, adapter)
+        scores = None
+        if measured:
+            keep = None if kept is None else kept.offer
+            aggregate = MEASURED_RULES[rule]
+            scores = contribution_scores(self, batches, adapter, forward, aggregate=aggregate, on_output=keep)
+        if integrating and not by_tasks:
+            current = len(stored_prototypes(self, adapter)) - 1
+            teacher = kept.batches(current, len(batches)) if kept is not None else None
+            if teacher is None:
+                teacher = teacher_outputs(self, batches, forward)
         compress(self, n_drop, adapter=adapter, scores=scores)
         if not integrating:
             return None
         options = {"epochs": settings.integrate_epochs, "lr": settings.integrate_lr, "forward": forward, "mask": mask}
         options |= {"temperature": settings.temperature, "top_logits": settings.top_logits}
         if by_tasks:
-            options["generator"] = generator
+            options |= {"generator": generator, "known_outputs": None if kept is None else kept.outputs}
         distill = integrate_over_tasks if by_tasks else integrate
         return distill(self, batches, teacher, adapter, measure=settings.measure_integration, **options)
+
+
+class _KeptOutputs:
+    """Model outputs by ``(batch index, task)``, kept while their total size stays within ``max_bytes`` (a
+    classifier's logits always fit; a causal LM's answer logits over its vocabulary for every pair may not).
+
+    Args:
+        max_bytes: The budget.
+    """
+
+    def __init__(self, max_bytes: int = 256 * 2**20) -> None:
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.room = max_bytes
+
+    def offer(self, index: int, task: int, output: torch.Tensor) -> None:
+        size = output.numel() * output.element_size()
+        if size <= self.room:
+            self.outputs[(index, task)] = output
+            self.room -= size
+
+    def batches(self, task: int, count: int) -> Optional[list[torch.Tensor]]:
+        """The outputs of batches ``0..count-1`` routed as ``task``, or ``None`` unless all of them are kept."""
+        found = [self.outputs.get((index, task)) for index in range(count)]
+        return None if any(out is None for out in found) else found

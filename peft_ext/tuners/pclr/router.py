@@ -30,6 +30,7 @@ __all__ = [
     "QueryFn",
     "RoutingState",
     "allowed_by_prototype",
+    "copy_blocks",
     "forward_arguments",
     "per_sample",
     "query_key_loss",
@@ -244,6 +245,25 @@ def per_sample(x: torch.Tensor, samples: int, layer: str) -> torch.Tensor:
     )
 
 
+def copy_blocks(
+    samples: torch.Tensor, indices: torch.Tensor, gates: torch.Tensor, copies: list[Optional[torch.Tensor]]
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]:
+    """The rows of a forward pass over stacked copies (:func:`~.keys.routed_as_tasks`), copy by copy:
+    ``(samples, indices, gates, route)`` of each. The rows of a copy whose route is a prototype all have that query,
+    so all select the same ranks (its first row's ``indices`` and ``gates`` are every row's).
+
+    Args:
+        samples: (rows, ..., width) the layer input (:func:`per_sample`).
+        indices: (rows, K) this pass's selection.
+        gates: (rows, K) its gates.
+        copies: :attr:`RoutingState.routed_copies`.
+    """
+    size = samples.shape[0] // len(copies)
+    for i, route in enumerate(copies):
+        rows = slice(i * size, (i + 1) * size)
+        yield samples[rows], indices[rows], gates[rows], route
+
+
 _STATE_KEYS = itertools.count()
 
 
@@ -295,6 +315,9 @@ class RoutingState:
         #: Per stacked copy of the batch, the prototype that replaces its queries (``None``: its own); see
         #: :func:`~.keys.routed_as_tasks`.
         self.routes: Optional[list[Optional[torch.Tensor]]] = None
+        #: The routes this forward pass's query was built with (:attr:`routes` when :meth:`routed` replaced its
+        #: rows, else ``None``): every row of a copy with a prototype has that query, so one selection.
+        self.routed_copies: Optional[list[Optional[torch.Tensor]]] = None
         # whether a forward pass of the wrapped model is running (an encoder called inside it is part of it)
         self.in_pass = False
         self._session: Optional[_Session] = None
@@ -372,6 +395,7 @@ class RoutingState:
         """
         self.selections = {}
         self.losses = []
+        self.routed_copies = None
         arguments = forward_arguments(model, args, kwargs)
         query, source = self._kept_query(arguments)
         if query is not None:
@@ -380,6 +404,7 @@ class RoutingState:
             query = self.query_fn(model, args, arguments)
             if query is not None:
                 query = self.routed(query)
+                self.routed_copies = self.routes
         self.query = query
         self._remember_in_session(query)
         cache = _cache_argument(arguments)
@@ -452,6 +477,7 @@ class RoutingState:
         """
         if self.query is None and layer is self.query_layer and isinstance(x, torch.Tensor):
             self.query = self.routed(pooled_query(x))
+            self.routed_copies = self.routes
             self._remember_in_session(self.query)
 
     def require_query(self) -> torch.Tensor:

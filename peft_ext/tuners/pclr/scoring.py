@@ -16,10 +16,11 @@ from torch import nn
 
 from ...distributed import all_reduce_
 from .config import COMPRESS_RULES, MEASURED_RULES, PCLRConfig
-from .distill import default_forward, evaluating
+from .distill import default_forward, evaluating, model_output
 from .keys import routed_as_tasks, stack_batch, task_route
 from .layer import PCLRLayer
 from .pool import adapter_config, group_layers, pclr_tuner, stored_prototypes
+from .router import copy_blocks
 
 __all__ = ["compress", "contribution_scores", "drop_count", "importance_scores"]
 
@@ -50,6 +51,7 @@ def contribution_scores(
     forward: Optional[Callable[[nn.Module, Batch], Any]] = None,
     route_current_by_input: bool = True,
     aggregate: str = "sum",
+    on_output: Optional[Callable[[int, int, torch.Tensor], Any]] = None,
 ) -> dict[str, torch.Tensor]:
     """Measured contribution of every active rank, per layer group: the ``"contribution"`` compression rule.
 
@@ -78,6 +80,11 @@ def contribution_scores(
         route_current_by_input: Route the batches by their own queries for the last stored (the current) task.
         aggregate: ``"sum"``: a rank's score is the sum of its normalized shares over the tasks (the
             ``"contribution"`` rule); ``"max"``: its largest share of any one task (``"contribution_max"``).
+        on_output: Called as ``on_output(batch index, task, output)`` with each copy's share of every pass's output
+            (its logits split along the first axis, which lists the stacked samples): what the model outputs on that
+            batch routed as that task, the teacher :func:`~.distill.integrate_over_tasks` and
+            :func:`~.distill.integrate` distill from (``end_task`` keeps them instead of running the model again).
+            Not called for an output whose first axis does not split into the copies.
 
     Returns:
         ``{group: (active ranks,) scores}``, static ranks first.
@@ -101,18 +108,26 @@ def contribution_scores(
         if name != adapter:
             return
         x3 = x if x.dim() == 3 else x.unsqueeze(1)
-        proj = torch.einsum("btn,bkn->btk", x3.float(), A.detach().float()[indices])
-        size = proj.abs().mean(1) * B.detach().float().norm(dim=1)[indices] * gates.float()
+        A, norms = A.detach().float(), B.detach().float().norm(dim=1)
         sums = measured[layer.pclr_group]
-        copy = torch.arange(indices.shape[0], device=indices.device) // (indices.shape[0] // n_tasks)
-        slots = copy.unsqueeze(1) * sums.shape[1] + indices  # row-major slots of (task, rank)
-        sums.view(-1).index_add_(0, slots.flatten().cpu(), size.flatten().cpu())
+        copies = state.routed_copies or [None] * n_tasks  # None: every copy routed by its own queries
+        for task, (part, index, gate, shared) in enumerate(copy_blocks(x3, indices, gates, copies)):
+            # a copy routed as a task selects one index set for all its rows: one matmul, no per-row copies of A
+            if shared is None:
+                proj = torch.einsum("btn,bkn->btk", part.float(), A[index])
+            else:
+                proj = part.float() @ A[index[0]].mT
+            size = proj.abs().mean(1) * norms[index] * gate.float()
+            sums[task].index_add_(0, index.flatten().cpu(), size.flatten().cpu())
 
     state.recorder = record
     try:
         with evaluating(model), routed_as_tasks(model, routes):
-            for batch in batches:
-                forward(model, stack_batch(batch, n_tasks))
+            for index, batch in enumerate(batches):
+                out = model_output(forward(model, stack_batch(batch, n_tasks)))
+                if on_output is not None and out.dim() > 0 and out.shape[0] % n_tasks == 0:
+                    for task, share in enumerate(out.detach().chunk(n_tasks)):
+                        on_output(index, task, share)
     finally:
         state.recorder = None
     # under torch.distributed: the contributions on every process's data
