@@ -7,9 +7,10 @@
    gradient matrix; on FSDP2 shards it either fails or would need the full matrix gathered every refresh: the table
    shows what happens when it is tried.
 2. Riemannion (all projections adapted): the optimizer step gathers every adapter's factors and gradients
-   (``(m + n) x r`` each) from the shards in one all-gather. Time per ``step()`` on 2 ranks against one process
+   (``(m + n) x r`` each) from the shards in one all-gather, each rank steps the adapters it owns (every other one)
+   and one more all-gather hands every rank the new points. Time per ``step()`` on 2 ranks against one process
    (interleaved), against the previous gather (one ``full_tensor`` per tensor), the collectives per step and the
-   bytes the gathers move per step.
+   bytes the first gather moves per step.
 
 Usage (about a minute on a 2-core CPU; starts its own 2 processes, no torchrun needed)::
 
@@ -249,7 +250,10 @@ def print_riemannion(ranks: list[dict[str, Any]]) -> dict[str, float]:
     calls = r[0]["collectives"]["one process"]
     rows = [["1 process", f"{_median_ms(one_wall):.1f} ms", "1", f"{_median_ms(one_cpu):.1f} ms", "1", str(calls)]]
     ratios = {}
-    label = {"bucketed": "2 ranks, one all-gather (now)", "per-tensor": "2 ranks, all-gather per tensor (before)"}
+    label = {
+        "bucketed": "2 ranks, one all-gather of factors and gradients (now)",
+        "per-tensor": "2 ranks, all-gather per tensor (before)",
+    }
     for mode in GATHERS:
         # a sharded step ends when its slower rank does; each round's one-process step ran right after it
         per_rank = [rank["step_times_s"][mode][1:] for rank in r]

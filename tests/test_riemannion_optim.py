@@ -626,3 +626,21 @@ def test_the_step_hands_the_new_basis_to_the_layer_and_the_forward_computes_no_q
         optimizer.zero_grad()
         loss().backward()
         assert layer_qr == [], step  # the forward after a step reuses the handed-over basis
+
+
+def test_a_momentum_split_over_other_processes_is_refused_before_the_step():
+    from peft_ext.optim.riemannion_checks import check_momentum_split
+
+    # saved by 2 FSDP2 processes (each its own adapters' momentum): refused on 1 or 4, taken on 2
+    for world in (1, 4):
+        with pytest.raises(ValueError, match=r"split over 2 process\(es\).*this run has " + str(world)):
+            check_momentum_split({"momentum_processes": 2}, world, has_momentum=True)
+    group = {"momentum_processes": 2}
+    check_momentum_split(group, 2, has_momentum=True)
+    assert group["momentum_processes"] == 2
+    # a whole momentum (one process, DDP, or a state from before the split) serves any number of processes
+    for saved in ({"momentum_processes": 1}, {}):
+        check_momentum_split(saved, 2, has_momentum=True)
+        assert saved["momentum_processes"] == 2
+    # no momentum yet (a fresh optimizer that loaded nothing): nothing to refuse
+    check_momentum_split({"momentum_processes": 2}, 1, has_momentum=False)

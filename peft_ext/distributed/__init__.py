@@ -14,7 +14,7 @@ when ``torch.distributed`` is not initialized or has one process. docs/distribut
 
 from __future__ import annotations
 
-from .buckets import count_collectives, full_tensors, write_full_tensors_
+from .buckets import all_gather_owned, count_collectives, full_tensors, owned_by, row_split, write_full_tensors_
 from .core import is_dtensor, rank, world_size
 from .processes import (
     all_reduce_,
@@ -43,6 +43,7 @@ from .shards import (
 
 __all__ = [
     "ROW_SHARDED",
+    "all_gather_owned",
     "all_reduce_",
     "all_reduce_over_row_shards_",
     "all_shards_agree",
@@ -57,11 +58,13 @@ __all__ = [
     "is_dtensor",
     "local_part",
     "on_rank_zero",
+    "owned_by",
     "raise_shared",
     "rank",
     "rank_zero_first",
     "registered_parameters",
     "reject_zero3",
+    "row_split",
     "share_random_state",
     "sharding_of",
     "sync_model",

@@ -179,3 +179,73 @@ def count_collectives() -> Iterator[CollectiveCount]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         yield counted
     counted.names.extend(e.name for e in prof.events() if e.name.startswith("c10d::"))
+
+
+def row_split(t: torch.Tensor) -> Optional[tuple[Any, int, int]]:
+    """``(group, world, rank in it)`` of the one mesh dimension that splits the rows of the DTensor ``t`` over more
+    than one process; ``None`` for a plain tensor, a replicated DTensor or rows split over several dimensions."""
+    if not is_dtensor(t):
+        return None
+    shard = _row_shard(t, {})
+    return None if shard is None or shard == "nested" else shard
+
+
+def owned_by(slots: Sequence[int], split: Optional[tuple[Any, int, int]]) -> tuple[list[int], list[int]]:
+    """Which process owns each item (its ``slot``, a place that does not change between calls, modulo the number of
+    processes; process 0 all of them without ``split``), and the positions of this process's items."""
+    owners = [slot % split[1] for slot in slots] if split else [0] * len(slots)
+    me = split[2] if split else 0
+    return owners, [i for i, owner in enumerate(owners) if owner == me]
+
+
+def all_gather_owned(
+    owned: dict[int, Sequence[torch.Tensor]],
+    owners: Sequence[int],
+    like: Sequence[Sequence[torch.Tensor]],
+    split: Optional[tuple[Any, int, int]],
+) -> list[list[torch.Tensor]]:
+    """Every item's tensors on every process, when each process computed only the items it owns: one all-gather.
+
+    Item ``i`` is owned by process ``owners[i]`` (:func:`owned_by`; every process passes the same ``owners``), which
+    passes its tensors in ``owned[i]``, shaped as ``like[i]``. Each process sends its items' tensors flattened into
+    one buffer (float64 when any of ``like`` is, else float32, which holds float32, bfloat16 and float16 values
+    exactly; padded to the longest process's), and every process cuts the same values back out, so all hold identical
+    tensors (the owner's own too come from the buffer). Collective over ``split``'s group; without ``split`` the
+    items are returned as they are.
+
+    Args:
+        owned: ``{item: its tensors}`` for the items this process owns.
+        owners: The owning process of every item.
+        like: Per item, tensors of its tensors' shapes (e.g. the parameters they are new values of).
+        split: ``(group, world, rank)`` (:func:`row_split`), or ``None``.
+
+    Returns:
+        Per item, its tensors (views of one received buffer under ``split``).
+    """
+    if split is None:
+        return [list(owned[i]) for i in range(len(like))]
+    group, world, me = split
+    dtype = torch.float64 if any(t.dtype == torch.float64 for item in like for t in item) else torch.float32
+    shapes = [[tuple(t.shape) for t in item] for item in like]
+    sizes = [sum(math.prod(s) for s in item) for item in shapes]
+    width = max([sum(size for size, o in zip(sizes, owners) if o == p) for p in range(world)] + [1])
+    device = next((t.device for item in like for t in item), torch.device("cpu"))
+    send = torch.zeros(width, dtype=dtype, device=device)
+    offset = 0
+    for i, owner in enumerate(owners):
+        if owner == me:
+            for t in owned[i]:
+                send[offset : offset + t.numel()] = t.reshape(-1)
+                offset += t.numel()
+    received = torch.empty(world * width, dtype=dtype, device=device)
+    _ALL_GATHER_INTO_ONE(received, send, group=group)
+    received = received.view(world, width)
+    offsets, result = [0] * world, []
+    for owner, item in zip(owners, shapes):
+        parts = []
+        for shape in item:
+            size = math.prod(shape)
+            parts.append(received[owner, offsets[owner] : offsets[owner] + size].view(shape))
+            offsets[owner] += size
+        result.append(parts)
+    return result

@@ -50,13 +50,16 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ..distributed import (
+    all_gather_owned,
     check_parameters_unchanged,
     check_row_sharded,
     full_tensor,
     full_tensors,
     is_dtensor,
     local_part,
+    owned_by,
     registered_parameters,
+    row_split,
     write_full_tensors_,
 )
 from ..kernels.retraction import stack_by_shape
@@ -65,7 +68,7 @@ from ..precision import check_dtypes, compute_dtype, is_half
 from ..tuners.riemannion.layer import AdapterRef, find_adapters
 from .adam_math import adamw_update
 from .nonfinite import check_gradients, nonfinite_policy
-from .riemannion_checks import check_group
+from .riemannion_checks import check_group, check_momentum_split
 from .riemannion_math import riemannion_update
 from .saved_state import restore_saved_dtypes
 
@@ -120,10 +123,11 @@ class Riemannion(Optimizer):
             (docs/distributed.md).
 
     FSDP2 (``fully_shard``): every step all-gathers every adapter's ``A``, ``B`` and the gradients of ``Z`` and ``B``
-    (``(m + n) x r`` each) in one collective (:func:`~peft_ext.distributed.full_tensors`), runs the step above on the
-    whole factors identically on every process and writes back each process's rows. With the check for non-finite
-    gradients (one all-reduce) a step makes two collectives, however many adapters there are. The momentum is kept
-    whole on every process (the same there); the AdamW state is the shard's.
+    (``(m + n) x r`` each) in one collective (:func:`~peft_ext.distributed.full_tensors`); each process runs the step
+    above for the adapters it owns (every ``world``-th of the group) and keeps only their momentum, and one more
+    all-gather gives every process every new point, of which it writes back its rows. With the check for non-finite
+    gradients (one all-reduce) a step makes three collectives, however many adapters there are. The AdamW state is
+    the shard's.
     """
 
     def __init__(
@@ -316,22 +320,28 @@ class Riemannion(Optimizer):
         return loss
 
     def _step_manifold(self, group: dict[str, Any]) -> None:
-        # Adapters of the same shape are stacked and updated in one batched call (the geometry takes leading batch
-        # dimensions; kernels.retraction.stack_by_shape forms the stacks).
-        has_momentum, refs, params, parts = [], [], [], []
-        for A, B, Z in _triples(group):
+        # Adapters of the same shape are stacked and updated in one batched call (kernels.retraction.stack_by_shape)
+        has_momentum, refs, params, parts, slots = [], [], [], [], []
+        for slot, (A, B, Z) in enumerate(_triples(group)):
             if B.grad is None and Z.grad is None:
                 continue  # the adapter took no part in the loss (e.g. inactive): nothing to do, like torch optimizers
             parts += (A, B, _grad_or_zeros(Z), _grad_or_zeros(B))
             params.append((A, B))
             has_momentum.append("momentum_A" in self.state[A])
             refs.append(self._ref_by_A[id(A)])
-        # FSDP2 row shards are gathered whole (identical on every process, so every process takes the same step), all
-        # adapters' factors and gradients in one collective: gathered one by one, each small tensor pays a DTensor
-        # redistribution and a round trip (4 per adapter)
+            slots.append(slot)
+        # FSDP2: factors and gradients gathered whole in one collective; each process steps the adapters it owns (by
+        # place in the group), keeping only their momentum; one more all-gather hands every process every new point
         whole = full_tensors(parts)
         rows = [tuple(whole[i : i + 4]) for i in range(0, len(whole), 4)]
-        for indices, (A, B, grad_right, grad_left) in stack_by_shape(rows, has_momentum):
+        split = row_split(params[0][0]) if params else None
+        check_momentum_split(group, split[1] if split else 1, any(has_momentum))
+        owners, mine = owned_by(slots, split)
+        new_factors, bases = {}, {}  # by position: the new (A, B); the retraction's B_R for the layer's cache
+        for sub, (A, B, grad_right, grad_left) in stack_by_shape(
+            [rows[i] for i in mine], [has_momentum[i] for i in mine]
+        ):
+            indices = [mine[j] for j in sub]
             buf = None
             if has_momentum[indices[0]]:
                 # stacked as stored (float32 or wider; load_state_dict keeps the saved dtype)
@@ -339,8 +349,7 @@ class Riemannion(Optimizer):
                 buf = TangentVector(
                     torch.stack([s["momentum_A"] for s in states]), torch.stack([s["momentum_B"] for s in states])
                 )
-            # B_R of the current point: the layer's cached basis (computed by its forward pass, or handed over by
-            # the previous step) when it is in the working precision; half-precision B gets its own fp32 basis
+            # B_R: the layer's cached basis when in the working precision; half-precision B gets its own fp32 basis
             if B.dtype == rows[indices[0]][1].dtype:
                 B_R = stack_bases([self._right_basis(refs[i], rows[i][1]) for i in indices])
             else:
@@ -357,19 +366,21 @@ class Riemannion(Optimizer):
                 orthogonalize_step=group["orthogonalize"],
                 rtol=group["rtol"],
             )
-            # each process copies its rows of the new factors into its shards (no communication)
-            new_factors = [(new_point.A[n], new_point.B[n]) for n in range(len(indices))]
-            write_full_tensors_([p for i in indices for p in params[i]], [f for pair in new_factors for f in pair])
             for n, i in enumerate(indices):
+                new_factors[i] = (new_point.A[n], new_point.B[n])
                 A_param, B_param = params[i]
                 if B_param.dtype == new_point.B.dtype and refs[i].layer.cache_right_basis:
-                    # the retraction computed right_basis(B) of the new point already: the next forward uses it
-                    refs[i].layer.set_right_basis(refs[i].adapter_name, new_point.B_R[n])
-                state = self.state[A_param]
-                state["step"] = state.get("step", 0) + 1
-                if group["momentum"] > 0:
-                    # clones: a view would make torch.save write the whole stacked buffer for every adapter
+                    bases[i] = new_point.B_R[n]  # the retraction's right_basis(B): the next forward uses it
+                if group["momentum"] > 0:  # clones: a view would make torch.save write the whole stacked buffer
+                    state = self.state[A_param]
                     state["momentum_A"], state["momentum_B"] = new_buf.A_dot[n].clone(), new_buf.B_dot[n].clone()
+        factors = all_gather_owned(new_factors, owners, params, split)
+        # each process copies its rows of the new factors into its shards (no communication)
+        write_full_tensors_([p for pair in params for p in pair], [f for pair in factors for f in pair])
+        for i, basis in bases.items():  # after the write, which moves B's version (the layer's cache key)
+            refs[i].layer.set_right_basis(refs[i].adapter_name, basis)
+        for A_param, _ in params:
+            self.state[A_param]["step"] = self.state[A_param].get("step", 0) + 1
 
     def _right_basis(self, ref: AdapterRef, B: Tensor) -> Tensor:
         # the layer's cached basis of its B (one QR shared with the forward), or, for a gathered FSDP2 shard (whose

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["check_group"]
+__all__ = ["check_group", "check_momentum_split"]
 
 
 def check_group(group: dict[str, Any], index: int) -> None:
@@ -32,3 +32,17 @@ def check_group(group: dict[str, Any], index: int) -> None:
             raise bad("betas", "a pair of numbers in [0, 1)")
         if not group["eps"] > 0:
             raise bad("eps", "> 0")
+
+
+def check_momentum_split(group: dict[str, Any], world: int, has_momentum: bool) -> None:
+    """Under FSDP2 each of ``world`` processes keeps the momentum of the adapters it owns (every ``world``-th): a state
+    saved over another number of processes holds other adapters' momentum. Raise ``ValueError`` (before the step
+    changes anything) when the group's momentum was split over another count (a whole one, saved by one process or
+    under DDP, serves any), then record ``world`` in the group (saved with the state dict)."""
+    saved = group.get("momentum_processes", world)
+    if has_momentum and saved > 1 and saved != world:
+        raise ValueError(
+            f"this Riemannion state was saved with its momentum split over {saved} process(es) (each keeps its own "
+            f"adapters'), and this run has {world}: resume it on {saved} process(es), or start the optimizer afresh"
+        )
+    group["momentum_processes"] = world
