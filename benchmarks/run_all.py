@@ -193,6 +193,25 @@ ENTRIES: tuple[Entry, ...] = (
         quick=False,
     ),
     Entry(
+        "riemannion_step",
+        "Riemannion's step time and LOI's cost against LoRA + AdamW",
+        ("benchmarks.riemannion", "--timing-only"),
+        2,
+        "MiniLM-L6 on WordNet (r = 16 on query and value, batches of 16): a training step of Riemannion (LOI and "
+        "random start), LoRA + AdamW, LoRA with the Riemannian preconditioner and with Muon, interleaved in one "
+        "process (40 rounds), and LOI's one-off cost as a share of the protocol's 330-step run (docs/riemannion.md).",
+    ),
+    Entry(
+        "pclr_sequence",
+        "PCLR's CPU over a 10-task sequence against sequential LoRA",
+        ("benchmarks.pclr", "--sequence-cost", "--tasks", "10", "--cost-rounds", "2"),
+        9,
+        "The continual benchmark's pclr entry (contribution rule, task-routed distillation) and seq_lora on one "
+        "seed's 10 x 2 WordNet sequence, each in its own thread, taking turns task by task on one core, each timed "
+        "by its thread's CPU clock (docs/pclr.md, 'What a run costs').",
+        quick=False,
+    ),
+    Entry(
         "pclr_overhead",
         "PCLR routing overhead per forward",
         ("benchmarks.pclr", "--overhead-only"),
