@@ -194,16 +194,19 @@ class LayerStatistics:
         # only the running total is float64
         pending["energy"] += rows.square().sum().to(torch.float64)
         if "cov" in pending:
-            if gram is None:
-                # only the lower block triangle is multiplied (half the products); replicated sums are mirrored once
-                # by reduced_statistics, a sharded one per batch before its rows are scattered
+            # only the lower block triangle is multiplied (half the products); replicated sums are mirrored once by
+            # reduced_statistics, a sharded one per batch before its rows are scattered
+            if gram is not None:
+                pending["cov"].add_(gram)
+            elif shards is None and not keep_gram:
+                accumulate_covariance_lower(pending["cov"], rows)  # in place: no n x n product apart
+            else:
                 gram = torch.zeros(self.in_features, self.in_features, dtype=dtype, device=rows.device)
                 accumulate_covariance_lower(gram, rows)
                 if shards is not None:
                     gram = shards.reduce_scatter(symmetrize_lower_(gram))
                 pending["cov"].add_(gram)
                 return gram if keep_gram else None
-            pending["cov"].add_(gram)
         else:
             if shards is not None:
                 rows = shards.exchange(rows)
