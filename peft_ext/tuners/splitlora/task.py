@@ -129,7 +129,7 @@ def plan_task(
         check_finite(cov, what, key)
         values, vectors, total = covariance_spectrum(cov)
         del cov
-        shards = None  # the eigenvectors are whole
+        vector_shards = None  # the eigenvectors of the whole covariance are whole
     else:
         plan_sketch = layer.local_statistics(adapter_name)
         plan_error = layer.splitlora_sketch_error[adapter_name]
@@ -143,6 +143,7 @@ def plan_task(
                 check_finite(shards.gather(plan_sketch, 1), what, key)  # every process raises the same error
         check_finite(plan_sketch, what, key)
         values, vectors, total = sketch_spectrum(plan_sketch, float(energy), shards=shards)
+        vector_shards = shards  # this process's rows of the eigenvectors
     task_index, n = int(layer.splitlora_tasks[adapter_name]), layer.in_features
     k_star = choose_split(values, task_index, config.trade_off, dim=n, total=total)
     primary = primary_dimension(k_star, n)
@@ -171,7 +172,9 @@ def plan_task(
     if config.init_scaling == "inverse_task":
         # the new task has index t = task_index + 1; docs/methods.md (SplitLoRA): / (t + 1)
         target_norm /= task_index + 2
-    primary_vectors = vectors[:, :primary] if shards is None else shards.gather(vectors[:, :primary], 0)
+    primary_vectors = vectors[:, :primary]
+    if vector_shards is not None:
+        primary_vectors = vector_shards.gather(primary_vectors, 0)
     new_a = minor_subspace_A(primary_vectors, layer.r[adapter_name], target_norm, generator, a.dtype)
     new_a = new_a.to(a.device)
     sync, group = distributed_group(group)
