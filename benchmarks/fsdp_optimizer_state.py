@@ -24,20 +24,19 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 from benchmarks._lib import machine
 from benchmarks._lib.cli import benchmark_parser
+from benchmarks._lib.processes import on_processes
 from benchmarks._lib.tables import fmt_bytes, markdown_table
+from peft_ext.continual.sharding import shard_model
 from peft_ext.distributed import count_collectives, full_tensor, local_part, write_full_
 from peft_ext.models import tiny_llama
 from peft_ext.optim import DCTAdamW, create_riemannion_optimizer
@@ -54,17 +53,6 @@ def make_model() -> nn.Module:
 def batches(part: slice, n: int = STEPS) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return [torch.randint(0, VOCAB, (8, 32), generator=g)[part] for _ in range(n)]
-
-
-def shard(model: nn.Module) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PeftModel
-    for layer in inner.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -103,7 +91,7 @@ def measure_state(name: str, part: slice, sharded: bool) -> dict[str, Any]:
     """Two full fine-tuning steps with ``name``; the optimizer-state bytes afterwards, or the error it raised."""
     model = make_model()
     if sharded:
-        shard(model)
+        shard_model(model, torch.device("cpu"))  # each decoder layer a unit, the model the root
     try:
         optimizer = build_optimizer(name, model)
         for x in batches(part, 2):
@@ -145,7 +133,7 @@ def _riemannion_run(part: slice, sharded: bool, steps: int) -> tuple[nn.Module, 
 
     model = get_peft_model(make_model(), RiemannionConfig(r=RANK // 2, target_modules=PROJECTIONS))
     if sharded:
-        shard(model)
+        shard_model(model, torch.device("cpu"))  # each decoder layer a unit, the model the root
     return model, create_riemannion_optimizer(model, lr=1e-3), batches(part, steps)
 
 
@@ -221,16 +209,12 @@ def measure_riemannion(rank: int, part: slice) -> dict[str, Any]:
 OPTIMIZERS = ("AdamW", "DCT-AdamW", "GaLore-AdamW")
 
 
-def _worker(rank: int, world: int, store: str, out: str, optimizers: tuple[str, ...]) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+def _on_process(rank: int, world: int, optimizers: tuple[str, ...]) -> dict[str, Any]:
     per = 8 // world
     part = slice(rank * per, (rank + 1) * per)
     result = {name: measure_state(name, part, sharded=True) for name in optimizers}
     result["riemannion"] = measure_riemannion(rank, part)
-    torch.save(result, Path(out) / f"rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    return result
 
 
 def _median_ms(times: list[float]) -> float:
@@ -290,9 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     optimizers = () if args.riemannion_only else OPTIMIZERS
     one = {name: measure_state(name, slice(None), sharded=False) for name in optimizers}
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(2, str(Path(tmp) / "store"), tmp, optimizers), nprocs=2, join=True)
-        ranks = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks = on_processes(_on_process, 2, optimizers)
 
     print(f"tiny Llama: hidden {HIDDEN}, {LAYERS} layers, vocab {VOCAB}; rank {RANK}; FSDP2, 2 ranks (gloo, CPU)\n")
     if optimizers:

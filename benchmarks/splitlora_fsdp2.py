@@ -26,20 +26,18 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from peft import get_peft_model
 from torch import nn
 
 from benchmarks._lib.cli import benchmark_parser
+from benchmarks._lib.processes import on_processes
 from benchmarks._lib.tables import fmt_bytes, markdown_table
 from peft_ext import SplitLoRAConfig
+from peft_ext.continual.sharding import shard_model
 from peft_ext.distributed import count_collectives
 from peft_ext.models import tiny_llama
 from peft_ext.tuners.splitlora import SplitLoRALayer
@@ -62,17 +60,6 @@ def make_model(kind: dict[str, Any], sharded: bool) -> nn.Module:
     return get_peft_model(tiny_llama(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, seed=0), config)
 
 
-def shard(model: nn.Module) -> nn.Module:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model.base_model.model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
 def held_bytes(model: nn.Module) -> tuple[int, int]:
     """(running, task in progress) statistics bytes this process holds, over every module."""
     layers = [m for m in model.modules() if isinstance(m, SplitLoRALayer)]
@@ -83,8 +70,8 @@ def held_bytes(model: nn.Module) -> tuple[int, int]:
 
 def measure(kind: dict[str, Any], sharded: bool, part: slice, distributed: bool) -> dict[str, Any]:
     model = make_model(kind, sharded)
-    if distributed:
-        model = shard(model)
+    if distributed:  # each decoder layer a unit, the PeftModel the root: as the job shards it
+        model = shard_model(model, torch.device("cpu"))
     model.begin_task()
     data = batches(part)
     plain, collect, calls, peak = [], [], [], 0
@@ -128,19 +115,14 @@ def _plain_collectives(model: nn.Module, ids: torch.Tensor) -> int:
     return counted.calls
 
 
-def _worker(rank: int, world: int, store: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+def _on_process(rank: int, world: int) -> dict:
     per = 8 // world
     part = slice(rank * per, (rank + 1) * per)
-    result = {
+    return {
         (kind, layout): measure(KINDS[kind], sharded, part, distributed=True)
         for kind in KINDS
         for layout, sharded in LAYOUTS.items()
     }
-    torch.save(result, Path(out) / f"rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def on_paper(world: int, ell: int = 256) -> list[dict[str, Any]]:
@@ -207,9 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     one = {kind: measure(KINDS[kind], True, slice(None), distributed=False) for kind in KINDS}
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(2, str(Path(tmp) / "store"), tmp), nprocs=2, join=True)
-        ranks = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks = on_processes(_on_process, 2)
     report(one, ranks)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
