@@ -35,6 +35,8 @@ from .context import (
     to_device,
 )
 from .generation import generation_scores, next_token_loss, require_causal_collate
+from .heads import ContinualHead, build_head
+from .heads.base import forward_with_features, learn_heads
 from .methods import CONTINUAL_METHODS, ContinualMethod
 from .metrics import summarize
 
@@ -45,6 +47,7 @@ __all__ = [
     "RunRecord",
     "TaskTrainer",
     "evaluate",
+    "evaluate_heads",
     "trainable_parameters",
     "training_loss",
 ]
@@ -62,7 +65,7 @@ class MethodResult:
     total_params: int
     train_seconds: float
     eval_seconds: float
-    task_losses: list[float]
+    task_losses: list[Optional[float]]
     extras: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -76,19 +79,21 @@ class RunRecord:
     Args:
         accuracy_matrix: ``R[i][j]``, ``None`` where not (yet) evaluated.
         completed: Phases finished (trained, folded and evaluated).
-        task_losses: Mean training loss of each finished phase.
-        train_seconds: Time in ``before_task``, training and ``after_task``.
+        task_losses: Mean training loss of each finished phase (``None`` for a phase the method did not train).
+        train_seconds: Time in ``before_task``, training, ``after_task`` and the head's pass.
         eval_seconds: Time evaluating.
         scores: Further score matrices by name, like ``accuracy_matrix`` (a generation sequence: ``rouge_l`` and
-            ``answer_loss``, the answers' per-token loss).
+            ``answer_loss``, the answers' per-token loss; ``head:<name>`` for each of ``compare_heads``).
+        head_seconds: Of ``train_seconds``, the time the heads spent reading features and solving.
     """
 
     accuracy_matrix: list[list[Optional[float]]]
     completed: int = 0
-    task_losses: list[float] = field(default_factory=list)
+    task_losses: list[Optional[float]] = field(default_factory=list)
     train_seconds: float = 0.0
     eval_seconds: float = 0.0
     scores: dict[str, list[list[Optional[float]]]] = field(default_factory=dict)
+    head_seconds: float = 0.0
 
     @classmethod
     def empty(cls, num_tasks: int) -> RunRecord:
@@ -181,7 +186,6 @@ def training_loss(
     return loss, logits
 
 
-@torch.no_grad()
 def evaluate(
     model: nn.Module,
     examples: Sequence[Example],
@@ -194,18 +198,44 @@ def evaluate(
     desc: str = "eval",
 ) -> float:
     """Accuracy of ``model`` on ``examples`` when it may only predict ``allowed_classes``."""
+    return evaluate_heads(
+        model, examples, allowed_classes, num_classes, collate, device, {"": None}, batch_size, progress, desc
+    )[""]
+
+
+@torch.no_grad()
+def evaluate_heads(
+    model: nn.Module,
+    examples: Sequence[Example],
+    allowed_classes: Sequence[int],
+    num_classes: int,
+    collate: Collate,
+    device: torch.device,
+    heads: dict[str, Optional[ContinualHead]],
+    batch_size: int = 128,
+    progress: bool = False,
+    desc: str = "eval",
+) -> dict[str, float]:
+    """Accuracy of each head on ``examples`` when it may only predict ``allowed_classes``, from one forward per batch.
+
+    Args:
+        heads: By name; ``None`` or a head that does not read features scores with the model's own output.
+    """
     if not examples:
         raise ValueError("cannot evaluate on an empty test set")
     was_training = model.training
     model.eval()
     mask = class_mask(num_classes, allowed_classes, device)
-    correct = 0
+    reads = any(head is not None and head.reads_features for head in heads.values())
+    correct = dict.fromkeys(heads, 0)
     for batch in tqdm(split_batches(examples, batch_size), desc=desc, disable=not progress, leave=False):
         batch = to_device(collate(batch), device)
-        logits = model_logits(model, batch).masked_fill(~mask, float("-inf"))
-        correct += (logits.argmax(-1) == batch["labels"]).sum().item()
+        logits, features = forward_with_features(model, batch) if reads else (model_logits(model, batch), None)
+        for name, head in heads.items():
+            scores = head.scores(features) if head is not None and head.reads_features else logits
+            correct[name] += (scores.masked_fill(~mask, float("-inf")).argmax(-1) == batch["labels"]).sum().item()
     model.train(was_training)
-    return correct / len(examples)
+    return {name: n / len(examples) for name, n in correct.items()}
 
 
 class ContinualEngine:
@@ -244,11 +274,40 @@ class ContinualEngine:
         self.sequence = sequence
         self.method = method
         self.ctx = RunContext(sequence=sequence, train=train, collate=collate, device=device or train.resolve_device())
+        self.head = build_head(method.head, sequence.num_classes, seed=train.seed)
+        #: The further heads scored on the same run (``compare_heads``), by name.
+        self.compared = {
+            head.name: head
+            for head in (
+                build_head(spec, sequence.num_classes, seed=train.seed) for spec in method.options.compare_heads
+            )
+        }
+        self._check_heads()
+
+    def _check_heads(self) -> None:
+        """Refuse heads the sequence cannot serve, before any work."""
+        sequence = self.sequence
+        heads = [self.head, *self.compared.values()]
+        if sequence.kind == "generation" and any(h.name != "linear" for h in heads):
+            raise ValueError(
+                f"a generation sequence ({sequence.name!r}) scores generated answers, not classes: method "
+                f"{self.method.label!r} takes no `head` or `compare_heads` there"
+            )
+        for head in heads:
+            needs = head.needs_validation()
+            if needs and not any(task.validation for task in sequence.tasks):
+                raise ValueError(
+                    f"the {head.name!r} head of method {self.method.label!r} (`{needs}`) chooses on a validation "
+                    f"split, and {sequence.name!r} has none: set `data.val_per_class` (shipped data sets) or "
+                    "`data.validation` / `data.validation_share` (your files), or give the head a fixed value"
+                )
 
     def build(self, base_model: nn.Module) -> nn.Module:
-        """The method's model, built from a deep copy of ``base_model`` under the run's seed, on the run's device."""
+        """The method's model, built from a deep copy of ``base_model`` under the run's seed, on the run's device (the
+        head first shapes the copy's classifier, then the method builds on it)."""
         torch.manual_seed(self.ctx.train.seed)
-        return self.method.build(copy.deepcopy(base_model), self.ctx).to(self.ctx.device)
+        model = self.head.attach(copy.deepcopy(base_model))
+        return self.method.build(model, self.ctx).to(self.ctx.device)
 
     def phases(self) -> list[Phase]:
         """The phases in order: one per task, or one over the union of all tasks for a joint method."""
@@ -286,13 +345,32 @@ class ContinualEngine:
             if sequence.kind == "generation":
                 scores = generation_scores(model, test, ctx.collate, ctx.device, **options)
                 score = scores.pop("exact_match")
-                for name, value in scores.items():
-                    extra.setdefault(name, []).append(value)
             else:
                 classes = ctx.eval_classes(row, j)
-                score = evaluate(model, test, classes, sequence.num_classes, ctx.collate, ctx.device, **options)
+                heads = {"": self.head, **{f"head:{name}": head for name, head in self.compared.items()}}
+                scores = evaluate_heads(
+                    model, test, classes, sequence.num_classes, ctx.collate, ctx.device, heads, **options
+                )
+                score = scores.pop("")
+            for name, value in scores.items():
+                extra.setdefault(name, []).append(value)
             row_scores.append(score)
         return row_scores, extra
+
+    def learn_heads(self, model: nn.Module, phase: Phase) -> None:
+        """Every head reads the phase's training data (a no-op for heads the model trains); their states go to
+        ``ctx.state["heads"]`` so a snapshot holds them."""
+        states = self.ctx.state.setdefault("heads", {})
+        learn_heads([self.head, *self.compared.values()], model, phase.task_id, phase.task, self.ctx)
+        for key, head in (("head", self.head), *self.compared.items()):
+            states[key] = head.state_dict()
+
+    def restore_heads(self) -> None:
+        """Load the heads' states from ``ctx.state`` (a resumed run's snapshot), if it holds them."""
+        states = self.ctx.state.get("heads", {})
+        for key, head in (("head", self.head), *self.compared.items()):
+            if key in states:
+                head.load_state_dict(states[key])
 
     def run(self, model: nn.Module, trainer: TaskTrainer, record: RunRecord) -> nn.Module:
         """Run the phases not yet in ``record``; return the final model.
@@ -304,13 +382,21 @@ class ContinualEngine:
         """
         method, ctx = self.method, self.ctx
         phases = self.phases()
+        self.restore_heads()
         for phase in phases[record.completed :]:
             start = time.perf_counter()
             trainer.prepare(phase)
-            model = method.before_task(model, phase.task_id, phase.task, ctx)
-            loss = trainer.train(model, phase)
-            trainer.finish(model, phase)
-            model = method.after_task(model, phase.task_id, phase.task, ctx)
+            trains = method.trains_task(phase.task_id)
+            loss = None
+            if trains:
+                model = method.before_task(model, phase.task_id, phase.task, ctx)
+                self.head.before_task(model, phase.task_id, ctx)
+                loss = trainer.train(model, phase)
+                trainer.finish(model, phase)
+                model = method.after_task(model, phase.task_id, phase.task, ctx)
+            head_start = time.perf_counter()
+            self.learn_heads(model, phase)
+            record.head_seconds += time.perf_counter() - head_start
             record.train_seconds += time.perf_counter() - start
             start = time.perf_counter()
             scores, extra = self.score_row(model, phase.row)
@@ -321,7 +407,7 @@ class ContinualEngine:
             record.eval_seconds += time.perf_counter() - start
             record.task_losses.append(loss)
             record.completed += 1
-            if record.completed < len(phases):
+            if record.completed < len(phases) and trains:
                 model = method.between_tasks(model, ctx)
             trainer.phase_done(model, phase, record)
         return model
@@ -329,7 +415,10 @@ class ContinualEngine:
     def metrics(self, record: RunRecord) -> dict[str, Optional[float]]:
         """Final accuracy, accuracy right after learning each task, average incremental accuracy, backward transfer and
         forgetting of ``record``."""
-        R = record.accuracy_matrix
+        return self.matrix_metrics(record.accuracy_matrix)
+
+    def matrix_metrics(self, R: list[list[Optional[float]]]) -> dict[str, Optional[float]]:
+        """:meth:`metrics` of one accuracy matrix ``R``."""
         if self.method.joint:
             T = len(R)
             # Only the last row exists: forgetting and transfer are undefined for a model trained once.
@@ -355,5 +444,29 @@ class ContinualEngine:
             train_seconds=record.train_seconds,
             eval_seconds=record.eval_seconds,
             task_losses=record.task_losses,
-            extras={**self.method.report(self.ctx), **{f"{k}_matrix": v for k, v in record.scores.items()}},
+            extras={
+                **self.method.report(self.ctx),
+                **self.head_extras(record),
+                **{f"{k}_matrix": v for k, v in record.scores.items() if not k.startswith("head:")},
+            },
         )
+
+    def head_extras(self, record: RunRecord) -> dict[str, Any]:
+        """The result's figures of the heads: which one scored the matrix, their time, and each compared head's
+        matrix and metrics (classification sequences only)."""
+        if self.sequence.kind != "classification":
+            return {}
+        extras: dict[str, Any] = {
+            "head": {"name": self.head.name, **self.head.describe()},
+            "head_seconds": record.head_seconds,
+        }
+        if self.compared:
+            extras["heads"] = {
+                name: {
+                    "accuracy_matrix": record.scores[f"head:{name}"],
+                    "metrics": self.matrix_metrics(record.scores[f"head:{name}"]),
+                    **head.describe(),
+                }
+                for name, head in self.compared.items()
+            }
+        return extras

@@ -32,6 +32,9 @@ if TYPE_CHECKING:
     from .context import RunContext
 
 
+ADAPT_MODES = ("every_task", "first_task")
+
+
 @dataclass
 class MethodOptions:
     """Options every method has.
@@ -40,17 +43,58 @@ class MethodOptions:
         lr: Learning rate of the method's optimizer.
         weight_decay: Decoupled weight decay (AdamW).
         label: Name shown in tables and plots (default: the method name).
+        head: How features become class scores (:mod:`peft_ext.continual.heads`): a head's name (``linear``,
+            ``cosine``, ``prototype``, ``lda``, ``analytic``, ``aligned``) or a mapping with its ``name`` and options
+            (``{name: analytic, dim: 4096}``); default: the method's own (``linear`` for the trained methods).
+        compare_heads: Further heads fed and scored on the same run, side by side in the report (any head that does
+            not change training: not ``cosine``); their accuracy matrices go to the result's ``extras["heads"]``.
+        adapt: ``every_task`` (train on every task) or ``first_task`` (APER / RanPAC's first-session adaptation:
+            train on the first task only, then freeze the model; later classes are learned by the head alone, so the
+            head must be one that learns from features).
     """
 
     lr: float = 1e-3
     weight_decay: float = 0.0
     label: str | None = None
+    head: str | dict[str, Any] | None = None
+    compare_heads: list[str | dict[str, Any]] = field(default_factory=list)
+    adapt: str = "every_task"
 
     def validate(self) -> None:
+        from .heads import HEADS, head_spec
+
         if not self.lr > 0:
             raise ValueError(f"`lr` must be > 0, got {self.lr}")
         if self.weight_decay < 0:
             raise ValueError(f"`weight_decay` must be >= 0, got {self.weight_decay}")
+        if self.adapt not in ADAPT_MODES:
+            raise ValueError(f"`adapt` must be one of {list(ADAPT_MODES)}, got {self.adapt!r}")
+        head = None if self.head is None else head_spec(self.head)[0]
+        if self.adapt == "first_task" and (head is None or not HEADS[head].reads_features):
+            learners = [name for name, cls in sorted(HEADS.items()) if cls.reads_features]
+            raise ValueError(
+                f"`adapt: first_task` freezes the model after the first task, so later classes are learned by the "
+                f"head alone: set `head` to one that learns from features ({', '.join(learners)}), got "
+                f"{head or 'linear'!r}"
+            )
+        names = []
+        for spec in self.compare_heads:
+            try:
+                name = head_spec(spec)[0]
+            except ValueError as err:
+                raise ValueError(str(err).replace("`head", "`compare_heads", 1)) from None
+            if HEADS[name].shapes_training:
+                raise ValueError(
+                    f"`compare_heads` {name!r} changes what the model trains, so it cannot be scored on another "
+                    f"head's run: give it its own method entry with `head: {name}`"
+                )
+            if name == "linear" and head is not None and HEADS[head].shapes_training:
+                raise ValueError(
+                    f"`compare_heads` 'linear' reads the model's own classifier, which the {head!r} head replaces"
+                )
+            names.append(name)
+        if len(set(names)) != len(names):
+            raise ValueError(f"`compare_heads` lists a head twice: {names}")
 
 
 #: Fields every PEFT config has that describe the saved adapter, not the adapter itself; no method config sets them.
@@ -180,6 +224,10 @@ class ContinualMethod:
     #: ``before_task`` / ``between_tasks`` return a new model around new modules (merge, then a new adapter): such a
     #: method trains with whole parameters under ``train.sharding: fsdp2`` (:mod:`.sharding`).
     rewraps_model: ClassVar[bool] = False
+    #: The head used when the options name none.
+    default_head: ClassVar[str] = "linear"
+    #: Trains on the tasks (``False``: a training-free method; only its head learns, from features).
+    trains: ClassVar[bool] = True
 
     def __init__(self, options: MethodOptions | None = None, **kwargs: Any) -> None:
         if options is None:
@@ -194,6 +242,16 @@ class ContinualMethod:
     @property
     def label(self) -> str:
         return self.options.label or self.name
+
+    @property
+    def head(self) -> str | dict[str, Any]:
+        """The ``head`` option the method runs with (its :attr:`default_head` when the options name none)."""
+        return self.options.head if self.options.head is not None else self.default_head
+
+    def trains_task(self, task_id: int) -> bool:
+        """Whether the method trains on phase ``task_id`` (not: a training-free method, or ``adapt: first_task``
+        after the first task)."""
+        return self.trains and (self.options.adapt == "every_task" or task_id == 0)
 
     @property
     def needs_whole_parameters(self) -> str | None:

@@ -1,0 +1,181 @@
+"""The ``analytic`` head (RanPAC, McDonnell et al., NeurIPS 2023): a fixed random ReLU projection of the features to
+``dim`` dimensions, then ridge regression onto one-hot labels, solved in closed form from two running sums.
+
+With ``h = relu(x R)`` the statistics are the Gram matrix ``G = sum h h^T`` (``dim x dim``) and ``Q = sum h y^T``
+(``dim x num_classes``); the weights are ``W = (G + lambda I)^-1 Q``. Both sums are additive, so the weights are the
+same for any task order and any batch split (to float64 rounding), and no example is kept.
+
+The ridge ``lambda`` is chosen per task: on the validation split when the run has one, otherwise by generalized
+cross-validation, which needs nothing but ``G``, ``Q`` and the count (the residual and the effective degrees of
+freedom follow from ``G``'s eigendecomposition). Both grids are relative to ``G``'s mean eigenvalue, so the choice
+does not depend on the features' scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import torch
+from torch import nn
+
+from .base import ContinualHead, HeadOptions, grow, masked_scores, reduce_sums_, register_head
+from .selection import best_on_validation, validation_examples
+
+if TYPE_CHECKING:
+    from ...data.tasks import Task
+    from ..context import RunContext
+
+#: Ridge grid, in units of the Gram matrix's mean eigenvalue ``tr(G) / dim``.
+RIDGE_GRID = tuple(10.0**k for k in range(-6, 3))
+
+
+@dataclass
+class AnalyticOptions(HeadOptions):
+    """Options of the ``analytic`` head.
+
+    Args:
+        dim: Width of the random projection (RanPAC uses 10,000 on ViTs; the Gram matrix is ``dim^2`` float64).
+        ridge: ``"auto"`` (on the validation split when the run has one, else generalized cross-validation),
+            ``"validation"`` (the run must have a validation split), or a number: ``lambda`` in units of the Gram
+            matrix's mean eigenvalue.
+    """
+
+    dim: int = 2048
+    ridge: Union[float, str] = "auto"
+
+    def validate(self) -> None:
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 1:
+            raise ValueError(f"`head.dim` must be a positive integer, got {self.dim!r}")
+        r = self.ridge
+        if isinstance(r, str):
+            if r not in ("auto", "validation"):
+                raise ValueError(f"`head.ridge` must be a number > 0, 'auto' or 'validation', got {r!r}")
+        elif isinstance(r, bool) or not r > 0:
+            raise ValueError(f"`head.ridge` must be a number > 0, 'auto' or 'validation', got {r!r}")
+
+
+def gcv_ridge(eigenvalues: torch.Tensor, projected: torch.Tensor, yy: float, n: float, grid: list[float]) -> float:
+    """The ridge of ``grid`` with the least generalized cross-validation error ``n * RSS / (n - dof)^2``.
+
+    Args:
+        eigenvalues: ``(dim,)`` eigenvalues ``s`` of ``G``.
+        projected: ``U^T Q`` (``dim x C``), ``U`` the eigenvectors.
+        yy: ``sum |y|^2`` (the count, for one-hot labels).
+        n: Number of samples.
+        grid: Candidate ridges (absolute).
+    """
+    p2 = (projected * projected).sum(-1)
+    best, best_score = grid[-1], float("inf")
+    for lam in grid:
+        shrink = 1.0 / (eigenvalues + lam)
+        rss = yy - 2 * float((p2 * shrink).sum()) + float((p2 * eigenvalues * shrink * shrink).sum())
+        dof = float((eigenvalues * shrink).sum())
+        if dof >= n:
+            continue
+        score = n * max(rss, 0.0) / (n - dof) ** 2
+        if score <= best_score:
+            best, best_score = lam, score
+    return best
+
+
+@register_head
+class AnalyticHead(ContinualHead):
+    """RanPAC's head: random ReLU projection, ridge regression in closed form (see the module docstring)."""
+
+    name = "analytic"
+    options_cls = AnalyticOptions
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.projection: Optional[torch.Tensor] = None
+        self.gram: Optional[torch.Tensor] = None
+        self.targets: Optional[torch.Tensor] = None
+        self.counts = torch.zeros(self.num_classes, dtype=torch.float64)
+        self.weight: Optional[torch.Tensor] = None
+        self.chosen: list[float] = []
+
+    def needs_validation(self) -> Optional[str]:
+        return "head.ridge: validation" if self.options.ridge == "validation" else None
+
+    def _project(self, features: torch.Tensor) -> torch.Tensor:
+        return torch.relu(features.float() @ self.projection.to(features.device))
+
+    def begin_task(self, task_id: int, task: Task, width: int) -> None:
+        M, C = self.options.dim, self.num_classes
+        if self.projection is None:
+            generator = torch.Generator().manual_seed(self.seed)
+            self.projection = torch.randn(width, M, generator=generator)
+        self._task = [
+            torch.zeros(M, M, dtype=torch.float64),
+            torch.zeros(M, C, dtype=torch.float64),
+            torch.zeros(C, dtype=torch.float64),
+        ]
+
+    def accumulate(self, features: torch.Tensor, labels: torch.Tensor) -> None:
+        gram, targets, counts = self._task
+        h = self._project(features).double()
+        gram.addmm_(h.T, h)
+        targets.index_add_(1, labels, h.T)
+        counts.index_add_(0, labels, torch.ones(len(labels), dtype=torch.float64))
+
+    def end_task(self, model: nn.Module, task_id: int, ctx: RunContext) -> None:
+        reduce_sums_(self._task, model)
+        gram, targets, counts = self._task
+        del self._task
+        M, C = self.options.dim, self.num_classes
+        self.gram = grow(self.gram, (M, M)) + gram
+        self.targets = grow(self.targets, (M, C)) + targets
+        self.counts = self.counts + counts
+        self._solve(model, ctx)
+
+    def _solve(self, model: nn.Module, ctx: RunContext) -> None:
+        eigenvalues, vectors = torch.linalg.eigh(self.gram)
+        eigenvalues = eigenvalues.clamp_min(0)
+        projected = vectors.T @ self.targets
+        unit = float(eigenvalues.mean().clamp_min(1e-12))
+        option = self.options.ridge
+
+        def weight(lam: float) -> torch.Tensor:
+            return (vectors @ (projected / (eigenvalues + lam)[:, None])).float()
+
+        validation = validation_examples(ctx, self.counts > 0) if isinstance(option, str) else []
+        if validation:
+            grid = [g * unit for g in RIDGE_GRID]
+            candidates = {lam: weight(lam) for lam in grid}
+            lam = best_on_validation(model, validation, ctx, lambda f, lam: self._scores(f, candidates[lam]), grid)
+        elif isinstance(option, str):
+            n = float(self.counts.sum())
+            lam = gcv_ridge(eigenvalues, projected, n, n, [g * unit for g in RIDGE_GRID])
+        else:
+            lam = float(option) * unit
+        self.chosen.append(lam / unit)
+        self.weight = weight(lam)
+
+    def _scores(self, features: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return masked_scores(self._project(features) @ weight.to(features.device), self.counts > 0)
+
+    def scores(self, features: torch.Tensor) -> torch.Tensor:
+        return self._scores(features, self.weight)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "projection": self.projection,
+            "gram": self.gram,
+            "targets": self.targets,
+            "counts": self.counts,
+            "weight": self.weight,
+            "chosen": list(self.chosen),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("projection", "gram", "targets", "counts", "weight"):
+            setattr(self, key, state[key])
+        self.chosen = list(state["chosen"])
+
+    def describe(self) -> dict[str, Any]:
+        return {"dim": self.options.dim, "ridge_per_task": [float(f"{r:.3g}") for r in self.chosen]}
+
+    @classmethod
+    def bytes_per_class(cls, options: HeadOptions, dim: int) -> int:
+        return 8 * options.dim + 4 * options.dim + 8  # float64 column of Q, float32 column of W, a count
