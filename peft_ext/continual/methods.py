@@ -61,7 +61,7 @@ class MethodOptions:
     adapt: str = "every_task"
 
     def validate(self) -> None:
-        from .heads import HEADS, head_spec
+        from .heads.base import HEADS, head_options
 
         if not self.lr > 0:
             raise ValueError(f"`lr` must be > 0, got {self.lr}")
@@ -69,7 +69,7 @@ class MethodOptions:
             raise ValueError(f"`weight_decay` must be >= 0, got {self.weight_decay}")
         if self.adapt not in ADAPT_MODES:
             raise ValueError(f"`adapt` must be one of {list(ADAPT_MODES)}, got {self.adapt!r}")
-        head = None if self.head is None else head_spec(self.head)[0]
+        head = None if self.head is None else head_options(self.head)[0]
         if self.adapt == "first_task" and (head is None or not HEADS[head].reads_features):
             learners = [name for name, cls in sorted(HEADS.items()) if cls.reads_features]
             raise ValueError(
@@ -80,7 +80,7 @@ class MethodOptions:
         names = []
         for spec in self.compare_heads:
             try:
-                name = head_spec(spec)[0]
+                name = head_options(spec)[0]
             except ValueError as err:
                 raise ValueError(str(err).replace("`head", "`compare_heads", 1)) from None
             if HEADS[name].shapes_training:

@@ -114,7 +114,8 @@ class AnalyticHead(ContinualHead):
 
     def accumulate(self, features: torch.Tensor, labels: torch.Tensor) -> None:
         gram, targets, counts = self._task
-        h = self._project(features).double()
+        # in float64, so a batch's rounding does not depend on how the pass was cut into batches
+        h = torch.relu(features.double() @ self.projection.double())
         gram.addmm_(h.T, h)
         targets.index_add_(1, labels, h.T)
         counts.index_add_(0, labels, torch.ones(len(labels), dtype=torch.float64))

@@ -39,6 +39,7 @@ __all__ = [
     "build_head",
     "classifier_module",
     "feature_batches",
+    "head_options",
     "head_spec",
     "learn_heads",
     "reduce_sums_",
@@ -165,15 +166,18 @@ def head_spec(value: Any) -> tuple[str, dict[str, Any]]:
     return name, settings
 
 
+def head_options(value: Any) -> tuple[str, HeadOptions]:
+    """The head's name and its validated options, from a ``head`` option (see :func:`head_spec`)."""
+    name, settings = head_spec(value)
+    options = HEADS[name].options_cls(**settings)
+    options.validate()
+    return name, options
+
+
 def build_head(value: Any, num_classes: int, seed: int = 0) -> ContinualHead:
     """The head a ``head`` option names, with its options validated (see :func:`head_spec`)."""
-    name, settings = head_spec(value)
-    cls = HEADS[name]
-    try:
-        options = cls.options_cls(**settings)
-    except TypeError as err:
-        raise ValueError(f"`head` {value!r}: {err}") from None
-    return cls(options, num_classes=num_classes, seed=seed)
+    name, options = head_options(value)
+    return HEADS[name](options, num_classes=num_classes, seed=seed)
 
 
 def classifier_module(model: nn.Module) -> nn.Module:

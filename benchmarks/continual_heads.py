@@ -1,0 +1,308 @@
+"""Every continual method of a shipped config with every head, against the training-free baselines, over class draws.
+
+For each draw ``s`` (``data.seed = train.seed = s``: another choice and order of classes, another head
+initialization) every method entry of the config runs as configured (learning rates, epochs, adapters) in three
+variants, each scoring several heads on one run (``compare_heads``; they read the same trained model):
+
+- ``trained``: training every task, the model's ``linear`` head and, on the same run, ``prototype``, ``lda``,
+  ``analytic`` and ``aligned``;
+- ``cosine``: training every task with SEQ*'s ``cosine`` head (it changes training, so it is its own run);
+- ``first_task``: APER / RanPAC's first-session adaptation: training on the first task only, then the feature
+  heads (``prototype``, ``lda``, ``analytic``, ``aligned``) learn every task from the frozen adapted model;
+
+and the training-free baselines ``ncm`` (SimpleCIL), ``slda`` and ``ranpac`` on the frozen backbone. ``joint``
+(the upper bound) runs the ``trained`` variant only. Each run's result is cached under ``--out`` (``--resume``
+continues); the summary (``summary.json``, ``report.md``) gives each method's final accuracy with each head
+(mean and 95 % t-interval over the draws), its best head, and its paired difference to SimpleCIL and to the best
+training-free baseline, and checks the targets:
+
+- floor: every continual adapter method, with its best head, at least SimpleCIL minus 1 point (the mean);
+- moonshot (WordNet): the best continual method closes half of the gap from the best training-free baseline to
+  joint LoRA, the lower end of its paired interval above that baseline.
+
+Usage::
+
+    python -m benchmarks.continual_heads --config quickstart --resume               # WordNet, 5 draws
+    python -m benchmarks.continual_heads --config fortunes --resume
+    python -m benchmarks.continual_heads --config quickstart --train-per-class 200 --test-per-class 40 \\
+        --out runs/bench_heads_quickstart_200 --resume                              # the larger data size
+    python -m benchmarks.continual_heads --config quickstart --quick --out /tmp/heads_quick   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks._lib import machine
+from benchmarks._lib.protocol import paired_interval, t_quantile
+from benchmarks._lib.tables import markdown_table
+
+FEATURE_HEADS = ["prototype", "lda", "analytic", "aligned"]
+BASELINES = {"ncm": "prototype", "slda": "lda", "ranpac": "analytic"}
+#: Methods that bound the others and are not continual adapter methods (they take no target).
+NOT_CONTINUAL = ("joint", "frozen_linear", "seq_lora")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="quickstart", help="a shipped config name (configs/<name>.yaml)")
+    parser.add_argument("--draws", type=int, default=5, help="class draws (seeds 0..draws-1)")
+    parser.add_argument("--methods", nargs="*", help="only these method labels (default: every one)")
+    parser.add_argument("--variants", nargs="*", default=["trained", "first_task", "cosine"])
+    parser.add_argument("--train-per-class", type=int, help="override data.train_per_class")
+    parser.add_argument("--test-per-class", type=int, help="override data.test_per_class")
+    parser.add_argument("--out", help="folder of the cached runs and the summary (default runs/bench_heads_<config>)")
+    parser.add_argument("--resume", action="store_true", help="keep cached runs")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 draws, 2 tasks, few examples, 1 epoch")
+    parser.add_argument("--summary-only", action="store_true", help="only rebuild the summary from cached runs")
+    return parser.parse_args(argv)
+
+
+def load(args: argparse.Namespace) -> Any:
+    from peft_ext.continual.config import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    sets = []
+    if args.train_per_class:
+        sets.append(f"data.train_per_class={args.train_per_class}")
+    if args.test_per_class:
+        sets.append(f"data.test_per_class={args.test_per_class}")
+    if args.quick:
+        sets += ["data.n_tasks=2", "data.train_per_class=8", "data.test_per_class=6", "train.epochs=1"]
+    return load_config(root / "configs" / f"{args.config}.yaml", sets)
+
+
+def variants(entry: Any, wanted: list[str]) -> dict[str, Any]:
+    """The option sets one method entry runs with, by variant name."""
+    options = entry.options
+    if entry.name in BASELINES:
+        return {"trained": options}
+    out = {"trained": dataclasses.replace(options, compare_heads=list(FEATURE_HEADS))}
+    if entry.name not in ("joint", "frozen_linear"):  # a frozen backbone adapted on nothing is ncm's
+        out["first_task"] = dataclasses.replace(
+            options, head="prototype", compare_heads=FEATURE_HEADS[1:], adapt="first_task"
+        )
+    if entry.name != "joint":
+        out["cosine"] = dataclasses.replace(options, head="cosine", compare_heads=list(FEATURE_HEADS))
+    return {k: v for k, v in out.items() if k in wanted}
+
+
+def head_scores(result: dict[str, Any], variant: str) -> dict[str, dict[str, Any]]:
+    """``{row name: metrics}`` of one run: its primary head and every compared head."""
+    primary = result["extras"].get("head", {}).get("name", "linear")
+    name = {"trained": primary, "first_task": "first_task+prototype", "cosine": "cosine"}[variant]
+    rows = {name: result["metrics"]}
+    prefix = "first_task+" if variant == "first_task" else ("cosine+" if variant == "cosine" else "")
+    for head, data in result["extras"].get("heads", {}).items():
+        rows[prefix + head] = data["metrics"]
+    return rows
+
+
+def run_all(args: argparse.Namespace, out: Path) -> None:
+    from peft_ext.continual import get_continual_method, run_sequence
+    from peft_ext.data.collate import TextCollator
+    from peft_ext.jobs.continual import build_sequence
+    from peft_ext.models import load_text_classifier
+
+    config = load(args)
+    entries = [e for e in config.methods if not args.methods or (e.options.label or e.name) in args.methods]
+    entries += [
+        dataclasses.replace(e, options=dataclasses.replace(e.options))
+        for e in _baseline_entries()
+        if not args.methods or e.name in args.methods
+    ]
+    draws = 2 if args.quick else args.draws
+    for seed in range(draws):
+        cfg = dataclasses.replace(
+            config,
+            data=dataclasses.replace(config.data, seed=seed),
+            train=dataclasses.replace(config.train, seed=seed, progress=False),
+        )
+        sequence = build_sequence(cfg)
+        base, tokenizer = load_text_classifier(cfg.model.backbone, sequence.num_classes, cfg.model.dropout, seed=seed)
+        collate = TextCollator(tokenizer, cfg.model.max_length)
+        for entry in entries:
+            label = entry.options.label or entry.name
+            for variant, options in variants(entry, args.variants).items():
+                path = out / "runs" / f"{seed}-{label}-{variant}.json"
+                if args.resume and path.is_file():
+                    continue
+                start = time.perf_counter()
+                method = get_continual_method(entry.name)(dataclasses.replace(options))
+                result = run_sequence(sequence, method, base, collate, cfg.train).to_dict()
+                result.update(seed=seed, variant=variant, wall=time.perf_counter() - start, classes=sequence.meta)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(result))
+                print(
+                    f"[heads] draw {seed} {label:14s} {variant:10s} final {100 * result['metrics']['final_acc']:5.1f}"
+                    f"  ({result['wall']:.0f} s)",
+                    flush=True,
+                )
+
+
+def _baseline_entries() -> list[Any]:
+    from peft_ext.continual.config import MethodEntry
+    from peft_ext.continual.methods import get_continual_method
+
+    return [MethodEntry(name, get_continual_method(name).options_cls()) for name in BASELINES]
+
+
+def interval(values: list[float]) -> tuple[float, float]:
+    """Mean and half-width of the 95 % t-interval (percent)."""
+    m = statistics.mean(values)
+    if len(values) < 2:
+        return 100 * m, math.inf
+    return 100 * m, 100 * t_quantile(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+
+
+def summarize(out: Path, config_name: str) -> dict[str, Any]:
+    """Collect the cached runs into per-method, per-head final accuracies over the draws; judge the targets."""
+    finals: dict[str, dict[str, dict[int, float]]] = {}
+    costs: dict[str, dict[str, list[float]]] = {}
+    for path in sorted((out / "runs").glob("*.json")):
+        result = json.loads(path.read_text())
+        label = result["label"]
+        for row, metrics in head_scores(result, result["variant"]).items():
+            finals.setdefault(label, {}).setdefault(row, {})[result["seed"]] = metrics["final_acc"]
+        train = result["train_seconds"] - result["extras"].get("head_seconds", 0.0)
+        cost = costs.setdefault(label, {"train": [], "head": []})
+        cost["train"].append(train)
+        cost["head"].append(result["extras"].get("head_seconds", 0.0))
+    seeds = sorted({s for heads in finals.values() for by_seed in heads.values() for s in by_seed})
+    complete = {
+        label: {row: [by_seed[s] for s in seeds] for row, by_seed in heads.items() if len(by_seed) == len(seeds)}
+        for label, heads in finals.items()
+    }
+    ncm = complete.get("ncm", {}).get("prototype")
+    free = {b: complete[b][h] for b, h in BASELINES.items() if b in complete and h in complete[b]}
+    best_free = max(free, key=lambda b: statistics.mean(free[b])) if free else None
+    methods: dict[str, Any] = {}
+    for label, heads in complete.items():
+        if not heads:
+            continue
+        rows = {row: interval(v) for row, v in heads.items()}
+        best = max(heads, key=lambda r: statistics.mean(heads[r]))
+        entry: dict[str, Any] = {
+            "heads": {row: {"mean": m, "half_width": h, "values": heads[row]} for row, (m, h) in rows.items()},
+            "best_head": best,
+            "best_mean": rows[best][0],
+        }
+        if ncm is not None and label not in BASELINES:
+            entry["vs_ncm"] = [100 * x for x in paired_interval(heads[best], ncm)]
+        if best_free is not None and label not in BASELINES:
+            entry["vs_best_free"] = [100 * x for x in paired_interval(heads[best], free[best_free])]
+        methods[label] = entry
+    summary = {
+        "config": config_name,
+        "draws": seeds,
+        "methods": methods,
+        "best_training_free": best_free,
+        "costs": {
+            k: {"train_s": statistics.mean(v["train"]), "head_s": statistics.mean(v["head"])} for k, v in costs.items()
+        },
+        "machine": machine.torch_platform(),
+    }
+    summary["targets"] = targets(summary)
+    return summary
+
+
+def targets(summary: dict[str, Any]) -> dict[str, Any]:
+    methods = summary["methods"]
+    out: dict[str, Any] = {}
+    ncm = methods.get("ncm", {}).get("best_mean")
+    if ncm is not None:
+        floor = {
+            label: {"best_head": m["best_head"], "best": m["best_mean"], "met": m["best_mean"] >= ncm - 1.0}
+            for label, m in methods.items()
+            if label not in BASELINES and label not in NOT_CONTINUAL
+        }
+        out["floor"] = {"simplecil": ncm, "methods": floor, "met": all(f["met"] for f in floor.values())}
+    free = summary["best_training_free"]
+    if free and "joint" in methods:
+        continual = {k: m for k, m in methods.items() if k not in BASELINES and k not in NOT_CONTINUAL}
+        if continual:
+            best = max(continual, key=lambda k: continual[k]["best_mean"])
+            base, top = methods[free]["best_mean"], methods["joint"]["best_mean"]
+            closed = (continual[best]["best_mean"] - base) / (top - base) if top > base else float("nan")
+            low = continual[best]["vs_best_free"][1]
+            out["moonshot"] = {
+                "method": best,
+                "head": continual[best]["best_head"],
+                "share_of_gap_closed": closed,
+                "lower_end_vs_best_free": low,
+                "met": closed >= 0.5 and low > 0,
+            }
+    return out
+
+
+def report(summary: dict[str, Any]) -> str:
+    """The summary as markdown: the method x head table, the comparisons, the targets."""
+    methods = summary["methods"]
+    rows_seen: list[str] = []
+    for m in methods.values():
+        rows_seen += [r for r in m["heads"] if r not in rows_seen]
+    order = [r for r in ["linear", *FEATURE_HEADS, "cosine"] if r in rows_seen]
+    order += sorted(r for r in rows_seen if r not in order)
+    header = ["method", *order, "best head", "best - SimpleCIL [95% CI]"]
+    lines = []
+    for label, m in methods.items():
+        cells = [label]
+        for r in order:
+            h = m["heads"].get(r)
+            cells.append("—" if h is None else f"{h['mean']:.1f} ± {h['half_width']:.1f}")
+        cells.append(m["best_head"])
+        vs = m.get("vs_ncm")
+        cells.append("—" if vs is None else f"{vs[0]:+.1f} [{vs[1]:+.1f}, {vs[2]:+.1f}]")
+        lines.append(cells)
+    text = [
+        f"# {summary['config']}: every method with every head, {len(summary['draws'])} class draws",
+        "",
+        "Final average accuracy (percent, class-incremental): mean ± half-width of the 95 % t-interval over the "
+        "draws.",
+        "",
+        markdown_table(header, lines),
+        "",
+        "Targets:",
+    ]
+    t = summary["targets"]
+    if "floor" in t:
+        f = t["floor"]
+        misses = [f"{k} {v['best']:.1f} ({v['best_head']})" for k, v in f["methods"].items() if not v["met"]]
+        verdict = "met" if f["met"] else "NOT met: " + ", ".join(misses)
+        text.append(f"- floor (every continual adapter method >= SimpleCIL {f['simplecil']:.1f} - 1): {verdict}")
+    if "moonshot" in t:
+        ms = t["moonshot"]
+        text.append(
+            f"- moonshot ({ms['method']} with {ms['head']}: {100 * ms['share_of_gap_closed']:.0f} % of the gap from "
+            f"the best training-free baseline to joint closed, lower end {ms['lower_end_vs_best_free']:+.1f}): "
+            + ("met" if ms["met"] else "NOT met")
+        )
+    return "\n".join(text) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out or f"runs/bench_heads_{args.config}")
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if not args.summary_only:
+        run_all(args, out)
+    summary = summarize(out, args.config)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    text = report(summary)
+    (out / "report.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
