@@ -218,3 +218,28 @@ def test_a_killed_process_resumes_to_the_same_accuracy_matrix(seq, tmp_path):
     resumed, _ = run(seq, "splitlora", out)
     straight, _ = run(seq, "splitlora", tmp_path / "straight")
     assert resumed.accuracy_matrix == straight.accuracy_matrix
+
+
+def test_heads_in_the_trainer_driver_learn_and_resume_exactly(seq, tmp_path):
+    """The Trainer driver takes a method's ``head`` and ``compare_heads`` as the runner does; a run killed after a
+    task's training (before the heads read it) resumes to the same matrices and head statistics."""
+
+    def heads_run(out, callbacks=None):
+        method = get_continual_method("seq_lora")(
+            lr=1e-2, adapter=lora_adapter(4), head="analytic", compare_heads=["prototype", "aligned"]
+        )
+        return run_continual_with_trainer(
+            seq, method, tiny_classifier(seq.num_classes), stack_collate, targs(out), callbacks=callbacks
+        )
+
+    straight, _ = heads_run(tmp_path / "straight")
+    assert straight.extras["head"]["name"] == "analytic"
+    for name in ("prototype", "aligned"):
+        final = straight.extras["heads"][name]["metrics"]["final_acc"]
+        assert final > straight.metrics["final_acc"] - 0.3 and final > 1 / 6 + 0.2, name
+    out = tmp_path / "killed"
+    with pytest.raises(Interrupt):
+        heads_run(out, callbacks=[KillAt(1, None)])
+    resumed, _ = heads_run(out)
+    assert resumed.accuracy_matrix == straight.accuracy_matrix
+    assert resumed.extras["heads"] == straight.extras["heads"]

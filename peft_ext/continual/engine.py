@@ -46,6 +46,7 @@ __all__ = [
     "Phase",
     "RunRecord",
     "TaskTrainer",
+    "check_heads",
     "evaluate",
     "evaluate_heads",
     "trainable_parameters",
@@ -238,6 +239,36 @@ def evaluate_heads(
     return {name: n / len(examples) for name, n in correct.items()}
 
 
+def check_heads(sequence: TaskSequence, method: ContinualMethod, heads: Optional[list[ContinualHead]] = None) -> None:
+    """Refuse heads that ``sequence`` cannot serve, before any work: a generation sequence takes none, and a head
+    that chooses on a validation split needs one.
+
+    Args:
+        sequence: The task sequence.
+        method: The method, whose ``head`` and ``compare_heads`` options are checked.
+        heads: The heads already built from them (default: built here).
+
+    Raises:
+        ValueError: One line naming the method, the head and the key that would fix it.
+    """
+    if heads is None:
+        specs = [method.head, *method.options.compare_heads]
+        heads = [build_head(spec, sequence.num_classes) for spec in specs]
+    if sequence.kind == "generation" and any(h.name != "linear" for h in heads):
+        raise ValueError(
+            f"a generation sequence ({sequence.name!r}) scores generated answers, not classes: method "
+            f"{method.label!r} takes no `head` or `compare_heads` there"
+        )
+    for head in heads:
+        needs = head.needs_validation()
+        if needs and not any(task.validation for task in sequence.tasks):
+            raise ValueError(
+                f"the {head.name!r} head of method {method.label!r} (`{needs}`) chooses on a validation split, and "
+                f"{sequence.name!r} has none: set `data.val_per_class` (shipped data sets) or `data.validation` / "
+                "`data.validation_share` (your files), or give the head a fixed value"
+            )
+
+
 class ContinualEngine:
     """The phases of one method's run through a task sequence.
 
@@ -282,25 +313,7 @@ class ContinualEngine:
                 build_head(spec, sequence.num_classes, seed=train.seed) for spec in method.options.compare_heads
             )
         }
-        self._check_heads()
-
-    def _check_heads(self) -> None:
-        """Refuse heads the sequence cannot serve, before any work."""
-        sequence = self.sequence
-        heads = [self.head, *self.compared.values()]
-        if sequence.kind == "generation" and any(h.name != "linear" for h in heads):
-            raise ValueError(
-                f"a generation sequence ({sequence.name!r}) scores generated answers, not classes: method "
-                f"{self.method.label!r} takes no `head` or `compare_heads` there"
-            )
-        for head in heads:
-            needs = head.needs_validation()
-            if needs and not any(task.validation for task in sequence.tasks):
-                raise ValueError(
-                    f"the {head.name!r} head of method {self.method.label!r} (`{needs}`) chooses on a validation "
-                    f"split, and {sequence.name!r} has none: set `data.val_per_class` (shipped data sets) or "
-                    "`data.validation` / `data.validation_share` (your files), or give the head a fixed value"
-                )
+        check_heads(sequence, method, [self.head, *self.compared.values()])
 
     def build(self, base_model: nn.Module) -> nn.Module:
         """The method's model, built from a deep copy of ``base_model`` under the run's seed, on the run's device (the

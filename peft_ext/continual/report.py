@@ -39,21 +39,60 @@ def metrics_table(results: Sequence[MethodResult], timings: bool = True) -> str:
     Beside final accuracy and forgetting, the mean accuracy on each task right after learning it (the diagonal of the
     accuracy matrix: how well a method learns) and, when a ``joint`` run is among ``results``, each method's gap to
     joint training's final accuracy in points (what continual training costs): a method with a high "acc after
-    learning" and a large gap forgets; one with a low "acc after learning" does not learn new tasks well.
+    learning" and a large gap forgets; one with a low "acc after learning" does not learn new tasks well. When an
+    ``ncm`` run (SimpleCIL: the frozen backbone's class means) is among ``results``, each method's final accuracy
+    minus SimpleCIL's, in points: what the method adds over what a user would do without it. A ``head`` column
+    appears when some method scores with a head other than its linear classifier.
     """
     joint = next((r.metrics.get("final_acc") for r in results if r.method == "joint"), None)
+    simplecil = next((r.metrics.get("final_acc") for r in results if r.method == "ncm"), None)
+    heads = [head_name(r) for r in results]
+    with_heads = any(h != "linear" for h in heads)
     columns = [*(title for _, title in METRIC_COLUMNS), *(["gap to joint"] if joint is not None else [])]
-    head = ["method", *columns, "trainable params"]
+    columns += ["vs SimpleCIL"] if simplecil is not None else []
+    head = ["method", *(["head"] if with_heads else []), *columns, "trainable params"]
     head += ["train s", "eval s"] if timings else []
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
-    for r in results:
-        cells = [r.label, *(_pct(_metric(r, key)) for key, _ in METRIC_COLUMNS)]
+    align = ["---"] * (2 if with_heads else 1)
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align + ["---:"] * (len(head) - len(align))) + "|"]
+    for r, head_used in zip(results, heads):
+        cells = [r.label, *([head_used] if with_heads else []), *(_pct(_metric(r, key)) for key, _ in METRIC_COLUMNS)]
+        final = r.metrics.get("final_acc")
         if joint is not None:
-            final = r.metrics.get("final_acc")
             cells.append("—" if r.method == "joint" or final is None else _pct(joint - final))
+        if simplecil is not None:
+            cells.append("—" if r.method == "ncm" or final is None else f"{100 * (final - simplecil):+.1f}")
         cells.append(f"{r.trainable_params:,}")
         cells += [f"{r.train_seconds:.1f}", f"{r.eval_seconds:.1f}"] if timings else []
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def head_name(result: MethodResult) -> str:
+    """The head that scored ``result``'s accuracy matrix (``linear`` for results from before heads existed)."""
+    head = result.extras.get("head")
+    return head.get("name", "linear") if isinstance(head, dict) else "linear"
+
+
+def heads_table(results: Sequence[MethodResult]) -> str:
+    """A markdown table of the heads each method also scored on its run (``compare_heads``): final accuracy and
+    forgetting (percent) per head, the method's own head first; ``""`` when no method compared heads."""
+    compared = [r for r in results if isinstance(r.extras.get("heads"), dict)]
+    if not compared:
+        return ""
+    names: list[str] = []
+    for r in compared:
+        names += [n for n in [head_name(r), *r.extras["heads"]] if n not in names]
+    lines = [
+        "| method | " + " | ".join(f"{n} final / forgetting" for n in names) + " |",
+        "|---|" + "---:|" * len(names),
+    ]
+    for r in compared:
+        rows = {head_name(r): r.metrics, **{n: d["metrics"] for n, d in r.extras["heads"].items()}}
+        cells = [
+            "—" if n not in rows else f"{_pct(rows[n].get('final_acc'))} / {_pct(rows[n].get('forgetting'))}"
+            for n in names
+        ]
+        lines.append(f"| {r.label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -169,6 +208,8 @@ def save_results(
             json.dump(payload, fh, indent=2, allow_nan=False)
 
     md = [f"# {meta.get('name', 'continual run')}", "", metrics_table(results), ""]
+    if heads_table(results):
+        md += ["## heads compared on the same runs (compare_heads)", "", heads_table(results), ""]
     if tuning_table(results):
         md += ["## learning rates chosen on validation (--tune)", "", tuning_table(results), ""]
     for r in results:

@@ -323,7 +323,7 @@ def run_job(
                         f"{method.needs_whole_parameters}"
                     )
                 tuned = None
-                if config.tune.enabled:
+                if config.tune.enabled and method.trains:  # a training-free method has no learning rate to tune
                     from .tuning import tune_methods, tuned_options
 
                     tuned = tune_methods(config, [entry], sequence, base, collate, fingerprint, echo)[label]

@@ -98,14 +98,20 @@ def check_data(config: RunConfig, tokenizer: Any = None) -> Any:
         raise ConfigError(
             f"`data` (n_tasks={data.n_tasks}, classes_per_task={data.classes_per_task}): {err}"
         ) from None
+    from ..continual.engine import check_heads
     from ..continual.methods import get_continual_method
 
     for entry in config.methods:
-        kinds = get_continual_method(entry.name).task_kinds
+        cls = get_continual_method(entry.name)
+        kinds = list(cls.task_kinds)
         if sequence.kind not in kinds:
             raise ConfigError(
-                f"`methods.{entry.name}` runs {list(kinds)} sequences, not the {sequence.kind} tasks of `data`"
+                f"`methods.{entry.name}` runs {kinds} sequences, not the {sequence.kind} tasks of `data`"
             )
+        try:
+            check_heads(sequence, cls(entry.options))
+        except ValueError as err:
+            raise ConfigError(f"`methods.{entry.options.label or entry.name}`: {err}") from None
     return sequence
 
 

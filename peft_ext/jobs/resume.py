@@ -40,6 +40,10 @@ def _plain(value: Any) -> Any:
 _ADAPTER_KEYS_ADDED = {"shard_statistics": True}
 
 
+#: Method options added later, at their defaults (the fingerprints of earlier runs stay).
+_METHOD_KEYS_ADDED: dict[str, Any] = {"head": None, "compare_heads": [], "adapt": "every_task"}
+
+
 def config_hash(config: Any) -> str:
     """A fingerprint of everything that changes a job's results (the whole validated config dataclass of any job,
     except whether progress bars show), 16 hex digits."""
@@ -54,7 +58,11 @@ def config_hash(config: Any) -> str:
     if isinstance(data.get("tune"), dict) and not data["tune"].get("enabled"):
         data.pop("tune")
     for method in data.get("methods") or []:  # a note saved adapters carry; it changes no result
-        adapter = method.get("options", {}).get("adapter") if isinstance(method, dict) else None
+        options = method.get("options", {}) if isinstance(method, dict) else {}
+        for key, default in _METHOD_KEYS_ADDED.items():
+            if key in options and options[key] == default:
+                options.pop(key)
+        adapter = options.get("adapter")
         if isinstance(adapter, dict):
             adapter.pop("loading_note", None)
             for key, default in _ADAPTER_KEYS_ADDED.items():
