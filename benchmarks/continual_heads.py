@@ -178,9 +178,11 @@ def summarize(out: Path, config_name: str) -> dict[str, Any]:
         cost = costs.setdefault(label, {"train": [], "head": []})
         cost["train"].append(train)
         cost["head"].append(result["extras"].get("head_seconds", 0.0))
-    seeds = sorted({s for heads in finals.values() for by_seed in heads.values() for s in by_seed})
+    # the draws every method finished (a draw still running is left out of every row)
+    per_label = [{s for by_seed in heads.values() for s in by_seed} for heads in finals.values()]
+    seeds = sorted(set.intersection(*per_label)) if per_label else []
     complete = {
-        label: {row: [by_seed[s] for s in seeds] for row, by_seed in heads.items() if len(by_seed) == len(seeds)}
+        label: {row: [by_seed[s] for s in seeds] for row, by_seed in heads.items() if set(seeds) <= set(by_seed)}
         for label, heads in finals.items()
     }
     ncm = complete.get("ncm", {}).get("prototype")

@@ -291,3 +291,30 @@ def test_memory_per_class_of_each_head_at_width_4096():
 def test_head_builder_rejects_non_heads():
     with pytest.raises(ValueError, match="must be a head name or a mapping"):
         build_head(3, 4)
+
+
+@pytest.mark.distributed
+def test_two_processes_give_what_one_gives(tmp_path):
+    """Each process reads half of every task (29 examples: shares of 15 and 14) and the sums are all-reduced: the
+    heads' statistics and scores equal one process's reading everything."""
+    from .helpers import ROOT, torchrun_ranks
+    from .workers.heads import run_heads
+
+    ranks = torchrun_ranks(ROOT / "tests" / "workers" / "heads.py", tmp_path, pytest.fail)
+    one = run_heads()
+    for got in ranks:
+        assert got["result"]["accuracy_matrix"] == one["result"]["accuracy_matrix"]
+        assert got["result"]["extras"]["heads"] == one["result"]["extras"]["heads"]
+        for head, state in one["heads"].items():
+            _assert_states_close(got["heads"][head], state, head)
+
+
+def _assert_states_close(got, want, where):
+    if isinstance(want, dict):
+        assert set(got) == set(want), where
+        for key in want:
+            _assert_states_close(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, torch.Tensor):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=where)
+    else:
+        assert got == pytest.approx(want, rel=1e-6), where
