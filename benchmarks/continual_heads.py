@@ -50,6 +50,8 @@ from benchmarks._lib.tables import markdown_table
 
 FEATURE_HEADS = ["prototype", "lda", "analytic", "aligned"]
 BASELINES = {"ncm": "prototype", "slda": "lda", "ranpac": "analytic"}
+#: Row order of the tables: the config's methods, then the training-free baselines.
+ORDER = ("frozen_linear", "seq_lora", "inflora", "olora", "osf", "splitlora", "pclr", "joint", "ncm", "slda", "ranpac")
 #: Methods that bound the others and are not continual adapter methods (they take no target).
 NOT_CONTINUAL = ("joint", "frozen_linear", "seq_lora")
 
@@ -168,7 +170,7 @@ def interval(values: list[float]) -> tuple[float, float]:
     return 100 * m, 100 * t_quantile(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
 
 
-def summarize(out: Path, config_name: str) -> dict[str, Any]:
+def summarize(out: Path, config_name: str, command: str = "") -> dict[str, Any]:
     """Collect the cached runs into per-method, per-head final accuracies over the draws; judge the targets."""
     finals: dict[str, dict[str, dict[int, float]]] = {}
     costs: dict[str, dict[str, list[float]]] = {}
@@ -195,7 +197,8 @@ def summarize(out: Path, config_name: str) -> dict[str, Any]:
     free = {b: complete[b][h] for b, h in BASELINES.items() if b in complete and h in complete[b]}
     best_free = max(free, key=lambda b: statistics.mean(free[b])) if free else None
     methods: dict[str, Any] = {}
-    for label, heads in complete.items():
+    order = [m for m in ORDER if m in complete] + sorted(m for m in complete if m not in ORDER)
+    for label, heads in ((m, complete[m]) for m in order):
         if not heads:
             continue
         rows = {row: interval(v) for row, v in heads.items()}
@@ -211,6 +214,7 @@ def summarize(out: Path, config_name: str) -> dict[str, Any]:
             entry["vs_best_free"] = [100 * x for x in paired_interval(heads[best], free[best_free])]
         methods[label] = entry
     summary = {
+        "kind": "continual_heads",
         "config": config_name,
         "draws": seeds,
         "methods": methods,
@@ -219,6 +223,7 @@ def summarize(out: Path, config_name: str) -> dict[str, Any]:
             k: {"train_s": statistics.mean(v["train"]), "head_s": statistics.mean(v["head"])} for k, v in costs.items()
         },
         "machine": machine.torch_platform(),
+        "command": command,
     }
     summary["targets"] = targets(summary)
     return summary
@@ -298,13 +303,25 @@ def report(summary: dict[str, Any]) -> str:
     return "\n".join(text) + "\n"
 
 
+def reproduce(args: argparse.Namespace) -> str:
+    """The command that makes these runs (without ``--resume`` / ``--summary-only``)."""
+    parts = ["python -m benchmarks.continual_heads", f"--config {args.config}", f"--draws {args.draws}"]
+    if args.methods:
+        parts.append("--methods " + " ".join(args.methods))
+    parts.append("--variants " + " ".join(args.variants))
+    for key in ("train_per_class", "test_per_class"):
+        if getattr(args, key):
+            parts.append(f"--{key.replace('_', '-')} {getattr(args, key)}")
+    return " ".join(parts)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out or f"runs/bench_heads_{args.config}")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if not args.summary_only:
         run_all(args, out)
-    summary = summarize(out, args.config)
+    summary = summarize(out, args.config, reproduce(args))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     text = report(summary)
     (out / "report.md").write_text(text)

@@ -86,10 +86,13 @@ def run_case(name: str, work: Path, backbone: Path, threads: int = 1) -> dict[st
     payload = json.loads((out / "results.json").read_text())
     if payload.get("failed"):
         raise RuntimeError(f"methods of the golden run {name} failed: {payload['failed']}")
-    return {
-        r["label"]: {"accuracy_matrix": r["accuracy_matrix"], "task_losses": r["task_losses"]}
-        for r in payload["results"]
-    }
+    runs = {}
+    for r in payload["results"]:
+        runs[r["label"]] = {"accuracy_matrix": r["accuracy_matrix"], "task_losses": r["task_losses"]}
+        compared = r["extras"].get("heads")
+        if compared:  # the heads scored on the same run (compare_heads)
+            runs[r["label"]]["heads"] = {name: data["accuracy_matrix"] for name, data in sorted(compared.items())}
+    return runs
 
 
 def run_all(work: Path, threads: int = 1) -> dict[str, dict[str, dict[str, Any]]]:

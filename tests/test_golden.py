@@ -31,13 +31,19 @@ def _differences(golden: dict, runs: dict) -> list[str]:
             have = got[label]
             losses = zip(have["task_losses"], want["task_losses"])
             if len(have["task_losses"]) != len(want["task_losses"]) or any(
-                abs(h - w) > LOSS_RTOL * abs(w) for h, w in losses
+                (h is None) != (w is None) or (w is not None and abs(h - w) > LOSS_RTOL * abs(w)) for h, w in losses
             ):
                 problems.append(f"{case}/{label}: task losses {have['task_losses']} != golden {want['task_losses']}")
-            for i, (row_h, row_w) in enumerate(zip(have["accuracy_matrix"], want["accuracy_matrix"])):
-                for j, (h, w) in enumerate(zip(row_h, row_w)):
-                    if (h is None) != (w is None) or (h is not None and abs(h - w) > one_example + 1e-9):
-                        problems.append(f"{case}/{label}: R[{i}][{j}] = {h} != golden {w}")
+            matrices = {"": (have["accuracy_matrix"], want["accuracy_matrix"])}
+            if sorted(have.get("heads", {})) != sorted(want.get("heads", {})):
+                problems.append(f"{case}/{label}: compared heads {sorted(have.get('heads', {}))} != golden")
+            else:
+                matrices.update({f" ({name})": (have["heads"][name], m) for name, m in want.get("heads", {}).items()})
+            for head, (matrix_h, matrix_w) in matrices.items():
+                for i, (row_h, row_w) in enumerate(zip(matrix_h, matrix_w)):
+                    for j, (h, w) in enumerate(zip(row_h, row_w)):
+                        if (h is None) != (w is None) or (h is not None and abs(h - w) > one_example + 1e-9):
+                            problems.append(f"{case}/{label}{head}: R[{i}][{j}] = {h} != golden {w}")
     return problems
 
 
@@ -70,3 +76,24 @@ def test_every_method_of_the_shipped_config_is_in_the_golden_file(case):
     shipped = yaml.safe_load((ROOT / "configs" / f"{case}.yaml").read_text())["methods"]
     labels = sorted(m.get("label") or m["name"] for m in shipped)
     assert sorted(json.loads(GOLDEN.read_text())[case]) == labels
+
+
+def test_the_comparison_covers_untrained_tasks_and_compared_heads():
+    golden = {
+        "quickstart": {
+            "m": {
+                "task_losses": [1.0, None],
+                "accuracy_matrix": [[0.5, None], [0.25, 0.75]],
+                "heads": {"prototype": [[0.5, None], [0.5, 0.5]]},
+            }
+        }
+    }
+    assert _differences(golden, json.loads(json.dumps(golden))) == []
+    moved = json.loads(json.dumps(golden))
+    moved["quickstart"]["m"]["task_losses"][1] = 0.5  # a task that was not trained now is
+    moved["quickstart"]["m"]["heads"]["prototype"][1][1] = 1.0
+    problems = _differences(golden, moved)
+    assert len(problems) == 2 and "task losses" in problems[0] and "(prototype): R[1][1]" in problems[1]
+    dropped = json.loads(json.dumps(golden))
+    del dropped["quickstart"]["m"]["heads"]
+    assert "compared heads" in _differences(golden, dropped)[0]

@@ -254,13 +254,56 @@ def load_results(path: str | Path) -> tuple[dict[str, Any], list[MethodResult]]:
         raise ValueError(f"{str(path)!r} is not a results.json of a continual job ({what})") from None
 
 
+#: The heads of the protocol table's columns, in order (a method's own training with each of them).
+PROTOCOL_HEADS = ("linear", "prototype", "lda", "analytic", "aligned")
+
+
+def _interval(cell: dict[str, Any] | None) -> str:
+    if cell is None:
+        return "—"
+    half = cell["half_width"]
+    return f"{cell['mean']:.1f}" + ("" if not math.isfinite(half) else f" ± {half:.1f}")
+
+
+def heads_protocol_table(summary: dict[str, Any]) -> str:
+    """The table of a heads protocol summary (``benchmarks/continual_heads.py``): per method, final accuracy with
+    each head on its own training, with the best head after first-task adaptation, the best of all and its paired
+    difference to SimpleCIL (``ncm``), each a mean ± the half-width of its 95 % interval over the class draws."""
+    methods = summary["methods"]
+    head = ["method", *PROTOCOL_HEADS, "first task only, best head", "best (head)", "best − SimpleCIL [95 % CI]"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for label, m in methods.items():
+        heads = m["heads"]
+        first = {k.split("+", 1)[1]: v for k, v in heads.items() if k.startswith("first_task+")}
+        best_first = max(first, key=lambda k: first[k]["mean"]) if first else None
+        cells = [label, *(_interval(heads.get(h)) for h in PROTOCOL_HEADS)]
+        cells.append("—" if best_first is None else f"{_interval(first[best_first])} ({best_first})")
+        cells.append(f"{m['best_mean']:.1f} ({m['best_head'].replace('first_task+', 'first task, ')})")
+        vs = m.get("vs_ncm")
+        cells.append("—" if vs is None else f"{vs[0]:+.1f} [{vs[1]:+.1f}, {vs[2]:+.1f}]")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def published_table(path: str | Path) -> str:
     """The table a results file publishes: one row per method (metrics in percent, trainable parameters), then a line
-    with where and how long it ran. Timings are the job's own, summed over its methods.
+    with where and how long it ran. Timings are the job's own, summed over its methods. A heads protocol summary
+    (``"kind": "continual_heads"``) publishes :func:`heads_protocol_table` and the line saying how it was made.
 
     Args:
-        path: A continual job's ``results.json``.
+        path: A continual job's ``results.json``, or a heads protocol summary.
     """
+    try:
+        payload = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        payload = None
+    if isinstance(payload, dict) and payload.get("kind") == "continual_heads":
+        draws = len(payload["draws"])
+        return (
+            heads_protocol_table(payload)
+            + f"\n\n(percent, final average accuracy, class-incremental; {draws} class draws of "
+            f"`{payload['config']}`; `{payload['command']}`; {payload['machine']})\n"
+        )
     meta, results = load_results(path)
     lines = [metrics_table(results, timings=False)]
     train = sum(r.train_seconds for r in results)
