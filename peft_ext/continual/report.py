@@ -282,7 +282,27 @@ def heads_protocol_table(summary: dict[str, Any]) -> str:
         vs = m.get("vs_ncm")
         cells.append("—" if vs is None else f"{vs[0]:+.1f} [{vs[1]:+.1f}, {vs[2]:+.1f}]")
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + heads_verdict(summary)
+
+
+def heads_verdict(summary: dict[str, Any]) -> str:
+    """One sentence per outcome, from the paired intervals: which methods, with their best head, beat SimpleCIL
+    (the interval's lower end above 0), tie with it (the interval holds 0) or trail it (its upper end below 0)."""
+    outcome: dict[str, list[str]] = {"beat it": [], "tie": [], "trail it": []}
+    for label, m in summary["methods"].items():
+        vs = m.get("vs_ncm")
+        if vs is None or label == "joint":
+            continue
+        key = "beat it" if vs[1] > 0 else "trail it" if vs[2] < 0 else "tie"
+        outcome[key].append(f"{label} ({m['best_head'].replace('first_task+', 'first task, ')}, {vs[0]:+.1f})")
+    said = [f"{verb}: {', '.join(names)}" for verb, names in outcome.items() if names]
+    if not said:
+        return "No method was compared with SimpleCIL (ncm)."
+    return (
+        "Against SimpleCIL on the same draws, each method with its best head (paired 95 % interval): "
+        + "; ".join(said)
+        + "."
+    )
 
 
 def published_table(path: str | Path) -> str:
