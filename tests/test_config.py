@@ -26,8 +26,11 @@ def test_every_shipped_config_is_valid():
 
 def test_quickstart_values(data):
     cfg = config_from_dict(data)
-    every = ["frozen_linear", "seq_lora", "inflora", "olora", "osf", "splitlora", "pclr", "joint"]
-    assert [m.name for m in cfg.methods] == every
+    every = ["frozen_linear", "seq_lora", "inflora", "olora", "osf", "splitlora", "pclr", "joint", "splitlora"]
+    assert [m.name for m in cfg.methods] == [*every, "ncm", "slda", "ranpac"]  # then the training-free baselines
+    heads = {m.options.label or m.name: m.options.head for m in cfg.methods}
+    assert heads["splitlora"] == heads["pclr"] == heads["inflora"] == "analytic" and heads["seq_lora"] is None
+    assert cfg.methods[8].options.adapt == "first_task" and heads["splitlora_first_task"] == "lda"
     assert cfg.methods[1].options.adapter.r == 8 and cfg.methods[1].options.lr == pytest.approx(1e-3)
     pclr = cfg.methods[6].options
     assert (pclr.adapter.pool_size, pclr.adapter.top_k, pclr.adapter.shared_r) == (64, 16, 4)

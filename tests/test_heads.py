@@ -318,3 +318,36 @@ def _assert_states_close(got, want, where):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=where)
     else:
         assert got == pytest.approx(want, rel=1e-6), where
+
+
+def test_check_refuses_a_head_that_needs_the_validation_split_the_config_lacks(capsys):
+    """`peft-ext check` (and `run`, before any training) names the head and the key that gives a validation split."""
+    from peft_ext_cli import main
+
+    from .helpers import ROOT
+
+    config = str(ROOT / "configs" / "quickstart.yaml")
+    assert (
+        main(["check", config, "--only", "ranpac", "--set", "methods.ranpac.head={name: analytic, ridge: validation}"])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "`methods.ranpac`" in err and "`data.val_per_class`" in err and "'analytic' head" in err
+    assert main(["check", config, "--only", "ranpac", "--set", "methods.ranpac.head=analytc"]) == 2
+    assert "did you mean 'analytic'" in capsys.readouterr().err
+    # with a validation split the same head is valid
+    assert (
+        main(
+            [
+                "check",
+                config,
+                "--only",
+                "ranpac",
+                "--set",
+                "data.val_per_class=5",
+                "--set",
+                "methods.ranpac.head={name: analytic, ridge: validation}",
+            ]
+        )
+        == 0
+    )
