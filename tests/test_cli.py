@@ -80,8 +80,8 @@ def test_only_names_an_unknown_method_with_a_suggestion(tmp_path, tiny_backbone,
 
 def test_check_and_list(capsys):
     assert main(["check", str(ROOT / "configs" / "quickstart.yaml")]) == 0
-    every = "frozen_linear, seq_lora, inflora, olora, osf, splitlora, pclr, joint"
-    assert f"valid (8 methods: {every})" in capsys.readouterr().out
+    every = "frozen_linear, seq_lora, inflora, olora, osf, splitlora, pclr, joint, ncm, slda, ranpac"
+    assert f"valid (11 methods: {every})" in capsys.readouterr().out
     assert main(["list"]) == 0
     out = capsys.readouterr().out
     assert "adapter types" in out and "optimizers" in out

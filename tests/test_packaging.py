@@ -76,7 +76,7 @@ def test_resolve_config_by_name_and_file_first(tmp_path, monkeypatch):
 def test_check_by_name_and_unknown_name(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert peft_ext_cli.main(["check", "quickstart"]) == 0
-    assert "valid (8 methods:" in capsys.readouterr().out
+    assert "valid (11 methods:" in capsys.readouterr().out
     assert peft_ext_cli.main(["check", "quickstart_typo"]) == 2
     assert "does not exist" in capsys.readouterr().err
 

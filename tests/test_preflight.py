@@ -32,7 +32,7 @@ def _error(capsys, argv) -> str:
 
 def test_valid_config_passes(cfg, capsys):
     assert main(["check", str(cfg)]) == 0
-    assert "valid (8 methods" in capsys.readouterr().out
+    assert "valid (11 methods" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
