@@ -100,3 +100,18 @@ def test_configs_copy_writes_a_copy_and_never_overwrites(tmp_path, monkeypatch, 
     assert "no shipped config 'nope'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         peft_ext_cli.main(["configs", "--copy", "quickstart", "a.yaml", "b.yaml"])
+
+
+def test_every_package_of_the_source_tree_is_listed_for_the_wheel():
+    """setuptools ships only the listed packages: a new subpackage left out would import from a checkout and fail
+    from the wheel."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(p.parent.relative_to(root).parts)
+        for p in (root / "peft_ext").rglob("__init__.py")
+        if "__pycache__" not in p.parts
+    }
+    assert found - listed == set()
