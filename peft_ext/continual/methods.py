@@ -27,6 +27,8 @@ import torch
 from peft import LoraConfig
 from torch import nn
 
+from .heads.base import HEADS, head_options
+
 if TYPE_CHECKING:
     from ..data.tasks import Task
     from .context import RunContext
@@ -61,8 +63,6 @@ class MethodOptions:
     adapt: str = "every_task"
 
     def validate(self) -> None:
-        from .heads.base import HEADS, head_options
-
         if not self.lr > 0:
             raise ValueError(f"`lr` must be > 0, got {self.lr}")
         if self.weight_decay < 0:

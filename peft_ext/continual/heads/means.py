@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, Union
 
 import torch
 from torch import nn
@@ -85,17 +85,15 @@ class ClassSums:
             self.gram = state["gram"]
 
 
-@register_head
-class PrototypeHead(ContinualHead):
-    """SimpleCIL / APER: each class's mean feature, taken when the class is learned; a feature scores the cosine to
-    each mean. Exact for any batch split and task order; holds one mean per class."""
+class ClassSumsHead(ContinualHead):
+    """A head whose statistics are :class:`ClassSums`; subclasses solve for their scores in :meth:`solve`."""
 
-    name = "prototype"
+    #: Keep the Gram matrix of every feature too.
+    with_gram: ClassVar[bool] = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.stats = ClassSums(self.num_classes)
-        self._prototypes: Optional[torch.Tensor] = None
+        self.stats = ClassSums(self.num_classes, gram=self.with_gram)
 
     def begin_task(self, task_id: int, task: Task, width: int) -> None:
         self.stats.begin_task(width)
@@ -105,6 +103,24 @@ class PrototypeHead(ContinualHead):
 
     def end_task(self, model: nn.Module, task_id: int, ctx: RunContext) -> None:
         self.stats.end_task(model)
+        self.solve(model, ctx)
+
+    def solve(self, model: nn.Module, ctx: RunContext) -> None:
+        """Turn the statistics into what :meth:`scores` reads (after every task)."""
+
+
+@register_head
+class PrototypeHead(ClassSumsHead):
+    """SimpleCIL / APER: each class's mean feature, taken when the class is learned; a feature scores the cosine to
+    each mean. Exact for any batch split and task order; holds one mean per class."""
+
+    name = "prototype"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._prototypes: Optional[torch.Tensor] = None
+
+    def solve(self, model: nn.Module, ctx: RunContext) -> None:
         self._prototypes = None
 
     def prototypes(self) -> torch.Tensor:
@@ -165,7 +181,7 @@ def oas_shrinkage(cov: torch.Tensor, n: float) -> float:
 
 
 @register_head
-class LDAHead(ContinualHead):
+class LDAHead(ClassSumsHead):
     """Linear discriminant analysis on a shared, shrunk covariance ``S``: ``w_c = S^-1 mu_c``,
     ``b_c = -mu_c^T S^-1 mu_c / 2``.
 
@@ -174,10 +190,10 @@ class LDAHead(ContinualHead):
 
     name = "lda"
     options_cls = LDAOptions
+    with_gram = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.stats = ClassSums(self.num_classes, gram=True)
         self.weight: Optional[torch.Tensor] = None
         self.bias: Optional[torch.Tensor] = None
         self.chosen: list[float] = []
@@ -185,7 +201,7 @@ class LDAHead(ContinualHead):
     def needs_validation(self) -> Optional[str]:
         return "head.shrinkage: validation" if self.options.shrinkage == "validation" else None
 
-    def solve(self, shrinkage: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def discriminant(self, shrinkage: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weight (C, d), bias (C,))`` float32 at ``shrinkage``; classes not learned get zero rows."""
         cov = self.stats.within_class_covariance()
         d = cov.shape[0]
@@ -196,18 +212,11 @@ class LDAHead(ContinualHead):
         bias = -0.5 * (weight * means).sum(-1)
         return weight.float(), bias.float()
 
-    def begin_task(self, task_id: int, task: Task, width: int) -> None:
-        self.stats.begin_task(width)
-
-    def accumulate(self, features: torch.Tensor, labels: torch.Tensor) -> None:
-        self.stats.accumulate(features, labels)
-
-    def end_task(self, model: nn.Module, task_id: int, ctx: RunContext) -> None:
-        self.stats.end_task(model)
+    def solve(self, model: nn.Module, ctx: RunContext) -> None:
         option = self.options.shrinkage
         validation = validation_examples(ctx, self.stats.learned) if isinstance(option, str) else []
         if validation:
-            candidates = {s: self.solve(s) for s in SHRINKAGE_GRID}
+            candidates = {s: self.discriminant(s) for s in SHRINKAGE_GRID}
             shrinkage = best_on_validation(
                 model, validation, ctx, lambda f, s: self._scores(f, *candidates[s]), SHRINKAGE_GRID
             )
@@ -216,7 +225,7 @@ class LDAHead(ContinualHead):
         else:
             shrinkage = float(option)
         self.chosen.append(shrinkage)
-        self.weight, self.bias = self.solve(shrinkage)
+        self.weight, self.bias = self.discriminant(shrinkage)
 
     def _scores(self, features: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         scores = features.float() @ weight.to(features.device).T + bias.to(features.device)
