@@ -373,9 +373,13 @@ class ContinualEngine:
     def learn_heads(self, model: nn.Module, phase: Phase) -> None:
         """Every head reads the phase's training data (a no-op for heads the model trains); their states go to
         ``ctx.state["heads"]`` so a snapshot holds them."""
+        heads = {"head": self.head, **self.compared}
+        readers = {key: head for key, head in heads.items() if head.reads_features}
+        if not readers:  # the model's own classifier scores: nothing to read, nothing to save
+            return
+        learn_heads(list(readers.values()), model, phase.task_id, phase.task, self.ctx)
         states = self.ctx.state.setdefault("heads", {})
-        learn_heads([self.head, *self.compared.values()], model, phase.task_id, phase.task, self.ctx)
-        for key, head in (("head", self.head), *self.compared.items()):
+        for key, head in readers.items():
             states[key] = head.state_dict()
 
     def restore_heads(self) -> None:
