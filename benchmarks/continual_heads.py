@@ -178,10 +178,9 @@ def summarize(out: Path, config_name: str, command: str = "") -> dict[str, Any]:
         result = json.loads(path.read_text())
         label = result["label"]
         for row, metrics in head_scores(result, result["variant"]).items():
-            finals.setdefault(label, {}).setdefault(row, {})[result["seed"]] = metrics["final_acc"]
-            for baseline, head in BASELINES.items():  # ncm's run also scores slda's and ranpac's heads
-                if label == "ncm" and row == head and baseline != "ncm":
-                    finals.setdefault(baseline, {}).setdefault(head, {})[result["seed"]] = metrics["final_acc"]
+            # ncm's run also scores slda's and ranpac's heads: those rows are theirs
+            owner = next((b for b, h in BASELINES.items() if h == row), label) if label == "ncm" else label
+            finals.setdefault(owner, {}).setdefault(row, {})[result["seed"]] = metrics["final_acc"]
         train = result["train_seconds"] - result["extras"].get("head_seconds", 0.0)
         cost = costs.setdefault(label, {"train": [], "head": []})
         cost["train"].append(train)
