@@ -282,7 +282,38 @@ def heads_protocol_table(summary: dict[str, Any]) -> str:
         vs = m.get("vs_ncm")
         cells.append("—" if vs is None else f"{vs[0]:+.1f} [{vs[1]:+.1f}, {vs[2]:+.1f}]")
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n\n" + heads_verdict(summary)
+    targets = [f"- {line}" for line in heads_targets(summary.get("targets", {}))]
+    return (
+        "\n".join(lines)
+        + "\n\n"
+        + heads_verdict(summary)
+        + ("\n\nTargets:\n\n" + "\n".join(targets) if targets else "")
+    )
+
+
+def heads_targets(targets: dict[str, Any]) -> list[str]:
+    """The heads protocol's targets (``benchmarks/continual_heads.py``), one sentence each, with their verdicts."""
+    lines = []
+    for key, how in (("floor", ""), ("floor_every_task", ", training every task (no first-task adaptation)")):
+        if key in targets:
+            f = targets[key]
+            misses = [f"{k} {v['best']:.1f} ({v['best_head']})" for k, v in f["methods"].items() if not v["met"]]
+            verdict = "met" if f["met"] else "NOT met: " + ", ".join(misses)
+            lines.append(
+                f"floor{how}: every continual adapter method with its best head at least SimpleCIL "
+                f"({f['simplecil']:.1f}) minus 1: {verdict}"
+            )
+    if "moonshot" in targets:
+        ms = targets["moonshot"]
+        head = ms["head"].replace("first_task+", "first task, ")
+        lines.append(
+            f"moonshot: the best continual method ({ms['method']}, {head}) closes "
+            f"{100 * ms['share_of_gap_closed']:.0f} % of the gap from the best training-free baseline to joint LoRA "
+            f"({100 * ms['share_of_gap_to_joint_best_head']:.0f} % to joint with its best head), lower end of its "
+            f"paired interval against that baseline {ms['lower_end_vs_best_free']:+.1f}; target half, above 0: "
+            + ("met" if ms["met"] else "NOT met")
+        )
+    return lines
 
 
 def heads_verdict(summary: dict[str, Any]) -> str:
