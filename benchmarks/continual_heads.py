@@ -214,6 +214,7 @@ def summarize(out: Path, config_name: str, command: str = "") -> dict[str, Any]:
         }
         if ncm is not None and label not in BASELINES:
             entry["vs_ncm"] = [100 * x for x in paired_interval(heads[best], ncm)]
+            entry["vs_ncm_every_task"] = [100 * x for x in paired_interval(heads[best_every], ncm)]
         if best_free is not None and label not in BASELINES:
             entry["vs_best_free"] = [100 * x for x in paired_interval(heads[best], free[best_free])]
         methods[label] = entry
