@@ -182,10 +182,10 @@ def summarize(out: Path, config_name: str, command: str = "") -> dict[str, Any]:
             # ncm's run also scores slda's and ranpac's heads: those rows are theirs
             owner = next((b for b, h in BASELINES.items() if h == row), label) if label == "ncm" else label
             finals.setdefault(owner, {}).setdefault(row, {})[result["seed"]] = metrics["final_acc"]
-        train = result["train_seconds"] - result["extras"].get("head_seconds", 0.0)
+        head_seconds = result.get("head_seconds", result["extras"].get("head_seconds", 0.0))  # older runs: in extras
         cost = costs.setdefault(label, {"train": [], "head": []})
-        cost["train"].append(train)
-        cost["head"].append(result["extras"].get("head_seconds", 0.0))
+        cost["train"].append(result["train_seconds"] - head_seconds)
+        cost["head"].append(head_seconds)
     # the draws every method finished (a draw still running is left out of every row)
     per_label = [{s for by_seed in heads.values() for s in by_seed} for heads in finals.values()]
     seeds = sorted(set.intersection(*per_label)) if per_label else []

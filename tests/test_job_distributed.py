@@ -64,7 +64,10 @@ def _results(out: Path) -> dict:
 
 def _report(out: Path) -> list[dict]:
     """The results without timings (the only part an interruption may change)."""
-    return [{k: v for k, v in r.items() if not k.endswith("_seconds")} for r in _results(out)["results"]]
+    def untimed(d: dict) -> dict:
+        return {k: untimed(v) if isinstance(v, dict) else v for k, v in d.items() if not k.endswith("_seconds")}
+
+    return [untimed(r) for r in _results(out)["results"]]
 
 
 def _assert_same_report(one: dict, two: dict) -> None:

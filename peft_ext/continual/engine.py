@@ -68,6 +68,8 @@ class MethodResult:
     eval_seconds: float
     task_losses: list[Optional[float]]
     extras: dict[str, Any] = field(default_factory=dict)
+    #: Of ``train_seconds``, the time the heads spent reading features and solving.
+    head_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -461,6 +463,7 @@ class ContinualEngine:
             train_seconds=record.train_seconds,
             eval_seconds=record.eval_seconds,
             task_losses=record.task_losses,
+            head_seconds=record.head_seconds,
             extras={
                 **self.method.report(self.ctx),
                 **self.head_extras(record),
@@ -469,14 +472,11 @@ class ContinualEngine:
         )
 
     def head_extras(self, record: RunRecord) -> dict[str, Any]:
-        """The result's figures of the heads: which one scored the matrix, their time, and each compared head's
-        matrix and metrics (classification sequences only)."""
+        """The result's figures of the heads: which one scored the matrix and each compared head's matrix and metrics
+        (classification sequences only)."""
         if self.sequence.kind != "classification":
             return {}
-        extras: dict[str, Any] = {
-            "head": {"name": self.head.name, **self.head.describe()},
-            "head_seconds": record.head_seconds,
-        }
+        extras: dict[str, Any] = {"head": {"name": self.head.name, **self.head.describe()}}
         if self.compared:
             extras["heads"] = {
                 name: {
