@@ -27,7 +27,7 @@ import torch
 from peft import LoraConfig
 from torch import nn
 
-from .heads.base import HEADS, head_options
+from .heads.base import HEADS, feature_heads, head_options
 
 if TYPE_CHECKING:
     from ..data.tasks import Task
@@ -71,10 +71,9 @@ class MethodOptions:
             raise ValueError(f"`adapt` must be one of {list(ADAPT_MODES)}, got {self.adapt!r}")
         head = None if self.head is None else head_options(self.head)[0]
         if self.adapt == "first_task" and (head is None or not HEADS[head].reads_features):
-            learners = [name for name, cls in sorted(HEADS.items()) if cls.reads_features]
             raise ValueError(
                 f"`adapt: first_task` freezes the model after the first task, so later classes are learned by the "
-                f"head alone: set `head` to one that learns from features ({', '.join(learners)}), got "
+                f"head alone: set `head` to one that learns from features ({', '.join(feature_heads())}), got "
                 f"{head or 'linear'!r}"
             )
         names = []

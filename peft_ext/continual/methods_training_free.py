@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from .heads import HEADS, head_spec
+from .heads.base import feature_heads
 from .methods import ContinualMethod, MethodOptions, register_continual_method
 
 if TYPE_CHECKING:
@@ -31,10 +32,9 @@ class TrainingFree(ContinualMethod):
         super().__init__(options, **kwargs)
         name = head_spec(self.head)[0]
         if not HEADS[name].reads_features:
-            learners = ", ".join(n for n, cls in sorted(HEADS.items()) if cls.reads_features)
             raise ValueError(
                 f"`head` {name!r} is trained with the model, and {self.name!r} trains nothing: use a head that learns "
-                f"from features ({learners})"
+                f"from features ({', '.join(feature_heads())})"
             )
         if self.options.adapt != "every_task":
             raise ValueError(f"`adapt` is for methods that train; {self.name!r} trains nothing")

@@ -143,6 +143,9 @@ class AlignedHead(ContinualHead):
     def begin_task(self, task_id: int, task: Task, width: int) -> None:
         classes = sorted(set(task.classes))
         self._index = {c: i for i, c in enumerate(classes)}
+        # class id -> row of this task's sums, as a tensor so a batch's labels map in one indexing
+        self._rows = torch.full((self.num_classes,), -1, dtype=torch.long)
+        self._rows[classes] = torch.arange(len(classes))
         self._task = [
             torch.zeros(len(classes), dtype=torch.float64),
             torch.zeros(len(classes), width, dtype=torch.float64),
@@ -151,7 +154,7 @@ class AlignedHead(ContinualHead):
 
     def accumulate(self, features: torch.Tensor, labels: torch.Tensor) -> None:
         counts, totals, outers = self._task
-        local = torch.tensor([self._index[int(y)] for y in labels], dtype=torch.long)
+        local = self._rows[labels]
         counts.index_add_(0, local, torch.ones(len(local), dtype=torch.float64))
         totals.index_add_(0, local, features)
         for i in local.unique().tolist():

@@ -27,6 +27,7 @@ from torch import nn
 
 from ...distributed import all_reduce_, rank, world_size
 from ..context import model_logits, split_batches
+from ..sharding import is_sharded
 
 if TYPE_CHECKING:
     from ...data.tasks import Example, Task
@@ -39,6 +40,7 @@ __all__ = [
     "build_head",
     "classifier_module",
     "feature_batches",
+    "feature_heads",
     "head_options",
     "head_spec",
     "learn_heads",
@@ -92,11 +94,6 @@ class ContinualHead:
     def before_task(self, model: nn.Module, task_id: int, ctx: RunContext) -> None:
         """Called before training task ``task_id`` (after the method's own ``before_task``)."""
 
-    def learn(self, model: nn.Module, task_id: int, task: Task, ctx: RunContext) -> None:
-        """Called after task ``task_id`` was trained (and the method's ``after_task``): read the task's training
-        data (:func:`learn_heads` runs one pass for several heads)."""
-        learn_heads([self], model, task_id, task, ctx)
-
     def begin_task(self, task_id: int, task: Task, width: int) -> None:
         """Start the statistics of one task's pass over features of width ``width`` (heads that read features)."""
 
@@ -136,6 +133,11 @@ def register_head(cls: type[ContinualHead]) -> type[ContinualHead]:
         raise ValueError(f"{cls.__name__} must set a non-empty `name`")
     HEADS[cls.name] = cls
     return cls
+
+
+def feature_heads() -> list[str]:
+    """The names of the heads that learn from features (sorted): what a model that stops training needs."""
+    return [name for name, cls in sorted(HEADS.items()) if cls.reads_features]
 
 
 def head_spec(value: Any) -> tuple[str, dict[str, Any]]:
@@ -233,8 +235,6 @@ def feature_batches(
     :func:`reduce_sums_`), except with ``whole`` or an FSDP2-sharded model, whose forwards every process must run
     together: then each reads everything and no reduction is needed.
     """
-    from ..sharding import is_sharded
-
     world = world_size()
     split = world > 1 and not whole and not is_sharded(model)
     if split:
@@ -268,18 +268,16 @@ def learn_heads(heads: Sequence[ContinualHead], model: nn.Module, task_id: int, 
         head.end_task(model, task_id, ctx)
 
 
-def reduce_sums_(tensors: Sequence[torch.Tensor], model: nn.Module, whole: bool = False) -> None:
+def reduce_sums_(tensors: Sequence[torch.Tensor], model: nn.Module) -> None:
     """Sum statistics that :func:`feature_batches` split over the processes (a no-op where it did not split)."""
-    from ..sharding import is_sharded
-
-    if world_size() > 1 and not whole and not is_sharded(model):
+    if world_size() > 1 and not is_sharded(model):
         all_reduce_(list(tensors))
 
 
-def grow(t: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """``t``, or zeros of ``shape`` when ``t`` is ``None`` (statistics are made at the first pass, when the feature
-    width is known)."""
-    return torch.zeros(shape, dtype=dtype) if t is None else t
+def grow(t: Optional[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+    """``t``, or float64 zeros of ``shape`` when ``t`` is ``None`` (statistics are made at the first pass, when the
+    feature width is known)."""
+    return torch.zeros(shape, dtype=torch.float64) if t is None else t
 
 
 def masked_scores(scores: torch.Tensor, learned: torch.Tensor) -> torch.Tensor:

@@ -52,12 +52,6 @@ class ClassSums:
         del self._task
 
     @property
-    def width(self) -> int:
-        if self.sums is None:
-            raise RuntimeError("no features were read yet")
-        return self.sums.shape[1]
-
-    @property
     def learned(self) -> torch.Tensor:
         return self.counts > 0
 
