@@ -33,12 +33,15 @@ def test_run_end_to_end_writes_results(tmp_path, tiny_backbone, capsys):
     cfg = _config(tmp_path, tiny_backbone)
     assert main(["run", str(cfg), "--no-progress", "--set", "methods.seq_lora.adapter.r=2"]) == 0
     out = capsys.readouterr().out
-    assert "| method | final acc | acc after learning | avg incr acc | BWT | forgetting | gap to joint |" in out
+    header = "| method | head | final acc | acc after learning | avg incr acc | BWT | forgetting | gap to joint |"
+    header += " vs SimpleCIL |"
+    assert header in out
     every = ["frozen_linear", "seq_lora", "inflora", "olora", "osf", "splitlora", "pclr", "joint"]
+    every += ["ncm", "slda", "ranpac"]
     for name in every:
         assert f"| {name} |" in out
     results = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert [r["method"] for r in results["results"]] == every  # the default job compares every continual method
+    assert [r["method"] for r in results["results"]] == every  # every continual method and the baselines
     assert results["meta"]["sequence_meta"]["n_tasks"] == 2
     assert len(results["results"][1]["accuracy_matrix"]) == 2
     assert (tmp_path / "out" / "accuracy_matrix.png").stat().st_size > 1000
