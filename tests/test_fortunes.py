@@ -280,16 +280,18 @@ def test_preflight_names_unknown_classes_and_too_many(config_data):
 
 
 def test_run_fortunes_config_through_the_cli(tmp_path, capsys):
-    """configs/fortunes.yaml with the real MiniLM-L6, shrunk: 2 tasks x 2 topics, one epoch, two methods."""
+    """configs/fortunes.yaml with the real MiniLM-L6, shrunk: 2 tasks x 2 topics, 24 entries each, 3 epochs, two
+    methods."""
     from peft_ext_cli import main as cli_main
 
     out = tmp_path / "out"
     overrides = [
-        "train.epochs=1",
+        "train.epochs=3",
+        "train.batch_size=8",
         "data.n_tasks=2",
         "data.classes_per_task=2",
-        "data.train_per_class=8",
-        "data.test_per_class=4",
+        "data.train_per_class=24",
+        "data.test_per_class=12",
         "data.val_per_class=0",
         "model.max_length=32",
         f"output.dir={out}",
@@ -304,3 +306,6 @@ def test_run_fortunes_config_through_the_cli(tmp_path, capsys):
         matrix = row["accuracy_matrix"]
         assert len(matrix) == 2 and all(len(r) == 2 for r in matrix)
         assert matrix[0][1] is None and all(0 <= v <= 1 for r in matrix for v in r if v is not None)
+        # both learn each task: right after training it, its 24 test entries score above chance among the classes
+        # seen (1/2, then 1/4) by at least 0.15 (measured: 0.79 and 0.54 for frozen_linear, 0.75 and 0.50 for seq_lora)
+        assert matrix[0][0] >= 0.5 + 0.15 and matrix[1][1] >= 0.25 + 0.15, (row["method"], matrix)

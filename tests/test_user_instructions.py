@@ -117,14 +117,21 @@ def test_the_engine_trains_and_scores_the_shipped_tasks():
 
     tokenizer = AsciiTokenizer()
     seq = instruction_sequence_from_files(SHIPPED, seed=0)
-    method = get_continual_method("seq_lora")(lr=1e-2, adapter={"r": 4, "target_modules": ["q_proj", "v_proj"]})
-    config = TrainConfig(epochs=1, batch_size=8, device="cpu", progress=False)
-    result = run_sequence(
-        seq, method, tiny_llama(vocab_size=tokenizer.vocab_size), CausalLMCollator(tokenizer, 64), config
-    )
+    from peft_ext.continual.generation import generation_scores
+
+    method = get_continual_method("seq_lora")(lr=3e-2, adapter={"r": 4, "target_modules": ["q_proj", "v_proj"]})
+    config = TrainConfig(epochs=3, batch_size=8, device="cpu", progress=False)
+    collate = CausalLMCollator(tokenizer, 64)
+    result = run_sequence(seq, method, tiny_llama(vocab_size=tokenizer.vocab_size), collate, config)
     R = result.accuracy_matrix
     assert len(R) == 3 and all(R[i][j] is not None for i in range(3) for j in range(i + 1))
     assert all(0.0 <= R[i][j] <= 1.0 for i in range(3) for j in range(i + 1))
+    # it learns each task: the answers' loss right after training a task is below the untrained model's (measured:
+    # 0.28, 0.16 and 0.09 nats lower; the third task has 15 examples, two steps an epoch)
+    untrained = tiny_llama(vocab_size=tokenizer.vocab_size)
+    before = [generation_scores(untrained, task.test, collate, "cpu")["answer_loss"] for task in seq.tasks]
+    drops = [before[i] - result.extras["answer_loss_matrix"][i][i] for i in range(3)]
+    assert min(drops) > 0.04 and sum(drops) / 3 > 0.1, drops
 
 
 # --- the job ------------------------------------------------------------------------------------------------------
