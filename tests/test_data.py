@@ -147,6 +147,20 @@ def test_rebuild_matches_committed_file(tmp_path):
     assert rebuilt.read_bytes() == committed
 
 
+def test_rebuild_of_real_source_lines_gives_the_committed_rows(tmp_path):
+    """Runs everywhere: real lines of Debian's wordnet-base (tests/debian_sources) rebuilt give, verbatim, rows of
+    the committed file: the same parse, supersense, lemmas, gloss and examples as the full rebuild above."""
+    source = Path(__file__).parent / "debian_sources" / "wordnet"
+    rows = lzma.decompress(build_wordnet_glosses(source, tmp_path / "w.tsv.xz").read_bytes()).decode().splitlines()
+    committed = set(lzma.decompress(DEFAULT_PATH.read_bytes()).decode().splitlines())
+    assert rows[0] == "synset\tsupersense\tlemmas\tdefinition\texamples"
+    assert len(rows) == 1 + 25 * 4 + 1  # the first 25 synsets of each file and the dog
+    missing = [row for row in rows if row not in committed]
+    assert not missing, missing[:3]
+    dog = next(row for row in rows if row.startswith("n02084071\t"))
+    assert dog.split("\t")[1] == "noun.animal"
+
+
 def test_committed_file_contents():
     records = load_wordnet_glosses()
     # WordNet 3.0 has 82,115 noun, 13,767 verb, 18,156 adjective (incl. satellite) and 3,621 adverb synsets.
