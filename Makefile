@@ -32,7 +32,9 @@ test: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest --durations=30 $(PYTEST_ARGS)
 
 # The inner loop: everything but the slow tests (benchmark scripts, notebooks, whole jobs and sequences, subprocesses,
-# torch.compile, the architecture matrix beyond four models) and the multi-process launches. CI runs `make test`.
+# inductor compiles, the architecture matrix beyond four models) and the multi-process launches; it keeps one
+# compile test per adapter type (aot_eager: one graph, eager gradients) and four methods of the golden runs.
+# CI runs `make test`.
 test-fast: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -m "not slow and not distributed" $(PYTEST_ARGS)
 

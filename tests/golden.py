@@ -71,16 +71,19 @@ def shrunk_config(name: str, backbone: Path, out_dir: Path) -> dict[str, Any]:
     return data
 
 
-def run_case(name: str, work: Path, backbone: Path, threads: int = 1) -> dict[str, dict[str, Any]]:
-    """Run the shrunk config ``name`` with ``peft-ext run`` on ``threads`` intra-op threads; returns
-    ``{label: record}`` with each method's accuracy matrix and per-task mean training loss."""
+def run_case(
+    name: str, work: Path, backbone: Path, threads: int = 1, only: list[str] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Run the shrunk config ``name`` with ``peft-ext run`` on ``threads`` intra-op threads (``only``: just these
+    method labels; each method starts from the seed, so a subset gives the same records); returns ``{label:
+    record}`` with each method's accuracy matrix and per-task mean training loss."""
     from peft_ext_cli import main
 
     cfg = work / f"{name}.yaml"
     out = work / f"{name}-out"
     cfg.write_text(yaml.safe_dump(shrunk_config(name, backbone, out)))
     with torch_threads(threads):
-        status = main(["run", str(cfg), "--no-progress"])
+        status = main(["run", str(cfg), "--no-progress", *(["--only", ",".join(only)] if only else [])])
     if status != 0:
         raise RuntimeError(f"the golden run {name} failed with status {status} (its error is printed above)")
     payload = json.loads((out / "results.json").read_text())

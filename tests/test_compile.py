@@ -4,7 +4,8 @@ compiled gradients equal to eager ones to float rounding.
 Causal-LM adapters (PEFT's LoRA as the reference, Riemannion, SplitLoRA, PCLR) run on a tiny random Llama with all
 7 projections of both layers adapted; MoRA, an adapter of dual encoders, on a tiny CLIP. The fast tests compile with
 ``aot_eager`` (dynamo's graph capture and AOTAutograd's joint graph, the parts that decide graph breaks and the
-backward); the ``slow`` ones with inductor, the default backend, on the causal LM.
+backward) and run in ``make test-fast``, one per adapter type; the ``slow`` ones with inductor, the default backend,
+on the causal LM.
 """
 
 from __future__ import annotations
@@ -118,13 +119,14 @@ def _ids() -> torch.Tensor:
     return torch.randint(0, VOCAB, (3, 10), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(CAUSAL_LM))
+# One per adapter type in `make test-fast` (PEFT's own LoRA, the reference, only in `make test`).
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n == "lora" else n for n in sorted(CAUSAL_LM)]
+)
 def test_causal_lm_adapter_compiles_to_one_graph_with_eager_gradients(name):
     _check_compiled(lambda: _causal_lm(name), _lm_step, _ids(), "aot_eager")
 
 
-@pytest.mark.slow
 def test_mora_compiles_to_one_graph_with_eager_gradients():
     def make() -> nn.Module:
         base = tiny_clip()

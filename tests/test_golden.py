@@ -55,6 +55,23 @@ def test_every_shipped_job_in_miniature_reproduces_the_golden_runs(tmp_path):
     assert not problems, "results changed (if intended: `make golden` and a CHANGELOG line):\n" + "\n".join(problems)
 
 
+#: The fast form (``make test-fast``): the quickstart miniature's methods that cover each mechanism the others share
+#: (PEFT's LoRA, a tuner of this package with a statistics pass and the analytic head, PCLR's pool and its cycle, a
+#: training-free baseline with the compared heads); the slow test above runs every case and method.
+FAST = ["seq_lora", "splitlora", "pclr", "ncm"]
+
+
+def test_four_methods_of_the_quickstart_miniature_reproduce_their_golden_runs(tmp_path):
+    from .golden import run_case, save_tiny_bert
+
+    golden = json.loads(GOLDEN.read_text())
+    backbone = save_tiny_bert(tmp_path / "tiny-bert", num_layers=2, seed=0)
+    runs = {"quickstart": run_case("quickstart", tmp_path, backbone, only=FAST)}
+    want = {"quickstart": {label: golden["quickstart"][label] for label in FAST}}
+    problems = _differences(want, runs)
+    assert not problems, "results changed (if intended: `make golden` and a CHANGELOG line):\n" + "\n".join(problems)
+
+
 def test_the_comparison_catches_a_moved_loss_and_a_moved_accuracy():
     golden = {"quickstart": {"m": {"task_losses": [1.0, 2.0], "accuracy_matrix": [[0.5, None], [0.25, 0.75]]}}}
     same = json.loads(json.dumps(golden))
