@@ -69,6 +69,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true", help="keep cached runs")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 draws, 2 tasks, few examples, 1 epoch")
     parser.add_argument("--summary-only", action="store_true", help="only rebuild the summary from cached runs")
+    parser.add_argument(
+        "--sizes",
+        nargs="+",
+        metavar="SUMMARY",
+        help="instead of running: compare the summaries of one sequence at several training-set sizes (their "
+        "summary.json files), written to --out as a results file `peft-ext table` publishes",
+    )
     return parser.parse_args(argv)
 
 
@@ -171,7 +178,7 @@ def interval(values: list[float]) -> tuple[float, float]:
     return 100 * m, 100 * t_quantile(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
 
 
-def summarize(out: Path, config_name: str, command: str = "") -> dict[str, Any]:
+def summarize(out: Path, config_name: str, command: str = "", train_per_class: int | None = None) -> dict[str, Any]:
     """Collect the cached runs into per-method, per-head final accuracies over the draws; judge the targets."""
     finals: dict[str, dict[str, dict[int, float]]] = {}
     costs: dict[str, dict[str, list[float]]] = {}
@@ -229,6 +236,7 @@ def summarize(out: Path, config_name: str, command: str = "") -> dict[str, Any]:
         },
         "machine": machine.torch_platform(),
         "command": command,
+        "train_per_class": train_per_class,
     }
     summary["targets"] = targets(summary)
     return summary
@@ -327,13 +335,58 @@ def reproduce(args: argparse.Namespace) -> str:
     return " ".join(parts)
 
 
+def sizes(paths: list[Path]) -> dict[str, Any]:
+    """How each method's place between the best training-free baseline and joint LoRA moves with the amount of
+    training data: one entry per summary (the same sequence at another ``train_per_class``), smallest first."""
+    entries = []
+    for path in paths:
+        summary = json.loads(Path(path).read_text())
+        if summary.get("kind") != "continual_heads" or not summary.get("train_per_class"):
+            raise SystemExit(f"{path}: not a heads protocol summary that records its train_per_class")
+        methods, free = summary["methods"], summary["best_training_free"]
+        joint = methods["joint"]["heads"].get("linear", {}).get("mean", methods["joint"]["best_mean"])
+        entries.append(
+            {
+                "train_per_class": summary["train_per_class"],
+                "draws": summary["draws"],
+                "command": summary["command"],
+                "best_free": {"method": free, "mean": methods[free]["best_mean"]},
+                "joint": joint,
+                "methods": {
+                    label: {"best_mean": m["best_mean"], "best_head": m["best_head"]}
+                    for label, m in methods.items()
+                    if label not in BASELINES and label != "joint"
+                },
+            }
+        )
+    configs = {json.loads(Path(p).read_text())["config"] for p in paths}
+    if len(configs) != 1:
+        raise SystemExit(f"--sizes compares one sequence at several sizes; got the configs {sorted(configs)}")
+    entries.sort(key=lambda e: e["train_per_class"])
+    return {
+        "kind": "continual_heads_sizes",
+        "config": configs.pop(),
+        "sizes": entries,
+        "machine": machine.torch_platform(),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.sizes:
+        if not args.out:
+            raise SystemExit("--sizes writes its results file to --out: name it")
+        payload = sizes([Path(p) for p in args.sizes])
+        Path(args.out).write_text(json.dumps(payload, indent=1))
+        from peft_ext.continual.report import published_table
+
+        print(published_table(args.out))
+        return 0
     out = Path(args.out or f"runs/bench_heads_{args.config}")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if not args.summary_only:
         run_all(args, out)
-    summary = summarize(out, args.config, reproduce(args))
+    summary = summarize(out, args.config, reproduce(args), train_per_class=load(args).data.train_per_class)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     text = report(summary)
     (out / "report.md").write_text(text)

@@ -68,6 +68,40 @@ def test_summary_pairs_draws_expands_the_baselines_run_and_judges_the_targets(tm
     assert "3 class draws of `toy`" in table
 
 
+def test_sizes_places_each_method_between_the_best_baseline_and_joint(tmp_path):
+    paths = []
+    for n, (free, joint, split, inflora) in {200: (0.66, 0.80, 0.73, 0.60), 40: (0.62, 0.70, 0.66, 0.55)}.items():
+        out = tmp_path / str(n)
+        for seed in range(2):
+            _write(out, seed, "ncm", "trained", free - 0.01, {"lda": free, "analytic": free - 0.02}, head="prototype")
+            _write(out, seed, "splitlora", "trained", 0.5, {"analytic": split})
+            _write(out, seed, "inflora", "trained", inflora, {})
+            _write(out, seed, "joint", "trained", joint, {"lda": joint + 0.01})
+        summary = bench.summarize(out, "toy", f"python -m benchmarks.continual_heads --train-per-class {n}", n)
+        paths.append(out / "summary.json")
+        paths[-1].write_text(json.dumps(summary))
+    payload = bench.sizes(paths)
+    assert [e["train_per_class"] for e in payload["sizes"]] == [40, 200]  # smallest first, whatever the order given
+    first = payload["sizes"][0]
+    assert first["best_free"] == {"method": "slda", "mean": pytest.approx(62.0)}
+    assert first["joint"] == pytest.approx(70.0)  # joint's linear head, as the moonshot target reads it
+    (tmp_path / "sizes.json").write_text(json.dumps(payload))
+    table = published_table(tmp_path / "sizes.json")
+    # splitlora: (66 - 62) / (70 - 62) = 50 % at 40; (73 - 66) / (80 - 66) = 50 % at 200; inflora below the baseline
+    assert "| splitlora | 66.0 (analytic) | 50 % | 73.0 (analytic) | 50 % |" in table
+    assert "| inflora | 55.0 (linear) | -87 % | 60.0 (linear) | -43 % |" in table
+    assert "| best training-free | 62.0 (slda) | 0 % | 66.0 (slda) | 0 % |" in table
+    assert "moves from 8.0 to 14.0 points" in table and "splitlora 50 % -> 50 %" in table
+    assert "class draws: 2 at 40, 2 at 200" in table
+    other = json.loads(paths[0].read_text()) | {"config": "other"}
+    paths[0].write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match=r"one sequence at several sizes; got the configs \['other', 'toy'\]"):
+        bench.sizes(paths)
+    paths[0].write_text(json.dumps(other | {"train_per_class": None}))
+    with pytest.raises(SystemExit, match="not a heads protocol summary that records its train_per_class"):
+        bench.sizes(paths)
+
+
 @pytest.mark.slow  # real MiniLM-L6, 2 draws of 2 tiny tasks: about 40 s on 2 cores
 def test_quick_run_end_to_end(tmp_path):
     out = tmp_path / "heads"

@@ -336,6 +336,59 @@ def heads_verdict(summary: dict[str, Any]) -> str:
     )
 
 
+def heads_sizes_table(payload: dict[str, Any]) -> str:
+    """The table of a heads protocol at several training-set sizes (``benchmarks/continual_heads.py --sizes``): per
+    size, the best training-free baseline, joint LoRA (linear head) and each continual method's best final accuracy
+    with its place in the gap between the two (0 % at the baseline, 100 % at joint), then one sentence per method
+    saying how that place moved."""
+    entries = payload["sizes"]
+    head = ["method"]
+    for e in entries:
+        head += [f"{e['train_per_class']} per class: best (head)", "place in the gap"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+
+    def place(e: dict[str, Any], mean: float) -> float:
+        gap = e["joint"] - e["best_free"]["mean"]
+        return 100 * (mean - e["best_free"]["mean"]) / gap if gap > 0 else math.nan
+
+    lines.append(
+        "| best training-free | "
+        + " | ".join(f"{e['best_free']['mean']:.1f} ({e['best_free']['method']}) | 0 %" for e in entries)
+        + " |"
+    )
+    lines.append("| joint LoRA (linear) | " + " | ".join(f"{e['joint']:.1f} | 100 %" for e in entries) + " |")
+    labels = [label for label in entries[0]["methods"] if all(label in e["methods"] for e in entries)]
+    for label in labels:
+        cells = [label]
+        for e in entries:
+            m = e["methods"][label]
+            cells += [f"{m['best_mean']:.1f} ({m['best_head'].replace('first_task+', 'first task, ')})"]
+            cells += [f"{place(e, m['best_mean']):.0f} %"]
+        lines.append("| " + " | ".join(cells) + " |")
+    first, last = entries[0], entries[-1]
+    gaps = f"{first['joint'] - first['best_free']['mean']:.1f} to {last['joint'] - last['best_free']['mean']:.1f}"
+    said = [
+        f"From {first['train_per_class']} to {last['train_per_class']} training examples per class the gap from the "
+        f"best training-free baseline to joint LoRA moves from {gaps} points."
+    ]
+    moves = [
+        f"{label} {place(first, first['methods'][label]['best_mean']):.0f} % -> "
+        f"{place(last, last['methods'][label]['best_mean']):.0f} %"
+        for label in labels
+    ]
+    if moves:
+        said.append("Each method's place in it: " + ", ".join(moves) + ".")
+    draws = ", ".join(f"{len(e['draws'])} at {e['train_per_class']}" for e in entries)
+    commands = "; ".join(f"`{e['command']}`" for e in entries)
+    return (
+        "\n".join(lines)
+        + "\n\n"
+        + " ".join(said)
+        + f"\n\n(percent, final average accuracy, class-incremental; `{payload['config']}`, class draws: {draws}; "
+        f"{commands}; {payload['machine']})\n"
+    )
+
+
 def published_table(path: str | Path) -> str:
     """The table a results file publishes: one row per method (metrics in percent, trainable parameters), then a line
     with where and how long it ran. Timings are the job's own, summed over its methods. A heads protocol summary
@@ -348,6 +401,8 @@ def published_table(path: str | Path) -> str:
         payload = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         payload = None
+    if isinstance(payload, dict) and payload.get("kind") == "continual_heads_sizes":
+        return heads_sizes_table(payload)
     if isinstance(payload, dict) and payload.get("kind") == "continual_heads":
         draws = len(payload["draws"])
         return (
