@@ -8,7 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from peft_ext.continual.report import GENERATED_CLOSE, GENERATED_OPEN, generated_blocks, published_table
+from peft_ext.continual.report import (
+    CLAIM_CLOSE,
+    CLAIM_OPEN,
+    GENERATED_CLOSE,
+    GENERATED_OPEN,
+    generated_blocks,
+    generated_claims,
+    heads_claim,
+    published_claim,
+    published_table,
+)
 from peft_ext_cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,6 +37,76 @@ def test_every_generated_table_equals_its_results_file(markdown):
             f"{markdown.name}'s table from {source} was edited by hand or its results changed: run "
             f"`peft-ext table --into {markdown.relative_to(ROOT)}`"
         )
+
+
+@pytest.mark.parametrize("markdown", MARKDOWN, ids=lambda p: p.name)
+def test_every_generated_claim_equals_its_results_file(markdown):
+    for source, key, body in generated_claims(markdown.read_text()):
+        assert body == published_claim(markdown.parent / source, key), (
+            f"{markdown.name}'s claim {key} from {source} was edited by hand or its results changed: run "
+            f"`peft-ext table --into {markdown.relative_to(ROOT)}`"
+        )
+
+
+def _summary(**vs: tuple[float, float, float]) -> dict:
+    methods = {
+        label: {
+            "best_head": "analytic",
+            "best_every_task_head": "lda",
+            "vs_ncm": list(v),
+            "vs_ncm_every_task": list(v),
+        }
+        for label, v in vs.items()
+    }
+    methods["pclr"] |= {"best_head": "first_task+lda"}
+    methods["ncm"] = {"best_head": "prototype"}
+    return {"kind": "continual_heads", "config": "quickstart", "draws": [0, 1, 2], "methods": methods}
+
+
+def test_a_claim_says_beats_only_when_the_interval_clears():
+    summary = _summary(splitlora=(4.3, 2.6, 6.0), inflora=(-0.4, -3.0, 2.2), pclr=(-3.0, -5.0, -1.0))
+    said = heads_claim(summary, "vs_simplecil:splitlora")
+    assert said == "beats SimpleCIL on WordNet (+4.3 points [+2.6, +6.0], analytic head, 3 class draws)"
+    assert heads_claim(summary, "vs_simplecil:inflora").startswith(
+        "ties SimpleCIL on WordNet (-0.4 points [-3.0, +2.2]"
+    )
+    pclr = heads_claim(summary, "vs_simplecil:pclr")
+    assert pclr.startswith("trails SimpleCIL") and "trained on the first task only, lda head" in pclr
+    assert "lda head" in heads_claim(summary, "vs_simplecil_every_task:splitlora")
+    winners = heads_claim(summary, "winners")
+    assert (
+        winners
+        == "on WordNet these beat SimpleCIL: splitlora (analytic head, +4.3 points [+2.6, +6.0]) (3 class draws)"
+    )
+    summary["config"] = "fortunes"
+    summary["methods"]["splitlora"]["vs_ncm"] = [1.0, -0.5, 2.5]
+    assert heads_claim(summary, "winners").startswith("on fortunes no adapter method here beats SimpleCIL")
+    with pytest.raises(ValueError, match=r"'joint' is not compared with SimpleCIL here; one of \['splitlora'"):
+        heads_claim(summary, "vs_simplecil:joint")
+    with pytest.raises(ValueError, match=r"unknown claim 'best:splitlora'"):
+        heads_claim(summary, "best:splitlora")
+
+
+def test_table_rewrites_claims_inside_sentences_and_refuses_a_bad_one_leaving_the_page(tmp_path, capsys):
+    summary = _summary(splitlora=(4.3, 2.6, 6.0), inflora=(-0.4, -3.0, 2.2), pclr=(-3.0, -5.0, -1.0))
+    (tmp_path / "heads.json").write_text(json.dumps(summary))
+    claim = CLAIM_OPEN.format(source="heads.json", key="vs_simplecil:splitlora") + "beats it by 9" + CLAIM_CLOSE
+    page = tmp_path / "page.md"
+    page.write_text(f"| row | SplitLoRA {claim}; more |\n")
+    assert main(["table", "--into", str(page)]) == 0
+    assert page.read_text() == (
+        "| row | SplitLoRA "
+        + CLAIM_OPEN.format(source="heads.json", key="vs_simplecil:splitlora")
+        + published_claim(tmp_path / "heads.json", "vs_simplecil:splitlora")
+        + CLAIM_CLOSE
+        + "; more |\n"
+    )
+    before = page.read_text()
+    page.write_text(before + CLAIM_OPEN.format(source="heads.json", key="vs_simplecil:nope") + "x" + CLAIM_CLOSE)
+    before = page.read_text()
+    assert main(["table", "--into", str(page)]) == 2
+    assert "'nope' is not compared with SimpleCIL" in capsys.readouterr().err
+    assert page.read_text() == before
 
 
 def _results(path: Path, final: float) -> Path:

@@ -240,6 +240,82 @@ _GENERATED_BLOCK = re.compile(
 )
 
 
+#: A generated claim inside a sentence (a table cell too): ``<!-- claim SOURCE KEY -->text<!-- /claim -->``, the text
+#: written by :func:`published_claim` from the results file SOURCE (relative to the markdown file's folder).
+CLAIM_OPEN = "<!-- claim {source} {key} -->"
+CLAIM_CLOSE = "<!-- /claim -->"
+_CLAIM = re.compile(r"<!-- claim (?P<source>\S+) (?P<key>\S+) -->(?P<body>.*?)<!-- /claim -->", re.S)
+#: The data set a shipped config draws its sequence from, as a claim names it.
+DATASET_OF = {"quickstart": "WordNet", "fortunes": "fortunes"}
+#: What the claims of a heads protocol summary can say (``KEY:METHOD`` for the first two).
+CLAIM_KINDS = ("vs_simplecil", "vs_simplecil_every_task", "winners")
+_NOT_ADAPTER_METHODS = ("joint", "frozen_linear", "ncm", "slda", "ranpac")
+
+
+def _head_words(head: str) -> str:
+    if head.startswith("first_task+"):
+        return f"trained on the first task only, {head.split('+', 1)[1]} head"
+    return f"{head} head"
+
+
+def heads_claim(summary: dict[str, Any], key: str) -> str:
+    """One generated claim of a heads protocol summary (``benchmarks/continual_heads.py``), with its data set, its
+    paired interval and the number of draws: the verb follows the interval (``beats`` only when its lower end is
+    above 0, ``trails`` only when its upper end is below 0, else ``ties``).
+
+    Keys: ``vs_simplecil:METHOD`` (the method with its best head against SimpleCIL), ``vs_simplecil_every_task:METHOD``
+    (its best head when it trains on every task), ``winners`` (which adapter methods beat SimpleCIL).
+
+    Raises:
+        ValueError: An unknown key or a method the summary does not compare with SimpleCIL.
+    """
+    kind, _, method = key.partition(":")
+    dataset = DATASET_OF.get(summary["config"], f"`{summary['config']}`")
+    n = len(summary["draws"])
+    if kind in ("vs_simplecil", "vs_simplecil_every_task"):
+        every = kind.endswith("every_task")
+        m = summary["methods"].get(method, {})
+        vs = m.get("vs_ncm_every_task" if every else "vs_ncm")
+        if vs is None:
+            valid = [k for k, v in summary["methods"].items() if v.get("vs_ncm")]
+            raise ValueError(f"claim {key!r}: {method!r} is not compared with SimpleCIL here; one of {valid}")
+        d, lo, hi = vs
+        verb = "beats" if lo > 0 else "trails" if hi < 0 else "ties"
+        head = _head_words(m["best_every_task_head" if every else "best_head"])
+        return f"{verb} SimpleCIL on {dataset} ({d:+.1f} points [{lo:+.1f}, {hi:+.1f}], {head}, {n} class draws)"
+    if kind == "winners" and not method:
+        beat = [
+            f"{label} ({_head_words(m['best_head'])}, {m['vs_ncm'][0]:+.1f} points [{m['vs_ncm'][1]:+.1f}, "
+            f"{m['vs_ncm'][2]:+.1f}])"
+            for label, m in summary["methods"].items()
+            if label not in _NOT_ADAPTER_METHODS and m.get("vs_ncm") and m["vs_ncm"][1] > 0
+        ]
+        if not beat:
+            return f"on {dataset} no adapter method here beats SimpleCIL, whatever the head ({n} class draws)"
+        return f"on {dataset} these beat SimpleCIL: {', '.join(beat)} ({n} class draws)"
+    raise ValueError(f"unknown claim {key!r}: one of {[k + ':METHOD' for k in CLAIM_KINDS[:2]] + ['winners']}")
+
+
+def published_claim(path: str | Path, key: str) -> str:
+    """The text of the claim ``key`` that the results file ``path`` makes (:func:`heads_claim`).
+
+    Raises:
+        ValueError: The file is not a heads protocol summary, or the key is unknown to it.
+    """
+    try:
+        payload = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"claim {key!r}: cannot read {str(path)!r} ({type(err).__name__}: {err})") from None
+    if not isinstance(payload, dict) or payload.get("kind") != "continual_heads":
+        raise ValueError(f"claim {key!r}: {str(path)!r} is not a heads protocol summary (kind continual_heads)")
+    return heads_claim(payload, key)
+
+
+def generated_claims(text: str) -> list[tuple[str, str, str]]:
+    """``(source, key, body)`` of every generated claim in a markdown text."""
+    return [(m["source"], m["key"], m["body"]) for m in _CLAIM.finditer(text)]
+
+
 def load_results(path: str | Path) -> tuple[dict[str, Any], list[MethodResult]]:
     """The ``meta`` and the method results of a continual job's ``results.json``.
 
@@ -431,12 +507,14 @@ def generated_blocks(text: str) -> list[tuple[str, str]]:
 
 
 def write_generated_tables(markdown: str | Path) -> list[str]:
-    """Rewrite every generated table of a markdown file from its results file; returns the sources rewritten.
+    """Rewrite every generated table and every generated claim of a markdown file from its results file; returns
+    the sources rewritten.
 
-    The file is replaced atomically and only when a table changed.
+    The file is replaced atomically, only when something changed, and only when every table and claim could be
+    written (a bad one leaves the page as it was).
 
     Raises:
-        ValueError: A results file is missing or not a continual job's.
+        ValueError: A results file is missing or not a continual job's; a claim's key is unknown.
     """
     path = Path(markdown)
     text = path.read_text()
@@ -445,7 +523,12 @@ def write_generated_tables(markdown: str | Path) -> list[str]:
         body = published_table(path.parent / match["source"])
         return GENERATED_OPEN.format(source=match["source"]) + "\n" + body + GENERATED_CLOSE
 
-    new = _GENERATED_BLOCK.sub(regenerate, text)
+    def reclaim(match: re.Match) -> str:
+        body = published_claim(path.parent / match["source"], match["key"])
+        return CLAIM_OPEN.format(source=match["source"], key=match["key"]) + body + CLAIM_CLOSE
+
+    new = _CLAIM.sub(reclaim, _GENERATED_BLOCK.sub(regenerate, text))
     if new != text:
         atomic_write(path, lambda tmp: Path(tmp).write_text(new))
-    return [source for source, _ in generated_blocks(text)]
+    tables = [source for source, _ in generated_blocks(text)]
+    return list(dict.fromkeys(tables + [source for source, _, _ in generated_claims(text)]))
