@@ -165,7 +165,8 @@ def _cmd_table(args: argparse.Namespace) -> int:
             return 0
         for markdown in args.into:
             sources = write_generated_tables(markdown)
-            print(f"{markdown}: {len(sources)} generated table(s) and claim(s) written from {', '.join(sources) or 'nothing'}")
+            written = ", ".join(sources) or "nothing"
+            print(f"{markdown}: generated tables and claims written from {written}")
     except (OSError, ValueError) as err:
         print(f"peft-ext: table error: {err}", file=sys.stderr)
         return 2

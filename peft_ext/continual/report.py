@@ -346,13 +346,16 @@ def heads_protocol_table(summary: dict[str, Any]) -> str:
     each head on its own training, with the best head after first-task adaptation, the best of all and its paired
     difference to SimpleCIL (``ncm``), each a mean ± the half-width of its 95 % interval over the class draws."""
     methods = summary["methods"]
-    head = ["method", *PROTOCOL_HEADS, "first task only, best head", "best (head)", "best − SimpleCIL [95 % CI]"]
+    # the cosine head (SEQ*) is its own training run: a column only when the summary has it
+    columns = [*PROTOCOL_HEADS[:1], "cosine", *PROTOCOL_HEADS[1:]]
+    columns = [h for h in columns if h != "cosine" or any("cosine" in m["heads"] for m in methods.values())]
+    head = ["method", *columns, "first task only, best head", "best (head)", "best − SimpleCIL [95 % CI]"]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for label, m in methods.items():
         heads = m["heads"]
         first = {k.split("+", 1)[1]: v for k, v in heads.items() if k.startswith("first_task+")}
         best_first = max(first, key=lambda k: first[k]["mean"]) if first else None
-        cells = [label, *(_interval(heads.get(h)) for h in PROTOCOL_HEADS)]
+        cells = [label, *(_interval(heads.get(h)) for h in columns)]
         cells.append("—" if best_first is None else f"{_interval(first[best_first])} ({best_first})")
         cells.append(f"{m['best_mean']:.1f} ({m['best_head'].replace('first_task+', 'first task, ')})")
         vs = m.get("vs_ncm")
