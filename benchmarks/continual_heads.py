@@ -100,7 +100,9 @@ def variants(entry: Any, wanted: list[str]) -> dict[str, Any]:
         # one frozen-backbone run scores all three baselines' heads (slda's and ranpac's at their defaults)
         others = [head for name, head in BASELINES.items() if name != entry.name]
         return {"trained": dataclasses.replace(options, compare_heads=others)}
-    out = {"trained": dataclasses.replace(options, compare_heads=list(FEATURE_HEADS))}
+    # scored with the model's own linear head and, on the same run, with every head that learns from features
+    # (whatever head the config gives the method: the head does not change what is trained)
+    out = {"trained": dataclasses.replace(options, head=None, compare_heads=list(FEATURE_HEADS))}
     if entry.name not in ("joint", "frozen_linear"):  # a frozen backbone adapted on nothing is ncm's
         out["first_task"] = dataclasses.replace(
             options, head="prototype", compare_heads=FEATURE_HEADS[1:], adapt="first_task"
