@@ -61,7 +61,7 @@ def _load_and_preflight(args: argparse.Namespace):
 def _cmd_check(args: argparse.Namespace) -> int:
     config = _load_and_preflight(args)
     names = _method_names(config)
-    print(f"{args.config}: valid ({len(names)} methods: {', '.join(names)})")
+    print(f"{args.config}: valid ({len(names)} method{'s' * (len(names) != 1)}: {', '.join(names)})")
     return 0
 
 

@@ -62,6 +62,8 @@ def test_only_runs_the_named_methods_with_their_own_settings(tmp_path, tiny_back
     cfg = _config(tmp_path, tiny_backbone)
     assert main(["check", str(cfg), "--only", "seq_lora,splitlora"]) == 0
     assert "2 methods: seq_lora, splitlora" in capsys.readouterr().out
+    assert main(["check", str(cfg), "--only", "seq_lora"]) == 0
+    assert "valid (1 method: seq_lora)" in capsys.readouterr().out
     assert main(["run", str(cfg), "--no-progress", "--only", "splitlora, seq_lora"]) == 0
     results = json.loads((tmp_path / "out" / "results.json").read_text())["results"]
     assert [r["method"] for r in results] == ["seq_lora", "splitlora"]  # the config's order

@@ -65,6 +65,10 @@ def test_quickstart_values(data):
         (lambda d: d["methods"][1]["adapter"].update(r=0), r"`methods\[1\].adapter.r` must be a positive integer"),
         (lambda d: d["methods"][1].update(rank=4), r"unknown key `methods\[1\].rank`"),
         (lambda d: d["methods"][0].update(name="ewc"), r"`methods\[0\].name`: unknown continual method 'ewc'"),
+        (
+            lambda d: d["methods"][0].update(name="splitlroa"),
+            r"unknown continual method 'splitlroa'; did you mean 'splitlora'\? registered methods: \[",
+        ),
         (lambda d: d["methods"][0].update(r=4), r"unknown key `methods\[0\].r`"),
         (lambda d: d.update(methods=[]), r"`methods` must be a non-empty list"),
         (lambda d: d["methods"].append({"name": "seq_lora"}), r"two entries labelled 'seq_lora'"),

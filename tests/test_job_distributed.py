@@ -64,6 +64,7 @@ def _results(out: Path) -> dict:
 
 def _report(out: Path) -> list[dict]:
     """The results without timings (the only part an interruption may change)."""
+
     def untimed(d: dict) -> dict:
         return {k: untimed(v) if isinstance(v, dict) else v for k, v in d.items() if not k.endswith("_seconds")}
 

@@ -328,6 +328,7 @@ def test_resume_with_a_changed_config_is_refused(reference, capsys):
     err = capsys.readouterr().err
     assert "peft-ext: config error: --resume: the results in" in err
     assert "were made with a different config (hash" in err
+    assert "start over with --overwrite instead of --resume" in err
     assert (reference["out"] / "results.json").read_text() == before  # nothing touched
 
 

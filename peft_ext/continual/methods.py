@@ -310,8 +310,12 @@ def get_continual_method(name: str) -> type[ContinualMethod]:
     try:
         return CONTINUAL_METHODS[name]
     except KeyError:
+        import difflib
+
+        near = difflib.get_close_matches(str(name), CONTINUAL_METHODS, n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
         raise ValueError(
-            f"unknown continual method {name!r}; registered methods: {sorted(CONTINUAL_METHODS)}"
+            f"unknown continual method {name!r}; {hint}registered methods: {sorted(CONTINUAL_METHODS)}"
         ) from None
 
 

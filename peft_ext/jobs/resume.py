@@ -98,7 +98,8 @@ def earlier_results(out_dir: str, fingerprint: str) -> list[dict[str, Any]]:
     if stored != fingerprint:
         raise ConfigError(
             f"--resume: the results in {out_dir!r} were made with a different config (hash {stored} vs "
-            f"{fingerprint}); run without --resume to start over, or give another `output.dir`"
+            f"{fingerprint}); start over with --overwrite instead of --resume (the earlier run is moved aside, not "
+            "deleted), or give another `output.dir`"
         )
     return rows
 
