@@ -90,6 +90,10 @@ def test_tune_without_validation_data_is_refused_before_training(tmp_path, backb
     err = capsys.readouterr().err
     assert "--tune needs validation examples in every task" in err and "data.val_per_class" in err
     assert not (tmp_path / "out" / "tuning.json").exists()
+    # `check --tune` says so too, and `check` without --tune still passes the same config
+    assert main(["check", str(cfg), "--tune"]) == 2
+    assert "--tune needs validation examples in every task" in capsys.readouterr().err
+    assert main(["check", str(cfg)]) == 0
 
 
 def test_tune_settings_are_checked(tmp_path, backbone, capsys):

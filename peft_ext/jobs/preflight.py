@@ -101,6 +101,10 @@ def check_data(config: RunConfig, tokenizer: Any = None) -> Any:
     from ..continual.engine import check_heads
     from ..continual.methods import get_continual_method
 
+    if config.tune.enabled:  # what `run --tune` refuses, `check --tune` refuses too
+        from .tuning import validation_sequence
+
+        validation_sequence(sequence, config.tune.protocol)
     for entry in config.methods:
         cls = get_continual_method(entry.name)
         kinds = list(cls.task_kinds)
