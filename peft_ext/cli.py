@@ -59,9 +59,15 @@ def _load_and_preflight(args: argparse.Namespace):
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    config = _load_and_preflight(args)
+    from peft_ext.jobs.continual import sequence_summary
+    from peft_ext.jobs.preflight import preflight
+
+    config = _load(args)
+    sequence = preflight(config)
     names = _method_names(config)
     print(f"{args.config}: valid ({len(names)} method{'s' * (len(names) != 1)}: {', '.join(names)})")
+    if sequence is not None:
+        print("\n".join(sequence_summary("would run", sequence)))
     return 0
 
 

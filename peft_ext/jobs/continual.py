@@ -90,6 +90,18 @@ def build_sequence(config: RunConfig, tokenizer: Any = None) -> TaskSequence:
     raise ValueError(f"unknown dataset {data.dataset!r}")  # unreachable: the config's Literal type checks it
 
 
+def sequence_summary(name: str, sequence: TaskSequence) -> list[str]:
+    """The lines that say what a job's task sequence is: tasks, classes, examples per split, then each task's name
+    (``peft-ext run`` prints them when it starts, ``peft-ext check`` when the config is valid)."""
+    count = {split: sum(len(getattr(t, split)) for t in sequence.tasks) for split in ("train", "validation", "test")}
+    head = (
+        f"{name}: {sequence.name} ({sequence.protocol}), {len(sequence)} tasks, {sequence.num_classes} classes, "
+        f"{count['train']} train / " + (f"{count['validation']} validation / " if count["validation"] else "")
+        + f"{count['test']} test examples"
+    )
+    return [head, *(f"  t{i}: {task.name}" for i, task in enumerate(sequence.tasks))]
+
+
 def separator_id(tokenizer: Any, token: str | None) -> int:
     """The id of the token that ends every prompt of an instruction sequence: ``token`` (``model.separator``), else
     the tokenizer's separator token.
@@ -246,13 +258,10 @@ def run_job(
         tokenizer = None
     # reading user files fills the `datasets` cache, which the other processes then only read
     sequence = rank_zero_first(lambda: build_sequence(config, tokenizer))
-    echo(
-        f"[peft-ext] {config.name}: {sequence.name} ({sequence.protocol}), {len(sequence)} tasks, "
-        f"{sequence.num_classes} classes, {sum(len(t.train) for t in sequence.tasks)} train / "
-        f"{sum(len(t.test) for t in sequence.tasks)} test examples"
-    )
-    for i, task in enumerate(sequence.tasks):
-        echo(f"  t{i}: {task.name}")
+    first, *tasks = sequence_summary(config.name, sequence)
+    echo(f"[peft-ext] {first}")
+    for line in tasks:
+        echo(line)
     if not causal:
         base, tokenizer = load_text_classifier(
             config.model.backbone, sequence.num_classes, config.model.dropout, seed=config.train.seed

@@ -295,12 +295,15 @@ def check_instruction_lengths(config: RunConfig, tokenizer: Any, sequence: Any) 
         )
 
 
-def preflight(config: Any) -> None:
+def preflight(config: Any) -> Any:
     """Everything knowable before training, for any job's config: the output folder, and for continual jobs the data,
     the backbone and each method's adapter against the backbone's structure.
 
     Args:
         config: A config from :func:`peft_ext.jobs.load_job_config`.
+
+    Returns:
+        The task sequence a continual job would run (``None`` for other jobs).
     """
     check_output_dir(config.output.dir)
     if isinstance(config, RunConfig):
@@ -310,3 +313,5 @@ def preflight(config: Any) -> None:
         if config.model.kind == "causal_lm":
             check_instruction_lengths(config, tokenizer, sequence)
         check_adapters(config, model_config)
+        return sequence
+    return None
