@@ -115,6 +115,36 @@ def test_unresolvable_backbone_offline_names_the_model(cfg, capsys, monkeypatch)
     assert "`model.backbone` 'nobody/no-such-model-xyz' is not in the local Hugging Face cache" in line
 
 
+def test_a_hub_id_fails_at_once_when_the_hub_cannot_be_reached(cfg, capsys, monkeypatch):
+    """No HF_HUB_OFFLINE, no network: the hub's host is probed once (a refused or unresolved connection), the id is
+    looked up in the local cache only, and an id that is not there is refused naming it (no half minute of
+    retries)."""
+    import socket
+    import time
+
+    from peft_ext.jobs import preflight
+
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(key, raising=False)
+    probed = []
+
+    def refuse(address, timeout=None):
+        probed.append((address, timeout))
+        raise OSError("Name or service not known")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    start = time.perf_counter()
+    line = _error(capsys, ["check", str(cfg), "--set", "model.backbone=nobody/no-such-model-xyz"])
+    assert "`model.backbone` 'nobody/no-such-model-xyz' is not in the local Hugging Face cache and the hub" in line
+    assert "(huggingface.co) cannot be reached" in line
+    assert time.perf_counter() - start < 10 and probed[0] == (("huggingface.co", 443), 3.0)
+    monkeypatch.setenv("HF_ENDPOINT", "http://mirror.example:8080")
+    assert preflight.hub_unreachable() and probed[-1][0] == ("mirror.example", 8080)
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")  # behind a proxy the proxy decides: no probe
+    n = len(probed)
+    assert not preflight.hub_unreachable() and len(probed) == n
+
+
 def test_adapter_dry_build(cfg, capsys, tmp_path):
     line = _error(capsys, ["check", str(cfg), "--set", "methods.splitlora.adapter.r=40"])
     assert "`methods.splitlora` r=40 is above the input width 32" in line

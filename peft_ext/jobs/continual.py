@@ -96,7 +96,8 @@ def sequence_summary(name: str, sequence: TaskSequence) -> list[str]:
     count = {split: sum(len(getattr(t, split)) for t in sequence.tasks) for split in ("train", "validation", "test")}
     head = (
         f"{name}: {sequence.name} ({sequence.protocol}), {len(sequence)} tasks, {sequence.num_classes} classes, "
-        f"{count['train']} train / " + (f"{count['validation']} validation / " if count["validation"] else "")
+        f"{count['train']} train / "
+        + (f"{count['validation']} validation / " if count["validation"] else "")
         + f"{count['test']} test examples"
     )
     return [head, *(f"  t{i}: {task.name}" for i, task in enumerate(sequence.tasks))]

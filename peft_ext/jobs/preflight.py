@@ -125,6 +125,42 @@ def _offline() -> bool:
     )
 
 
+def _hub_host() -> tuple[str, int]:
+    from urllib.parse import urlparse
+
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    return endpoint.hostname or "huggingface.co", endpoint.port or (80 if endpoint.scheme == "http" else 443)
+
+
+def hub_unreachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub is known to be out of reach: its host does not resolve or refuses a connection
+    within ``timeout`` seconds (behind a proxy, never: the proxy decides). Saves the half minute of retries a hub id
+    costs offline when ``HF_HUB_OFFLINE`` is not set."""
+    import socket
+
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return False
+    host, port = _hub_host()
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError:
+        return True
+    return False
+
+
+def _local_only(name: str) -> bool:
+    """Load ``name`` from the local cache only: offline, or a hub id while the hub cannot be reached."""
+    return not Path(name).expanduser().is_dir() and (_offline() or hub_unreachable())
+
+
+def _not_cached(key: str, name: str) -> ConfigError:
+    why = "the hub is offline (HF_HUB_OFFLINE)" if _offline() else f"the hub ({_hub_host()[0]}) cannot be reached"
+    return ConfigError(
+        f"`{key}` {name!r} is not in the local Hugging Face cache and {why}: download it once with network access, "
+        "or give a local model directory"
+    )
+
+
 def check_backbone(name: str, key: str = "model.backbone") -> Any:
     """Resolve the backbone's config without loading weights; return the ``transformers`` config.
 
@@ -139,14 +175,13 @@ def check_backbone(name: str, key: str = "model.backbone") -> Any:
 
     from ..models import resolve_backbone
 
+    resolved = resolve_backbone(name)
+    local_only = _local_only(str(resolved))
     try:
-        return AutoConfig.from_pretrained(resolve_backbone(name))
+        return AutoConfig.from_pretrained(resolved, local_files_only=local_only)
     except Exception as err:  # noqa: BLE001 - any failure to resolve is reported as one line naming the model
-        if _offline() and not Path(name).expanduser().is_dir():
-            raise ConfigError(
-                f"`{key}` {name!r} is not in the local Hugging Face cache and the hub is offline (HF_HUB_OFFLINE): "
-                f"download it once with network access, or give a local model directory"
-            ) from None
+        if local_only:
+            raise _not_cached(key, name) from None
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ConfigError(f"`{key}` {name!r} cannot be loaded: {first}") from None
 
@@ -186,9 +221,12 @@ def check_tokenizer(name: str, key: str = "model.backbone") -> Any:
             f"`{key}` {name!r} has no tokenizer files (none of {list(TOKENIZER_FILES)}); {fix}, or point "
             "`model.backbone` at a folder or hub id that has one"
         )
+    local_only = not path.is_dir() and _local_only(name)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path) if path.is_dir() else name)
+        tokenizer = AutoTokenizer.from_pretrained(str(path) if path.is_dir() else name, local_files_only=local_only)
     except Exception as err:  # noqa: BLE001 - any failure to load is reported as one line naming the model
+        if local_only:
+            raise _not_cached(key, name) from None
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ConfigError(f"`{key}` {name!r}: its tokenizer cannot be loaded: {first}") from None
     if len(tokenizer) < MIN_VOCAB:
