@@ -250,16 +250,24 @@ _TASK_AUTO_CLASSES = {
 }
 
 
-def meta_base_models(base_model: nn.Module | str, task_type: str | None = None) -> list[nn.Module]:
+def meta_base_models(
+    base_model: nn.Module | str,
+    task_type: str | None = None,
+    base_class: str | None = None,
+    num_labels: int | None = None,
+) -> list[nn.Module]:
     """The structures a base model may have had under the adapter, on the meta device (no weights read or allocated).
 
     A ``transformers`` model gives one: its own class on its config. A folder or cached hub id (config read with
-    ``local_files_only``) gives the classes a user may have loaded it with, most likely first: the class it was
-    saved from (``architectures``), the Auto class of PEFT's ``task_type``, and the bare ``AutoModel``.
+    ``local_files_only``) gives the classes a user may have loaded it with, most likely first: the class the adapter
+    was made on (``base_class``, PEFT's ``auto_mapping``), the class it was saved from (``architectures``), the Auto
+    class of PEFT's ``task_type``, and the bare ``AutoModel``.
 
     Args:
         base_model: A ``transformers`` model, or a local folder / cached hub id.
         task_type: PEFT's ``task_type`` of the adapter, if any.
+        base_class: The ``transformers`` class the adapter was made on (``auto_mapping["base_model_class"]``).
+        num_labels: The label count of a classification head the adapter saved (its rows), if any.
 
     Raises:
         ValueError: ``base_model`` is neither, or its config cannot be read here.
@@ -279,7 +287,14 @@ def meta_base_models(base_model: nn.Module | str, task_type: str | None = None) 
         config = transformers.AutoConfig.from_pretrained(str(base_model), local_files_only=True)
     except (OSError, ValueError) as err:
         raise ValueError(f"the base model {str(base_model)!r} is not available here ({err})") from None
-    names = [*(getattr(config, "architectures", None) or [])[:1], _TASK_AUTO_CLASSES.get(str(task_type)), "AutoModel"]
+    if num_labels:
+        config.num_labels = num_labels
+    names = [
+        base_class,
+        *(getattr(config, "architectures", None) or [])[:1],
+        _TASK_AUTO_CLASSES.get(str(task_type)),
+        "AutoModel",
+    ]
     models = []
     for name in dict.fromkeys(n for n in names if n and hasattr(transformers, n)):
         cls = getattr(transformers, name)
@@ -314,7 +329,11 @@ def check_tensors_against_base(
     config_cls = PEFT_TYPE_TO_CONFIG_MAPPING[config["peft_type"]]
     known = {f.name for f in fields(config_cls)}
     candidates = []
-    for model in meta_base_models(base_model, config.get("task_type")):
+    auto = config.get("auto_mapping") or {}
+    # a classification head saved with the adapter (modules_to_save) fixes the label count of the class it was made on
+    heads = [v for k, v in shapes.items() if k.endswith(("classifier.weight", "score.weight")) and len(v) == 2]
+    num_labels = heads[0][0] if heads else None
+    for model in meta_base_models(base_model, config.get("task_type"), auto.get("base_model_class"), num_labels):
         peft_config = config_cls(**{k: v for k, v in config.items() if k in known})
         try:
             state = get_peft_model_state_dict(get_peft_model(model, peft_config))

@@ -287,6 +287,32 @@ def test_cli_verify_checks_against_the_named_base(tmp_path, capsys):
     assert "shapes the base model fixes: not checked" in capsys.readouterr().out
 
 
+def test_verify_passes_an_adapter_made_on_a_head_class_of_a_bare_base(tmp_path, capsys):
+    """The README's case: the base folder holds a bare encoder (``architectures: [BertModel]``, like MiniLM), the
+    adapter was made on ``AutoModelForSequenceClassification`` of it with 3 labels and saves the new head; verify
+    builds the class the adapter config names (``auto_mapping``) with the saved head's label count, and still fails
+    for a real mismatch."""
+    from transformers import AutoModelForSequenceClassification, BertModel
+
+    base = tmp_path / "base"
+    BertModel(tiny_bert().config).save_pretrained(base)
+    model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=3)
+    adapter = RiemannionConfig(r=2, target_modules=["query", "value"], modules_to_save=["classifier"])
+    path = save_pretrained_atomic(get_peft_model(model, adapter), tmp_path / "ckpt")
+    auto = json.loads((path / "adapter_config.json").read_text())["auto_mapping"]
+    assert auto["base_model_class"] == "BertForSequenceClassification"
+    capsys.readouterr()
+    assert cli_main(["verify", str(path)]) == 0
+    assert f"consistent with its config and with base model {base}" in capsys.readouterr().out
+    tiny_bert(hidden_size=64).save_pretrained(tmp_path / "wide")
+    capsys.readouterr()
+    assert cli_main(["verify", str(path), "--base", str(tmp_path / "wide")]) == 2
+    assert "the config on the base model gives" in capsys.readouterr().err
+    _edit_config(path, target_modules=["query", "value", "key"])  # a config the saved tensors do not fit
+    assert cli_main(["verify", str(path)]) == 2
+    assert "missing" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("kind", ["riemannion", "splitlora", "pclr", "mora"])
 def test_a_saved_adapter_says_what_loading_it_needs(kind, tmp_path):
     """adapter_config.json of every peft-ext type carries a note that PEFT alone cannot load it (a reader who finds
