@@ -70,6 +70,11 @@ def test_results_accumulate_after_each_method(tmp_path, tiny_backbone, monkeypat
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [r["method"] for r in results["results"]] == ["frozen_linear", "splitlora", "seq_lora"]
     assert "failed" not in results
+    # every row records what its method ran with: the options with their defaults filled in, the training settings
+    split = results["results"][1]["extras"]["settings"]
+    assert split["options"]["adapter"]["r"] == 2 and split["options"]["lr"] == pytest.approx(5e-3)
+    assert split["options"]["head"] == "analytic" and split["train"]["epochs"] == 1 and "progress" not in split["train"]
+    assert results["results"][2]["extras"]["settings"]["options"]["adapter"]["target_modules"]
 
 
 def test_unexpected_error_is_one_line_and_debug_shows_the_traceback(tmp_path, tiny_backbone, capsys, monkeypatch):

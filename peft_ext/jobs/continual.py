@@ -36,7 +36,7 @@ from ..data import SHIPPED
 from ..data.tasks import TaskSequence
 from ..distributed import on_rank_zero, rank, rank_zero_first, world_size
 from .errors import JobFailed, one_line
-from .resume import config_hash, finished_results
+from .resume import _plain, config_hash, finished_results
 
 #: The ``data`` keys every class-incremental sequence (a shipped data set or your files) is built from.
 CLASS_SEQUENCE_KEYS = (
@@ -88,6 +88,18 @@ def build_sequence(config: RunConfig, tokenizer: Any = None) -> TaskSequence:
             name=config.name,
         )
     raise ValueError(f"unknown dataset {data.dataset!r}")  # unreachable: the config's Literal type checks it
+
+
+def effective_settings(options: Any, train: Any) -> dict[str, Any]:
+    """What a method ran with, as plain JSON: its options with every default filled in (after ``--tune``: the chosen
+    learning rate) and the training settings (the progress bars aside)."""
+
+    def plain(value: Any) -> Any:
+        return json.loads(json.dumps(dataclasses.asdict(value), default=_plain))
+
+    settings = {"options": plain(options), "train": plain(train)}
+    settings["train"].pop("progress", None)
+    return settings
 
 
 def sequence_summary(name: str, sequence: TaskSequence) -> list[str]:
@@ -341,6 +353,7 @@ def run_job(
                 result = run_sequence(sequence, method, base, collate, config.train, progress=progress)
                 if tuned is not None:
                     result.extras["tuning"] = tuned
+                result.extras["settings"] = effective_settings(method.options, config.train)
         except Exception as err:  # a failed method is recorded and the others still run
             if debug:
                 traceback.print_exc()
