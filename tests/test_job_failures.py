@@ -73,7 +73,8 @@ def test_results_accumulate_after_each_method(tmp_path, tiny_backbone, monkeypat
     # every row records what its method ran with: the options with their defaults filled in, the training settings
     split = results["results"][1]["extras"]["settings"]
     assert split["options"]["adapter"]["r"] == 2 and split["options"]["lr"] == pytest.approx(5e-3)
-    assert split["options"]["head"] == "analytic" and split["train"]["epochs"] == 1 and "progress" not in split["train"]
+    assert split["options"]["head"] == "analytic" and split["train"]["epochs"] == 1
+    assert "progress" not in split["train"]
     assert results["results"][2]["extras"]["settings"]["options"]["adapter"]["target_modules"]
 
 
