@@ -95,9 +95,37 @@ def _cmd_configs(args: argparse.Namespace) -> int:
     if dest.exists():
         print(f"peft-ext: {dest} already exists; not overwriting it (give another destination)", file=sys.stderr)
         return 2
+    data = _data_files(shipped[name])
+    clash = [rel for rel, _ in data if (dest.parent / rel).exists()]
+    if clash:
+        print(
+            f"peft-ext: {dest.parent / clash[0]} already exists (a data file {name} names); not overwriting it "
+            "(give another destination folder)",
+            file=sys.stderr,
+        )
+        return 2
     shutil.copyfile(shipped[name], dest)
-    print(f"wrote {dest}; run it with: peft-ext run {dest}")
+    for rel, source in data:  # relative data paths are read from the config's folder: the files go beside it
+        (dest.parent / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, dest.parent / rel)
+    print(f"wrote {dest}" + (f" and the {len(data)} data file(s) it names" if data else ""))
+    print(f"run it with: peft-ext run {dest}")
     return 0
+
+
+def _data_files(config: Path) -> list[tuple[Path, Path]]:
+    """``(relative path, shipped file)`` of every local data file a shipped config names under ``data`` (``train``,
+    ``test``, ``validation``, ``tasks``: a path or a list of them, relative to the config's folder)."""
+    import yaml
+
+    section = (yaml.safe_load(config.read_text()) or {}).get("data") or {}
+    found = []
+    for key in ("train", "test", "validation", "tasks"):
+        values = section.get(key)
+        for value in values if isinstance(values, list) else [values]:
+            if isinstance(value, str) and not Path(value).is_absolute() and (config.parent / value).is_file():
+                found.append((Path(value), config.parent / value))
+    return found
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -86,6 +86,25 @@ def test_check_by_name_and_unknown_name(tmp_path, monkeypatch, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_configs_copy_brings_the_data_files_a_config_names(tmp_path, monkeypatch, capsys):
+    """Relative data paths are read from the config's folder: the copy runs where it was written."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "job").mkdir()
+    assert peft_ext_cli.main(["configs", "--copy", "wordnet_csv", "job"]) == 0
+    assert "and the 2 data file(s) it names" in capsys.readouterr().out
+    shipped = Path(peft_ext_cli.configs_dir())
+    for rel in ("data/wordnet_train.csv", "data/wordnet_test.csv"):
+        assert (tmp_path / "job" / rel).read_bytes() == (shipped / rel).read_bytes()
+    assert peft_ext_cli.main(["configs", "--copy", "instructions_jsonl", "job"]) == 0
+    assert len(list((tmp_path / "job" / "data" / "instructions").glob("*.jsonl"))) == 3
+    # a data file already there is not overwritten, and nothing is written
+    (tmp_path / "job" / "wordnet_csv.yaml").unlink()
+    capsys.readouterr()
+    assert peft_ext_cli.main(["configs", "--copy", "wordnet_csv", "job"]) == 2
+    assert "data/wordnet_train.csv already exists" in capsys.readouterr().err
+    assert not (tmp_path / "job" / "wordnet_csv.yaml").exists()
+
+
 def test_configs_copy_writes_a_copy_and_never_overwrites(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     source = (ROOT / "configs" / "quickstart.yaml").read_text()
