@@ -132,6 +132,11 @@ def test_tokenization_is_cached_on_disk_for_the_next_run(tmp_path, monkeypatch):
     assert calls and all(len(e.inputs.input_ids) <= 12 for e in other.tasks[0].train)
 
 
+def _write(path, text: str):
+    path.write_text(text)
+    return path
+
+
 @pytest.mark.parametrize(
     ("make", "kwargs", "message"),
     [
@@ -152,6 +157,9 @@ def test_tokenization_is_cached_on_disk_for_the_next_run(tmp_path, monkeypatch):
         (lambda p: write_csv(p / "d.csv", rows()), {"classes": ["bird", "bridge"]}, "`classes` names 'bridge'"),
         (lambda p: write_csv(p / "d.yaml", rows()), {}, "files must share one of the formats"),
         (lambda p: "data/missing.csv", {}, "data file 'data/missing.csv' does not exist"),
+        (lambda p: _write(p / "e.csv", ""), {}, "data file '{p}/e.csv' is empty: it needs one example per row"),
+        (lambda p: _write(p / "h.csv", "text,label\n"), {}, "data file '{p}/h.csv' has a header and no rows"),
+        (lambda p: _write(p / "e.jsonl", "\n\n"), {}, "data file '{p}/e.jsonl' is empty"),
         (
             lambda p: "nobody/no-such-data-xyz",
             {},

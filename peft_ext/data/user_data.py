@@ -139,6 +139,7 @@ def read_source(source: Source, split: str = "train") -> Any:
         )
     for p in local:
         _check_utf8(p)
+        _check_not_empty(p)
     (builder,) = builders
     options = {"delimiter": "\t"} if suffixes == {".tsv"} else {}
     try:
@@ -147,6 +148,19 @@ def read_source(source: Source, split: str = "train") -> Any:
     except Exception as err:  # noqa: BLE001 - the reader's failure, named with the file
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ValueError(f"cannot read {describe_source(source)} as {builder}: {first}") from None
+
+
+def _check_not_empty(path: Path) -> None:
+    """An empty file, or a CSV / TSV with a header and no rows, named with the fix (the reader's own error says
+    neither)."""
+    if path.suffix.lower() == ".parquet":
+        return
+    with path.open("rb") as fh:
+        lines = [line for line in (fh.readline() for _ in range(2)) if line.strip()]
+    tabular = path.suffix.lower() in (".csv", ".tsv")
+    if not lines or (tabular and len(lines) < 2):
+        what = "is empty" if not lines else "has a header and no rows"
+        raise ValueError(f"data file {str(path)!r} {what}: it needs one example per row (a text and a label column)")
 
 
 def _check_utf8(path: Path) -> None:
