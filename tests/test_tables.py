@@ -159,3 +159,39 @@ def test_table_refuses_a_file_that_is_not_results_and_leaves_the_page(tmp_path, 
     assert page.read_text() == before
     assert main(["table", str(tmp_path / "missing.json")]) == 2
     assert "missing.json" in capsys.readouterr().err
+
+
+def _numbers(value) -> list[float]:
+    """Every number in a parsed JSON value, and each times 100 (results files keep some shares as fractions)."""
+    if isinstance(value, bool) or value is None:
+        return []
+    if isinstance(value, (int, float)):
+        return [float(value), 100.0 * value]
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in _numbers(v)]
+    if isinstance(value, list):
+        return [n for v in value for n in _numbers(v)]
+    return []
+
+
+def test_the_heads_page_says_only_figures_of_its_results_files():
+    """docs/continual_heads.md's prose under "What the tables say": every decimal it writes is, to the digits shown,
+    a figure of the heads protocol summaries it discusses (a re-run that moves one fails here until the sentence
+    follows); the tables above it are generated."""
+    import re
+
+    page = (ROOT / "docs" / "continual_heads.md").read_text()
+    prose = page[page.index("## What the tables say") :].split("\n## ")[0]
+    figures = [
+        n
+        for path in sorted((ROOT / "docs" / "results").glob("heads_*.json"))
+        for n in _numbers(json.loads(path.read_text()))
+    ]
+    shown = re.findall(r"(?<![\w.])[-+]?\d+\.\d+", prose)
+    assert len(shown) >= 10
+    for number in shown:
+        digits = len(number.partition(".")[2])
+        value = abs(float(number))
+        assert any(round(abs(f), digits) == value for f in figures), (
+            f"{number} is no figure of docs/results/heads_*.json"
+        )
