@@ -27,6 +27,7 @@ from .context import (
     Collate,
     RunContext,
     TrainConfig,
+    by_length,
     class_mask,
     count_params,
     masked_cross_entropy,
@@ -231,7 +232,8 @@ def evaluate_heads(
     mask = class_mask(num_classes, allowed_classes, device)
     reads = any(head is not None and head.reads_features for head in heads.values())
     correct = dict.fromkeys(heads, 0)
-    for batch in tqdm(split_batches(examples, batch_size), desc=desc, disable=not progress, leave=False):
+    # each example is scored on its own: batches of similar lengths pad less
+    for batch in tqdm(split_batches(by_length(examples), batch_size), desc=desc, disable=not progress, leave=False):
         batch = to_device(collate(batch), device)
         logits, features = forward_with_features(model, batch) if reads else (model_logits(model, batch), None)
         for name, head in heads.items():

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ...distributed import all_reduce_, rank, world_size
-from ..context import model_logits, split_batches
+from ..context import by_length, model_logits, split_batches
 from ..sharding import is_sharded
 
 if TYPE_CHECKING:
@@ -237,6 +237,7 @@ def feature_batches(
     """
     world = world_size()
     split = world > 1 and not whole and not is_sharded(model)
+    examples = by_length(examples)  # the heads' sums do not depend on the order; similar lengths pad less
     if split:
         size, extra = divmod(len(examples), world)
         start = rank() * size + min(rank(), extra)
