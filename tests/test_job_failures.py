@@ -75,6 +75,9 @@ def test_results_accumulate_after_each_method(tmp_path, tiny_backbone, monkeypat
     assert split["options"]["adapter"]["r"] == 2 and split["options"]["lr"] == pytest.approx(5e-3)
     assert split["options"]["head"] == "analytic" and split["train"]["epochs"] == 1
     assert "progress" not in split["train"]
+    # the report says how many test examples there are and what one run can tell apart
+    assert results["meta"]["test_examples"] == [4, 4]
+    assert "Test examples: 4 per task, 8 in all" in (tmp_path / "out" / "results.md").read_text()
     assert results["results"][2]["extras"]["settings"]["options"]["adapter"]["target_modules"]
 
 

@@ -195,3 +195,18 @@ def test_the_heads_page_says_only_figures_of_its_results_files():
         assert any(round(abs(f), digits) == value for f in figures), (
             f"{number} is no figure of docs/results/heads_*.json"
         )
+
+
+def test_the_noise_line_says_what_one_run_can_tell_apart():
+    from peft_ext.continual.engine import MethodResult
+    from peft_ext.continual.report import noise_line
+
+    def result(final):
+        return MethodResult("m", "m", [[final]], {"final_acc": final}, 1, 1, 0.0, 0.0, [0.1], {})
+
+    line = noise_line([result(0.55), result(0.65)], [160] * 5)
+    # p = 0.6, 800 examples: 1.96 * sqrt(2 * 0.24 / 800) = 4.8 points
+    assert line.startswith("Test examples: 160 per task, 800 in all (one example is 0.6 points of its task).")
+    assert "by up to about ±4.8 points (binomial 95 %): smaller differences are ties" in line
+    assert "40-48 per task" in noise_line([result(0.5)], [40, 48])
+    assert noise_line([], [10]) == "" and noise_line([result(0.5)], []) == ""

@@ -180,6 +180,25 @@ def plot_accuracy_matrices(results: Sequence[MethodResult], path: str | Path, ti
     return path
 
 
+def noise_line(results: Sequence[MethodResult], test_examples: Sequence[int]) -> str:
+    """What one run's accuracies can and cannot tell apart: the test examples per task, what one example is worth,
+    and the binomial 95 % half-width of a difference between two methods' final accuracies (taken as independent, at
+    the methods' mean accuracy); a paired protocol over several draws (the benchmarks) tells more."""
+    total = sum(test_examples)
+    finals = [r.metrics["final_acc"] for r in results if r.metrics.get("final_acc") is not None]
+    if not total or not finals:
+        return ""
+    p = sum(finals) / len(finals)
+    half = 100 * 1.96 * math.sqrt(2 * p * (1 - p) / total)
+    sizes = sorted(set(test_examples))
+    per_task = f"{sizes[0]}" if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]}"
+    return (
+        f"Test examples: {per_task} per task, {total} in all (one example is {100 / min(test_examples):.1f} points of "
+        f"its task). Two methods' final accuracies on this one run differ by chance by up to about ±{half:.1f} points "
+        "(binomial 95 %): smaller differences are ties; the benchmarks compare methods over several class draws."
+    )
+
+
 def save_results(
     results: Sequence[MethodResult],
     out_dir: str | Path,
@@ -208,6 +227,8 @@ def save_results(
             json.dump(payload, fh, indent=2, allow_nan=False)
 
     md = [f"# {meta.get('name', 'continual run')}", "", metrics_table(results), ""]
+    if noise_line(results, meta.get("test_examples") or []):
+        md += [noise_line(results, meta["test_examples"]), ""]
     if heads_table(results):
         md += ["## heads compared on the same runs (compare_heads)", "", heads_table(results), ""]
     if tuning_table(results):

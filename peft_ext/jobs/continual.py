@@ -29,7 +29,7 @@ from ..continual.config import ConfigError, RunConfig
 from ..continual.engine import MethodResult
 from ..continual.methods import get_continual_method
 from ..continual.progress import TaskProgress
-from ..continual.report import matrix_table, metrics_table, save_results
+from ..continual.report import matrix_table, metrics_table, noise_line, save_results
 from ..continual.runner import run_sequence
 from ..continual.sharding import sharding_from_launcher
 from ..data import SHIPPED
@@ -314,6 +314,7 @@ def run_job(
         "machine": platform.machine(),
         "config_hash": fingerprint,
         "world_size": world_size(),
+        "test_examples": [len(t.test) for t in sequence.tasks],
     }
     if config.train.sharding != "none":
         meta["sharding"] = config.train.sharding
@@ -370,6 +371,8 @@ def run_job(
     wall = time.perf_counter() - start
     echo(f"\n[peft-ext] metrics (percent), {len(sequence)} tasks, wall time {wall:.0f} s\n")
     echo(metrics_table(results))
+    if noise_line(results, meta["test_examples"]):
+        echo("\n" + noise_line(results, meta["test_examples"]))
     if paths is not None:  # rank 0
         written = [paths["json"], paths["markdown"]] + ([paths["png"]] if results else [])
         echo(f"\n[peft-ext] wrote {', '.join(str(p) for p in written)}")
