@@ -223,6 +223,10 @@ def test_the_instruction_job_on_a_4bit_bfloat16_base(tmp_path, tiny_causal_lm, c
     sets += ["methods.seq_lora.adapter.target_modules=[q_proj, v_proj]"]
     argv = ["run", "instructions_jsonl", "--no-progress", "--only", "seq_lora"]
     assert main(argv + [a for s in sets for a in ("--set", s)]) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    # it says what it scores: exact match of generated answers, not a classifier's accuracy
+    assert "(instruction tasks, scored by exact match of the generated answers)" in printed
+    assert "| final exact match | exact match after learning |" in printed and "| final acc |" not in printed
     (row,) = json.loads((out / "results.json").read_text())["results"]
     assert all(row["accuracy_matrix"][i][j] is not None for i in range(3) for j in range(i + 1))
     # the shipped r = 16 on q_proj (32 -> 32) and v_proj (32 -> 16, two key-value heads) of both layers

@@ -48,7 +48,10 @@ def metrics_table(results: Sequence[MethodResult], timings: bool = True) -> str:
     simplecil = next((r.metrics.get("final_acc") for r in results if r.method == "ncm"), None)
     heads = [head_name(r) for r in results]
     with_heads = any(h != "linear" for h in heads)
-    columns = [*(title for _, title in METRIC_COLUMNS), *(["gap to joint"] if joint is not None else [])]
+    # a generation sequence scores exact match of the generated answers, not a classifier's accuracy
+    generation = bool(results) and all("answer_loss_matrix" in r.extras for r in results)
+    titles = [t.replace("acc", "exact match") if generation else t for _, t in METRIC_COLUMNS]
+    columns = [*titles, *(["gap to joint"] if joint is not None else [])]
     columns += ["vs SimpleCIL"] if simplecil is not None else []
     head = ["method", *(["head"] if with_heads else []), *columns, "trainable params"]
     head += ["train s", "eval s"] if timings else []

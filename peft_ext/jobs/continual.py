@@ -106,8 +106,13 @@ def sequence_summary(name: str, sequence: TaskSequence) -> list[str]:
     """The lines that say what a job's task sequence is: tasks, classes, examples per split, then each task's name
     (``peft-ext run`` prints them when it starts, ``peft-ext check`` when the config is valid)."""
     count = {split: sum(len(getattr(t, split)) for t in sequence.tasks) for split in ("train", "validation", "test")}
+    how = (
+        "instruction tasks, scored by exact match of the generated answers"
+        if sequence.kind == "generation"
+        else sequence.protocol
+    )
     head = (
-        f"{name}: {sequence.name} ({sequence.protocol}), {len(sequence)} tasks, {sequence.num_classes} classes, "
+        f"{name}: {sequence.name} ({how}), {len(sequence)} tasks, {sequence.num_classes} classes, "
         f"{count['train']} train / "
         + (f"{count['validation']} validation / " if count["validation"] else "")
         + f"{count['test']} test examples"
