@@ -205,3 +205,18 @@ def test_the_blocks_of_a_page_run(page, tmp_path, monkeypatch):
                 exec(CLEANUP[page.name, i], scope)
         ran += 1
     assert ran
+
+
+def test_the_config_reference_is_generated_from_the_code():
+    """docs/config_reference.md lists every key of every section with its default, from the sections' own code."""
+    import dataclasses
+
+    from peft_ext.jobs.reference import SECTIONS, config_reference
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "config_reference.md").read_text()
+    assert page == config_reference(), "run `python -m peft_ext.jobs.reference > docs/config_reference.md`"
+    for name, cls in SECTIONS:
+        for field in dataclasses.fields(cls):
+            row = next(line for line in page.splitlines() if line.startswith(f"| `{name}.{field.name}` |"))
+            assert row.split("|")[3].strip(), f"{name}.{field.name} has no description in {cls.__name__}'s docstring"
+    assert "| `train.epochs` | `1` | Passes over each task's training data" in page

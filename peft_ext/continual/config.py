@@ -233,7 +233,8 @@ class OutputSection:
     """Where results go.
 
     Args:
-        dir: Output folder for results.json, results.md and accuracy_matrix.png (created if missing).
+        dir: Output folder for results.json, results.md and accuracy_matrix.png (created if missing); a relative
+            path is read from the working directory (data paths: from the config file's folder).
     """
 
     dir: str = "runs/quickstart"
