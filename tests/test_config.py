@@ -156,3 +156,14 @@ def test_set_overrides_reach_the_adapter_section(data):
     cfg = config_from_dict(d)
     assert cfg.methods[6].options.adapter.pool_size == 48 and cfg.methods[1].options.adapter.r == 2
     assert cfg.methods[6].options.adapter.top_k == 16  # the rest of the section is kept
+
+
+def test_a_trained_method_without_an_lr_is_named_with_the_default_it_gets(data):
+    import warnings
+
+    del data["methods"][1]["lr"]  # seq_lora
+    with pytest.warns(UserWarning, match=r"`methods\[1\]` \(seq_lora\) gives no `lr`: it trains at the default 0\.001"):
+        config_from_dict(data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the shipped config (every trained method gives one; baselines train nothing)
+        config_from_dict(yaml.safe_load(QUICKSTART.read_text()))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -276,7 +277,15 @@ def _build_method(data: Any, index: int) -> MethodEntry:
         raise ConfigError(f"`{prefix}name`: {err}") from None
     if issubclass(cls.options_cls, AdapterOptions):
         data = cls.options_cls.nest_flat_keys(data, prefix)
-    return MethodEntry(name=cls.name, options=build_section(cls.options_cls, data, prefix, skip=("name",)))
+    options = build_section(cls.options_cls, data, prefix, skip=("name",))
+    if cls.trains and "lr" not in data and hasattr(options, "lr"):
+        warnings.warn(
+            f"`methods[{index}]` ({data.get('label') or cls.name}) gives no `lr`: it trains at the default "
+            f"{options.lr:g}; set one, or let `--tune` choose it",
+            UserWarning,
+            stacklevel=2,
+        )
+    return MethodEntry(name=cls.name, options=options)
 
 
 def get_setting(options: Any, key: str) -> Any:
