@@ -162,7 +162,8 @@ def test_a_trained_method_without_an_lr_is_named_with_the_default_it_gets(data):
     import warnings
 
     del data["methods"][1]["lr"]  # seq_lora
-    with pytest.warns(UserWarning, match=r"`methods\[1\]` \(seq_lora\) gives no `lr`: it trains at the default 0\.001"):
+    said = r"`methods\[1\]` \(seq_lora\) gives no `lr`: it trains at the default 0\.001"
+    with pytest.warns(UserWarning, match=said):
         config_from_dict(data)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the shipped config (every trained method gives one; baselines train nothing)
