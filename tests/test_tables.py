@@ -73,6 +73,10 @@ def test_a_claim_says_beats_only_when_the_interval_clears():
     pclr = heads_claim(summary, "vs_simplecil:pclr")
     assert pclr.startswith("trails SimpleCIL") and "trained on the first task only, lda head" in pclr
     assert "lda head" in heads_claim(summary, "vs_simplecil_every_task:splitlora")
+    summary["methods"]["inflora"]["best_head"] = "cosine+lda"  # trained with SEQ*'s cosine head, scored by lda
+    assert "(-0.4 points [-3.0, +2.2], trained with the cosine head, lda head, 3 class draws)" in heads_claim(
+        summary, "vs_simplecil:inflora"
+    )
     winners = heads_claim(summary, "winners")
     assert (
         winners

@@ -277,9 +277,17 @@ _NOT_ADAPTER_METHODS = ("joint", "frozen_linear", "ncm", "slda", "ranpac")
 
 
 def _head_words(head: str) -> str:
+    """A protocol row's head in words: ``first_task+lda`` -> trained on the first task only, lda head."""
     if head.startswith("first_task+"):
         return f"trained on the first task only, {head.split('+', 1)[1]} head"
+    if head.startswith("cosine+"):
+        return f"trained with the cosine head, {head.split('+', 1)[1]} head"
     return f"{head} head"
+
+
+def _short_head(head: str) -> str:
+    """A protocol row's head in a table cell: ``first_task+lda`` -> first task, lda; ``cosine+lda`` -> cosine, lda."""
+    return head.replace("first_task+", "first task, ").replace("cosine+", "cosine, ")
 
 
 def heads_claim(summary: dict[str, Any], key: str) -> str:
@@ -381,7 +389,7 @@ def heads_protocol_table(summary: dict[str, Any]) -> str:
         best_first = max(first, key=lambda k: first[k]["mean"]) if first else None
         cells = [label, *(_interval(heads.get(h)) for h in columns)]
         cells.append("—" if best_first is None else f"{_interval(first[best_first])} ({best_first})")
-        cells.append(f"{m['best_mean']:.1f} ({m['best_head'].replace('first_task+', 'first task, ')})")
+        cells.append(f"{m['best_mean']:.1f} ({_short_head(m['best_head'])})")
         vs = m.get("vs_ncm")
         cells.append("—" if vs is None else f"{vs[0]:+.1f} [{vs[1]:+.1f}, {vs[2]:+.1f}]")
         lines.append("| " + " | ".join(cells) + " |")
@@ -408,7 +416,7 @@ def heads_targets(targets: dict[str, Any]) -> list[str]:
             )
     if "moonshot" in targets:
         ms = targets["moonshot"]
-        head = ms["head"].replace("first_task+", "first task, ")
+        head = _short_head(ms["head"])
         lines.append(
             f"moonshot: the best continual method ({ms['method']}, {head}) closes "
             f"{100 * ms['share_of_gap_closed']:.0f} % of the gap from the best training-free baseline to joint LoRA "
@@ -428,7 +436,7 @@ def heads_verdict(summary: dict[str, Any]) -> str:
         if vs is None or label == "joint":
             continue
         key = "beat it" if vs[1] > 0 else "trail it" if vs[2] < 0 else "tie"
-        outcome[key].append(f"{label} ({m['best_head'].replace('first_task+', 'first task, ')}, {vs[0]:+.1f})")
+        outcome[key].append(f"{label} ({_short_head(m['best_head'])}, {vs[0]:+.1f})")
     said = [f"{verb}: {', '.join(names)}" for verb, names in outcome.items() if names]
     if not said:
         return "No method was compared with SimpleCIL (ncm)."
@@ -465,7 +473,7 @@ def heads_sizes_table(payload: dict[str, Any]) -> str:
         cells = [label]
         for e in entries:
             m = e["methods"][label]
-            cells += [f"{m['best_mean']:.1f} ({m['best_head'].replace('first_task+', 'first task, ')})"]
+            cells += [f"{m['best_mean']:.1f} ({_short_head(m['best_head'])})"]
             cells += [f"{place(e, m['best_mean']):.0f} %"]
         lines.append("| " + " | ".join(cells) + " |")
     first, last = entries[0], entries[-1]
