@@ -214,3 +214,20 @@ def test_the_noise_line_says_what_one_run_can_tell_apart():
     assert "by up to about ±4.8 points (binomial 95 %): smaller differences are ties" in line
     assert "40-48 per task" in noise_line([result(0.5)], [40, 48])
     assert noise_line([], [10]) == "" and noise_line([result(0.5)], []) == ""
+
+
+def test_a_claim_about_one_head_row_pairs_its_draws_with_simplecils():
+    summary = {
+        "kind": "continual_heads",
+        "config": "fortunes",
+        "draws": [0, 1, 2],
+        "methods": {
+            "splitlora": {"heads": {"analytic": {"values": [0.62, 0.60, 0.65]}}},
+            "ncm": {"heads": {"prototype": {"values": [0.60, 0.61, 0.62]}}},
+        },
+    }
+    # differences +2, -1, +3 points: mean 1.33, sd 2.08, t(2) = 4.303: half-width 5.17
+    said = heads_claim(summary, "vs_simplecil_head:splitlora:analytic")
+    assert said == "ties SimpleCIL on fortunes (+1.3 points [-3.8, +6.5], analytic head, 3 class draws)"
+    with pytest.raises(ValueError, match=r"no row 'lda' of 'splitlora' beside SimpleCIL here; rows: \['analytic'\]"):
+        heads_claim(summary, "vs_simplecil_head:splitlora:lda")

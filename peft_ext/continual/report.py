@@ -272,7 +272,7 @@ _CLAIM = re.compile(r"<!-- claim (?P<source>\S+) (?P<key>\S+) -->(?P<body>.*?)<!
 #: The data set a shipped config draws its sequence from, as a claim names it.
 DATASET_OF = {"quickstart": "WordNet", "fortunes": "fortunes"}
 #: What the claims of a heads protocol summary can say (``KEY:METHOD`` for the first two).
-CLAIM_KINDS = ("vs_simplecil", "vs_simplecil_every_task", "winners")
+CLAIM_KINDS = ("vs_simplecil", "vs_simplecil_every_task", "vs_simplecil_head", "winners")
 _NOT_ADAPTER_METHODS = ("joint", "frozen_linear", "ncm", "slda", "ranpac")
 
 
@@ -290,13 +290,29 @@ def _short_head(head: str) -> str:
     return head.replace("first_task+", "first task, ").replace("cosine+", "cosine, ")
 
 
+#: The 97.5 % quantile of Student's t by degrees of freedom (a paired 95 % interval over a few class draws).
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def _paired_interval(a: Sequence[float], b: Sequence[float]) -> tuple[float, float, float]:
+    """Mean of ``a - b`` draw by draw and its 95 % t-interval, in points (the values are fractions)."""
+    diffs = [100 * (x - y) for x, y in zip(a, b)]
+    mean = sum(diffs) / len(diffs)
+    if len(diffs) < 2:
+        return mean, -math.inf, math.inf
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1))
+    half = _T975.get(len(diffs) - 1, 1.96) * sd / math.sqrt(len(diffs))
+    return mean, mean - half, mean + half
+
+
 def heads_claim(summary: dict[str, Any], key: str) -> str:
     """One generated claim of a heads protocol summary (``benchmarks/continual_heads.py``), with its data set, its
     paired interval and the number of draws: the verb follows the interval (``beats`` only when its lower end is
     above 0, ``trails`` only when its upper end is below 0, else ``ties``).
 
     Keys: ``vs_simplecil:METHOD`` (the method with its best head against SimpleCIL), ``vs_simplecil_every_task:METHOD``
-    (its best head when it trains on every task), ``winners`` (which adapter methods beat SimpleCIL).
+    (its best head when it trains on every task), ``vs_simplecil_head:METHOD:ROW`` (one row of the method's, such as
+    ``analytic`` or ``first_task+lda``), ``winners`` (which adapter methods beat SimpleCIL).
 
     Raises:
         ValueError: An unknown key or a method the summary does not compare with SimpleCIL.
@@ -304,6 +320,18 @@ def heads_claim(summary: dict[str, Any], key: str) -> str:
     kind, _, method = key.partition(":")
     dataset = DATASET_OF.get(summary["config"], f"`{summary['config']}`")
     n = len(summary["draws"])
+    if kind == "vs_simplecil_head":
+        method, _, row = method.partition(":")
+        rows = summary["methods"].get(method, {}).get("heads", {})
+        ncm = summary["methods"].get("ncm", {}).get("heads", {}).get("prototype")
+        if row not in rows or ncm is None:
+            raise ValueError(
+                f"claim {key!r}: no row {row!r} of {method!r} beside SimpleCIL here; rows: {sorted(rows)}"
+            )
+        d, lo, hi = _paired_interval(rows[row]["values"], ncm["values"])
+        verb = "beats" if lo > 0 else "trails" if hi < 0 else "ties"
+        head = _head_words(row)
+        return f"{verb} SimpleCIL on {dataset} ({d:+.1f} points [{lo:+.1f}, {hi:+.1f}], {head}, {n} class draws)"
     if kind in ("vs_simplecil", "vs_simplecil_every_task"):
         every = kind.endswith("every_task")
         m = summary["methods"].get(method, {})
@@ -325,7 +353,8 @@ def heads_claim(summary: dict[str, Any], key: str) -> str:
         if not beat:
             return f"on {dataset} no adapter method here beats SimpleCIL, whatever the head ({n} class draws)"
         return f"on {dataset} these beat SimpleCIL: {', '.join(beat)} ({n} class draws)"
-    raise ValueError(f"unknown claim {key!r}: one of {[k + ':METHOD' for k in CLAIM_KINDS[:2]] + ['winners']}")
+    valid = [k + ":METHOD" for k in CLAIM_KINDS[:2]] + ["vs_simplecil_head:METHOD:ROW", "winners"]
+    raise ValueError(f"unknown claim {key!r}: one of {valid}")
 
 
 def published_claim(path: str | Path, key: str) -> str:
