@@ -340,9 +340,10 @@ def reproduce(args: argparse.Namespace) -> str:
 def sizes(paths: list[Path]) -> dict[str, Any]:
     """How each method's place between the best training-free baseline and joint LoRA moves with the amount of
     training data: one entry per summary (the same sequence at another ``train_per_class``), smallest first."""
-    entries = []
+    entries, configs = [], set()
     for path in paths:
         summary = json.loads(Path(path).read_text())
+        configs.add(summary.get("config"))
         if summary.get("kind") != "continual_heads" or not summary.get("train_per_class"):
             raise SystemExit(f"{path}: not a heads protocol summary that records its train_per_class")
         methods, free = summary["methods"], summary["best_training_free"]
@@ -361,7 +362,6 @@ def sizes(paths: list[Path]) -> dict[str, Any]:
                 },
             }
         )
-    configs = {json.loads(Path(p).read_text())["config"] for p in paths}
     if len(configs) != 1:
         raise SystemExit(f"--sizes compares one sequence at several sizes; got the configs {sorted(configs)}")
     entries.sort(key=lambda e: e["train_per_class"])

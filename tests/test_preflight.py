@@ -119,6 +119,7 @@ def test_a_hub_id_fails_at_once_when_the_hub_cannot_be_reached(cfg, capsys, monk
     """No HF_HUB_OFFLINE, no network: the hub's host is probed once (a refused or unresolved connection), the id is
     looked up in the local cache only, and an id that is not there is refused naming it (no half minute of
     retries)."""
+    import functools
     import socket
     import time
 
@@ -133,11 +134,14 @@ def test_a_hub_id_fails_at_once_when_the_hub_cannot_be_reached(cfg, capsys, monk
         raise OSError("Name or service not known")
 
     monkeypatch.setattr(socket, "create_connection", refuse)
+    # an empty cache of its own: probes of this test neither come from nor stay in the process's cache
+    monkeypatch.setattr(preflight, "_refused", functools.cache(preflight._refused.__wrapped__))
     start = time.perf_counter()
     line = _error(capsys, ["check", str(cfg), "--set", "model.backbone=nobody/no-such-model-xyz"])
     assert "`model.backbone` 'nobody/no-such-model-xyz' is not in the local Hugging Face cache and the hub" in line
     assert "(huggingface.co) cannot be reached" in line
     assert time.perf_counter() - start < 10 and probed[0] == (("huggingface.co", 443), 3.0)
+    assert len(probed) == 1  # the backbone's and the tokenizer's checks share one probe
     monkeypatch.setenv("HF_ENDPOINT", "http://mirror.example:8080")
     assert preflight.hub_unreachable() and probed[-1][0] == ("mirror.example", 8080)
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")  # behind a proxy the proxy decides: no probe

@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from peft_ext.continual.metrics import paired_interval, t_quantile  # the package's statistics, re-exported
+
 from .tables import markdown_table, mean_sd
 
 __all__ = [
@@ -42,13 +44,6 @@ __all__ = [
     "single_task_train",
 ]
 
-# Two-sided 95 % quantiles of Student's t for 1..30 degrees of freedom.
-_T95 = (
-    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
-    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
-    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
-)  # fmt: skip
-
 
 def single_task_train(epochs: int, batch_size: int, seed: int, **more: Any) -> Any:
     """The one-task protocol's training settings (a ``TrainConfig``): every logit trained, a linear schedule with 10 %
@@ -57,16 +52,6 @@ def single_task_train(epochs: int, batch_size: int, seed: int, **more: Any) -> A
 
     fixed = {"train_logit_mask": "all", "lr_schedule": "linear", "warmup_ratio": 0.1, "device": "cpu"}
     return TrainConfig(epochs=epochs, batch_size=batch_size, seed=seed, **{**fixed, "progress": False, **more})
-
-
-def t_quantile(df: int) -> float:
-    """The two-sided 95 % quantile of Student's t with ``df`` degrees of freedom (``df >= 1``)."""
-    if df < 1:
-        raise ValueError(f"a t-interval needs at least 2 paired values (df >= 1), got df={df}")
-    if df <= len(_T95):
-        return _T95[df - 1]
-    z = 1.959964  # past 30 degrees of freedom the Cornish-Fisher expansion is within 1e-4 of the exact value
-    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
 
 
 def log_grid(center: float, points: int = 3, factor: float = math.sqrt(10)) -> list[float]:
@@ -81,18 +66,6 @@ def log_grid(center: float, points: int = 3, factor: float = math.sqrt(10)) -> l
         raise ValueError(f"need points >= 1, center > 0 and factor > 1, got {points}, {center}, {factor}")
     first = -(points - 1) / 2
     return [float(f"{center * factor ** (first + i):.3g}") for i in range(points)]
-
-
-def paired_interval(a: Sequence[float], b: Sequence[float]) -> tuple[float, float, float]:
-    """Mean of ``a[i] - b[i]`` and its 95 % t-interval ``(mean, low, high)`` (pairs share a seed / data draw)."""
-    if len(a) != len(b):
-        raise ValueError(f"paired values need the same seeds: {len(a)} vs {len(b)}")
-    diffs = [x - y for x, y in zip(a, b)]
-    mean = statistics.mean(diffs)
-    if len(diffs) < 2:
-        return mean, -math.inf, math.inf
-    half = t_quantile(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
-    return mean, mean - half, mean + half
 
 
 def lr_range_width(curve: dict[float, float], within: float = 0.01) -> float:

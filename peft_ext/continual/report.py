@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 from ..fileperm import atomic_write
 from .engine import MethodResult
+from .metrics import paired_interval
 
 METRIC_COLUMNS = (
     ("final_acc", "final acc"),
@@ -230,8 +231,9 @@ def save_results(
             json.dump(payload, fh, indent=2, allow_nan=False)
 
     md = [f"# {meta.get('name', 'continual run')}", "", metrics_table(results), ""]
-    if noise_line(results, meta.get("test_examples") or []):
-        md += [noise_line(results, meta["test_examples"]), ""]
+    noise = noise_line(results, meta.get("test_examples") or [])
+    if noise:
+        md += [noise, ""]
     if heads_table(results):
         md += ["## heads compared on the same runs (compare_heads)", "", heads_table(results), ""]
     if tuning_table(results):
@@ -290,19 +292,12 @@ def _short_head(head: str) -> str:
     return head.replace("first_task+", "first task, ").replace("cosine+", "cosine, ")
 
 
-#: The 97.5 % quantile of Student's t by degrees of freedom (a paired 95 % interval over a few class draws).
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
-
-
-def _paired_interval(a: Sequence[float], b: Sequence[float]) -> tuple[float, float, float]:
-    """Mean of ``a - b`` draw by draw and its 95 % t-interval, in points (the values are fractions)."""
-    diffs = [100 * (x - y) for x, y in zip(a, b)]
-    mean = sum(diffs) / len(diffs)
-    if len(diffs) < 2:
-        return mean, -math.inf, math.inf
-    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1))
-    half = _T975.get(len(diffs) - 1, 1.96) * sd / math.sqrt(len(diffs))
-    return mean, mean - half, mean + half
+def _versus_simplecil(dataset: str, d: float, lo: float, hi: float, head: str, n: int) -> str:
+    """One comparison with SimpleCIL in words; the verb follows the paired interval ``[lo, hi]`` (points)."""
+    verb = "beats" if lo > 0 else "trails" if hi < 0 else "ties"
+    return (
+        f"{verb} SimpleCIL on {dataset} ({d:+.1f} points [{lo:+.1f}, {hi:+.1f}], {_head_words(head)}, {n} class draws)"
+    )
 
 
 def heads_claim(summary: dict[str, Any], key: str) -> str:
@@ -328,10 +323,8 @@ def heads_claim(summary: dict[str, Any], key: str) -> str:
             raise ValueError(
                 f"claim {key!r}: no row {row!r} of {method!r} beside SimpleCIL here; rows: {sorted(rows)}"
             )
-        d, lo, hi = _paired_interval(rows[row]["values"], ncm["values"])
-        verb = "beats" if lo > 0 else "trails" if hi < 0 else "ties"
-        head = _head_words(row)
-        return f"{verb} SimpleCIL on {dataset} ({d:+.1f} points [{lo:+.1f}, {hi:+.1f}], {head}, {n} class draws)"
+        d, lo, hi = (100 * x for x in paired_interval(rows[row]["values"], ncm["values"]))
+        return _versus_simplecil(dataset, d, lo, hi, row, n)
     if kind in ("vs_simplecil", "vs_simplecil_every_task"):
         every = kind.endswith("every_task")
         m = summary["methods"].get(method, {})
@@ -339,10 +332,7 @@ def heads_claim(summary: dict[str, Any], key: str) -> str:
         if vs is None:
             valid = [k for k, v in summary["methods"].items() if v.get("vs_ncm")]
             raise ValueError(f"claim {key!r}: {method!r} is not compared with SimpleCIL here; one of {valid}")
-        d, lo, hi = vs
-        verb = "beats" if lo > 0 else "trails" if hi < 0 else "ties"
-        head = _head_words(m["best_every_task_head" if every else "best_head"])
-        return f"{verb} SimpleCIL on {dataset} ({d:+.1f} points [{lo:+.1f}, {hi:+.1f}], {head}, {n} class draws)"
+        return _versus_simplecil(dataset, *vs, m["best_every_task_head" if every else "best_head"], n)
     if kind == "winners" and not method:
         beat = [
             f"{label} ({_head_words(m['best_head'])}, {m['vs_ncm'][0]:+.1f} points [{m['vs_ncm'][1]:+.1f}, "

@@ -138,8 +138,7 @@ def read_source(source: Source, split: str = "train") -> Any:
             f"(got suffixes {sorted(suffixes)})"
         )
     for p in local:
-        _check_utf8(p)
-        _check_not_empty(p)
+        _check_text(p)
     (builder,) = builders
     options = {"delimiter": "\t"} if suffixes == {".tsv"} else {}
     try:
@@ -150,22 +149,12 @@ def read_source(source: Source, split: str = "train") -> Any:
         raise ValueError(f"cannot read {describe_source(source)} as {builder}: {first}") from None
 
 
-def _check_not_empty(path: Path) -> None:
-    """An empty file, or a CSV / TSV with a header and no rows, named with the fix (the reader's own error says
-    neither)."""
+def _check_text(path: Path) -> None:
+    """One pass over a text data file: every line UTF-8, and at least one row (a CSV / TSV: a header and a row),
+    each failure named with the file and the fix (the reader's own errors say neither)."""
     if path.suffix.lower() == ".parquet":
         return
-    with path.open("rb") as fh:
-        lines = [line for line in (fh.readline() for _ in range(2)) if line.strip()]
-    tabular = path.suffix.lower() in (".csv", ".tsv")
-    if not lines or (tabular and len(lines) < 2):
-        what = "is empty" if not lines else "has a header and no rows"
-        raise ValueError(f"data file {str(path)!r} {what}: it needs one example per row (a text and a label column)")
-
-
-def _check_utf8(path: Path) -> None:
-    if path.suffix.lower() == ".parquet":
-        return
+    filled = 0
     with path.open("rb") as fh:
         for number, line in enumerate(fh, start=1):
             try:
@@ -176,6 +165,10 @@ def _check_utf8(path: Path) -> None:
                     f"data file {str(path)!r} is not UTF-8 (line {number}, byte {err.start}: {bad!r}); re-save it "
                     "as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)"
                 ) from None
+            filled += bool(line.strip())
+    if not filled or (path.suffix.lower() in (".csv", ".tsv") and filled < 2):
+        what = "is empty" if not filled else "has a header and no rows"
+        raise ValueError(f"data file {str(path)!r} {what}: it needs one example per row (a text and a label column)")
 
 
 def _columns(table: Any, where: str, text_columns: Sequence[str], label_column: str, task_column: Optional[str]):

@@ -376,8 +376,9 @@ def run_job(
     wall = time.perf_counter() - start
     echo(f"\n[peft-ext] metrics (percent), {len(sequence)} tasks, wall time {wall:.0f} s\n")
     echo(metrics_table(results))
-    if noise_line(results, meta["test_examples"]):
-        echo("\n" + noise_line(results, meta["test_examples"]))
+    noise = noise_line(results, meta["test_examples"])
+    if noise:
+        echo("\n" + noise)
     if paths is not None:  # rank 0
         written = [paths["json"], paths["markdown"]] + ([paths["png"]] if results else [])
         echo(f"\n[peft-ext] wrote {', '.join(str(p) for p in written)}")

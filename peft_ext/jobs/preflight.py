@@ -9,6 +9,7 @@ Every check raises one :class:`~peft_ext.continual.config.ConfigError` naming th
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import os
 import tempfile
@@ -136,11 +137,17 @@ def hub_unreachable(timeout: float = 3.0) -> bool:
     """Whether the Hugging Face hub is known to be out of reach: its host does not resolve or refuses a connection
     within ``timeout`` seconds (behind a proxy, never: the proxy decides). Saves the half minute of retries a hub id
     costs offline when ``HF_HUB_OFFLINE`` is not set."""
-    import socket
-
     if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
         return False
-    host, port = _hub_host()
+    return _refused(*_hub_host(), timeout)
+
+
+@functools.cache
+def _refused(host: str, port: int, timeout: float) -> bool:
+    """Whether a connection to ``host:port`` fails; asked once per process and address (the backbone's and the
+    tokenizer's checks would otherwise each wait ``timeout``)."""
+    import socket
+
     try:
         socket.create_connection((host, port), timeout=timeout).close()
     except OSError:
