@@ -476,6 +476,11 @@ def main(argv: list[str] | None = None) -> int:
     tmp.write_text(text)
     os.replace(tmp, args.out)
     print(f"[run_all] wrote {args.out}" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    if args.out == REPORT:
+        from benchmarks import figures
+
+        if figures.main([]) != 0:  # the pages' figures follow the report they quote
+            failed.append("figures")
     return 1 if failed else 0
 
 

@@ -274,7 +274,7 @@ _CLAIM = re.compile(r"<!-- claim (?P<source>\S+) (?P<key>\S+) -->(?P<body>.*?)<!
 #: The data set a shipped config draws its sequence from, as a claim names it.
 DATASET_OF = {"quickstart": "WordNet", "fortunes": "fortunes"}
 #: What the claims of a heads protocol summary can say (``KEY:METHOD`` for the first two).
-CLAIM_KINDS = ("vs_simplecil", "vs_simplecil_every_task", "vs_simplecil_head", "winners")
+CLAIM_KINDS = ("vs_simplecil", "vs_simplecil_every_task", "vs_simplecil_head", "winners", "command")
 _NOT_ADAPTER_METHODS = ("joint", "frozen_linear", "ncm", "slda", "ranpac")
 
 
@@ -307,7 +307,8 @@ def heads_claim(summary: dict[str, Any], key: str) -> str:
 
     Keys: ``vs_simplecil:METHOD`` (the method with its best head against SimpleCIL), ``vs_simplecil_every_task:METHOD``
     (its best head when it trains on every task), ``vs_simplecil_head:METHOD:ROW`` (one row of the method's, such as
-    ``analytic`` or ``first_task+lda``), ``winners`` (which adapter methods beat SimpleCIL).
+    ``analytic`` or ``first_task+lda``), ``winners`` (which adapter methods beat SimpleCIL), ``command`` (the command
+    that wrote the summary).
 
     Raises:
         ValueError: An unknown key or a method the summary does not compare with SimpleCIL.
@@ -343,7 +344,9 @@ def heads_claim(summary: dict[str, Any], key: str) -> str:
         if not beat:
             return f"on {dataset} no adapter method here beats SimpleCIL, whatever the head ({n} class draws)"
         return f"on {dataset} these beat SimpleCIL: {', '.join(beat)} ({n} class draws)"
-    valid = [k + ":METHOD" for k in CLAIM_KINDS[:2]] + ["vs_simplecil_head:METHOD:ROW", "winners"]
+    if kind == "command" and not method:
+        return f"`{summary['command']}`"
+    valid = [k + ":METHOD" for k in CLAIM_KINDS[:2]] + ["vs_simplecil_head:METHOD:ROW", "winners", "command"]
     raise ValueError(f"unknown claim {key!r}: one of {valid}")
 
 
