@@ -93,22 +93,33 @@ def load(args: argparse.Namespace) -> Any:
     return load_config(root / "configs" / f"{args.config}.yaml", sets)
 
 
-def variants(entry: Any, wanted: list[str]) -> dict[str, Any]:
-    """The option sets one method entry runs with, by variant name."""
+#: The analytic head's projection width in a ``--quick`` run: its eigendecomposition at the default 2048 is most of a
+#: smoke run's time (about 2 s per task on one thread), and a smoke run checks the code paths, not the figures.
+QUICK_ANALYTIC_DIM = 256
+
+
+def variants(entry: Any, wanted: list[str], quick: bool = False) -> dict[str, Any]:
+    """The option sets one method entry runs with, by variant name (``quick``: the analytic head at
+    :data:`QUICK_ANALYTIC_DIM`)."""
+
+    def heads(names: list[str]) -> list[Any]:
+        small = {"name": "analytic", "dim": QUICK_ANALYTIC_DIM}
+        return [small if quick and name == "analytic" else name for name in names]
+
     options = entry.options
     if entry.name in BASELINES:
         # one frozen-backbone run scores all three baselines' heads (slda's and ranpac's at their defaults)
         others = [head for name, head in BASELINES.items() if name != entry.name]
-        return {"trained": dataclasses.replace(options, compare_heads=others)}
+        return {"trained": dataclasses.replace(options, compare_heads=heads(others))}
     # scored with the model's own linear head and, on the same run, with every head that learns from features
     # (whatever head the config gives the method: the head does not change what is trained)
-    out = {"trained": dataclasses.replace(options, head=None, compare_heads=list(FEATURE_HEADS))}
+    out = {"trained": dataclasses.replace(options, head=None, compare_heads=heads(FEATURE_HEADS))}
     if entry.name not in ("joint", "frozen_linear"):  # a frozen backbone adapted on nothing is ncm's
         out["first_task"] = dataclasses.replace(
-            options, head="prototype", compare_heads=FEATURE_HEADS[1:], adapt="first_task"
+            options, head="prototype", compare_heads=heads(FEATURE_HEADS[1:]), adapt="first_task"
         )
     if entry.name != "joint":
-        out["cosine"] = dataclasses.replace(options, head="cosine", compare_heads=list(FEATURE_HEADS))
+        out["cosine"] = dataclasses.replace(options, head="cosine", compare_heads=heads(FEATURE_HEADS))
     return {k: v for k, v in out.items() if k in wanted}
 
 
@@ -148,7 +159,7 @@ def run_all(args: argparse.Namespace, out: Path) -> None:
         collate = TextCollator(tokenizer, cfg.model.max_length)
         for entry in entries:
             label = entry.options.label or entry.name
-            for variant, options in variants(entry, args.variants).items():
+            for variant, options in variants(entry, args.variants, args.quick).items():
                 path = out / "runs" / f"{seed}-{label}-{variant}.json"
                 if args.resume and path.is_file():
                     continue
