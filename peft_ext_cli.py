@@ -192,6 +192,27 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MARKDOWN",
         help="rewrite every generated table in these files (each names its results file) instead",
     )
+    p = sub.add_parser(
+        "predict",
+        help="classify new texts with a method a continual job trained (its output.dir/adapters/<label>)",
+    )
+    p.add_argument(
+        "source",
+        metavar="CONFIG_OR_FOLDER",
+        help="a method's folder (output.dir/adapters/<label>), a job's output folder, or the job's config (path or "
+        "shipped name)",
+    )
+    p.add_argument(
+        "file",
+        help="the texts: a .txt file (one per line), or a .csv / .jsonl file with a text column (--column)",
+    )
+    p.add_argument(
+        "--method",
+        metavar="LABEL",
+        help="which saved method, with a job folder or config (default: the best final accuracy of the continual "
+        "methods saved, the upper bound joint left out)",
+    )
+    p.add_argument("--column", default="text", help="the text column of a .csv / .jsonl file (default: text)")
     p = sub.add_parser("configs", help="list the shipped example configs, or copy one out to edit")
     p.add_argument(
         "--copy",
@@ -215,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("table takes a results.json to print, or --into MARKDOWN... to rewrite (one of the two)")
     if hasattr(args, "config"):
         args.config = resolve_config(args.config)
+    if args.command == "predict":
+        args.source = resolve_config(args.source)
     # Only now the heavy part: peft_ext (torch, peft, transformers) and the commands that need it.
     from peft_ext.cli import run_command
 

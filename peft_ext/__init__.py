@@ -21,6 +21,7 @@ class _DropOptionalKernelNotice(logging.Filter):
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropOptionalKernelNotice())
 
 from .checkpoint import save_pretrained_atomic, verify_checkpoint  # noqa: E402
+from .continual.trained import load_trained  # noqa: E402
 from .optim import DCTAdamW, Riemannion, SubspaceAdamW  # noqa: E402
 from .quantization import disable_bnb_cpu_repacking  # noqa: E402
 from .registry import register_peft_type, registered_peft_types  # noqa: E402
@@ -42,6 +43,7 @@ __all__ = [
     "__version__",
     "disable_bnb_cpu_repacking",
     "initialize_loi",
+    "load_trained",
     "register_peft_type",
     "registered_peft_types",
     "save_pretrained_atomic",

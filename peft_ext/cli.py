@@ -179,8 +179,25 @@ def _cmd_table(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_predict(args: argparse.Namespace) -> int:
+    from peft_ext.continual.trained import load_trained, read_texts, trained_folder
+
+    try:
+        folder, why = trained_folder(args.source, args.method)
+        texts = read_texts(args.file, args.column)
+    except (OSError, ValueError) as err:
+        print(f"peft-ext: predict error: {err}", file=sys.stderr)
+        return 2
+    if why:
+        print(f"peft-ext: {why}", file=sys.stderr)
+    model = load_trained(folder)
+    for text, label in zip(texts, model.predict(texts)):
+        print(f"{label}\t{text}")
+    return 0
+
+
 def run_command(args: argparse.Namespace) -> int:
-    """Run a ``run``, ``check``, ``list``, ``verify`` or ``table`` command parsed by
+    """Run a ``run``, ``check``, ``list``, ``verify``, ``table`` or ``predict`` command parsed by
     :func:`peft_ext_cli.build_parser` (a
     shipped config's name already resolved to its path); returns the exit status.
 
@@ -191,7 +208,7 @@ def run_command(args: argparse.Namespace) -> int:
 
     try:
         commands = {"run": _cmd_run, "check": _cmd_check, "list": _cmd_list, "verify": _cmd_verify}
-        return {**commands, "table": _cmd_table}[args.command](args)
+        return {**commands, "table": _cmd_table, "predict": _cmd_predict}[args.command](args)
     except ConfigError as err:
         print(f"peft-ext: config error: {err}", file=sys.stderr)
         return 2

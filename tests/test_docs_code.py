@@ -81,6 +81,24 @@ with open("my_train.csv", "w", newline="") as f:
         rows.writerow([f"sentence {i} about topic {i % 6}", f"topic{i % 6}"])
 """
 
+# what `make run` leaves in runs/quickstart/adapters, from a tiny model in seconds
+TRAINED = """
+from pathlib import Path
+
+import yaml
+from peft_ext_cli import main as _cli
+from tests.helpers import save_tiny_bert
+
+_data = yaml.safe_load(Path("configs/quickstart.yaml").read_text())
+_data["model"]["backbone"] = str(save_tiny_bert(Path("tiny-bert"), num_layers=1))
+_data["data"].update(n_tasks=2, classes_per_task=2, train_per_class=4, test_per_class=2)
+_data["train"].update(epochs=1, progress=False)
+_data["methods"] = [{"name": "splitlora", "head": "analytic", "lr": 0.005}]
+_data["output"]["dir"] = "runs/quickstart"
+Path("q.yaml").write_text(yaml.safe_dump(_data))
+assert _cli(["run", "q.yaml", "--no-progress"]) == 0
+"""
+
 # the single-process "cluster" a sharding example runs on
 MESH = """
 import torch.distributed as dist
@@ -116,6 +134,7 @@ from peft_ext import PCLRConfig
 model = get_peft_model(base, PCLRConfig(target_modules=["query", "value"], pool_size=8, top_k=2, ranks_schedule=[2]))
 """,
     ("own_data.md", 0): CSV,
+    ("own_data.md", 1): TRAINED,
     ("distributed.md", 0): MESH,
 }
 CLEANUP = {("distributed.md", 0): "dist.destroy_process_group()"}

@@ -236,14 +236,20 @@ class OutputSection:
     Args:
         dir: Output folder for results.json, results.md and accuracy_matrix.png (created if missing); a relative
             path is read from the working directory (data paths: from the config file's folder).
+        save_adapters: Save each classification method's trained model (adapter in PEFT's layout, head, what
+            rebuilds the backbone) under ``dir/adapters/<label>/``, for ``peft-ext predict`` and
+            ``peft_ext.load_trained``.
     """
 
     dir: str = "runs/quickstart"
+    save_adapters: bool = True
 
     def validate(self) -> None:
         path = Path(self.dir)
         if path.exists() and not path.is_dir():
             raise ValueError(f"`dir` {self.dir!r} exists and is not a directory")
+        if not isinstance(self.save_adapters, bool):
+            raise ValueError(f"`save_adapters` must be true or false, got {self.save_adapters!r}")
 
 
 @dataclass

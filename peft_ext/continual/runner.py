@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
-from typing import Optional
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,9 @@ from .engine import ContinualEngine, MethodResult, Phase, RunRecord, TaskTrainer
 from .methods import ContinualMethod
 from .progress import TaskProgress
 from .sharding import fsdp2_units, is_sharded, shard_model, whole_state_dict
+
+if TYPE_CHECKING:
+    from .heads.base import ContinualHead
 
 __all__ = ["LoopTrainer", "run_sequence", "train_examples"]
 
@@ -188,6 +191,7 @@ def run_sequence(
     collate: Collate,
     train: Optional[TrainConfig] = None,
     progress: Optional[TaskProgress] = None,
+    keep: Optional[Callable[[nn.Module, ContinualHead, MethodResult], Any]] = None,
 ) -> MethodResult:
     """Run ``method`` through ``sequence`` starting from a deep copy of ``base_model``.
 
@@ -203,6 +207,8 @@ def run_sequence(
         collate: Turns a list of examples into a batch dict with a ``labels`` tensor.
         train: Training settings (defaults: :class:`TrainConfig`).
         progress: Where end-of-task snapshots go and a resumed run reads them (``None``: none are taken).
+        keep: Called with the final model, the run's head and the result once the run ends (the job saves the
+            trained model with it: :func:`peft_ext.continual.trained.save_trained`).
 
     Returns:
         The accuracy matrix, the metrics and the cost of the run.
@@ -219,4 +225,6 @@ def run_sequence(
     result = engine.result(model, record)
     if trainer.shards:
         result.extras["fsdp2_units"] = fsdp2_units(model)
+    if keep is not None:
+        keep(model, engine.head, result)
     return result

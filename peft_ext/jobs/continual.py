@@ -32,6 +32,7 @@ from ..continual.progress import TaskProgress
 from ..continual.report import matrix_table, metrics_table, noise_line, save_results
 from ..continual.runner import run_sequence
 from ..continual.sharding import sharding_from_launcher
+from ..continual.trained import save_trained, saved_methods
 from ..data import SHIPPED
 from ..data.tasks import TaskSequence
 from ..distributed import on_rank_zero, rank, rank_zero_first, world_size
@@ -326,6 +327,8 @@ def run_job(
     sharded = config.train.sharding == "fsdp2" and world_size() > 1
     if sharded:
         echo(f"  FSDP2: each method's parameters sharded over {world_size()} processes while it trains")
+        if config.output.save_adapters:
+            echo("  trained models are not saved under FSDP2 sharding (output.save_adapters): run on one process")
     results: list[MethodResult] = []
     failures: list[dict[str, str]] = []
     # The report exists (with the config's fingerprint) before any training, so an interruption during the first
@@ -356,7 +359,10 @@ def run_job(
 
                     tuned = tune_methods(config, [entry], sequence, base, collate, fingerprint, echo)[label]
                     method = get_continual_method(entry.name)(tuned_options(entry, tuned))
-                result = run_sequence(sequence, method, base, collate, config.train, progress=progress)
+                keep = None
+                if config.output.save_adapters and not sharded:
+                    keep = functools.partial(_keep_trained, config, sequence, base, label, method.name)
+                result = run_sequence(sequence, method, base, collate, config.train, progress=progress, keep=keep)
                 if tuned is not None:
                     result.extras["tuning"] = tuned
                 result.extras["settings"] = effective_settings(method.options, config.train)
@@ -382,6 +388,13 @@ def run_job(
     if paths is not None:  # rank 0
         written = [paths["json"], paths["markdown"]] + ([paths["png"]] if results else [])
         echo(f"\n[peft-ext] wrote {', '.join(str(p) for p in written)}")
+        saved = saved_methods(config.output.dir)
+        if saved and config.output.save_adapters and not sharded:
+            folder = Path(config.output.dir) / "adapters"
+            echo(
+                f"[peft-ext] trained models of {', '.join(saved)} in {folder}/: classify new texts with "
+                f"`peft-ext predict {folder / saved[0]} TEXTS.txt` (docs/own_data.md)"
+            )
     if failures:
         raise JobFailed(failures, config.output.dir)
     return results
@@ -389,6 +402,36 @@ def run_job(
 
 def _silent(*args: Any) -> None:
     """The echo of ranks other than 0."""
+
+
+def _keep_trained(
+    config: RunConfig,
+    sequence: TaskSequence,
+    base: torch.nn.Module,
+    label: str,
+    method: str,
+    model: torch.nn.Module,
+    head: Any,
+    result: MethodResult,
+) -> None:
+    """Save one method's trained model under ``output.dir/adapters/<label>`` (rank 0; :mod:`..continual.trained`)."""
+    if rank() != 0:
+        return
+    description = {
+        "kind": "causal_lm" if config.model.kind == "causal_lm" else "classifier",
+        "method": method,
+        "label": label,
+        "backbone": config.model.backbone,
+        "num_classes": sequence.num_classes,
+        "class_names": list(sequence.class_names),
+        "dropout": config.model.dropout,
+        "seed": config.train.seed,
+        "max_length": config.model.max_length,
+        "final_acc": result.metrics.get("final_acc"),
+        "config": config.name,
+    }
+    folder = re.sub(r"[^\w.+-]", "_", label)
+    save_trained(Path(config.output.dir) / "adapters" / folder, model, head, base, description)
 
 
 def _save(

@@ -87,9 +87,16 @@ class OutputSection(continual_config.OutputSection):
 
     Args:
         dir: Folder for results.json and results.md (created if missing).
+        save_adapters: Not offered by this job (it trains one model per grid point and seed); only ``false``.
     """
 
     dir: str = "runs/mora_emoji"
+    save_adapters: bool = False
+
+    def validate(self) -> None:
+        super().validate()
+        if self.save_adapters:
+            raise ValueError("`save_adapters`: the missing_modality job saves no trained models; remove the key")
 
 
 @dataclass

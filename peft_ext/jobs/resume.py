@@ -55,6 +55,8 @@ def config_hash(config: Any) -> str:
     # keys added later, at their defaults, leave the fingerprints of earlier runs as they were
     if isinstance(data.get("data"), dict) and data["data"].get("val_per_class") is None:
         data["data"].pop("val_per_class", None)
+    if isinstance(data.get("output"), dict):  # where the trained models go changes no result
+        data["output"].pop("save_adapters", None)
     if isinstance(data.get("tune"), dict) and not data["tune"].get("enabled"):
         data.pop("tune")
     for method in data.get("methods") or []:  # a note saved adapters carry; it changes no result

@@ -1,0 +1,314 @@
+"""What a continual job keeps of each method it trained, and how to use it on new text.
+
+``peft-ext run`` saves every classification method's final model under ``output.dir/adapters/<label>/``
+(``output.save_adapters: false`` turns it off):
+
+- ``adapter_config.json`` + ``adapter_model.safetensors``: the adapter in PEFT's layout, when the method trains one
+  (it loads with ``PeftModel.from_pretrained`` on the base model, once ``peft_ext`` is imported);
+- ``weights.safetensors``: the base model's tensors the run changed, when it trains no adapter (full fine-tuning:
+  every tensor; a frozen backbone with a trained head: the head);
+- ``head.pt``: the state of the continual head that scores the features (``analytic``, ``prototype``, ...), when the
+  method has one (loads with ``torch.load(..., weights_only=True)``);
+- ``peft_ext_model.json``: what rebuilds the model: the backbone, the number and names of the classes, the head and
+  the files above.
+
+:func:`load_trained` reads such a folder back and classifies new texts::
+
+    from peft_ext import load_trained
+
+    model = load_trained("runs/quickstart/adapters/splitlora")
+    print(model.predict(["a small domesticated carnivore", "move fast on foot"]))
+
+``peft-ext predict CONFIG_OR_FOLDER FILE`` does the same from the command line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from .heads.base import ContinualHead
+
+__all__ = [
+    "MODEL_FILE",
+    "TrainedClassifier",
+    "load_trained",
+    "read_texts",
+    "save_trained",
+    "saved_methods",
+    "trained_folder",
+]
+
+#: The description file of a saved method's folder.
+MODEL_FILE = "peft_ext_model.json"
+HEAD_FILE = "head.pt"
+WEIGHTS_FILE = "weights.safetensors"
+FORMAT = 1
+
+
+def _is_peft(model: nn.Module) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def changed_tensors(model: nn.Module, base: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors of ``model``'s state that differ from ``base``'s (or that ``base`` lacks), contiguous copies."""
+    before = base.state_dict()
+    out = {}
+    for name, value in model.state_dict().items():
+        old = before.get(name)
+        if old is None or old.shape != value.shape or not torch.equal(old.to(value.device), value):
+            out[name] = value.detach().cpu().contiguous().clone()
+    return out
+
+
+def save_trained(
+    directory: Union[str, Path],
+    model: nn.Module,
+    head: Optional[ContinualHead],
+    base: nn.Module,
+    description: dict[str, Any],
+) -> Path:
+    """Save one method's final model to ``directory`` (replaced whole, atomically: a crash leaves the old folder or
+    none, never half of one).
+
+    Args:
+        directory: The method's folder (``output.dir/adapters/<label>``).
+        model: The trained model (a ``PeftModel`` or the base model's class).
+        head: The run's continual head (its state is saved; the linear head's is empty).
+        base: The untouched base model (what ``load_trained`` rebuilds), to find the tensors a non-adapter run changed.
+        description: What rebuilds the base model: ``backbone``, ``num_classes``, ``class_names``, ``dropout``,
+            ``seed``, ``max_length`` (and anything else to record, e.g. ``method``, ``label``, ``final_acc``).
+
+    Returns:
+        ``directory``.
+    """
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    meta = dict(description, format=FORMAT, adapter=False, weights=None, head=None)
+    if _is_peft(model):
+        model.save_pretrained(str(tmp))
+        meta["adapter"] = True
+    else:
+        changed = changed_tensors(model, base)
+        if changed:
+            save_file(changed, str(tmp / WEIGHTS_FILE))
+            meta["weights"] = WEIGHTS_FILE
+    if head is not None:
+        torch.save(head.state_dict(), tmp / HEAD_FILE)
+        meta["head"] = {"name": head.name, **_options(head)}
+    (tmp / MODEL_FILE).write_text(json.dumps(meta, indent=1, default=str) + "\n")
+    old = directory.with_name(directory.name + ".old")
+    if directory.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(directory, old)
+    os.replace(tmp, directory)
+    shutil.rmtree(old, ignore_errors=True)
+    return directory
+
+
+def _options(head: ContinualHead) -> dict[str, Any]:
+    import dataclasses
+
+    return dataclasses.asdict(head.options) if dataclasses.is_dataclass(head.options) else {}
+
+
+def saved_methods(output_dir: Union[str, Path]) -> list[str]:
+    """The labels of the methods saved under ``output_dir/adapters`` (sorted)."""
+    root = Path(output_dir) / "adapters"
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if (p / MODEL_FILE).is_file())
+
+
+@dataclass
+class TrainedClassifier:
+    """A saved method's model, ready to classify texts (:func:`load_trained`).
+
+    Attributes:
+        model: The classifier (base model with the adapter loaded, in evaluation mode).
+        tokenizer: Its tokenizer.
+        head: The continual head of the run; one that reads features (``analytic``, ``prototype``, ...) scores them,
+            otherwise (``linear``, ``cosine``) the model's own classifier does.
+        class_names: ``class_names[i]`` is the name of class ``i``.
+        meta: The saved description (``peft_ext_model.json``).
+    """
+
+    model: nn.Module
+    tokenizer: Any
+    head: Optional[ContinualHead]
+    class_names: list[str]
+    meta: dict[str, Any]
+
+    @torch.no_grad()
+    def scores(self, texts: Sequence[str], batch_size: int = 64) -> torch.Tensor:
+        """``(len(texts), num_classes)`` scores (the class with the largest is the prediction)."""
+        from ..data.collate import TextCollator
+        from ..data.tasks import Example
+        from .heads.base import forward_with_features
+
+        if isinstance(texts, str):
+            raise TypeError("texts must be a list of strings, got one string")
+        collate = TextCollator(self.tokenizer, self.meta.get("max_length", 128))
+        reads = self.head is not None and self.head.reads_features
+        out = []
+        for start in range(0, len(texts), batch_size):
+            batch = collate([Example(text, 0) for text in texts[start : start + batch_size]])
+            logits, features = forward_with_features(self.model, batch)
+            out.append(self.head.scores(features.float()) if reads else logits.float())
+        return torch.cat(out) if out else torch.zeros(0, len(self.class_names))
+
+    def predict(self, texts: Sequence[str], batch_size: int = 64) -> list[str]:
+        """The predicted class name of each text."""
+        return [self.class_names[i] for i in self.scores(texts, batch_size).argmax(-1).tolist()]
+
+
+def load_trained(directory: Union[str, Path]) -> TrainedClassifier:
+    """Load a method's folder written by :func:`save_trained` (``peft-ext run`` writes one per method under
+    ``output.dir/adapters``).
+
+    Raises:
+        ValueError: The folder holds no saved method (naming what it does hold), or a causal-LM method (load those
+            with ``PeftModel.from_pretrained`` on the backbone and generate).
+    """
+    from safetensors.torch import load_file
+
+    from ..models import load_text_classifier
+    from .heads.base import build_head
+
+    directory = Path(directory)
+    path = directory / MODEL_FILE
+    if not path.is_file():
+        inside = saved_methods(directory)
+        hint = f"; it holds the methods {inside} under adapters/ (pass one of those folders)" if inside else ""
+        raise ValueError(f"{str(directory)!r} has no {MODEL_FILE}: not a method saved by peft-ext run{hint}")
+    meta = json.loads(path.read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{str(path)!r} has format {meta.get('format')!r}; this peft-ext reads format {FORMAT}")
+    if meta.get("kind", "classifier") != "classifier":
+        raise ValueError(
+            f"{str(directory)!r} holds a {meta.get('kind')} method: predict classifies texts; load its adapter with "
+            "PeftModel.from_pretrained on the backbone and generate"
+        )
+    model, tokenizer = load_text_classifier(
+        meta["backbone"], meta["num_classes"], meta.get("dropout", 0.0), seed=meta.get("seed", 0)
+    )
+    head = None
+    if meta.get("head"):
+        head = build_head(meta["head"], meta["num_classes"], seed=meta.get("seed", 0))
+        head.load_state_dict(torch.load(directory / HEAD_FILE, weights_only=True))
+        model = head.attach(model)  # a head that replaces the classifier module (cosine) does so before the adapter
+    if meta.get("adapter"):
+        from peft import PeftModel
+
+        import peft_ext  # noqa: F401  (registers the adapter types)
+
+        model = PeftModel.from_pretrained(model, str(directory))
+    if meta.get("weights"):
+        missing = model.load_state_dict(load_file(str(directory / meta["weights"])), strict=False)
+        if missing.unexpected_keys:
+            raise ValueError(f"{meta['weights']} holds tensors the model lacks: {missing.unexpected_keys[:5]}")
+    model.eval()
+    return TrainedClassifier(model, tokenizer, head, list(meta["class_names"]), meta)
+
+
+def trained_folder(source: Union[str, Path], method: Optional[str] = None) -> tuple[Path, Optional[str]]:
+    """The saved method's folder that ``source`` names, and a line saying which one was picked (or ``None``).
+
+    ``source`` is a method's folder, a job's output folder (holding ``adapters/``), or a continual config (its
+    ``output.dir``). In a job's folder ``method`` picks the label; by default the continual method with the best
+    final accuracy in the job's ``results.json`` (the upper bound ``joint`` left out).
+
+    Raises:
+        ValueError: Nothing saved there, or no saved method ``method`` (naming the saved ones).
+    """
+    path = Path(source)
+    if (path / MODEL_FILE).is_file():
+        if method is not None:
+            raise ValueError(f"{str(path)!r} is one method's folder; --method picks a method in a job's folder")
+        return path, None
+    if path.is_file():
+        import warnings
+
+        from ..jobs import load_job_config
+
+        with warnings.catch_warnings():  # the config's advice (a missing lr) is for running it, not for predicting
+            warnings.simplefilter("ignore")
+            config = load_job_config(str(path))
+        output = getattr(getattr(config, "output", None), "dir", None)
+        if output is None:
+            raise ValueError(f"{str(path)!r} is not a continual job's config")
+        path = Path(output)
+    saved = saved_methods(path)
+    if not saved:
+        raise ValueError(
+            f"no trained models under {str(path / 'adapters')!r}: run the job first (peft-ext run), with "
+            "output.save_adapters left true"
+        )
+    if method is not None:
+        if method not in saved:
+            raise ValueError(f"no saved method {method!r} under {str(path / 'adapters')!r}; saved: {saved}")
+        return path / "adapters" / method, None
+    scores = {}
+    for label in saved:
+        meta = json.loads((path / "adapters" / label / MODEL_FILE).read_text())
+        if meta.get("method") != "joint" and meta.get("final_acc") is not None:
+            scores[label] = float(meta["final_acc"])
+    if not scores:
+        return path / "adapters" / saved[0], f"predicting with {saved[0]} (pass --method to pick one of {saved})"
+    best = max(scores, key=scores.get)
+    return path / "adapters" / best, (
+        f"predicting with {best} (final accuracy {100 * scores[best]:.1f} %, the best of the {len(scores)} continual "
+        f"methods saved; --method picks another of {saved})"
+    )
+
+
+def read_texts(path: Union[str, Path], column: str = "text") -> list[str]:
+    """The texts of a file: a ``.txt`` file's non-empty lines, or a ``.csv`` / ``.jsonl`` file's ``column``.
+
+    Raises:
+        ValueError: No text in the file, a missing column (naming the columns there), or text that is not UTF-8.
+    """
+    import csv
+
+    path = Path(path)
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{str(path)!r} is not UTF-8 text (byte {err.start}); save it as UTF-8") from None
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        rows = list(csv.DictReader(raw.splitlines()))
+        columns = list(rows[0]) if rows else []
+        if rows and column not in rows[0]:
+            raise ValueError(f"{str(path)!r} has no column {column!r}; columns: {columns} (pass --column)")
+        texts = [row[column] for row in rows]
+    elif suffix in (".jsonl", ".json"):
+        texts = []
+        for number, line in enumerate(raw.splitlines(), 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if not isinstance(row, dict) or column not in row:
+                keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+                raise ValueError(f"{str(path)!r} line {number} has no key {column!r}; it has {keys} (pass --column)")
+            texts.append(str(row[column]))
+    else:
+        texts = [line.strip() for line in raw.splitlines() if line.strip()]
+    if not texts:
+        raise ValueError(f"{str(path)!r} holds no text to classify")
+    return texts

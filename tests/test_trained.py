@@ -1,0 +1,151 @@
+"""The job keeps what it trained (output.dir/adapters/<label>), and `peft-ext predict` / `load_trained` use it: each
+reloaded method predicts what the run scored, exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import yaml
+
+from peft_ext.continual.config import load_config
+from peft_ext.continual.trained import MODEL_FILE, load_trained, read_texts, trained_folder
+from peft_ext.jobs.continual import build_sequence
+from peft_ext.jobs.resume import config_hash
+from peft_ext_cli import main
+
+from .helpers import job_config, save_tiny_bert
+
+#: One method per way a model is kept: a PEFT adapter scored by a feature head (splitlora + analytic), a PEFT adapter
+#: with its linear head (seq_lora), the cosine head that replaces the classifier, a frozen backbone whose head alone
+#: trains (frozen_linear: weights.safetensors), a training-free head (ncm: head.pt only), the upper bound (joint).
+METHODS = [
+    {"name": "splitlora", "head": "analytic", "lr": 0.005},
+    {"name": "seq_lora", "lr": 0.003},
+    {"name": "splitlora", "label": "split_cosine", "head": "cosine", "lr": 0.005},
+    {"name": "frozen_linear", "lr": 0.01},
+    {"name": "ncm"},
+    {"name": "joint", "lr": 0.003},
+]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("trained")
+    backbone = save_tiny_bert(tmp / "tiny-bert", num_layers=1, seed=0)
+
+    def edit(data: dict) -> None:
+        data["model"]["backbone"] = str(backbone)
+        data["data"].update(n_tasks=2, classes_per_task=2, train_per_class=8, test_per_class=4)
+        data["train"].update(epochs=2, batch_size=8, progress=False)
+        data["methods"] = METHODS
+
+    config = job_config(tmp, "quickstart", edit)
+    assert main(["run", str(config), "--no-progress"]) == 0
+    return config, tmp / "out"
+
+
+def test_every_method_is_saved_and_reloads_to_the_predictions_the_run_scored(job):
+    config, out = job
+    results = {r.get("label") or r["method"]: r for r in json.loads((out / "results.json").read_text())["results"]}
+    sequence = build_sequence(load_config(config), None)
+    tests = [example for task in sequence.tasks for example in task.test]
+    kept = {}
+    for label in ["splitlora", "seq_lora", "split_cosine", "frozen_linear", "ncm", "joint"]:
+        folder = out / "adapters" / label
+        kept[label] = sorted(p.name for p in folder.iterdir())
+        model = load_trained(folder)
+        predicted = model.scores([e.inputs for e in tests]).argmax(-1)
+        accuracy = (predicted == torch.tensor([e.label for e in tests])).float().mean().item()
+        # every task has the same number of test examples, so the final row's mean is the overall accuracy
+        assert accuracy == pytest.approx(results[label]["metrics"]["final_acc"], abs=1e-9), label
+        assert model.class_names == list(sequence.class_names)
+        assert set(model.predict(["a dog", "to run"])) <= set(sequence.class_names)
+    assert {"adapter_config.json", "adapter_model.safetensors", "head.pt", MODEL_FILE} <= set(kept["splitlora"])
+    assert "weights.safetensors" not in kept["splitlora"]
+    assert kept["frozen_linear"] == ["head.pt", MODEL_FILE, "weights.safetensors"]  # the trained classifier only
+    assert kept["ncm"] == ["head.pt", MODEL_FILE]
+    meta = json.loads((out / "adapters" / "splitlora" / MODEL_FILE).read_text())
+    assert meta["head"]["name"] == "analytic" and meta["method"] == "splitlora" and meta["num_classes"] == 4
+
+
+def test_the_frozen_backbone_keeps_only_the_tensors_it_changed(job):
+    from safetensors.torch import load_file
+
+    _, out = job
+    saved = load_file(str(out / "adapters" / "frozen_linear" / "weights.safetensors"))
+    assert set(saved) == {"classifier.weight", "classifier.bias"}
+
+
+def test_predict_picks_the_best_continual_method_and_prints_one_line_per_text(job, tmp_path, capsys):
+    config, out = job
+    texts = tmp_path / "texts.txt"
+    texts.write_text("a domestic animal\n\n  a tall plant with a trunk  \n")
+    capsys.readouterr()
+    assert main(["predict", str(config), str(texts)]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert [line.split("\t")[1] for line in lines] == ["a domestic animal", "a tall plant with a trunk"]
+    finals = {
+        r.get("label") or r["method"]: r["metrics"]["final_acc"]
+        for r in json.loads((out / "results.json").read_text())["results"]
+        if r["method"] != "joint"
+    }
+    best = max(finals, key=finals.get)
+    assert f"predicting with {best} (final accuracy {100 * finals[best]:.1f} %" in captured.err
+    folder, _ = trained_folder(out, "seq_lora")
+    assert main(["predict", str(folder), str(texts)]) == 0
+    by_folder = capsys.readouterr().out
+    assert by_folder.splitlines() and all(line.split("\t")[0] for line in by_folder.splitlines())
+    assert main(["predict", str(out), str(texts), "--method", "seq_lora"]) == 0
+    assert capsys.readouterr().out == by_folder
+
+
+def test_predict_errors_name_the_file_and_the_fix(job, tmp_path, capsys):
+    _, out = job
+    assert main(["predict", str(out), str(tmp_path / "t.txt"), "--method", "nope"]) == 2
+    assert "no saved method 'nope'" in capsys.readouterr().err
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n \n")
+    assert main(["predict", str(out), str(empty)]) == 2
+    assert "holds no text to classify" in capsys.readouterr().err
+    table = tmp_path / "t.csv"
+    table.write_text("sentence,label\nhello,x\n")
+    with pytest.raises(ValueError, match=r"no column 'text'; columns: \['sentence', 'label'\] \(pass --column\)"):
+        read_texts(table)
+    assert read_texts(table, "sentence") == ["hello"]
+    lines = tmp_path / "t.jsonl"
+    lines.write_text('{"text": "one"}\n\n{"text": "two"}\n')
+    assert read_texts(lines) == ["one", "two"]
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ValueError, match="is not UTF-8 text"):
+        read_texts(latin)
+    assert main(["predict", str(tmp_path), str(lines)]) == 2
+    assert "no trained models under" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="holds the methods .* under adapters/"):
+        load_trained(out)
+
+
+def test_save_adapters_false_keeps_nothing_and_does_not_change_the_fingerprint(tmp_path):
+    backbone = save_tiny_bert(tmp_path / "tiny-bert", num_layers=1, seed=0)
+
+    def edit(data: dict) -> None:
+        data["model"]["backbone"] = str(backbone)
+        data["data"].update(n_tasks=2, classes_per_task=2, train_per_class=4, test_per_class=2)
+        data["train"].update(epochs=1, batch_size=8, progress=False)
+        data["methods"] = [{"name": "ncm"}]
+        data["output"]["save_adapters"] = False
+
+    config = job_config(tmp_path, "quickstart", edit)
+    assert main(["run", str(config), "--no-progress"]) == 0
+    assert not (tmp_path / "out" / "adapters").exists()
+    off = load_config(config)
+    on = dataclasses.replace(off, output=dataclasses.replace(off.output, save_adapters=True))
+    assert config_hash(off) == config_hash(on)
+    data = yaml.safe_load(config.read_text())
+    data["output"]["save_adapters"] = "yes"
+    config.write_text(yaml.safe_dump(data))
+    assert main(["check", str(config)]) == 2
