@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from peft_ext.continual.report import (
     CLAIM_CLOSE,
@@ -231,3 +232,81 @@ def test_a_claim_about_one_head_row_pairs_its_draws_with_simplecils():
     assert said == "ties SimpleCIL on fortunes (+1.3 points [-3.8, +6.5], analytic head, 3 class draws)"
     with pytest.raises(ValueError, match=r"no row 'lda' of 'splitlora' beside SimpleCIL here; rows: \['analytic'\]"):
         heads_claim(summary, "vs_simplecil_head:splitlora:lda")
+
+
+def _paired_result(label, hits_per_task, method=None):
+    from peft_ext.continual.engine import MethodResult
+
+    final = sum(t.count("1") / len(t) for t in hits_per_task) / len(hits_per_task)
+    extras = {"final_correct": hits_per_task}
+    return MethodResult(method or label, label, [[final]], {"final_acc": final}, 1, 1, 0.0, 0.0, [0.1], extras)
+
+
+def test_the_leader_is_named_only_when_the_paired_interval_clears():
+    from peft_ext.continual.report import leader_line, paired_final
+
+    tasks = 2
+    best = _paired_result("best", ["1" * 90 + "0" * 10] * tasks)
+    # 2 points behind on 200 examples, wrong on other examples than best: a tie
+    close = _paired_result("close", ["0" * 12 + "1" * 88] * tasks)
+    far = _paired_result("far", ["1" * 50 + "0" * 50] * tasks)
+    joint = _paired_result("joint", ["1" * 100] * tasks)  # the upper bound is never the leader
+    d, lo, hi = paired_final(best, close)
+    assert d == pytest.approx(2.0) and lo < 0 < hi
+    d, lo, hi = paired_final(best, far)
+    assert d == pytest.approx(40.0) and lo > 30
+    line = leader_line([far, joint, close, best])
+    assert line.startswith(
+        "Who won (final accuracy, paired over the same 200 test examples, 95 % intervals; joint, the upper bound, "
+        "left out): best 90.0 % leads, but this run cannot tell it from close (+2.0 points ["
+    )
+    assert line.endswith("]): ties; it is ahead of the other 1.")
+    clear = leader_line([far, best])
+    # 40 of each task's 100 examples differ, all in best's favour: 40 points, sd 3.5 (by hand)
+    assert clear.endswith("best 90.0 %, ahead of every other method (the closest, far: +40.0 points [+33.2, +46.8]).")
+    # a run without per-example outcomes (results from before they were recorded) is left out, never guessed
+    old = _paired_result("old", ["1" * 100] * tasks)
+    old.extras.clear()
+    assert leader_line([old, best]) == ""
+    assert paired_final(best, _paired_result("short", ["1"] * tasks)) is None  # other test sets: no pairing
+
+
+def test_a_run_records_which_final_test_examples_it_got_right():
+    """``extras.final_correct`` of a real run reproduces its final row: each task's share of "1" is its accuracy."""
+    from peft_ext.continual import TrainConfig, get_continual_method, run_sequence
+
+    from .helpers import lora_adapter, stack_collate, tiny_classifier, token_sequence
+
+    sequence = token_sequence()
+    method = get_continual_method("seq_lora")(lr=5e-3, adapter=lora_adapter(4), head="prototype")
+    train = TrainConfig(epochs=1, batch_size=8, progress=False, device="cpu")
+    result = run_sequence(sequence, method, tiny_classifier(sequence.num_classes), stack_collate, train)
+    hits = result.extras["final_correct"]
+    assert [len(t) for t in hits] == [len(t.test) for t in sequence.tasks]
+    assert [t.count("1") / len(t) for t in hits] == pytest.approx(result.accuracy_matrix[-1])
+
+
+def test_the_per_example_outcomes_follow_the_examples_order_not_the_length_sorted_one():
+    """Evaluation scores examples shortest first; the recorded outcomes map back to the order of the test set, so two
+    methods are paired example by example."""
+    from peft_ext.continual.engine import evaluate_heads
+    from peft_ext.data.tasks import Example
+
+    class Parity(torch.nn.Module):
+        def forward(self, input_ids):  # predicts class 0 for an even length, 1 for an odd one
+            odd = (input_ids[:, 0] % 2).float()
+            return torch.stack([1 - odd, odd], dim=1)
+
+    lengths = [7, 2, 9, 4, 4, 1, 12, 3]
+    examples = [Example("x" * n, 0) for n in lengths]
+
+    def collate(batch):
+        return {
+            "input_ids": torch.tensor([[len(e.inputs)] for e in batch]),
+            "labels": torch.tensor([e.label for e in batch]),
+        }
+
+    hits: list[bool] = []
+    accuracy = evaluate_heads(Parity(), examples, [0, 1], 2, collate, torch.device("cpu"), {"": None}, 3, hits=hits)
+    assert hits == [n % 2 == 0 for n in lengths]
+    assert accuracy[""] == pytest.approx(sum(hits) / len(hits))

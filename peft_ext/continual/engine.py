@@ -27,9 +27,9 @@ from .context import (
     Collate,
     RunContext,
     TrainConfig,
-    by_length,
     class_mask,
     count_params,
+    length_order,
     masked_cross_entropy,
     model_logits,
     split_batches,
@@ -219,11 +219,14 @@ def evaluate_heads(
     batch_size: int = 128,
     progress: bool = False,
     desc: str = "eval",
+    hits: Optional[list[bool]] = None,
 ) -> dict[str, float]:
     """Accuracy of each head on ``examples`` when it may only predict ``allowed_classes``, from one forward per batch.
 
     Args:
         heads: By name; ``None`` or a head that does not read features scores with the model's own output.
+        hits: When given, filled with whether the first head of ``heads`` got each example right, in the order of
+            ``examples`` (what a paired comparison of two methods on the same examples needs).
     """
     if not examples:
         raise ValueError("cannot evaluate on an empty test set")
@@ -232,14 +235,24 @@ def evaluate_heads(
     mask = class_mask(num_classes, allowed_classes, device)
     reads = any(head is not None and head.reads_features for head in heads.values())
     correct = dict.fromkeys(heads, 0)
-    # each example is scored on its own: batches of similar lengths pad less
-    for batch in tqdm(split_batches(by_length(examples), batch_size), desc=desc, disable=not progress, leave=False):
+    first = next(iter(heads))
+    order = length_order(examples)  # each example is scored on its own: batches of similar lengths pad less
+    right: list[bool] = []
+    chunks = split_batches([examples[i] for i in order], batch_size)
+    for batch in tqdm(chunks, desc=desc, disable=not progress, leave=False):
         batch = to_device(collate(batch), device)
         logits, features = forward_with_features(model, batch) if reads else (model_logits(model, batch), None)
         for name, head in heads.items():
             scores = head.scores(features) if head is not None and head.reads_features else logits
-            correct[name] += (scores.masked_fill(~mask, float("-inf")).argmax(-1) == batch["labels"]).sum().item()
+            hit = scores.masked_fill(~mask, float("-inf")).argmax(-1) == batch["labels"]
+            correct[name] += hit.sum().item()
+            if name == first and hits is not None:
+                right += hit.tolist()
     model.train(was_training)
+    if hits is not None:
+        hits[:] = [False] * len(examples)
+        for position, value in zip(order, right):
+            hits[position] = value
     return {name: n / len(examples) for name, n in correct.items()}
 
 
@@ -310,6 +323,8 @@ class ContinualEngine:
         self.method = method
         self.ctx = RunContext(sequence=sequence, train=train, collate=collate, device=device or train.resolve_device())
         self.head = build_head(method.head, sequence.num_classes, seed=train.seed)
+        #: Per task of the final row, whether the method got each test example right ("0"/"1" per example).
+        self.final_hits: dict[int, str] = {}
         #: The further heads scored on the same run (``compare_heads``), by name.
         self.compared = {
             head.name: head
@@ -365,10 +380,13 @@ class ContinualEngine:
             else:
                 classes = ctx.eval_classes(row, j)
                 heads = {"": self.head, **{f"head:{name}": head for name, head in self.compared.items()}}
+                hits: list[bool] = []
                 scores = evaluate_heads(
-                    model, test, classes, sequence.num_classes, ctx.collate, ctx.device, heads, **options
+                    model, test, classes, sequence.num_classes, ctx.collate, ctx.device, heads, hits=hits, **options
                 )
                 score = scores.pop("")
+                if row == len(sequence) - 1:  # the final row: which test examples the method gets right
+                    self.final_hits[j] = "".join("1" if h else "0" for h in hits)
             for name, value in scores.items():
                 extra.setdefault(name, []).append(value)
             row_scores.append(score)
@@ -470,8 +488,16 @@ class ContinualEngine:
                 **self.method.report(self.ctx),
                 **self.head_extras(record),
                 **{f"{k}_matrix": v for k, v in record.scores.items() if not k.startswith("head:")},
+                **self._final_correct(),
             },
         )
+
+    def _final_correct(self) -> dict[str, Any]:
+        """``{"final_correct": [per task, "0"/"1" per test example]}`` of the final row, when every task's was
+        recorded (a run resumed after its last task has none)."""
+        if self.sequence.kind != "classification" or len(self.final_hits) != len(self.sequence):
+            return {}
+        return {"final_correct": [self.final_hits[j] for j in sorted(self.final_hits)]}
 
     def head_extras(self, record: RunRecord) -> dict[str, Any]:
         """The result's figures of the heads: which one scored the matrix and each compared head's matrix and metrics

@@ -203,6 +203,60 @@ def noise_line(results: Sequence[MethodResult], test_examples: Sequence[int]) ->
     )
 
 
+def paired_final(a: MethodResult, b: MethodResult) -> Optional[tuple[float, float, float]]:
+    """``a``'s final accuracy minus ``b``'s in points with its 95 % interval, paired over the same test examples
+    (each task's mean difference weighted as the final accuracy weights it, the variance summed over tasks), or
+    ``None`` when either run did not record which examples it got right (``extras.final_correct``)."""
+    ha, hb = a.extras.get("final_correct"), b.extras.get("final_correct")
+    if not ha or not hb or [len(x) for x in ha] != [len(x) for x in hb]:
+        return None
+    tasks = len(ha)
+    diff = var = 0.0
+    for ta, tb in zip(ha, hb):
+        d = [int(x) - int(y) for x, y in zip(ta, tb)]
+        n = len(d)
+        mean = sum(d) / n
+        s2 = sum((v - mean) ** 2 for v in d) / (n - 1) if n > 1 else 0.0
+        diff += mean / tasks
+        var += s2 / n / tasks**2
+    half = 1.96 * math.sqrt(var)
+    return 100 * diff, 100 * (diff - half), 100 * (diff + half)
+
+
+def leader_line(results: Sequence[MethodResult]) -> str:
+    """Who won on final accuracy, said only as far as the run shows it: the leader is named as ahead of a method only
+    when the paired 95 % interval over the same test examples clears 0; the others are ties. The upper bound
+    (``joint``, trained on every task at once) is left out; ``""`` when fewer than two methods recorded their
+    per-example outcomes."""
+    ranked = sorted(
+        (r for r in results if r.method != "joint" and r.extras.get("final_correct")),
+        key=lambda r: -r.metrics["final_acc"],
+    )
+    if len(ranked) < 2:
+        return ""
+    leader, others = ranked[0], ranked[1:]
+    n = sum(len(t) for t in leader.extras["final_correct"])
+    head = (
+        f"Who won (final accuracy, paired over the same {n} test examples, 95 % intervals; joint, the upper bound, "
+        f"left out): {leader.label} {100 * leader.metrics['final_acc']:.1f} %"
+    )
+    versus = {r.label: paired_final(leader, r) for r in others}
+    shown = {label: p for label, p in versus.items() if p is not None}
+    ties = [label for label, p in shown.items() if p[1] <= 0]
+    behind = [label for label, p in shown.items() if p[1] > 0]
+
+    def interval(label: str) -> str:
+        d, lo, hi = shown[label]
+        return f"{d:+.1f} points [{lo:+.1f}, {hi:+.1f}]"
+
+    if not ties:
+        closest = behind[0]
+        return f"{head}, ahead of every other method (the closest, {closest}: {interval(closest)})."
+    tied = ", ".join(f"{label} ({interval(label)})" for label in ties)
+    rest = f"; it is ahead of the other {len(behind)}" if behind else ""
+    return f"{head} leads, but this run cannot tell it from {tied}: ties{rest}."
+
+
 def save_results(
     results: Sequence[MethodResult],
     out_dir: str | Path,
@@ -234,6 +288,9 @@ def save_results(
     noise = noise_line(results, meta.get("test_examples") or [])
     if noise:
         md += [noise, ""]
+    leader = leader_line(results)
+    if leader:
+        md += [leader, ""]
     if heads_table(results):
         md += ["## heads compared on the same runs (compare_heads)", "", heads_table(results), ""]
     if tuning_table(results):

@@ -29,7 +29,7 @@ from ..continual.config import ConfigError, RunConfig
 from ..continual.engine import MethodResult
 from ..continual.methods import get_continual_method
 from ..continual.progress import TaskProgress
-from ..continual.report import matrix_table, metrics_table, noise_line, save_results
+from ..continual.report import leader_line, matrix_table, metrics_table, noise_line, save_results
 from ..continual.runner import run_sequence
 from ..continual.sharding import sharding_from_launcher
 from ..continual.trained import save_trained, saved_methods
@@ -385,6 +385,9 @@ def run_job(
     noise = noise_line(results, meta["test_examples"])
     if noise:
         echo("\n" + noise)
+    leader = leader_line(results)
+    if leader:
+        echo("\n" + leader)
     if paths is not None:  # rank 0
         written = [paths["json"], paths["markdown"]] + ([paths["png"]] if results else [])
         echo(f"\n[peft-ext] wrote {', '.join(str(p) for p in written)}")
