@@ -199,3 +199,21 @@ def test_a_bad_tuned_setting_is_refused_before_training(tmp_path, backbone, caps
     assert main(["run", str(cfg), "--no-progress", "--tune"]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out" / "tuning.json").exists()
+
+
+def test_a_choice_at_the_edge_of_the_grid_is_flagged_with_the_wider_grid_to_try():
+    from peft_ext.continual.engine import MethodResult
+    from peft_ext.continual.report import tuning_table
+    from peft_ext.jobs.tuning import edge_advice, grid_edge
+
+    grid = [0.000316, 0.001, 0.00316]
+    assert grid_edge(0.00316, grid) == "high" and grid_edge(0.000316, grid) == "low"
+    assert grid_edge(0.001, grid) is None and grid_edge(0.001, [0.001]) is None
+    assert edge_advice("high", [0.316, 1.0, 3.16]) == (
+        "the chosen lr is the high edge of the grid, so a higher one may score better: widen the grid "
+        "(e.g. --set tune.lr_factors=[0.316,1,3.16,9.99])"
+    )
+    assert "tune.lr_factors=[0.1,0.316,1,3.16]" in edge_advice("low", [0.316, 1.0, 3.16])
+    tuning = {"protocol": "sequence", "validation": {"0.001": 0.5, "0.00316": 0.6}, "lr": 0.00316, "edge": "high"}
+    result = MethodResult("m", "m", [[0.5]], {"final_acc": 0.5}, 1, 1, 0.0, 0.0, [0.1], {"tuning": tuning})
+    assert "| m | sequence | 0.00316 (high edge of the grid) |" in tuning_table([result])

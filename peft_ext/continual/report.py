@@ -113,7 +113,8 @@ def tuning_table(results: Sequence[MethodResult]) -> str:
     for r, tuning in tuned:
         grid = sorted(tuning["validation"].items(), key=lambda kv: float(kv[0]))
         scores = ", ".join(f"{float(lr):.3g}: {_pct(acc)}" for lr, acc in grid)
-        cells = [r.label, tuning["protocol"], f"{float(tuning['lr']):.3g}", scores]
+        chosen = f"{float(tuning['lr']):.3g}" + (f" ({tuning['edge']} edge of the grid)" if tuning.get("edge") else "")
+        cells = [r.label, tuning["protocol"], chosen, scores]
         if settings:
             setting = tuning.get("setting")
             if setting is None:

@@ -106,10 +106,32 @@ def tune_methods(
         tuned[label] = {"protocol": tune.protocol, "validation": {f"{k:g}": v for k, v in grid.items()}, "lr": chosen}
         cells = ", ".join(f"{k:g}: {100 * v:.1f}" for k, v in grid.items())
         echo(f"  {label}: lr {chosen:g} chosen on validation ({described}; lr: val acc % {{{cells}}})")
+        edge = grid_edge(chosen, lrs)
+        if edge:
+            tuned[label]["edge"] = edge
+            echo(f"  {label}: {edge_advice(edge, tune.lr_factors)}")
         setting = tune.settings.get(label, tune.settings.get(entry.name))
         if setting:
             tuned[label]["setting"] = _tune_setting(entry, setting, chosen, grid[chosen], label, score, echo)
     return tuned
+
+
+def grid_edge(chosen: float, grid: list[float]) -> str | None:
+    """``"low"`` / ``"high"`` when ``chosen`` is the grid's smallest / largest point (of at least 2), else ``None``."""
+    if len(grid) < 2:
+        return None
+    return "low" if chosen == min(grid) else "high" if chosen == max(grid) else None
+
+
+def edge_advice(edge: str, factors: list[float]) -> str:
+    """What a choice at the ``edge`` of the grid means, and the fix."""
+    further = "lower" if edge == "low" else "higher"
+    wider = [min(factors) / 3.16, *factors] if edge == "low" else [*factors, max(factors) * 3.16]
+    listed = ",".join(f"{f:.3g}" for f in sorted(wider))
+    return (
+        f"the chosen lr is the {edge} edge of the grid, so a {further} one may score better: widen the grid "
+        f"(e.g. --set tune.lr_factors=[{listed}])"
+    )
 
 
 def _tune_setting(
