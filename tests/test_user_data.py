@@ -161,6 +161,11 @@ def _write(path, text: str):
         (lambda p: _write(p / "h.csv", "text,label\n"), {}, "data file '{p}/h.csv' has a header and no rows"),
         (lambda p: _write(p / "e.jsonl", "\n\n"), {}, "data file '{p}/e.jsonl' is empty"),
         (
+            lambda p: _write(p / "one.csv", "text,label\nhello,a\nthere,a\n"),
+            {},
+            "the label column holds one class only ('a'): a classifier needs at least 2",
+        ),
+        (
             lambda p: "nobody/no-such-data-xyz",
             {},
             "'nobody/no-such-data-xyz' is not a local file or folder, and as a hub",

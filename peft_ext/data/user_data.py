@@ -428,6 +428,11 @@ def _groups(
         return _deal(flat, per_task, n_tasks)
     if per_task is None:
         raise ValueError("give `classes_per_task` (with `n_tasks`), `classes`, or a `task_column`")
+    if len(counts) == 1:
+        raise ValueError(
+            f"the label column holds one class only ({next(iter(counts))!r}): a classifier needs at least 2; check "
+            "`label_column` (or the file's label column)"
+        )
     eligible = sorted(c for c, n in counts.items() if cap is None or n >= cap)
     if n_tasks is None:
         n_tasks = len(eligible) // per_task
