@@ -375,6 +375,7 @@ def test_sharding_is_checked_and_the_default_keeps_earlier_fingerprints():
     # the methods' head, compare_heads and adapt
     data = dataclasses.asdict(config)
     del data["train"]["progress"], data["train"]["sharding"], data["data"]["val_per_class"], data["tune"]
+    del data["output"]["save_adapters"]  # where the trained models go, not a setting of the run
     for method in data["methods"]:
         method["options"].get("adapter", {}).pop("loading_note", None)
         method["options"].get("adapter", {}).pop("shard_statistics", None)

@@ -98,7 +98,9 @@ def test_two_processes_match_one_and_only_rank_zero_prints_and_writes(tmp_path, 
     for label in METHODS:
         assert stdout.count(f"[peft-ext] method {label}\n") == 1, stdout
     assert stdout.count("[peft-ext] wrote ") == 1
-    assert sorted(p.name for p in out.iterdir()) == ["accuracy_matrix.png", "results.json", "results.md"]
+    assert sorted(p.name for p in out.iterdir()) == ["accuracy_matrix.png", "adapters", "results.json", "results.md"]
+    # rank 0 alone saved each method's trained model, once
+    assert sorted(p.name for p in (out / "adapters").iterdir()) == sorted(METHODS)
 
     assert main(["run", str(_cfg(tmp_path, backbone)), "--no-progress"]) == 0
     one, two_ = _results(tmp_path / "out"), _results(out)
