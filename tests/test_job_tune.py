@@ -54,7 +54,10 @@ def test_tune_chooses_each_lr_on_validation_and_runs_the_best_on_test(tmp_path, 
         assert f"{row['label']}: lr {chosen['lr']:g} chosen on validation (the whole sequence" in out
         # the report and the published table carry the same choice and the whole grid's scores
         scores = ", ".join(f"{lr:.3g}: {100 * acc:.1f}" for lr, acc in sorted(grid.items()))
-        line = f"| {row['label']} | sequence | {chosen['lr']:.3g} | {scores} |"
+        # a 2-point grid has no interior: every choice is at its edge, and said to be
+        edge = "low" if chosen["lr"] == min(grid) else "high"
+        assert chosen["edge"] == edge and f"{row['label']}: the chosen lr is the {edge} edge of the grid" in out
+        line = f"| {row['label']} | sequence | {chosen['lr']:.3g} ({edge} edge of the grid) | {scores} |"
         assert line in (tmp_path / "out" / "results.md").read_text()
         assert line in published_table(tmp_path / "out" / "results.json")
 
