@@ -9,6 +9,10 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.peft-ext-installed
 CONFIG ?= configs/quickstart.yaml
 PYTEST_ARGS ?=
+# pytest workers (pytest-xdist), one thread each: 2 on the 2-core machines CI and this project run on. More cores
+# go further, at about 1.5 GB of memory per worker; TEST_WORKERS=0 runs the suite in this process alone.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 ARGS ?=
 
 .PHONY: run test test-fast lint install benchmarks clean golden readme-table
@@ -29,14 +33,14 @@ run: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(VENV)/bin/peft-ext run $(CONFIG) $(ARGS)
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest --durations=30 $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest $(XDIST) --durations=30 $(PYTEST_ARGS)
 
 # The inner loop: everything but the slow tests (benchmark scripts, notebooks, whole jobs and sequences, subprocesses,
 # inductor compiles, the architecture matrix beyond four models) and the multi-process launches; it keeps one
 # compile test per adapter type (aot_eager: one graph, eager gradients) and four methods of the golden runs.
 # CI runs `make test`.
 test-fast: $(STAMP)
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -m "not slow and not distributed" $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest $(XDIST) -m "not slow and not distributed" $(PYTEST_ARGS)
 
 # Every benchmark under the protocol, then docs/benchmarks.md (hours on 2 cores: `python -m benchmarks.run_all --list`
 # estimates each; BENCH_ARGS="--quick" runs every smoke run, BENCH_ARGS="--reuse" continues).

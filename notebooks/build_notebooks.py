@@ -28,6 +28,7 @@ md, code = nbf.v4.new_markdown_cell, nbf.v4.new_code_cell
 PREAMBLE = (
     "SMALL = True  # test-suite sizes; False for the larger runs quoted in docs/\n"
     "import os, tempfile, warnings\n"
+    "TINY = os.environ.get('PEFT_EXT_NOTEBOOK_TINY') == '1'  # smaller still: the suite's smoke run of every cell\n"
     "os.environ.setdefault('HF_HUB_OFFLINE', '1')\n"
     "warnings.filterwarnings('ignore', message='IProgress not found')  # tqdm without ipywidgets\n"
     "warnings.filterwarnings('ignore', category=FutureWarning)\n"
@@ -200,7 +201,10 @@ def continual_learning() -> list:
             "Supersenses are picked and ordered by the seed; test glosses never overlap training glosses."
         ),
         code(
-            "if SMALL:\n"
+            "if TINY:\n"
+            "    sizes = dict(n_tasks=2, classes_per_task=2, train_per_class=8, test_per_class=4)\n"
+            "    train = TrainConfig(epochs=1, batch_size=16, progress=False)\n"
+            "elif SMALL:\n"
             "    sizes = dict(n_tasks=3, classes_per_task=3, train_per_class=32, test_per_class=16)\n"
             "    train = TrainConfig(epochs=2, batch_size=16, progress=False)\n"
             "else:\n"
@@ -286,6 +290,8 @@ def optimizers() -> list:
             "sizes = dict(classes_per_task=8, train_per_class=24, test_per_class=16) if SMALL else \\\n"
             "    dict(classes_per_task=20, train_per_class=80, test_per_class=40)\n"
             "EPOCHS, BATCH, RANK = (2, 16, 8) if SMALL else (3, 32, 16)\n"
+            "if TINY:\n"
+            "    sizes, EPOCHS = dict(classes_per_task=4, train_per_class=8, test_per_class=4), 1\n"
             "task = wordnet_task_sequence(n_tasks=1, seed=0, **sizes).tasks[0]\n"
             "base, tok = load_text_classifier('minilm', num_labels=sizes['classes_per_task'])\n"
             "collate = TextCollator(tok, max_length=32)\n"
@@ -423,7 +429,8 @@ def missing_modalities() -> list:
             "one thread); `False` uses the benchmark's sizes."
         ),
         code(
-            PREAMBLE + "import numpy as np\n"
+            PREAMBLE + "import dataclasses\n"
+            "import numpy as np\n"
             "import peft_ext\n"
             "from peft_ext.multimodal import MissingSpec, apply_missing, load_emoji_pairs, missing_masks\n"
             "from peft_ext.multimodal.experiment import ExperimentSettings, markdown_table, prepare, run_method"
@@ -453,6 +460,8 @@ def missing_modalities() -> list:
             "if SMALL:\n"
             "    settings = ExperimentSettings(vision_width=64, vision_layers=2, vision_heads=2, pretrain_epochs=8,\n"
             "                                  epochs=3, cache_dir=None)\n"
+            "    if TINY:\n"
+            "        settings = dataclasses.replace(settings, vision_width=32, pretrain_epochs=1, epochs=1)\n"
             "else:\n"
             "    settings = ExperimentSettings(cache_dir=os.path.join(SCRATCH, 'cache'))\n"
             "prep = prepare(settings)\n"

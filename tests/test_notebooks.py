@@ -22,7 +22,10 @@ def test_every_notebook_starts_with_the_small_flag():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_executes(path, tmp_path):
+def test_notebook_executes(path, tmp_path, monkeypatch):
+    """Every cell runs, at the notebooks' TINY sizes (their smoke run: the same code on less data and fewer epochs;
+    the saved outputs are the SMALL run's)."""
+    monkeypatch.setenv("PEFT_EXT_NOTEBOOK_TINY", "1")  # the kernel inherits this process's environment
     nb = nbformat.read(path, as_version=4)
     saved_images = sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert saved_images, f"{path.name} was saved without its rendered plots"
