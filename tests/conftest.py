@@ -7,8 +7,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    # `make test` runs one pytest worker per core (pytest -n): each worker, and every process it starts, takes one
-    # thread, so the workers share the cores instead of oversubscribing them
+    # `make test` runs several pytest workers (pytest -n, Makefile's TEST_WORKERS): each worker, and every process
+    # it starts, takes one thread, so the workers share the cores instead of oversubscribing them
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 else:
