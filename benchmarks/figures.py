@@ -46,6 +46,9 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from peft_ext.continual.metrics import verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = ROOT / "docs" / "benchmarks.md"
@@ -146,24 +149,18 @@ def parse_report(text: str) -> dict[str, Section]:
     return sections
 
 
+def _entries() -> dict[str, Any]:
+    """run_all's entries by name (imported late: run_all imports this module)."""
+    from benchmarks.run_all import ENTRIES
+
+    return {entry.name: entry for entry in ENTRIES}
+
+
 def _titles() -> dict[str, str]:
-    from benchmarks.run_all import ENTRIES
-
-    return {entry.name: entry.title for entry in ENTRIES}
-
-
-def _modules() -> dict[str, str]:
-    from benchmarks.run_all import ENTRIES
-
-    return {entry.name: entry.args[0] for entry in ENTRIES}
+    return {name: entry.title for name, entry in _entries().items()}
 
 
 _INTERVAL = re.compile(r"(?P<d>[+-]?\d+(?:\.\d+)?) \[(?P<lo>[+-]?\d+(?:\.\d+)?), (?P<hi>[+-]?\d+(?:\.\d+)?)\]")
-
-
-def verdict(low: float, high: float) -> str:
-    """ "beats" when the whole interval is above 0, "trails" when below, else "ties"."""
-    return "beats" if low > 0 else "trails" if high < 0 else "ties"
 
 
 def _paired(d: str, lo: str, hi: str, obj: str, where: str) -> str:
@@ -194,10 +191,13 @@ def render(key: str, sections: dict[str, Section], titles: dict[str, str] | None
     if name not in titles or titles[name] not in sections:
         raise ValueError(f"figure {key!r}: no section {name!r} in the report; sections: {sorted(titles)}")
     section = sections[titles[name]]
+
+    def where() -> str:  # only the kinds that state an interval name the data set and seeds
+        return f"{DATA_SET[name]}, {section.seeds()} seeds" if name in DATA_SET else ""
+
     try:
-        where = f"{DATA_SET[name]}, {section.seeds()} seeds" if name in DATA_SET else ""
         if kind == "command":
-            return f"`python -m {_modules()[name]}`"
+            return f"`python -m {_entries()[name].args[0]}`"
         if kind == "measured":
             line = section.targets[int(args[1]) - 1]
             found = re.search(r" = (\S+?x)\b", line)
@@ -228,23 +228,23 @@ def render(key: str, sections: dict[str, Section], titles: dict[str, str] | None
             found = _INTERVAL.fullmatch(table.row(args[2])[column])
             if found is None:
                 raise KeyError(f"row {args[2]!r} has no paired interval: {table.row(args[2])[column]!r}")
-            return _paired(found["d"], found["lo"], found["hi"], NAMES.get(other, other), where)
+            return _paired(found["d"], found["lo"], found["hi"], NAMES.get(other, other), where())
         if kind == "target":
             line = section.targets[int(args[1]) - 1]
             obj = " ".join(args[2:])
             found = re.search(r"(?P<d>[+-]\d+\.\d) points, 95 % CI \[(?P<lo>\S+), (?P<hi>\S+)\] over \d+ seeds", line)
             if found is not None:
-                return _paired(found["d"], found["lo"], found["hi"], obj, where)
+                return _paired(found["d"], found["lo"], found["hi"], obj, where())
             found = re.search(r"ratio (?P<r>\d+\.\d+), 95 % CI \[(?P<lo>\S+), (?P<hi>\S+)\]", line)
             if found is None:
                 raise KeyError(f"target {args[1]} is neither a paired difference nor a ratio: {line!r}")
-            return f"{found['r']}x {obj} [{found['lo']}, {found['hi']}] ({where})"
+            return f"{found['r']}x {obj} [{found['lo']}, {found['hi']}] ({where()})"
         if kind == "ratio":
             table = section.table(int(args[1]))
             found = re.fullmatch(r"(\S+) \[(\S+), (\S+)\]", table.row(args[2])[table.column(int(args[3]))])
             if found is None:
                 raise KeyError(f"row {args[2]!r} column {args[3]} is not 'ratio [low, high]'")
-            return f"{found[1]}x {' '.join(args[4:])} [{found[2]}, {found[3]}] ({where})"
+            return f"{found[1]}x {' '.join(args[4:])} [{found[2]}, {found[3]}] ({where()})"
         if kind == "lr_step":
             first = section.tables[0]
             row = first.row(args[1])

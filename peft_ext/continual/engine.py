@@ -380,12 +380,13 @@ class ContinualEngine:
             else:
                 classes = ctx.eval_classes(row, j)
                 heads = {"": self.head, **{f"head:{name}": head for name, head in self.compared.items()}}
-                hits: list[bool] = []
+                final = row == len(sequence) - 1  # the final row records which test examples the method gets right
+                hits: Optional[list[bool]] = [] if final else None
                 scores = evaluate_heads(
                     model, test, classes, sequence.num_classes, ctx.collate, ctx.device, heads, hits=hits, **options
                 )
                 score = scores.pop("")
-                if row == len(sequence) - 1:  # the final row: which test examples the method gets right
+                if hits is not None:
                     self.final_hits[j] = "".join("1" if h else "0" for h in hits)
             for name, value in scores.items():
                 extra.setdefault(name, []).append(value)

@@ -95,6 +95,12 @@ def t_quantile(df: int) -> float:
     return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
 
 
+def verdict(low: float, high: float) -> str:
+    """How a paired difference with the 95 % interval ``[low, high]`` reads: ``"beats"`` when the whole interval is
+    above 0, ``"trails"`` when it is below, else ``"ties"``."""
+    return "beats" if low > 0 else "trails" if high < 0 else "ties"
+
+
 def paired_interval(a: Sequence[float], b: Sequence[float]) -> tuple[float, float, float]:
     """Mean of ``a[i] - b[i]`` and its 95 % t-interval ``(mean, low, high)`` (pairs share a seed / data draw)."""
     if len(a) != len(b):

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from ..fileperm import atomic_write
 from .engine import MethodResult
-from .metrics import paired_interval
+from .metrics import paired_interval, verdict
 
 METRIC_COLUMNS = (
     ("final_acc", "final acc"),
@@ -352,10 +352,8 @@ def _short_head(head: str) -> str:
 
 def _versus_simplecil(dataset: str, d: float, lo: float, hi: float, head: str, n: int) -> str:
     """One comparison with SimpleCIL in words; the verb follows the paired interval ``[lo, hi]`` (points)."""
-    verb = "beats" if lo > 0 else "trails" if hi < 0 else "ties"
-    return (
-        f"{verb} SimpleCIL on {dataset} ({d:+.1f} points [{lo:+.1f}, {hi:+.1f}], {_head_words(head)}, {n} class draws)"
-    )
+    interval = f"{d:+.1f} points [{lo:+.1f}, {hi:+.1f}]"
+    return f"{verdict(lo, hi)} SimpleCIL on {dataset} ({interval}, {_head_words(head)}, {n} class draws)"
 
 
 def heads_claim(summary: dict[str, Any], key: str) -> str:
