@@ -10,15 +10,19 @@ import logging
 
 
 class _DropOptionalKernelNotice(logging.Filter):
-    """bitsandbytes warns at import, on every CPU-only machine, that an optional kernel package is missing. It is
-    not actionable for peft-ext users (CPU 4-bit layers still work), so this one message is dropped; others pass."""
+    """On CPUs with AVX512-BF16, importing bitsandbytes looks for an optional 4-bit kernel on the Hugging Face Hub
+    (through the ``kernels`` package, which recent transformers install). Offline or without that package it logs
+    why it could not load it (and ``kernels`` logs that it skipped the publisher check). Neither is actionable for
+    peft-ext users (CPU 4-bit layers work without it), so those messages are dropped; every other one passes."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "from kernels-community" not in record.getMessage()
+        return "kernels-community" not in record.getMessage()
 
 
-# Installed before anything imports peft (and with it bitsandbytes).
-logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropOptionalKernelNotice())
+# Installed before anything imports peft (and with it bitsandbytes, which imports kernels).
+for _name in ("bitsandbytes.backends.cpu.ops", "kernels._internals.hf_hub"):
+    logging.getLogger(_name).addFilter(_DropOptionalKernelNotice())
+del _name
 
 from .checkpoint import save_pretrained_atomic, verify_checkpoint  # noqa: E402
 from .continual.trained import load_trained  # noqa: E402
