@@ -6,7 +6,8 @@ the benchmark scripts' own tables). A page that quotes one of its figures marks 
     Riemannion <!-- figure vs riemannion 1 riemannion_loi -->ties LoRA + AdamW (...)<!-- /figure -->
 
 and this module writes the text between the markers from the report. The kinds of figure (``KIND SECTION ...``,
-SECTION being the run_all entry name, tables numbered from 1 in the order the section prints them):
+SECTION being an entry's name in ``benchmarks/sections.py``, tables numbered from 1 in the order the section prints
+them):
 
 - ``vs SECTION TABLE ROW``: the row's paired difference in the table's ``vs X (95 % CI)`` column, as a verdict
   ("beats X" / "ties X" / "trails X", by whether the interval clears 0) with the difference, its interval, the data
@@ -46,8 +47,8 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from benchmarks.sections import ENTRIES
 from peft_ext.continual.metrics import verdict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,15 +150,8 @@ def parse_report(text: str) -> dict[str, Section]:
     return sections
 
 
-def _entries() -> dict[str, Any]:
-    """run_all's entries by name (imported late: run_all imports this module)."""
-    from benchmarks.run_all import ENTRIES
-
-    return {entry.name: entry for entry in ENTRIES}
-
-
-def _titles() -> dict[str, str]:
-    return {name: entry.title for name, entry in _entries().items()}
+#: The report's entries by name.
+BY_NAME = {entry.name: entry for entry in ENTRIES}
 
 
 _INTERVAL = re.compile(r"(?P<d>[+-]?\d+(?:\.\d+)?) \[(?P<lo>[+-]?\d+(?:\.\d+)?), (?P<hi>[+-]?\d+(?:\.\d+)?)\]")
@@ -186,7 +180,7 @@ def render(key: str, sections: dict[str, Section], titles: dict[str, str] | None
         raise ValueError(f"figure {key!r}: unknown kind {kind!r}; one of {kinds}")
     if not args:
         raise ValueError(f"figure {key!r}: no section named")
-    titles = _titles() if titles is None else titles
+    titles = {n: entry.title for n, entry in BY_NAME.items()} if titles is None else titles
     name = args[0]
     if name not in titles or titles[name] not in sections:
         raise ValueError(f"figure {key!r}: no section {name!r} in the report; sections: {sorted(titles)}")
@@ -197,7 +191,7 @@ def render(key: str, sections: dict[str, Section], titles: dict[str, str] | None
 
     try:
         if kind == "command":
-            return f"`python -m {_entries()[name].args[0]}`"
+            return f"`python -m {BY_NAME[name].args[0]}`"
         if kind == "measured":
             line = section.targets[int(args[1]) - 1]
             found = re.search(r" = (\S+?x)\b", line)
@@ -269,7 +263,7 @@ def figures(text: str) -> list[tuple[str, str]]:
 
 def rewrite(text: str, sections: dict[str, Section], titles: dict[str, str] | None = None) -> str:
     """``text`` with every figure written from the report (``titles``: section titles by entry name, default
-    run_all's)."""
+    those of :data:`benchmarks.sections.ENTRIES`)."""
     return FIGURE.sub(
         lambda m: f"<!-- figure {m['key']} -->{render(m['key'], sections, titles)}<!-- /figure -->",
         text,
