@@ -17,7 +17,7 @@ from peft_ext.optim import OPTIMIZERS, DCTAdamW
 from peft_ext.optim.adam_math import adam_direction
 from peft_ext.optim.dct import dct_matrix, dct_select
 from peft_ext.optim.dct_adamw import matches_target
-from peft_ext.optim.dct_state import dequantize_8bit, match_indices, quantize_8bit, rotate_selected
+from peft_ext.optim.subspace_state import dequantize_8bit, match_indices, quantize_8bit, rotate_selected
 
 from .single_thread import single_thread  # noqa: F401  (fixture)
 from .test_dct import formula_matrix, planted
@@ -560,7 +560,7 @@ def test_rank_above_the_smaller_dimension_is_clamped_with_a_warning():
         ({"rank": 2.0}, TypeError, "`rank` must be an int, got float"),
         ({"rank": True}, TypeError, "`rank` must be an int, got bool"),
         ({"update_proj_gap": 0}, ValueError, "`update_proj_gap` must be a positive integer"),
-        ({"lr": -1.0}, ValueError, "`lr` must be a finite number >= 0, got -1.0"),
+        ({"lr": -1.0}, ValueError, "Invalid learning rate: -1.0; `lr` must be a finite number >= 0"),
         ({"lr": float("nan")}, ValueError, "`lr` must be a finite number"),
         ({"eps": -1e-8}, ValueError, "`eps`"),
         ({"weight_decay": -0.1}, ValueError, "`weight_decay`"),
@@ -574,7 +574,8 @@ def test_rank_above_the_smaller_dimension_is_clamped_with_a_warning():
         ({"min_8bit_size": 0}, ValueError, "`min_8bit_size`"),
         ({"moments_8bit": 1}, TypeError, "`moments_8bit` must be True or False"),
         ({"error_feedback_8bit": True}, ValueError, "needs `error_feedback=True`"),
-        ({"nonfinite_grad": "ignore"}, ValueError, "`nonfinite_grad` must be one of"),
+        ({"nonfinite": "ignore"}, ValueError, "`nonfinite` must be one of"),
+        ({"lr": torch.tensor(0.01)}, ValueError, "lr as a Tensor is not supported by DCTAdamW"),
         ({"sync_indices": "yes"}, TypeError, "`sync_indices` must be None, True or False"),
         ({"target_modules": []}, ValueError, "empty list"),
         ({"target_modules": 5}, TypeError, "`target_modules` must be None, a regex"),
@@ -634,7 +635,7 @@ def test_nonfinite_gradient_skip_policy_skips_the_whole_step():
     init = torch.randn(6, 4)
     grads = [torch.randn(6, 4) for _ in range(3)]
     p = nn.Parameter(init.clone())
-    opt = DCTAdamW([p], lr=0.1, rank=2, nonfinite_grad="skip")
+    opt = DCTAdamW([p], lr=0.1, rank=2, nonfinite="skip")
     ref_p = nn.Parameter(init.clone())
     ref = DCTAdamW([ref_p], lr=0.1, rank=2)
     p.grad, ref_p.grad = grads[0].clone(), grads[0].clone()

@@ -39,10 +39,10 @@ CASES: dict[str, tuple[type, dict[str, Any]]] = {
     ),
     "dct-norotate-scale": (DCTAdamW, {"update_proj_gap": 2, "rotate_moments": False, "scale": 2.0}),
     "dct-8bit": (DCTAdamW, {"moments_8bit": True, "error_feedback": True, "error_feedback_8bit": True, **_EIGHT_BIT}),
-    "coordinates-channel": (DCTAdamW, {"projection": "coordinates", "update": "channel", "update_proj_gap": 2}),
+    "coordinates-channel": (DCTAdamW, {"basis": "coordinates", "update": "channel", "update_proj_gap": 2}),
     "coordinates-projected-ef": (
         DCTAdamW,
-        {"projection": "coordinates", "update_proj_gap": 3, "error_feedback": True},
+        {"basis": "coordinates", "update_proj_gap": 3, "error_feedback": True},
     ),
     "dct-channel": (DCTAdamW, {"update": "channel"}),
     "subspace-default": (SubspaceAdamW, {}),

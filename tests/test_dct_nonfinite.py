@@ -1,6 +1,6 @@
 """The shared non-finite policy (:mod:`peft_ext.optim.nonfinite`) as DCT-AdamW's family uses it: one argument name
-(``nonfinite``, with ``nonfinite_grad`` a deprecated alias), one exception type that both former ``except`` clauses
-catch, and a skipped-step count that is saved with the state."""
+(``nonfinite``), one exception type that both ``FloatingPointError`` and ``ValueError`` clauses catch, and a
+skipped-step count that is saved with the state."""
 
 from __future__ import annotations
 
@@ -24,31 +24,20 @@ def _stepped(optimizer_cls=DCTAdamW, bad: bool = False, **options):
     return p, opt
 
 
-def test_the_deprecated_alias_still_works_and_says_so():
-    with pytest.warns(FutureWarning, match="`nonfinite_grad` is deprecated.*pass `nonfinite`") as caught:
-        _, opt = _stepped(nonfinite_grad="skip")
-    assert caught[0].filename == __file__  # points at the user's call, through DCTAdamW and SubspaceAdamW
-    assert opt.nonfinite == "skip"
-    with pytest.warns(FutureWarning, match="read `nonfinite`"):
-        assert opt.nonfinite_grad == "skip"
+def test_the_policy_has_one_name():
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'nonfinite_grad' \(did you mean 'nonfinite'"):
+        _stepped(nonfinite_grad="skip")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert _stepped(nonfinite="skip")[1].nonfinite == "skip"  # the new name warns nothing
+        assert _stepped(nonfinite="skip")[1].nonfinite == "skip"
 
 
-@pytest.mark.parametrize(
-    "options, message",
-    [
-        ({"nonfinite": "ignore"}, r"`nonfinite` must be one of \('raise', 'skip'\), got 'ignore'"),
-        ({"nonfinite_grad": "ignore"}, r"`nonfinite_grad` must be one of \('raise', 'skip'\), got 'ignore'"),
-        ({"nonfinite": "skip", "nonfinite_grad": "raise"}, "pass only `nonfinite`"),
-    ],
-)
-def test_bad_policies_are_named(options, message):
+def test_bad_policies_are_named():
+    message = r"`nonfinite` must be one of \('raise', 'skip'\), got 'ignore'"
     with pytest.raises(ValueError, match=message):
-        nonfinite_policy(**options)
+        nonfinite_policy("ignore")
     with pytest.raises(ValueError, match=message):
-        SubspaceAdamW([nn.Parameter(torch.randn(4, 4))], **options)
+        SubspaceAdamW([nn.Parameter(torch.randn(4, 4))], nonfinite="ignore")
 
 
 @pytest.mark.parametrize("former", [FloatingPointError, ValueError])

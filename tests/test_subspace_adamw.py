@@ -13,23 +13,22 @@ from torch import nn
 
 from peft_ext import SubspaceAdamW
 from peft_ext.optim import OPTIMIZERS, DCTAdamW
-from peft_ext.optim.bases import BASES, CoordinateBasis, SubspaceBasis
+from peft_ext.optim.bases import CoordinateBasis, DCTBasis, PowerBasis, SubspaceBasis
+from peft_ext.optim.components import REGISTRY
 from peft_ext.optim.subspace import (
-    PROJECTIONS,
-    UPDATES,
     channel_scaled_update,
     coordinate_select,
     limit_norm_growth,
     power_refresh,
     rotate_by_overlap,
 )
-from peft_ext.optim.update_rules import UPDATE_RULES
+from peft_ext.optim.update_rules import ChannelUpdate, ProjectedUpdate, UpdateRule
 
 VARIANTS = [
-    {"projection": "power"},
-    {"projection": "coordinates"},
-    {"projection": "power", "update": "channel"},
-    {"projection": "dct", "update": "channel"},
+    {"basis": "power"},
+    {"basis": "coordinates"},
+    {"basis": "power", "update": "channel"},
+    {"basis": "dct", "update": "channel"},
 ]
 
 
@@ -147,7 +146,7 @@ def test_each_variant_trains_and_resumes_exactly(options):
         assert torch.equal(a, b), name
     state = opt.state[straight[0].weight]
     assert state["exp_avg"].shape == (24, 3)  # 24 x 16: the 16 columns are compressed to 3
-    if options["projection"] == "power":
+    if options["basis"] == "power":
         torch.testing.assert_close(state["basis"] @ state["basis"].T, torch.eye(3), atol=1e-5, rtol=0)
         assert "indices" not in state
     first = _train(options, 1)[2]
@@ -155,7 +154,7 @@ def test_each_variant_trains_and_resumes_exactly(options):
 
 
 def test_bf16_keeps_an_fp32_basis_through_a_reload():
-    model, opt, _ = _train({"projection": "power"}, 4, resume_at=2, dtype=torch.bfloat16)
+    model, opt, _ = _train({"basis": "power"}, 4, resume_at=2, dtype=torch.bfloat16)
     state = opt.state[model[0].weight]
     assert state["basis"].dtype == torch.float32 and state["exp_avg"].dtype == torch.float32
 
@@ -163,7 +162,7 @@ def test_bf16_keeps_an_fp32_basis_through_a_reload():
 def test_subspace_adamw_defaults_and_registry():
     model = nn.Linear(8, 6)
     opt = SubspaceAdamW(model.named_parameters(), rank=2)
-    assert opt.defaults["projection"] == "power" and opt.defaults["update_proj_gap"] == 50
+    assert opt.defaults["basis"] == "power" and opt.defaults["update_proj_gap"] == 50
     assert OPTIMIZERS["subspace_adamw"] is SubspaceAdamW
     model(torch.randn(3, 8)).sum().backward()
     opt.step()
@@ -171,18 +170,89 @@ def test_subspace_adamw_defaults_and_registry():
 
 
 @pytest.mark.parametrize(
-    "options, message",
+    "options, error, message",
     [
-        ({"projection": "svd"}, r"`projection` must be one of \('dct', 'coordinates', 'power'\), got 'svd'"),
-        ({"update": "full"}, r"`update` must be one of \('projected', 'channel'\), got 'full'"),
-        ({"update": "channel", "error_feedback": True}, "no residual to feed back"),
-        ({"projection": "power", "column_bias_correction": True}, "no columns to age"),
-        ({"norm_growth_limit": 0.5}, r"`norm_growth_limit` must be None or a finite number >= 1"),
+        ({"basis": "svd"}, ValueError, r"`basis` must be one of \('dct', 'coordinates', 'power'\) .*got 'svd'"),
+        ({"basis": "powr"}, ValueError, r"did you mean 'power'\?"),
+        ({"update": "full"}, ValueError, r"`update` must be one of \('projected', 'channel'\) .*got 'full'"),
+        ({"update": "channel", "error_feedback": True}, TypeError, "no residual to feed back"),
+        ({"basis": "power", "column_bias_correction": True}, TypeError, "no columns to age"),
+        ({"basis": "coordinates", "dct_method": "fft"}, TypeError, r"`dct_method` is not an option of basis 'coord"),
+        ({"norm_growth_limit": 0.5}, TypeError, r"not an option of update 'projected'; it is .* update 'channel'"),
+        ({"update": "channel", "norm_growth_limit": 0.5}, ValueError, r"`norm_growth_limit` must be None or a finite"),
+        ({"dct_method": "svd"}, ValueError, r"`dct_method` must be one of \('auto', 'matmul', 'fft'\), got 'svd'"),
+        ({"rnak": 2}, TypeError, r"unexpected keyword argument 'rnak' \(did you mean 'rank'\?\)"),
+        ({"basis": DCTBasis(), "dct_method": "fft"}, TypeError, "pass them to its constructor"),
+        ({"basis": ChannelUpdate()}, TypeError, "`basis` must be a basis object or name"),
+        ({"error_feedback_8bit": True}, ValueError, "needs `error_feedback=True`"),
     ],
 )
-def test_bad_options_are_named(options, message):
-    with pytest.raises(ValueError, match=message):
+def test_bad_options_are_named(options, error, message):
+    with pytest.raises(error, match=message):
         DCTAdamW(nn.Linear(4, 4).parameters(), **options)
+
+
+def test_each_part_validates_its_own_options_where_it_is_built():
+    with pytest.raises(ValueError, match="`selection_norm` must be a positive number"):
+        CoordinateBasis(selection_norm=0)
+    with pytest.raises(TypeError, match="`column_bias_correction` must be True or False"):
+        DCTBasis(column_bias_correction=1)
+    assert PowerBasis.option_defaults() == {"selection_norm": 1.0, "dct_method": "auto"}
+    assert ChannelUpdate(norm_growth_limit=None).options() == {"norm_growth_limit": None}
+
+
+def test_objects_and_names_with_options_configure_the_same_optimizer():
+    named = list(nn.Linear(8, 6).named_parameters())
+    by_name = SubspaceAdamW(named, basis="dct", dct_method="fft", update="channel", norm_growth_limit=None)
+    by_object = SubspaceAdamW(named, basis=DCTBasis(dct_method="fft"), update=ChannelUpdate(norm_growth_limit=None))
+    assert by_name.defaults == by_object.defaults
+    assert by_name.parts(by_name.param_groups[0]) == (DCTBasis(dct_method="fft"), ChannelUpdate(None))
+    # a group stores names and options only: no objects in the state dict
+    assert by_object.param_groups[0]["basis"] == "dct" and "error_feedback" not in by_object.param_groups[0]
+
+
+def test_a_group_may_choose_another_basis_and_takes_only_its_options():
+    a, b = nn.Linear(8, 6), nn.Linear(6, 4)
+    opt = DCTAdamW(
+        [{"params": a.parameters()}, {"params": b.parameters(), "basis": "coordinates", "selection_norm": 2.0}],
+        rank=2,
+        dct_method="fft",
+        column_bias_correction=True,
+    )
+    first, second = opt.param_groups
+    assert (first["dct_method"], first["column_bias_correction"]) == ("fft", True)
+    assert second["basis"] == "coordinates" and "dct_method" not in second
+    assert (second["selection_norm"], second["column_bias_correction"]) == (2.0, False)  # the part's defaults
+    with pytest.raises(TypeError, match="`dct_method` is not an option of basis 'coordinates'"):
+        opt.add_param_group({"params": [nn.Parameter(torch.randn(3, 3))], "basis": "coordinates", "dct_method": "fft"})
+    assert len(opt.param_groups) == 2
+    with pytest.raises(ValueError, match="`nonfinite` applies to the whole optimizer"):
+        opt.add_param_group({"params": [nn.Parameter(torch.randn(3, 3))], "nonfinite": "skip"})
+
+
+def test_projection_is_the_deprecated_name_of_basis():
+    named = list(nn.Linear(8, 6).named_parameters())
+    with pytest.warns(DeprecationWarning, match="`projection=` is deprecated; pass `basis=`"):
+        opt = SubspaceAdamW(named, projection="coordinates")
+    assert opt.defaults["basis"] == "coordinates" and "projection" not in opt.defaults
+
+
+def test_a_state_saved_with_the_projection_key_loads_with_a_deprecation_warning():
+    model = nn.Linear(8, 6)
+    opt = DCTAdamW(model.named_parameters(), rank=2, update="channel")
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    saved = opt.state_dict()
+    for group in saved["param_groups"]:  # the layout before `basis`: every part's options in every group
+        group["projection"] = group.pop("basis")
+        group.update(error_feedback=False, error_feedback_8bit=False)
+        del group["nonfinite"], group["sync_indices"]
+    fresh = DCTAdamW(model.named_parameters(), rank=2, update="channel")
+    with pytest.warns(DeprecationWarning, match="saved with the param-group key `projection`"):
+        fresh.load_state_dict(saved)
+    assert fresh.param_groups[0]["basis"] == "dct" and "error_feedback" not in fresh.param_groups[0]
+    assert fresh.param_groups[0]["nonfinite"] == "raise"
+    fresh.step()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -193,16 +263,20 @@ def test_dct_adamw_is_the_dct_preset_of_subspace_adamw():
     assert issubclass(DCTAdamW, SubspaceAdamW)
     named = list(nn.Linear(8, 6).named_parameters())
     dct, general = DCTAdamW(named, rank=2), SubspaceAdamW(named, rank=2)
-    assert (dct.defaults["projection"], dct.defaults["update_proj_gap"]) == ("dct", 1)
-    assert (general.defaults["projection"], general.defaults["update_proj_gap"]) == ("power", 50)
-    assert {k: v for k, v in dct.defaults.items() if k not in ("projection", "update_proj_gap")} == {
-        k: v for k, v in general.defaults.items() if k not in ("projection", "update_proj_gap")
-    }
+    assert (dct.defaults["basis"], dct.defaults["update_proj_gap"]) == ("dct", 1)
+    assert (general.defaults["basis"], general.defaults["update_proj_gap"]) == ("power", 50)
+    assert {k: v for k, v in dct.defaults.items() if k not in ("basis", "update_proj_gap", "dct_method")} == {
+        k: v for k, v in general.defaults.items() if k not in ("basis", "update_proj_gap", "dct_method")
+    } | {"column_bias_correction": False}
 
 
-def test_the_registries_name_every_projection_and_update():
-    assert tuple(BASES) == PROJECTIONS and tuple(UPDATE_RULES) == UPDATES
-    assert all(issubclass(cls, SubspaceBasis) for cls in BASES.values())
+def test_one_registry_names_every_basis_and_update():
+    assert tuple(REGISTRY) == ("basis", "update")
+    assert tuple(REGISTRY["basis"]) == ("dct", "coordinates", "power")
+    assert tuple(REGISTRY["update"]) == ("projected", "channel")
+    assert all(issubclass(cls, SubspaceBasis) for cls in REGISTRY["basis"].values())
+    assert all(issubclass(cls, UpdateRule) for cls in REGISTRY["update"].values())
+    assert REGISTRY["update"]["projected"] is ProjectedUpdate
 
 
 def test_a_subspace_adamw_warning_names_subspace_adamw():
@@ -233,11 +307,11 @@ class _LeadingCoordinates(CoordinateBasis):
 def test_a_new_basis_plugs_in_through_the_registry(monkeypatch):
     """The step speaks only the basis vocabulary: a registered basis needs no other change. With every coordinate
     kept, Adam in the coordinate basis is AdamW."""
-    monkeypatch.setitem(BASES, "leading", _LeadingCoordinates)
+    monkeypatch.setitem(REGISTRY["basis"], "leading", _LeadingCoordinates)
     torch.manual_seed(0)
     ours, reference = nn.Linear(5, 7), nn.Linear(5, 7)
     reference.load_state_dict(ours.state_dict())
-    opt = SubspaceAdamW(ours.parameters(), lr=1e-2, rank=5, projection="leading", weight_decay=0.1)
+    opt = SubspaceAdamW(ours.parameters(), lr=1e-2, rank=5, basis="leading", weight_decay=0.1)
     adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
     for _ in range(4):
         x = torch.randn(3, 5)

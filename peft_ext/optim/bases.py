@@ -7,10 +7,11 @@ first step and every ``update_proj_gap`` steps), how a gradient enters it and le
 optimizer speaks only a manifold's ``proju`` / ``retr`` / ``transp`` and GaLore's Adam only its projector's
 ``project`` / ``project_back``. The math lives in :mod:`.dct` and :mod:`.subspace`.
 
-Unlike GaLore's projector, a basis object holds options only (score norm, DCT method) and is the same for every
-parameter of a group; what defines one matrix's current basis (``r`` indices, or an ``r x n`` float32 matrix) is kept
-in that parameter's optimizer state under :attr:`SubspaceBasis.key`, so ``state_dict()`` stays tensors and numbers
-(``torch.load(weights_only=True)`` works and a resumed run continues bit for bit).
+Unlike GaLore's projector, a basis object holds options only (score norm, DCT method, per-column bias correction),
+declared and validated by its constructor, and is the same for every parameter of a group (which stores its name and
+options, see :mod:`.components`); what defines one matrix's current basis (``r`` indices, or an ``r x n`` float32
+matrix) is kept in that parameter's optimizer state under :attr:`SubspaceBasis.key`, so ``state_dict()`` stays
+tensors and numbers (``torch.load(weights_only=True)`` works and a resumed run continues bit for bit).
 
 Every basis is handed to the step as an ``(r, n)`` matrix with orthonormal rows in the gradient's dtype (for the
 index bases, rows of the DCT matrix or unit vectors), so projecting is one product and so is mapping back.
@@ -18,18 +19,20 @@ index bases, rows of the DCT matrix or unit vectors), so projecting is one produ
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+import math
+from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from .dct import ScoreReduce, dct_matrix, dct_select, project, project_back
-from .dct_state import rotate_selected
+from .components import Component, register
+from .dct import DCT_METHODS, ScoreReduce, dct_matrix, dct_select, project, project_back
 from .subspace import coordinate_select, one_hot_rows, power_refresh, rotate_by_overlap
+from .subspace_state import rotate_selected
 
-__all__ = ["BASES", "CoordinateBasis", "DCTBasis", "Moments", "PowerBasis", "SubspaceBasis", "SubspaceSpec"]
+__all__ = ["CoordinateBasis", "DCTBasis", "Moments", "PowerBasis", "SubspaceBasis", "SubspaceSpec"]
 
 
 class Moments(NamedTuple):
@@ -39,13 +42,6 @@ class Moments(NamedTuple):
     m: torch.Tensor
     v: torch.Tensor
     ages: torch.Tensor | None
-
-
-def refuse_options(group: dict[str, Any], refuses: dict[str, str]) -> None:
-    """Raise ``ValueError`` when ``group`` turns on an option of ``refuses`` (``{option: why}``), saying why."""
-    for option, why in refuses.items():
-        if group[option]:
-            raise ValueError(f"`{option}=True` {why}")
 
 
 @dataclass(frozen=True)
@@ -71,37 +67,41 @@ class SubspaceSpec:
         return 1 if self.side == "right" else 0
 
 
-class SubspaceBasis(ABC):
+def check_selection_norm(value: Any) -> float:
+    """``value`` if it is a valid score norm (a positive number or ``math.inf``), else ``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isnan(value):
+        raise ValueError(f"`selection_norm` must be a positive number or math.inf (paper: 1), got {value!r}")
+    return value
+
+
+def check_dct_method(value: Any) -> str:
+    """``value`` if it names a DCT implementation (:data:`~.dct.DCT_METHODS`), else ``ValueError``."""
+    if value not in DCT_METHODS:
+        raise ValueError(f"`dct_method` must be one of {DCT_METHODS}, got {value!r}")
+    return value
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """``value`` if it is ``True`` or ``False``, else ``TypeError`` naming option ``name``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be True or False, got {value!r}")
+    return value
+
+
+class SubspaceBasis(Component):
     """A way to pick and move the subspace of a projected matrix (see the module docstring).
 
-    Args:
-        norm: Vector norm of a selection score (paper: 1).
-        dct_method: The DCT's implementation, for bases that use it (``"auto"``, ``"matmul"``, ``"fft"``).
+    Subclasses declare their options as constructor keywords (:class:`~.components.Component`).
     """
 
-    #: The ``projection=`` value that selects this basis.
-    name: ClassVar[str]
+    kind = "basis"
     #: How messages call its projection ("the row-local DCT projection").
     label: ClassVar[str]
     #: The per-parameter state entry that defines the current basis.
     key: ClassVar[str]
-
-    def __init__(self, norm: float = 1.0, dct_method: str = "auto") -> None:
-        self.norm = norm
-        self.dct_method = dct_method
-
-    @classmethod
-    def from_group(cls, group: dict[str, Any]) -> SubspaceBasis:
-        """The basis configured by a param group's ``selection_norm`` and ``dct_method``."""
-        return cls(group["selection_norm"], group["dct_method"])
-
-    #: Options this basis cannot honour, ``{option: why}``: :meth:`check_options` refuses a group that turns one on.
-    refuses: ClassVar[dict[str, str]] = {}
-
-    @classmethod
-    def check_options(cls, group: dict[str, Any]) -> None:
-        """Raise ``ValueError`` for a param group's options this basis cannot honour (:attr:`refuses`)."""
-        refuse_options(group, cls.refuses)
+    #: Whether each basis vector is bias-corrected by its own age (only bases whose vectors persist across refreshes
+    #: declare the option).
+    column_bias_correction: bool = False
 
     @abstractmethod
     def select(
@@ -175,59 +175,94 @@ class _SelectedRows(SubspaceBasis):
         )
 
 
+@register
 class DCTBasis(_SelectedRows):
     """The ``r`` DCT-II basis vectors on which the gradient scores highest (DCT-AdamW, arXiv 2505.17967).
 
     The ``n x n`` DCT matrix is built once per size and shared by every layer (:func:`~.dct.dct_matrix`).
+
+    Args:
+        selection_norm: Vector norm of a basis vector's score (paper: 1; ``2`` ranks by energy, ``math.inf`` by peak).
+        dct_method: The DCT's implementation: ``"auto"`` (FFT from :data:`~.dct.FFT_MIN_SIZE` on), ``"matmul"`` or
+            ``"fft"``; all three select the same vectors up to floating-point ties.
+        column_bias_correction: Bias-correct each selected vector by its own age (with ``rotate_moments`` only), so
+            a vector that enters starts like a fresh Adam coordinate. Off, as in the paper (see
+            :class:`~peft_ext.optim.SubspaceAdamW`).
     """
 
     name = "dct"
     label = "DCT"
 
+    def __init__(
+        self, selection_norm: float = 1.0, dct_method: str = "auto", column_bias_correction: bool = False
+    ) -> None:
+        self.selection_norm = check_selection_norm(selection_norm)
+        self.dct_method = check_dct_method(dct_method)
+        self.column_bias_correction = check_flag("column_bias_correction", column_bias_correction)
+
     def _select(self, grad: torch.Tensor, spec: SubspaceSpec) -> tuple[torch.Tensor, torch.Tensor]:
-        return _dct_select(grad, spec, self.norm, self.dct_method)
+        return _dct_select(grad, spec, self.selection_norm, self.dct_method)
 
     def rows(self, indices: torch.Tensor, like: torch.Tensor, spec: SubspaceSpec) -> torch.Tensor:
         return dct_matrix(like.shape[spec.dim], like.dtype, like.device).index_select(0, indices)
 
 
+@register
 class CoordinateBasis(_SelectedRows):
     """The ``r`` plain coordinates (columns, or rows for ``side="left"``) whose gradient slices have the largest norm:
-    a near-free baseline, no transform."""
+    a near-free baseline, no transform.
+
+    Args:
+        selection_norm: Vector norm of a coordinate's score.
+        column_bias_correction: As :class:`DCTBasis`'s.
+    """
 
     name = "coordinates"
     label = "coordinate"
 
+    def __init__(self, selection_norm: float = 1.0, column_bias_correction: bool = False) -> None:
+        self.selection_norm = check_selection_norm(selection_norm)
+        self.column_bias_correction = check_flag("column_bias_correction", column_bias_correction)
+
     def _select(self, grad: torch.Tensor, spec: SubspaceSpec) -> tuple[torch.Tensor, torch.Tensor]:
-        return coordinate_select(grad, spec.rank, spec.side, self.norm, spec.reduce)
+        return coordinate_select(grad, spec.rank, spec.side, self.selection_norm, spec.reduce)
 
     def rows(self, indices: torch.Tensor, like: torch.Tensor, spec: SubspaceSpec) -> torch.Tensor:
         return one_hot_rows(indices, like.shape[spec.dim], like.dtype, like.device)
 
 
+@register
 class PowerBasis(SubspaceBasis):
     """An orthonormal basis tracked by one warm-started block power iteration per refresh (no SVD).
 
     The first basis is the DCT selection refined by one iteration. The basis is stored in float32 whatever the
     parameter's dtype (the QR runs in float64 for float64 gradients); moments are carried through the ``r x r``
     overlap ``O = B_old B_new^T``: ``m O`` and ``v (O * O)``, clamped at 0.
+
+    Args:
+        selection_norm: Score norm of the first (DCT) selection.
+        dct_method: The DCT's implementation for the first selection (as :class:`DCTBasis`'s).
     """
 
     name = "power"
     label = "power-iteration"
     key = "basis"
 
-    refuses: ClassVar[dict[str, str]] = {
-        "column_bias_correction": "ages individual DCT columns; projection='power' rotates the whole basis, so there "
-        "are no columns to age: turn it off"
+    why_not: ClassVar[dict[str, str]] = {
+        "column_bias_correction": "it ages individual DCT columns; the power basis rotates as a whole, so there are "
+        "no columns to age"
     }
+
+    def __init__(self, selection_norm: float = 1.0, dct_method: str = "auto") -> None:
+        self.selection_norm = check_selection_norm(selection_norm)
+        self.dct_method = check_dct_method(dct_method)
 
     def select(
         self, grad: torch.Tensor, state: dict[str, Any], spec: SubspaceSpec
     ) -> tuple[torch.Tensor, torch.Tensor]:
         old = state.get(self.key)
         if old is None:
-            indices, _ = _dct_select(grad, spec, self.norm, self.dct_method)
+            indices, _ = _dct_select(grad, spec, self.selection_norm, self.dct_method)
             start = dct_matrix(grad.shape[spec.dim], grad.dtype, grad.device).index_select(0, indices)
             new = power_refresh(grad, start.to(torch.float32), spec.side, spec.reduce)
         else:
@@ -244,7 +279,3 @@ class PowerBasis(SubspaceBasis):
     def carry(self, moments: Moments, old: torch.Tensor, new: torch.Tensor, spec: SubspaceSpec) -> Moments:
         m, v = rotate_by_overlap(moments.m, moments.v, old, new, spec.side)
         return Moments(m, v.clamp_min(0), moments.ages)
-
-
-#: ``projection=`` name -> basis class; the keys are :data:`~.subspace.PROJECTIONS`.
-BASES: dict[str, type[SubspaceBasis]] = {cls.name: cls for cls in (DCTBasis, CoordinateBasis, PowerBasis)}

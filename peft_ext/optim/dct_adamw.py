@@ -25,16 +25,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from .dct_checks import NONFINITE_POLICIES, matches_target
 from .subspace_adamw import Params, SubspaceAdamW
+from .subspace_checks import matches_target
 
-__all__ = ["NONFINITE_POLICIES", "DCTAdamW", "SubspaceAdamW", "matches_target"]
+__all__ = ["DCTAdamW", "SubspaceAdamW", "matches_target"]
 
 
 class DCTAdamW(SubspaceAdamW):
     """AdamW with low-rank moments in a dynamically selected DCT subspace (DCT-AdamW, arXiv 2505.17967).
 
-    The paper's preset of :class:`~peft_ext.optim.SubspaceAdamW`: ``projection="dct"`` and ``update_proj_gap=1``;
+    The paper's preset of :class:`~peft_ext.optim.SubspaceAdamW`: ``basis="dct"`` and ``update_proj_gap=1``;
     every other argument, its default and its meaning are :class:`~peft_ext.optim.SubspaceAdamW`'s (see there, and
     its notes on rank clamping, non-finite gradients, column bias correction and half precision).
 
@@ -60,14 +60,17 @@ class DCTAdamW(SubspaceAdamW):
         betas: Adam's ``(beta1, beta2)``.
         eps: Adam's epsilon.
         weight_decay: Decoupled weight decay, applied to the full parameter as in AdamW.
-        projection: ``"dct"`` (the paper); ``"coordinates"`` or ``"power"`` turn this into the other presets.
         **kwargs: Every keyword option of :class:`~peft_ext.optim.SubspaceAdamW` (``scale``, ``target_modules``,
-            ``rotate_moments``, ``error_feedback``, ``moments_8bit``, ``side``, ``nonfinite``, ``update``, ...).
+            ``rotate_moments``, ``moments_8bit``, ``side``, ``nonfinite``, ``update``, ...) and of the basis and
+            update rule (``dct_method``, ``column_bias_correction``, ``error_feedback``, ...). ``basis`` is
+            ``"dct"`` (the paper) unless given: ``"coordinates"`` or ``"power"`` turn this into the other presets.
     """
 
     def __init__(
         self, params: Params, lr: float = 1e-3, rank: int = 128, update_proj_gap: int = 1, *args: Any, **kwargs: Any
     ) -> None:
         # betas, eps and weight_decay follow positionally, as SubspaceAdamW takes them (and with its defaults); the
-        # preset's projection is "dct" unless a keyword says otherwise
-        super().__init__(params, lr, rank, update_proj_gap, *args, **{"projection": "dct", **kwargs})
+        # preset's basis is "dct" unless a keyword (or the deprecated `projection`) says otherwise
+        if "basis" not in kwargs and "projection" not in kwargs:
+            kwargs["basis"] = "dct"
+        super().__init__(params, lr, rank, update_proj_gap, *args, **kwargs)

@@ -62,30 +62,8 @@ def caller_stacklevel() -> int:
     return level
 
 
-def nonfinite_policy(nonfinite: str = "raise", nonfinite_grad: str | None = None) -> str:
-    """The validated policy, ``"raise"`` or ``"skip"``.
-
-    Args:
-        nonfinite: The policy.
-        nonfinite_grad: Deprecated alias of ``nonfinite`` (DCT-AdamW's former name); a ``FutureWarning`` when given.
-
-    Raises:
-        ValueError: On another value (naming the argument that carried it), or on both arguments disagreeing.
-    """
-    if nonfinite_grad is not None:
-        if nonfinite_grad not in NONFINITE_POLICIES:
-            raise ValueError(f"`nonfinite_grad` must be one of {NONFINITE_POLICIES}, got {nonfinite_grad!r}")
-        if nonfinite not in ("raise", nonfinite_grad):
-            raise ValueError(
-                f"got nonfinite={nonfinite!r} and its deprecated alias nonfinite_grad={nonfinite_grad!r}; pass only "
-                "`nonfinite`"
-            )
-        warnings.warn(
-            "`nonfinite_grad` is deprecated and will be removed; pass `nonfinite` (same values)",
-            FutureWarning,
-            stacklevel=caller_stacklevel(),
-        )
-        nonfinite = nonfinite_grad
+def nonfinite_policy(nonfinite: str = "raise") -> str:
+    """The validated policy, ``"raise"`` or ``"skip"``; ``ValueError`` naming the valid values for another."""
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"`nonfinite` must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
     return nonfinite

@@ -1,6 +1,6 @@
 """The bases and update rules of DCT-AdamW's family besides the DCT: SVD-free bases that track the gradient.
 
-Three ways to pick the ``r``-dimensional subspace a projected matrix's moments live in (``projection=``):
+Three ways to pick the ``r``-dimensional subspace a projected matrix's moments live in (``basis=``):
 
 * ``"dct"``: the ``r`` DCT-II basis vectors with the largest scores (DCT-AdamW, :mod:`peft_ext.optim.dct`).
 * ``"coordinates"``: the ``r`` plain coordinates (columns, or rows for ``side="left"``) whose gradient slices have the
@@ -20,8 +20,8 @@ And two ways to turn the low-rank Adam direction into an update (``update=``):
   gradient scaled channel-wise, ``s * G``, so directions outside the subspace are not dropped. With APOLLO's
   norm-growth limiter: an update whose norm exceeds ``gamma`` times the previous one's is scaled back to that.
 
-These are pure functions on tensors; the objects the optimizer calls are in :mod:`.bases` (one class per
-``projection``) and :mod:`.update_rules` (one per ``update``).
+These are pure functions on tensors; the objects the optimizer calls are in :mod:`.bases` (one class per ``basis``)
+and :mod:`.update_rules` (one per ``update``), registered in :data:`.components.REGISTRY`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ import torch
 from .dct import ScoreReduce, projection_side, reduced_norm
 
 __all__ = [
-    "PROJECTIONS",
-    "UPDATES",
     "channel_scaled_update",
     "coordinate_select",
     "limit_norm_growth",
@@ -40,9 +38,6 @@ __all__ = [
     "power_refresh",
     "rotate_by_overlap",
 ]
-
-PROJECTIONS = ("dct", "coordinates", "power")
-UPDATES = ("projected", "channel")
 
 
 def coordinate_select(

@@ -1,12 +1,15 @@
 """SubspaceAdamW: AdamW whose moments live in a rank-r subspace of each projected matrix, chosen without any SVD.
 
 The general optimizer of DCT-AdamW's family. What varies is two objects per param group: the subspace basis
-(:mod:`peft_ext.optim.bases`: the DCT selection, plain coordinates, or a power-iteration basis; ``projection=``) and
-the update rule (:mod:`peft_ext.optim.update_rules`: the projected direction, or APOLLO's channel scaling;
-``update=``). One orchestrating step calls them; Adam's arithmetic is :func:`~peft_ext.optim.adam_math.adam_direction`,
-moment storage (8-bit buffers) :mod:`peft_ext.optim.dct_state`, non-finite gradients :mod:`peft_ext.optim.nonfinite`.
-:class:`~peft_ext.optim.DCTAdamW` is the preset of the paper (arXiv 2505.17967): ``projection="dct"``, refreshed
-every step.
+(:mod:`peft_ext.optim.bases`: the DCT selection, plain coordinates, or a power-iteration basis; ``basis=``) and the
+update rule (:mod:`peft_ext.optim.update_rules`: the projected direction, or APOLLO's channel scaling; ``update=``),
+both looked up in one registry (:mod:`peft_ext.optim.components`) and each declaring and validating its own options.
+One orchestrating step calls them; Adam's arithmetic is :func:`~peft_ext.optim.adam_math.adam_direction`, moment
+storage (8-bit buffers) :mod:`peft_ext.optim.subspace_state`, non-finite gradients :mod:`peft_ext.optim.nonfinite`.
+:class:`~peft_ext.optim.DCTAdamW` is the preset of the paper (arXiv 2505.17967): ``basis="dct"``, refreshed every step.
+
+Every option lives in the param groups (the parts as a name plus their options), so ``state_dict()``,
+``copy.deepcopy`` and pickling keep all of them.
 """
 
 from __future__ import annotations
@@ -29,13 +32,23 @@ from ..distributed import (
 )
 from ..precision import compute_dtype
 from .adam_math import adam_direction
-from .bases import BASES, Moments, SubspaceSpec
+from .bases import Moments, SubspaceBasis, SubspaceSpec
+from .components import KINDS, component_class
 from .dct import projection_side
-from .dct_checks import check_group, matches_target, unmatched_targets
-from .dct_state import load_buffer, store_buffer
 from .nonfinite import caller_stacklevel, check_gradients, nonfinite_policy, skipped_steps
 from .saved_state import restore_saved_dtypes
-from .update_rules import UPDATE_RULES, ProjectedStep
+from .subspace_checks import (
+    check_group,
+    check_lr,
+    drop_foreign_options,
+    matches_target,
+    parts_from_options,
+    resolve_group,
+    restore_group,
+    unmatched_targets,
+)
+from .subspace_state import load_buffer, store_buffer
+from .update_rules import ProjectedStep, UpdateRule
 
 __all__ = ["SubspaceAdamW"]
 
@@ -55,7 +68,7 @@ class SubspaceAdamW(Optimizer):
     (``adam(a) B`` for ``update="projected"``). Everything else (vectors, matrices with a dimension ``>= max_shape``
     such as embeddings and LM heads, matrices outside ``target_modules``) gets plain AdamW inside the same optimizer.
 
-    The default basis (``projection="power"``) moves by one block power iteration on the gradient, warm-started from
+    The default basis (``basis="power"``) moves by one block power iteration on the gradient, warm-started from
     the previous basis (the first one from the DCT selection), every 50 steps: two ``O(m n r)`` products and a QR of
     an ``n x r`` matrix per refresh, and an ``r x n`` float32 basis stored per matrix. :class:`DCTAdamW
     <peft_ext.optim.DCTAdamW>` is the paper's preset (the DCT selection, ``r`` integers per matrix, every step).
@@ -80,10 +93,11 @@ class SubspaceAdamW(Optimizer):
       ``FloatingPointError`` and a ``ValueError``) naming the parameter; ``"skip"`` skips the whole step (no
       parameter, moment or counter changes) with a ``UserWarning``, counted in :attr:`skipped_steps` (saved with the
       param groups in ``state_dict()``).
-    * A basis vector that enters the selection (``projection="dct"`` or ``"coordinates"``) starts with zero moments
+    * A basis vector that enters the selection (``basis="dct"`` or ``"coordinates"``) starts with zero moments
       (docs/methods.md (DCT-AdamW)). By default its bias correction uses the parameter's step count, as in the
       public code; its first updates are then 3 to 6.5 times Adam's unit step (``(1 - beta1^k) / sqrt(1 - beta2^k)``
-      after ``k`` updates, before the moments fill). With ``column_bias_correction=True`` each one is corrected by
+      after ``k`` updates, before the moments fill). With the basis option ``column_bias_correction=True`` each one
+      is corrected by
       its own age, so a new column starts exactly like a fresh Adam coordinate. In a small ablation
       (docs/dct_adamw.md, table 4) that helped only at the highest learning rate with the smallest rank and was
       slightly worse elsewhere, so the paper's behaviour stays the default.
@@ -91,7 +105,8 @@ class SubspaceAdamW(Optimizer):
     Args:
         params: Parameters or param groups. Pass ``model.named_parameters()`` (or groups of ``(name, param)``
             pairs) when using ``target_modules``. Every option below except ``sync_indices`` and ``nonfinite`` can be
-            set per group.
+            set per group, ``basis`` and ``update`` too (a group takes its parts' options from its own keys, then
+            from the optimizer's when it names the same part).
         lr: Learning rate.
         rank: Subspace dimension ``r`` per projected matrix; a projected ``(R, C)`` matrix keeps ``2 max(R, C) r``
             moment entries instead of AdamW's ``2 R C``.
@@ -112,24 +127,15 @@ class SubspaceAdamW(Optimizer):
             <peft_ext.optim.bases.SubspaceBasis.carry>`: for the DCT and coordinates, columns present in both
             selections keep theirs and new ones start at zero, the rotation of docs/methods.md (DCT-AdamW)). Off:
             moments stay positional, as in GaLore, and are reinterpreted in the new basis.
-        column_bias_correction: Bias-correct each selected column by its own age (only with ``rotate_moments``, not
-            with ``projection="power"``); see above. Off by default, as in the paper.
-        error_feedback: Keep the residual ``E = (G + E) - a B`` and add it to the next gradient, so directions
-            outside the subspace are delayed rather than lost. Costs a full ``R x C`` buffer per matrix (1 byte per
-            entry with ``error_feedback_8bit``): larger than the moments it saves at small ``r``.
         moments_8bit: Store both moments (projected and plain-AdamW ones, from ``min_8bit_size`` entries) 8-bit with
             bitsandbytes' blockwise dynamic quantization. Saves 3/4 of the moment memory; see the tolerance measured
             in the tests. On CPU it costs time (every step de- and re-quantizes), and bitsandbytes' CPU library
             links the system libgomp while torch bundles its own: with more than one torch thread both OpenMP
             runtimes spin-wait for the same cores and a step can be 30x slower. Use one torch thread or
             ``OMP_WAIT_POLICY=PASSIVE`` there.
-        error_feedback_8bit: Store the error-feedback buffer 8-bit.
         quant_blocksize: Block size of the 8-bit quantization.
         min_8bit_size: Buffers with fewer entries stay 32-bit even in 8-bit mode: biases and norms, whose state is
             negligible and whose few blocks would gain nothing (bitsandbytes' 8-bit optimizers use the same 4096).
-        dct_method: ``"auto"`` (FFT from size :data:`~peft_ext.optim.dct.FFT_MIN_SIZE` on), ``"matmul"`` or ``"fft"``;
-            all three select the same columns up to floating-point ties.
-        selection_norm: Norm of the column score (paper: 1).
         side: Which dimension is compressed: ``"auto"`` (the smaller one, as the paper; always ``"right"`` for a
             DTensor, FSDP2's row shard, so each process projects its own rows), ``"right"`` (columns: moments
             ``R x r``) or ``"left"`` (rows: ``r x C``; refused for row-sharded matrices). One process with
@@ -139,15 +145,24 @@ class SubspaceAdamW(Optimizer):
             gives every rank the same gradient, so this guards against reductions that are not bit-identical across
             ranks.
         nonfinite: ``"raise"`` or ``"skip"``; see above.
-        nonfinite_grad: Deprecated alias of ``nonfinite`` (a ``FutureWarning``).
-        projection: The basis (:data:`~peft_ext.optim.bases.BASES`): ``"power"`` (default here), ``"dct"`` (the
-            paper's ``r`` DCT-II basis vectors with the largest scores) or ``"coordinates"`` (the ``r`` plain
-            columns / rows with the largest gradient norm).
-        update: The update rule (:data:`~peft_ext.optim.update_rules.UPDATE_RULES`): ``"projected"`` (the low-rank
-            Adam direction mapped back) or ``"channel"`` (APOLLO's rule: the whole gradient scaled per channel by the
-            ratio the low-rank Adam state estimates; no error feedback).
-        norm_growth_limit: With ``update="channel"``: APOLLO's limiter, an update's norm may be at most this times
-            the previous one's (``None``: off). Ignored for ``"projected"``.
+        basis: The basis, an object (:class:`~peft_ext.optim.bases.DCTBasis`, ``CoordinateBasis``, ``PowerBasis``)
+            or its name: ``"power"`` (default here), ``"dct"`` (the paper's ``r`` DCT-II basis vectors with the
+            largest scores) or ``"coordinates"`` (the ``r`` plain columns / rows with the largest gradient norm).
+        update: The update rule, an object (:class:`~peft_ext.optim.update_rules.ProjectedUpdate`,
+            ``ChannelUpdate``) or its name: ``"projected"`` (the low-rank Adam direction mapped back) or
+            ``"channel"`` (APOLLO's rule: the whole gradient scaled per channel by the ratio the low-rank Adam state
+            estimates).
+        **options: With ``basis`` / ``update`` given by name, their options, each passed to the part that declares
+            it: ``selection_norm``, ``dct_method``, ``column_bias_correction`` (the bases'), ``error_feedback``,
+            ``error_feedback_8bit`` (``"projected"``'s), ``norm_growth_limit`` (``"channel"``'s); see those classes.
+            An option the chosen parts do not declare is a ``TypeError`` naming who does. ``projection=`` is the
+            deprecated name of ``basis=``.
+
+    Example::
+
+        SubspaceAdamW(model.named_parameters(), lr=1e-4, rank=8, basis=DCTBasis(dct_method="fft"),
+                      update=ChannelUpdate(norm_growth_limit=None))
+        SubspaceAdamW(model.named_parameters(), lr=1e-4, rank=8, basis="dct", dct_method="fft", update="channel")
     """
 
     def __init__(
@@ -160,30 +175,25 @@ class SubspaceAdamW(Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         *,
+        basis: SubspaceBasis | str = "power",
+        update: UpdateRule | str = "projected",
         scale: float = 1.0,
         target_modules: str | Sequence[str] | None = None,
         max_shape: int = 32_000,
+        side: str = "auto",
         rotate_moments: bool = True,
-        column_bias_correction: bool = False,
-        error_feedback: bool = False,
         moments_8bit: bool = False,
-        error_feedback_8bit: bool = False,
         quant_blocksize: int = 256,
         min_8bit_size: int = 4096,
-        dct_method: str = "auto",
-        selection_norm: float = 1.0,
-        side: str = "auto",
         sync_indices: bool | None = None,
         nonfinite: str = "raise",
-        nonfinite_grad: str | None = None,
-        projection: str = "power",
-        update: str = "projected",
-        norm_growth_limit: float | None = 1.01,
+        **options: Any,
     ) -> None:
+        owner = type(self).__name__
+        check_lr(lr, owner)
         if sync_indices not in (None, True, False):
             raise TypeError(f"`sync_indices` must be None, True or False, got {sync_indices!r}")
-        self.nonfinite = nonfinite_policy(nonfinite, nonfinite_grad)
-        self.sync_indices = sync_indices
+        basis, update = parts_from_options(basis, update, options, owner)
         defaults = {
             "lr": lr,
             "rank": rank,
@@ -194,22 +204,20 @@ class SubspaceAdamW(Optimizer):
             "scale": scale,
             "target_modules": list(target_modules) if isinstance(target_modules, (list, tuple)) else target_modules,
             "max_shape": max_shape,
+            "side": side,
             "rotate_moments": rotate_moments,
-            "column_bias_correction": column_bias_correction,
-            "error_feedback": error_feedback,
             "moments_8bit": moments_8bit,
-            "error_feedback_8bit": error_feedback_8bit,
             "quant_blocksize": quant_blocksize,
             "min_8bit_size": min_8bit_size,
-            "dct_method": dct_method,
-            "selection_norm": selection_norm,
-            "side": side,
-            "projection": projection,
-            "update": update,
-            "norm_growth_limit": norm_growth_limit,
+            "sync_indices": sync_indices,
+            "nonfinite": nonfinite_policy(nonfinite),
+            "basis": basis.name,
+            **basis.options(),
+            "update": update.name,
+            **update.options(),
         }
         super().__init__(params, defaults)
-        unmatched = unmatched_targets(self.param_groups, type(self).__name__)
+        unmatched = unmatched_targets(self.param_groups, owner)
         if unmatched is not None:
             warnings.warn(unmatched, UserWarning, stacklevel=caller_stacklevel())
 
@@ -224,19 +232,39 @@ class SubspaceAdamW(Optimizer):
             group["skipped_steps"] = int(value)
 
     @property
-    def nonfinite_grad(self) -> str:
-        """Deprecated alias of :attr:`nonfinite`."""
-        warnings.warn("`nonfinite_grad` is deprecated; read `nonfinite`", FutureWarning, stacklevel=2)
-        return self.nonfinite
+    def nonfinite(self) -> str:
+        """The non-finite gradient policy, ``"raise"`` or ``"skip"`` (kept in every param group)."""
+        return self.defaults["nonfinite"]
+
+    @property
+    def sync_indices(self) -> bool | None:
+        """Whether each refreshed basis is broadcast from rank 0 (``None``: when distributed; in every group)."""
+        return self.defaults["sync_indices"]
+
+    def parts(self, group: dict[str, Any]) -> tuple[SubspaceBasis, UpdateRule]:
+        """The basis and update rule a param group configures (built from its name and option keys)."""
+        basis, update = (component_class(kind, group[kind]).from_group(group) for kind in KINDS)
+        return basis, update  # type: ignore[return-value]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
+        owner = type(self).__name__
+        super().add_param_group(resolve_group(param_group, self.defaults, owner))
         try:
-            check_group(self.param_groups[-1], type(self).__name__)
+            drop_foreign_options(self.param_groups[-1])  # the optimizer's own parts' options, where a group differs
+            check_group(self.param_groups[-1], owner)
         except (TypeError, ValueError):
             self.param_groups.pop()  # a rejected group must not stay behind in a live optimizer
             raise
         self._registered = registered_parameters(self.param_groups)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # torch calls this on unpickling and from load_state_dict; a copy or a pickle keeps defaults, state and
+        # param groups only, so the shapes a step checks against are recorded again from the groups
+        super().__setstate__(state)
+        for group in self.param_groups:
+            restore_group(group, self.defaults)
+        if "_registered" not in self.__dict__:
+            self._registered = registered_parameters(self.param_groups)
 
     # ------------------------------------------------------------------------------------------------------------
     # which parameters are projected
@@ -268,7 +296,7 @@ class SubspaceAdamW(Optimizer):
 
     @staticmethod
     def _side(group: dict[str, Any], p: torch.Tensor) -> str:
-        side = group.get("side", "auto")  # state dicts saved before `side` existed lack it
+        side = group["side"]
         if side != "auto":
             return side
         return "right" if is_dtensor(p) else projection_side(p.shape)
@@ -323,6 +351,7 @@ class SubspaceAdamW(Optimizer):
         sync = self._sync_active() if items else False
         clamped: list[str] = []
         clamped_bases: dict[str, None] = {}  # the labels of their bases, in order
+        parts = {id(group): self.parts(group) for group in self.param_groups}
         for group, i, p in items:
             state = self.state[p]
             if not state:
@@ -332,9 +361,9 @@ class SubspaceAdamW(Optimizer):
                     state["rank"] = rank
                     if rank < requested:
                         clamped.append(f"{self._describe(group, i, p)}: rank {requested} -> {rank}")
-                        clamped_bases[BASES[group.get("projection", "dct")].label] = None
+                        clamped_bases[parts[id(group)][0].label] = None
             if "rank" in state:
-                self._subspace_step(group, p, state, sync)
+                self._subspace_step(group, parts[id(group)], p, state, sync)
             else:
                 self._adamw_step(group, p, state)
         if clamped:
@@ -377,10 +406,16 @@ class SubspaceAdamW(Optimizer):
         store_buffer(state, "exp_avg_sq", v, eight, "udynamic", group, work)
         self._apply_update(p, direction, -group["lr"], group["lr"] * group["weight_decay"])
 
-    def _subspace_step(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any], sync: bool) -> None:
+    def _subspace_step(
+        self,
+        group: dict[str, Any],
+        parts: tuple[SubspaceBasis, UpdateRule],
+        p: torch.Tensor,
+        state: dict[str, Any],
+        sync: bool,
+    ) -> None:
         """Adam in the subspace of one projected matrix: the group's basis and update rule do what varies."""
-        basis = BASES[group.get("projection", "dct")].from_group(group)  # saved before `projection` existed: DCT
-        rule = UPDATE_RULES[group.get("update", "projected")].from_group(group)
+        basis, rule = parts
         # an FSDP2 row shard: project the local rows; only per-column sums are combined over the processes
         reduce = partial(all_reduce_over_row_shards_, like=p) if is_dtensor(p) else None
         spec = SubspaceSpec(self._side(group, p), state["rank"], reduce, sync)
@@ -388,12 +423,12 @@ class SubspaceAdamW(Optimizer):
         grad, p = local_part(p.grad).to(work), local_part(p)
         low_shape = (p.shape[0], spec.rank) if spec.side == "right" else (spec.rank, p.shape[1])
         bs = group["quant_blocksize"]
-        if group["error_feedback"]:
+        if rule.error_feedback:
             grad = grad + load_buffer(state, "error", p.shape, "linear", bs, work, p.device)
         m = load_buffer(state, "exp_avg", low_shape, "dynamic", bs, work, p.device)
         v = load_buffer(state, "exp_avg_sq", low_shape, "udynamic", bs, work, p.device)
 
-        ages_on = group["rotate_moments"] and group["column_bias_correction"]
+        ages_on = group["rotate_moments"] and basis.column_bias_correction
         ages = state.get("column_step") if ages_on else None
         if ages_on and ages is None:
             # Columns present since before ages were tracked have seen every step so far.
@@ -407,9 +442,9 @@ class SubspaceAdamW(Optimizer):
             matrix = basis.current(grad, state, spec)
             low = basis.project(grad, matrix, spec)
 
-        if group["error_feedback"]:
+        if rule.error_feedback:
             residual = grad - basis.project_back(low, matrix, spec)
-            store_buffer(state, "error", residual, group["error_feedback_8bit"], "linear", group, p.dtype)
+            store_buffer(state, "error", residual, rule.error_feedback_8bit, "linear", group, p.dtype)
 
         state["step"] += 1
         if ages_on:

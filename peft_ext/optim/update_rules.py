@@ -12,16 +12,17 @@
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from .bases import SubspaceBasis, SubspaceSpec, refuse_options
+from .bases import SubspaceBasis, SubspaceSpec, check_flag
+from .components import Component, register
 from .subspace import channel_scaled_update, limit_norm_growth
 
-__all__ = ["UPDATE_RULES", "ChannelUpdate", "ProjectedStep", "ProjectedUpdate", "UpdateRule"]
+__all__ = ["ChannelUpdate", "ProjectedStep", "ProjectedUpdate", "UpdateRule"]
 
 
 @dataclass(frozen=True)
@@ -47,39 +48,51 @@ class ProjectedStep:
     spec: SubspaceSpec
 
 
-class UpdateRule(ABC):
-    """Turns Adam's direction on the projected gradient into the full-shape update of one matrix."""
+class UpdateRule(Component):
+    """Turns Adam's direction on the projected gradient into the full-shape update of one matrix.
 
-    #: The ``update=`` value that selects this rule.
-    name: ClassVar[str]
+    Subclasses declare their options as constructor keywords (:class:`~.components.Component`).
+    """
 
-    @classmethod
-    def from_group(cls, group: dict[str, Any]) -> UpdateRule:
-        """The rule configured by a param group."""
-        return cls()
-
-    #: Options this rule cannot honour, ``{option: why}``: :meth:`check_options` refuses a group that turns one on.
-    refuses: ClassVar[dict[str, str]] = {}
-
-    @classmethod
-    def check_options(cls, group: dict[str, Any]) -> None:
-        """Raise ``ValueError`` for a param group's options this rule cannot honour (:attr:`refuses`)."""
-        refuse_options(group, cls.refuses)
+    kind = "update"
+    #: Whether the step keeps the projection's residual ``E = (G + E) - a B`` and adds it to the next gradient (only
+    #: rules that map the low-rank direction back declare the option).
+    error_feedback: bool = False
+    #: Whether that residual is stored 8-bit.
+    error_feedback_8bit: bool = False
 
     @abstractmethod
     def update(self, step: ProjectedStep) -> torch.Tensor:
         """The update (before ``-lr * scale``) in the full shape, from one matrix's projected step."""
 
 
+@register
 class ProjectedUpdate(UpdateRule):
-    """The low-rank direction mapped back: ``u B`` (right) or ``B^T u`` (left)."""
+    """The low-rank direction mapped back: ``u B`` (right) or ``B^T u`` (left).
+
+    Args:
+        error_feedback: Keep the residual ``E = (G + E) - a B`` and add it to the next gradient, so directions outside
+            the subspace are delayed rather than lost. Costs a full ``R x C`` buffer per matrix (1 byte per entry
+            with ``error_feedback_8bit``): larger than the moments it saves at small ``r``.
+        error_feedback_8bit: Store that buffer 8-bit (the optimizer's ``quant_blocksize`` and ``min_8bit_size``).
+    """
 
     name = "projected"
+
+    def __init__(self, error_feedback: bool = False, error_feedback_8bit: bool = False) -> None:
+        self.error_feedback = check_flag("error_feedback", error_feedback)
+        self.error_feedback_8bit = check_flag("error_feedback_8bit", error_feedback_8bit)
+        if error_feedback_8bit and not error_feedback:
+            raise ValueError("`error_feedback_8bit=True` needs `error_feedback=True` (there is no buffer to quantize)")
 
     def update(self, step: ProjectedStep) -> torch.Tensor:
         return step.basis.project_back(step.direction, step.matrix, step.spec)
 
 
+_NO_RESIDUAL = "the channel-scaled update already uses the whole gradient, so there is no residual to feed back"
+
+
+@register
 class ChannelUpdate(UpdateRule):
     """APOLLO's channel-scaled update: ``s * G`` with ``s_i = ||direction_i|| / ||low_i||`` per channel (row for
     ``side="right"``), so directions outside the subspace are not dropped.
@@ -90,23 +103,16 @@ class ChannelUpdate(UpdateRule):
     """
 
     name = "channel"
+    why_not: ClassVar[dict[str, str]] = {"error_feedback": _NO_RESIDUAL, "error_feedback_8bit": _NO_RESIDUAL}
 
     def __init__(self, norm_growth_limit: float | None = 1.01) -> None:
-        self.norm_growth_limit = norm_growth_limit
-
-    @classmethod
-    def from_group(cls, group: dict[str, Any]) -> UpdateRule:
-        return cls(group.get("norm_growth_limit"))
-
-    refuses: ClassVar[dict[str, str]] = {
-        "error_feedback": "with update='channel': the channel-scaled update already uses the whole gradient, so "
-        "there is no residual to feed back; turn one of them off"
-    }
+        limit = norm_growth_limit
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit >= 1 or limit == float("inf")
+        ):
+            raise ValueError(f"`norm_growth_limit` must be None or a finite number >= 1 (APOLLO: 1.01), got {limit!r}")
+        self.norm_growth_limit = limit
 
     def update(self, step: ProjectedStep) -> torch.Tensor:
         scaled = channel_scaled_update(step.grad, step.low, step.direction, step.spec.side)
         return limit_norm_growth(scaled, step.state, self.norm_growth_limit, step.spec.reduce)
-
-
-#: ``update=`` name -> rule class; the keys are :data:`~.subspace.UPDATES`.
-UPDATE_RULES: dict[str, type[UpdateRule]] = {cls.name: cls for cls in (ProjectedUpdate, ChannelUpdate)}

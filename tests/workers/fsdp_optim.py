@@ -204,7 +204,7 @@ def full_dct(part: slice, shard: bool, resume: bool = True, **extra: Any) -> dic
 def full_power_channel(part: slice, shard: bool, resume: bool = True) -> dict:
     """``full_dct`` with the power-iteration basis (refreshed every 2 steps: the ``G^T G B`` sum over row shards)
     and APOLLO's channel-scaled update with its norm-growth limiter (a norm over row shards)."""
-    return full_dct(part, shard, resume, projection="power", update="channel", update_proj_gap=2)
+    return full_dct(part, shard, resume, basis="power", update="channel", update_proj_gap=2)
 
 
 CASES = {

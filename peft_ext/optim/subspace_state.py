@@ -1,4 +1,5 @@
-"""DCT-AdamW's per-parameter state: carrying moments between subspace selections and storing buffers in 8 bits.
+"""SubspaceAdamW's per-parameter state, for every basis: carrying moments between index selections and storing buffers
+in 8 bits.
 
 Pure functions on tensors and on one parameter's state dict; :class:`~peft_ext.optim.SubspaceAdamW` (and so its
 preset :class:`~peft_ext.optim.DCTAdamW`) and the basis objects of :mod:`.bases` call them.
