@@ -22,6 +22,9 @@ the AdamW step is :func:`~peft_ext.optim.adam_math.adamw_update`. This class gat
 the results back, handing each layer the new point's ``B_R`` (computed by the retraction) so the next forward pass
 and the next step reuse it.
 
+The optimizer reads the adapters through :class:`~peft_ext.optim.adapters.FixedRankAdapters`, the interface
+Riemannion's layer implements; it imports no tuner.
+
 When not to use it: on adapters other than Riemannion's (the optimizer refuses them), or with ordinary optimizers on
 Riemannion adapters (they would break ``A``'s orthonormality; the constructor checks it).
 
@@ -53,7 +56,6 @@ from ..distributed import (
     all_gather_owned,
     check_parameters_unchanged,
     check_row_sharded,
-    full_tensor,
     full_tensors,
     is_dtensor,
     local_part,
@@ -64,19 +66,17 @@ from ..distributed import (
 )
 from ..kernels.retraction import stack_by_shape
 from ..manifolds.fixed_rank import FixedRankPoint, TangentVector, right_basis, stack_bases
-from ..precision import check_dtypes, compute_dtype, is_half
-from ..tuners.riemannion.layer import AdapterRef, find_adapters
+from ..precision import check_dtypes, compute_dtype
 from .adam_math import adamw_update
+from .adapters import AdapterHandle, find_fixed_rank_adapters
 from .nonfinite import check_gradients, nonfinite_policy
-from .riemannion_checks import check_group, check_momentum_split
+from .riemannion_checks import check_group, check_momentum_split, check_points, split_groups
 from .riemannion_math import riemannion_update
 from .saved_state import restore_saved_dtypes
 
 __all__ = ["RiemannLoRA", "Riemannion", "create_riemannion_optimizer"]
 
 ParamsT = Union[Iterable[Tensor], Iterable[dict[str, Any]], nn.Module]
-_GROUP_KEYS = {"lr", "aux_lr", "momentum", "nesterov", "weight_decay", "aux_weight_decay", "orthogonalize", "betas"}
-_GROUP_KEYS |= {"eps", "manifold", "params", "rtol"}
 
 
 class Riemannion(Optimizer):
@@ -159,8 +159,8 @@ class Riemannion(Optimizer):
                 "create_riemannion_optimizer(model, ...); with transformers.Trainer put 'model' in the kwargs of "
                 "optimizer_cls_and_kwargs"
             )
-        self.nonfinite = nonfinite_policy(nonfinite)
-        self._adapters = find_adapters(model)
+        owner = type(self).__name__
+        self._adapters = find_fixed_rank_adapters(model)
         self._ref_by_A = {id(ref.A): ref for ref in self._adapters}
         self._names = {id(p): name for name, p in model.named_parameters()}
         defaults = {
@@ -174,122 +174,55 @@ class Riemannion(Optimizer):
             "rtol": rtol,
             "manifold": False,
             "skipped_steps": 0,
+            "nonfinite": nonfinite_policy(nonfinite),
         }
-        groups = self._split_groups(params, aux_lr, aux_weight_decay)
+        groups = split_groups(params, self._adapters, self._describe, aux_lr, aux_weight_decay, owner)
         named = [(self._names.get(id(p), "an unnamed parameter"), p) for g in groups for p in g["params"]]
-        check_dtypes(named, type(self).__name__)
+        check_dtypes(named, owner)
         # the retraction (QR + SVD) and the orthonormality of A need whole factors: FSDP2 row shards are gathered
         # for every step (they are only (m + n) x r), other layouts are refused
-        check_row_sharded(
-            ((self._names.get(id(p), "an unnamed parameter"), p) for g in groups for p in g["params"]),
-            type(self).__name__,
-            "the retraction (QR and SVD of the adapter factors)",
-        )
+        check_row_sharded(named, owner, "the retraction (QR and SVD of the adapter factors)")
         for ref in self._adapters:
             if is_dtensor(ref.B):
                 # FSDP2 refills the unsharded B of the forward in place without bumping its version counter, so the
                 # layer's cache key cannot see the optimizer's writes: recompute B_R in every forward
-                ref.layer.cache_right_basis = False
+                ref.module.stop_caching_right_basis()
         super().__init__(groups, defaults)
         for index, group in enumerate(self.param_groups):
             check_group(group, index)
-        self._check_points()
+        check_points(self.param_groups, self._ref_of)
         self._registered = registered_parameters(self.param_groups)
 
-    # -- construction ------------------------------------------------------------------------------------------------
+    @property
+    def nonfinite(self) -> str:
+        """The non-finite gradient policy, ``"raise"`` or ``"skip"`` (kept in every param group)."""
+        return self.defaults["nonfinite"]
 
-    def _split_groups(
-        self, params: Iterable[Any], aux_lr: Optional[float], aux_weight_decay: Optional[float]
-    ) -> list[dict[str, Any]]:
-        role: dict[int, tuple[int, str]] = {}
-        for i, ref in enumerate(self._adapters):
-            for part, p in (("A", ref.A), ("B", ref.B), ("Z", ref.Z)):
-                role[id(p)] = (i, part)
-        user_groups = list(params)
-        if not user_groups:
-            raise ValueError(f"{type(self).__name__} got an empty parameter list")
-        if not isinstance(user_groups[0], dict):
-            user_groups = [{"params": user_groups}]
-        groups = []
-        for index, group in enumerate(user_groups):
-            group = dict(group)
-            unknown = set(group) - _GROUP_KEYS
-            if unknown:
-                raise ValueError(
-                    f"param group {index} has unknown keys {sorted(unknown)}; valid keys: {sorted(_GROUP_KEYS)}"
-                )
-            params_in = group.pop("params")
-            params_in = [params_in] if isinstance(params_in, Tensor) else list(params_in)
-            flag = group.pop("manifold", None)
-            group_aux_lr = group.pop("aux_lr", aux_lr)
-            group_aux_wd = group.pop("aux_weight_decay", aux_weight_decay)
-            parts: dict[int, dict[str, Tensor]] = {}
-            others = []
-            for p in params_in:
-                if id(p) in role:
-                    i, part = role[id(p)]
-                    parts.setdefault(i, {})[part] = p
-                else:
-                    others.append(p)
-            if flag is True and others:
-                raise ValueError(
-                    f"param group {index} is marked manifold=True but {len(others)} of its parameters are not part of "
-                    f"a Riemannion adapter (first: {self._describe(others[0])}); only riemannion_A/B/Z parameters of "
-                    "RiemannionLayer modules of the model are valid there"
-                )
-            if flag is False and parts:
-                raise ValueError(
-                    f"param group {index} is marked manifold=False but holds Riemannion adapter parameters "
-                    f"({self._adapters[min(parts)]}); they can only be updated on the manifold"
-                )
-            for i, found in parts.items():
-                missing = sorted({"A", "B", "Z"} - found.keys())
-                if missing:
-                    raise ValueError(
-                        f"param group {index} holds riemannion_{'/'.join(sorted(found))} of {self._adapters[i]} but "
-                        f"not riemannion_{'/'.join(missing)}: A, B and Z of an adapter are updated together and must "
-                        "be in the same group"
-                    )
-            if parts:
-                ordered = [parts[i][part] for i in sorted(parts) for part in ("A", "B", "Z")]
-                groups.append({**group, "params": ordered, "manifold": True})
-            if others:
-                aux = {**group, "params": others, "manifold": False}
-                if group_aux_lr is not None:
-                    aux["lr"] = group_aux_lr
-                if group_aux_wd is not None:
-                    aux["weight_decay"] = group_aux_wd
-                groups.append(aux)
-        return groups
+    def __getstate__(self) -> dict[str, Any]:
+        # torch keeps defaults, state and param groups; the adapters (their modules) and the parameters' names are
+        # kept too, so a copy or an unpickled optimizer can step: within one copy or pickle the modules' parameters
+        # are the very tensors of the copied param groups
+        names = [[self._names.get(id(p)) for p in group["params"]] for group in self.param_groups]
+        return {**super().__getstate__(), "_adapters": self._adapters, "_param_names": names}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        names = state.pop("_param_names", None)
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("nonfinite", self.defaults.setdefault("nonfinite", "raise"))
+        if names is not None:  # unpickling (load_state_dict passes state and param groups only)
+            self._ref_by_A = {id(ref.A): ref for ref in self._adapters}
+            pairs = zip((p for g in self.param_groups for p in g["params"]), (n for group in names for n in group))
+            self._names = {id(p): name for p, name in pairs if name is not None}
+            self._registered = registered_parameters(self.param_groups)
+
+    # -- construction ------------------------------------------------------------------------------------------------
 
     def _describe(self, p: Tensor) -> str:
         return f"{self._names.get(id(p), 'an unnamed parameter')} of shape {tuple(p.shape)}"
 
-    @torch.no_grad()
-    def _check_points(self) -> None:
-        for group in self.param_groups:
-            if not group["manifold"]:
-                continue
-            for A, _, Z in _triples(group):
-                ref = self._ref_of(A)
-                A, Z = full_tensor(A), full_tensor(Z)
-                gram = A.double().mT @ A.double()
-                err = (gram - torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)).abs().max().item()
-                # rounding an orthonormal A to half precision moves A^T A by at most eps(dtype) (+ eps^2 / 4)
-                tol = 2 * torch.finfo(A.dtype).eps if is_half(A.dtype) else 1e-4
-                if err > tol:
-                    raise ValueError(
-                        f"{ref}: riemannion_A is not orthonormal (max |A^T A - I| = {err:.1e} > {tol}); it was "
-                        "changed outside the Riemannion optimizer, so the adapter is off the manifold"
-                    )
-                if Z.any():
-                    raise ValueError(
-                        f"{ref}: riemannion_Z is a gradient probe and must stay zero; it was changed outside the "
-                        "Riemannion optimizer (e.g. by AdamW)"
-                    )
-
-    def _ref_of(self, A: Tensor) -> AdapterRef | str:
-        return next((ref for ref in self._adapters if ref.A is A), "an adapter")
+    def _ref_of(self, A: Tensor) -> AdapterHandle | str:
+        return self._ref_by_A.get(id(A), "an adapter")
 
     # -- stepping -------------------------------------------------------------------------------------------------
 
@@ -369,7 +302,7 @@ class Riemannion(Optimizer):
             for n, i in enumerate(indices):
                 new_factors[i] = (new_point.A[n], new_point.B[n])
                 A_param, B_param = params[i]
-                if B_param.dtype == new_point.B.dtype and refs[i].layer.cache_right_basis:
+                if B_param.dtype == new_point.B.dtype:
                     bases[i] = new_point.B_R[n]  # the retraction's right_basis(B): the next forward uses it
                 if group["momentum"] > 0:  # clones: a view would make torch.save write the whole stacked buffer
                     state = self.state[A_param]
@@ -378,14 +311,15 @@ class Riemannion(Optimizer):
         # each process copies its rows of the new factors into its shards (no communication)
         write_full_tensors_([p for pair in params for p in pair], [f for pair in factors for f in pair])
         for i, basis in bases.items():  # after the write, which moves B's version (the layer's cache key)
-            refs[i].layer.set_right_basis(refs[i].adapter_name, basis)
+            refs[i].module.store_right_basis(refs[i].adapter_name, basis)
         for A_param, _ in params:
             self.state[A_param]["step"] = self.state[A_param].get("step", 0) + 1
 
-    def _right_basis(self, ref: AdapterRef, B: Tensor) -> Tensor:
+    def _right_basis(self, ref: AdapterHandle, B: Tensor) -> Tensor:
         # the layer's cached basis of its B (one QR shared with the forward), or, for a gathered FSDP2 shard (whose
         # layer recomputes it in every forward), the same deterministic QR of the whole B
-        return ref.layer.get_right_basis(ref.adapter_name) if ref.layer.cache_right_basis else right_basis(B)
+        cached = ref.module.cached_right_basis(ref.adapter_name)
+        return right_basis(B) if cached is None else cached
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state saved by ``state_dict()``, keeping the saved dtypes of floating state.
@@ -481,7 +415,7 @@ def create_riemannion_optimizer(
     variants = {"muon": Riemannion, "sgd": RiemannLoRA}
     if variant not in variants:
         raise ValueError(f"`variant` must be one of {sorted(variants)}, got {variant!r}")
-    if not any(ref.A.requires_grad for ref in find_adapters(model)):
+    if not any(ref.A.requires_grad for ref in find_fixed_rank_adapters(model)):
         raise ValueError(
             "create_riemannion_optimizer: the model has no trainable Riemannion adapter; build it with "
             "get_peft_model(model, RiemannionConfig(...)) and make sure the adapter is active"

@@ -227,6 +227,33 @@ class RiemannionLayer(AdapterLayer):
             )
         self._riemannion_B_R[adapter_name] = ((id(B), B.data_ptr(), B._version), B_R)
 
+    # -- peft_ext.optim.adapters.FixedRankAdapters: what the Riemannion optimizer reads and refreshes ---------------
+
+    def fixed_rank_adapters(self) -> list[str]:
+        """The names of this layer's adapters."""
+        return list(self.riemannion_A)
+
+    def fixed_rank_factors(self, adapter_name: str) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
+        """``(riemannion_A, riemannion_B, riemannion_Z)`` of ``adapter_name``."""
+        return (
+            self.riemannion_A[adapter_name],
+            self.riemannion_B[adapter_name],
+            self.riemannion_Z[adapter_name],
+        )
+
+    def cached_right_basis(self, adapter_name: str) -> Optional[torch.Tensor]:
+        """:meth:`get_right_basis`, or ``None`` when the cache is off (:attr:`cache_right_basis`)."""
+        return self.get_right_basis(adapter_name) if self.cache_right_basis else None
+
+    def store_right_basis(self, adapter_name: str, B_R: torch.Tensor) -> None:
+        """:meth:`set_right_basis` when the cache is on; nothing when it is off."""
+        if self.cache_right_basis:
+            self.set_right_basis(adapter_name, B_R)
+
+    def stop_caching_right_basis(self) -> None:
+        """Turn :attr:`cache_right_basis` off: ``B_R`` is recomputed in every forward."""
+        self.cache_right_basis = False
+
 
 class Linear(AdapterLinear, RiemannionLayer):
     """A ``torch.nn.Linear`` (or a bitsandbytes ``Linear8bitLt`` / ``Linear4bit``) ``base_layer`` with Riemannion
