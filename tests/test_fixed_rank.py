@@ -1,8 +1,7 @@
-"""Fixed-rank geometry in factored form against the dense m x n definitions, and against geoopt's Stiefel manifold."""
+"""Fixed-rank geometry in factored form against the dense m x n definitions (against geoopt's: test_geoopt.py)."""
 
 from __future__ import annotations
 
-import geoopt
 import pytest
 import torch
 
@@ -211,30 +210,6 @@ def test_manifold_object_speaks_geoopt_vocabulary():
         (tangent_to_dense(x, manifold.ortho(x, u)), tangent_to_dense(x, orthogonalize(x, u))),
     ]:
         torch.testing.assert_close(a, b)
-
-
-def test_left_factor_agrees_with_geoopt_stiefel_projection():
-    """A_dot is a Stiefel tangent vector at A, and equals the horizontal part of geoopt's Stiefel projection."""
-    x = _point()
-    stiefel = geoopt.EuclideanStiefel()
-    G = torch.randn(M, N, generator=_gen(9), dtype=F64)
-    grad = egrad2rgrad(x, G @ x.B_R, G.T @ x.A)
-    torch.testing.assert_close(stiefel.proju(x.A, grad.A_dot), grad.A_dot)  # already tangent to St(m, r)
-    horizontal = stiefel.proju(x.A, G @ x.B_R)
-    horizontal = horizontal - x.A @ (x.A.T @ horizontal)
-    torch.testing.assert_close(grad.A_dot, horizontal)
-
-
-def test_retraction_along_the_column_space_agrees_with_geoopt_stiefel_retraction():
-    """For xi = A_dot B_R^T, X + xi has rank r, so R(X + xi) = X + xi and span(A_new) = span(qf(A + A_dot R^-T))."""
-    x = _point()
-    R_B = torch.linalg.qr(x.B).R  # B = B_R R_B, the sign convention does not matter for the span
-    B_R = x.B @ torch.linalg.inv(R_B)
-    A_dot = _tangent(x).A_dot * 0.5
-    y = retr(x, TangentVector(A_dot, torch.zeros_like(x.B)))
-    torch.testing.assert_close(to_dense(y), to_dense(x) + A_dot @ B_R.T)  # exact: nothing to truncate
-    Q = geoopt.EuclideanStiefel().retr(x.A, A_dot @ torch.linalg.inv(R_B).T)
-    torch.testing.assert_close(y.A @ y.A.T, Q @ Q.T)
 
 
 def test_factored_operations_never_allocate_an_m_by_n_matrix():

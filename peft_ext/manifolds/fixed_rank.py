@@ -1,7 +1,6 @@
 """The manifold of fixed-rank matrices M_r = {X in R^{m x n} : rank X = r}, in factored form.
 
-Reference: docs/methods.md (Riemannion) (Riemannion, Bogachev et al., arXiv 2507.12142) and the standard fixed-rank
-geometry
+Reference: docs/methods.md (Riemannion; Bogachev et al., arXiv 2507.12142) and the standard fixed-rank geometry
 (Vandereycken 2013; Absil, Mahony & Sepulchre 2008).
 
 Representation, never an m x n matrix:
@@ -11,11 +10,12 @@ Representation, never an m x n matrix:
 - an ambient low-rank matrix is a pair ``(U, V)`` meaning ``U V^T``.
 
 Every factored operation costs O((m + n) r^2 + r^3) and accepts leading batch dimensions (a stack of same-shaped
-points is processed in one call, which is how the optimizer updates many adapters at once). The ``*_dense``
-functions at the end are the textbook m x n definitions, kept only as references for tests on small sizes.
+points is processed in one call, which is how the optimizer updates many adapters at once). The textbook m x n
+definitions, references for tests on small sizes, are in :mod:`.fixed_rank_dense`.
 
 The :class:`FixedRankManifold` object speaks geoopt's vocabulary (``proju``, ``egrad2rgrad``, ``retr``, ``transp``,
-``inner``) so optimizers can be written against it the way geoopt's optimizers are written against its manifolds.
+``inner``) so optimizers can be written against it the way geoopt's optimizers are written against its manifolds;
+:class:`~.geoopt_manifold.FactoredFixedRank` is the same geometry as a ``geoopt.Manifold``, for geoopt's optimizers.
 
 Half precision: the functions that factor (:func:`right_basis`, :func:`ortho_lowrank`, :func:`retr`,
 :func:`random_point` and the dense references) take bfloat16 / float16 factors, compute in float32 and return the
@@ -39,15 +39,12 @@ __all__ = [
     "TangentVector",
     "egrad2rgrad",
     "inner",
-    "ortho_dense",
     "ortho_lowrank",
     "orthogonalize",
     "proju",
-    "proju_dense",
     "random_point",
     "reorthonormalize",
     "retr",
-    "retr_dense",
     "right_basis",
     "stack_bases",
     "tangent_factors",
@@ -234,8 +231,8 @@ def egrad2rgrad(x: FixedRankPoint, grad_right: Tensor, grad_left: Tensor) -> Tan
     """The Riemannian gradient P_T(G) from the two products of the Euclidean gradient G that it needs.
 
     ``A_dot = (I - A A^T) G B_R`` and ``B_dot = G^T A`` (docs/methods.md (Riemannion), "Tangent space"). The
-    Riemannion layer
-    delivers both products from one backward pass (``dL/dZ1 = G B_R`` and ``dL/dB = G^T A``), so G is never formed.
+    Riemannion layer delivers both products from one backward pass (``dL/dZ1 = G B_R`` and ``dL/dB = G^T A``), so
+    G is never formed.
 
     Args:
         x: The point.
@@ -275,9 +272,8 @@ def ortho_lowrank(U: Tensor, V: Tensor, rtol: float | None = None) -> tuple[Tens
     """Orthogonalize the rank <= k matrix ``U V^T``: set its nonzero singular values to 1 (OrthoLR, without P_T).
 
     QR both tall factors, SVD the k x k core ``T_L T_R^T = P S Q^T``; the result is ``(Q_L P D)(Q_R Q)^T`` with
-    ``D = diag(S > rtol * S_max)``. Exact, so no Newton-Schulz iteration is needed (docs/methods.md (Riemannion) step
-    3). The mask keeps
-    the factor widths fixed (no data-dependent shapes, no host sync).
+    ``D = diag(S > rtol * S_max)``. Exact, so no Newton-Schulz iteration is needed (docs/methods.md (Riemannion)
+    step 3). The mask keeps the factor widths fixed (no data-dependent shapes, no host sync).
 
     Args:
         U: Left factor, shape (m, k).
@@ -305,8 +301,8 @@ def ortho_lowrank(U: Tensor, V: Tensor, rtol: float | None = None) -> tuple[Tens
 
 
 def orthogonalize(x: FixedRankPoint, u: TangentVector, rtol: float | None = None) -> TangentVector:
-    """The Riemannion direction ``P_T(Ortho(u))`` (docs/methods.md (Riemannion) step 3): orthogonalize in factored
-    form, re-project.
+    """The Riemannion direction ``P_T(Ortho(u))`` (docs/methods.md (Riemannion) step 3): orthogonalize in
+    factored form, re-project.
 
     The re-projection is needed because the polar factor of a tangent vector is in general not tangent: its part in
     ``range(A_dot) x range(B_dot)`` leaves the tangent space.
@@ -409,48 +405,3 @@ class FixedRankManifold:
     def norm(x: FixedRankPoint, u: TangentVector) -> Tensor:
         """Frobenius norm of a tangent vector."""
         return inner(x, u).sqrt()
-
-
-# --- dense references (m x n; tests only) ---------------------------------------------------------------------------
-
-
-def proju_dense(A: Tensor, B: Tensor, Z: Tensor) -> Tensor:
-    """``P_T(Z) = A A^T Z + (I - A A^T) Z B_R B_R^T`` with m x n matrices.
-
-    Args:
-        A: Left factor of the point (orthonormal columns).
-        B: Right factor of the point.
-        Z: The m x n matrix to project.
-    """
-    P_A = A @ A.mT
-    B_R = right_basis(B)
-    return P_A @ Z + (Z - P_A @ Z) @ B_R @ B_R.mT
-
-
-def retr_dense(Y: Tensor, r: int) -> Tensor:
-    """Best rank-r approximation of the m x n matrix ``Y`` by a full SVD (Eckart-Young).
-
-    Args:
-        Y: The matrix.
-        r: Target rank.
-    """
-    if is_half(Y.dtype):
-        return retr_dense(Y.float(), r).to(Y.dtype)
-    U, S, Vh = torch.linalg.svd(Y, full_matrices=False)
-    return (U[:, :r] * S[:r]) @ Vh[:r]
-
-
-def ortho_dense(Y: Tensor, rtol: float | None = None) -> Tensor:
-    """``Y`` with its nonzero singular values set to 1, by a full SVD.
-
-    Args:
-        Y: The matrix.
-        rtol: Relative threshold below which singular values count as zero (default ``max(m, n) * eps``).
-    """
-    if is_half(Y.dtype):
-        return ortho_dense(Y.float(), rtol).to(Y.dtype)
-    U, S, Vh = torch.linalg.svd(Y, full_matrices=False)
-    if rtol is None:
-        rtol = max(Y.shape) * torch.finfo(S.dtype).eps
-    keep = (S > rtol * S[:1]).to(S.dtype)
-    return (U * keep) @ Vh
