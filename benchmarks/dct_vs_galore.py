@@ -62,7 +62,7 @@ from benchmarks._lib.dct_tables import (
 from benchmarks._lib.protocol import Protocol, Study, log_grid, plot_lr_panels, single_task_train, tune_and_test
 from benchmarks._lib.tables import fmt_bytes, fmt_s, markdown_table
 from peft_ext.continual import run_sequence
-from peft_ext.continual.methods_optim import MAX_SHAPE, FullFineTune, is_projected, named_trainable
+from peft_ext.continual.methods.full_ft import MAX_SHAPE, FullFineTune, is_projected, named_trainable
 from peft_ext.optim.dct import clear_dct_cache, dct_cache_bytes
 
 
@@ -190,7 +190,7 @@ class MeasuredFullFineTune(FullFineTune):
 
     spec: dict[str, Any] = {}
 
-    def make_optimizer(self, model: nn.Module, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    def make_optimizer(self, model: nn.Module, params: list[nn.Parameter], ctx: Any) -> torch.optim.Optimizer:
         named = named_trainable(model, params)
         optimizer = build_optimizer(self.spec, named, self.options.lr)
         self.optimizer = optimizer

@@ -125,9 +125,11 @@ def main(argv: list[str] | None = None) -> None:
         if name == "pclr":
             original = method.after_task
 
-            def after_task(model, task_id, task, ctx, _original=original, _pools=pools, _survivors=survivors):
+            def after_task(
+                model, task_id, task, ctx, _original=original, _pools=pools, _survivors=survivors, _method=method
+            ):
                 out = _original(model, task_id, task, ctx)
-                _pools.append(ctx.state["pclr_pool"][-1])
+                _pools.append(_method.state["pclr_pool"][-1])
                 # which task each surviving rank of the first block came from: does a rule favour old or new ranks?
                 owner = next(iter(group_layers(model).values()))[0]
                 tags = owner.active_rank_task("default")

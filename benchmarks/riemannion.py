@@ -2,8 +2,8 @@
 
 Every method adapts the same modules (attention query and value of all 6 layers) at rank 16, trains the classification
 head with the same AdamW (same head lr), sees the same batches in the same order for a given seed, and gets the same
-step budget. Methods (continual-runner plugins, ``peft_ext/continual/methods_riemannion.py``, each run through
-``run_sequence`` as a one-task sequence):
+step budget. Methods (continual methods, ``peft_ext/continual/methods/riemannion.py`` and ``lora_opt.py``, each run
+through ``run_sequence`` as a one-task sequence):
 
 - ``riemannion_loi``: Riemannion (Muon on the fixed-rank manifold) from the LOI point;
 - ``riemannion_random``: Riemannion from a random point (the RiemannLoRA-style start);
@@ -255,13 +255,13 @@ def interleaved_timing(runner: Runner, labels: list[str], rounds: int, warmup: i
         engine = ContinualEngine(runner.sequence, method, collate, runner.train_config(0))
         model = method.before_task(engine.build(base), 0, task, engine.ctx)
         model.train()
-        params = trainable_parameters(method, model)
-        built[label] = (model, method, params, method.make_optimizer(model, params))
+        params = trainable_parameters(method, model, engine.ctx)
+        built[label] = (model, method, params, method.make_optimizer(model, params, engine.ctx), engine.ctx)
     batches = list(engine.ctx.iter_batches(task.train, rng=random.Random(0)))
 
     def step(label: str, batch: Any) -> None:  # one training step as the runner takes it
-        model, method, params, optimizer = built[label]
-        loss, _ = training_loss(model, method, batch, 0, None)
+        model, method, params, optimizer, ctx = built[label]
+        loss, _ = training_loss(model, method, batch, 0, None, ctx)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -358,7 +358,7 @@ def optimizers() -> list:
             "def galore(model):  # the harness's GaLore-AdamW construction (galore-torch), refresh every 500 steps\n"
             "    opts = dict(optimizer='galore_adamw', lr=FULL_LR, rank=RANK, scale=4.0, update_proj_gap=500,\n"
             "                target_modules=TARGETS)\n"
-            "    return get_continual_method('full_ft')(**opts).make_optimizer(model, trainable(model))\n"
+            "    return get_continual_method('full_ft')(**opts).make_optimizer(model, trainable(model), None)\n"
             "\n"
             "def dct_adamw(model):\n"
             "    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]\n"

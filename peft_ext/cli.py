@@ -180,7 +180,8 @@ def _cmd_table(args: argparse.Namespace) -> int:
 
 
 def _cmd_predict(args: argparse.Namespace) -> int:
-    from peft_ext.continual.trained import load_trained, read_texts, trained_folder
+    from peft_ext.continual.trained import load_trained, read_texts
+    from peft_ext.jobs.saved import trained_folder
 
     try:
         folder, why = trained_folder(args.source, args.method)

@@ -102,14 +102,14 @@ class ContractMLP(nn.Module):
 
 
 def run_recording_state(seq: TaskSequence, method, epochs: int = 2, batch_size: int = 8) -> tuple[dict, dict]:
-    """``run_sequence`` of ``method`` over ``seq`` on :func:`tiny_classifier`; returns the result and the run
-    context's ``state`` as it stood after the last ``after_task`` (what the method recorded there)."""
+    """``run_sequence`` of ``method`` over ``seq`` on :func:`tiny_classifier`; returns the result and the method's
+    ``state`` as it stood after the last ``after_task`` (what the method recorded there)."""
     recorded = {}
     original = method.after_task
 
     def after_task(model, task_id, task, ctx):
         out = original(model, task_id, task, ctx)
-        recorded.update(ctx.state)
+        recorded.update(method.state)
         return out
 
     method.after_task = after_task

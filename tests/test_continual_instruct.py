@@ -88,7 +88,7 @@ def _run(seq: TaskSequence, collate: CausalLMCollator, name: str):
     engine = ContinualEngine(seq, method, collate, train)
     model = engine.build(tiny_llama(vocab_size=TOK.vocab_size, hidden_size=32))
     record = RunRecord.empty(len(seq))
-    trainer = _CheckingTrainer(method, engine.ctx)
+    trainer = _CheckingTrainer(engine)
     model = engine.run(model, trainer, record)
     return engine, model, record, trainer.reference
 
@@ -154,7 +154,8 @@ def test_loss_is_next_token_cross_entropy_on_answer_tokens_only(seq, collate):
     assert abs(float(next_token_loss(logits, leaky)) - loss) > 1e-3
     # the engine's training loss dispatches a 2-D-label batch to the same loss
     method = get_continual_method("seq_lora")(**METHODS["seq_lora"])
-    assert float(training_loss(model, method, batch, 0, None)[0]) == pytest.approx(loss, rel=1e-6)
+    ctx = ContinualEngine(seq, method, collate, TrainConfig(progress=False)).ctx
+    assert float(training_loss(model, method, batch, 0, None, ctx)[0]) == pytest.approx(loss, rel=1e-6)
 
 
 # --- the four methods end to end -------------------------------------------------------------------------------------

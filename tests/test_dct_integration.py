@@ -13,7 +13,7 @@ from transformers import BertConfig, BertModel, Trainer, TrainingArguments
 
 from peft_ext.continual import TrainConfig, get_continual_method, run_sequence
 from peft_ext.continual.config import ConfigError, config_from_dict, load_config
-from peft_ext.continual.methods_optim import FullFineTune, is_projected
+from peft_ext.continual.methods.full_ft import FullFineTune, is_projected
 from peft_ext.models import SentenceClassifier
 from peft_ext.optim import DCTAdamW
 
@@ -209,12 +209,12 @@ def test_full_ft_builds_the_optimizer_it_names():
 
     model = tiny_classifier(4)
     params = list(model.parameters())
-    adamw = FullFineTune(optimizer="adamw", lr=1e-3).make_optimizer(model, params)
+    adamw = FullFineTune(optimizer="adamw", lr=1e-3).make_optimizer(model, params, None)
     assert type(adamw) is torch.optim.AdamW
-    dct = FullFineTune(optimizer="dct_adamw", lr=1e-3, rank=4, moments_8bit=True).make_optimizer(model, params)
+    dct = FullFineTune(optimizer="dct_adamw", lr=1e-3, rank=4, moments_8bit=True).make_optimizer(model, params, None)
     assert isinstance(dct, DCTAdamW) and dct.param_groups[0]["update_proj_gap"] == 1
     assert dct.param_groups[0]["moments_8bit"]
-    galore = FullFineTune(optimizer="galore_adamw", lr=1e-3, rank=4).make_optimizer(model, params)
+    galore = FullFineTune(optimizer="galore_adamw", lr=1e-3, rank=4).make_optimizer(model, params, None)
     assert isinstance(galore, GaLoreAdamW)
     projected_group = next(g for g in galore.param_groups if "rank" in g)
     assert projected_group["update_proj_gap"] == 200 and projected_group["rank"] == 4

@@ -32,7 +32,7 @@ def _engine(seq, method, config=FAST):
 
 def _run(engine, model, seq, trainer=None):
     record = RunRecord.empty(len(seq))
-    model = engine.run(model, trainer or LoopTrainer(engine.method, engine.ctx), record)
+    model = engine.run(model, trainer or LoopTrainer(engine), record)
     return model, engine.result(model, record)
 
 
@@ -165,7 +165,7 @@ def test_cosine_head_leaves_earlier_rows_bitwise_unchanged(seq):
             (head,) = heads
             rows.append(torch.where(head.frozen[:, None], head.frozen_weight, head.weight).detach().clone())
 
-    model, result = _run(engine, model, seq, Recording(method, engine.ctx))
+    model, result = _run(engine, model, seq, Recording(engine))
     assert torch.equal(rows[1][:2], rows[0][:2])  # task 0's classes after task 1
     assert torch.equal(rows[2][:4], rows[1][:4])  # tasks 0 and 1's classes after task 2
     assert not torch.equal(rows[1][2:4], rows[0][2:4])  # the task being learned moves

@@ -126,7 +126,7 @@ def drive(driver: str, name: str, seq, tmp_path: Path, backbone: Path | None = N
         return run_sequence(seq, method, tiny_classifier(seq.num_classes), stack_collate, config).to_dict()
     if driver == "trainer":
         # killed mid-task (task 1, or the joint phase, at step 3: after checkpoint-2) and resumed from there
-        stop = KillAt(0 if get_continual_method(name).joint else 1, 3)
+        stop = KillAt(0 if get_continual_method(name).trains_on_union else 1, 3)
         with pytest.raises(Interrupt):
             run_continual_with_trainer(*trainer_run(name, seq, tmp_path), callbacks=[stop])
         result, _ = run_continual_with_trainer(*trainer_run(name, seq, tmp_path))
@@ -149,7 +149,7 @@ def drive(driver: str, name: str, seq, tmp_path: Path, backbone: Path | None = N
         if record.completed == 2:
             raise KeyboardInterrupt
 
-    if get_continual_method(name).joint:  # one phase: nothing to interrupt between tasks
+    if get_continual_method(name).trains_on_union:  # one phase: nothing to interrupt between tasks
         assert main(["run", str(cfg), "--no-progress"]) == 0
     else:
         with monkeypatch.context() as patch:
@@ -176,7 +176,7 @@ def test_olora_penalizes_overlap_with_every_earlier_task_A(driver, seq, tmp_path
     the report counts the rows covered. With the penalty lost the first assertion on task 1 fails."""
     from peft.tuners.lora import LoraLayer
 
-    from peft_ext.continual.methods_splitlora import OLoRAMethod
+    from peft_ext.continual.methods.olora import OLoRAMethod
 
     trained: dict[int, dict[str, torch.Tensor]] = {}  # task -> layer -> A at the end of the task
     penalties: dict[int, list] = defaultdict(list)  # task -> (loss term, recomputed from `trained`) per step
@@ -237,14 +237,14 @@ def test_inflora_new_A_is_orthogonal_to_its_memory_and_the_memory_grows(
     input directions, stays fixed while ``B`` trains, and the memory grows after every task."""
     from peft.tuners.lora import LoraLayer
 
-    from peft_ext.continual.methods_splitlora import InfLoRAMethod
+    from peft_ext.continual.methods.inflora import InfLoRAMethod
 
     started: dict[int, dict[str, torch.Tensor]] = {}
     residual: dict[int, float] = {}
     memory_after: dict[int, dict[str, int]] = {}
 
     def check_new_A(self, model, model_in, task_id, task, ctx):
-        memory = ctx.state.get("inflora_memory", {})
+        memory = self.state.get("inflora_memory", {})
         layers = layers_of(model, LoraLayer)
         started[task_id] = {n: m.lora_A["default"].weight.detach().clone() for n, m in layers.items()}
         assert all(not m.lora_A["default"].weight.requires_grad for m in layers.values()), "A must be frozen"
@@ -259,7 +259,7 @@ def test_inflora_new_A_is_orthogonal_to_its_memory_and_the_memory_grows(
             assert torch.equal(m.lora_A["default"].weight, started[task_id][n]), f"A of {n} moved during training"
 
     def record_memory(self, out, model, task_id, task, ctx):
-        memory_after[task_id] = {n: m.shape[1] for n, m in ctx.state["inflora_memory"].items()}
+        memory_after[task_id] = {n: m.shape[1] for n, m in self.state["inflora_memory"].items()}
 
     observe(monkeypatch, InfLoRAMethod, "before_task", after=check_new_A)
     observe(monkeypatch, InfLoRAMethod, "after_task", before=check_trained, after=record_memory)
@@ -288,7 +288,7 @@ def test_osf_update_stays_out_of_the_preserved_subspace_which_grows(driver, seq,
     grows over the sequence."""
     from peft.tuners.osf.layer import OSFLayer
 
-    from peft_ext.continual.methods_splitlora import OSFMethod
+    from peft_ext.continual.methods.osf import OSFMethod
 
     blocks: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
     ranks: dict[int, int] = {}
@@ -331,7 +331,7 @@ def test_splitlora_update_lies_in_the_minor_subspace_of_earlier_inputs(
     """From task 1 on, each module's trained update ``B A`` has its row space inside the minor subspace of the
     earlier tasks' input covariance: ``|B A V_p|`` is zero to rounding, with ``V_p`` the top ``primary`` eigenvectors
     computed here, independently, from the running covariance in float64."""
-    from peft_ext.continual.methods_splitlora import SplitLoRAMethod
+    from peft_ext.continual.methods.splitlora import SplitLoRAMethod
     from peft_ext.tuners.splitlora import SplitLoRALayer
 
     majors: dict[int, dict[str, torch.Tensor]] = {}
@@ -372,7 +372,7 @@ def test_splitlora_update_lies_in_the_minor_subspace_of_earlier_inputs(
 def test_pclr_adds_new_ranks_per_task_within_the_pool_cap(driver, seq, tmp_path, tiny_backbone, monkeypatch):
     """Every task trains its own ``NEW_RANKS`` new ranks while the finished tasks' ranks stay frozen (static), and
     the pool never holds more than ``pool_size`` ranks: after task 1 it is full and must compress."""
-    from peft_ext.continual.methods_pclr import PCLRMethod
+    from peft_ext.continual.methods.pclr import PCLRMethod
     from peft_ext.tuners.pclr import PCLRLayer
 
     counts: dict[int, list[tuple[int, int]]] = {}
@@ -413,7 +413,7 @@ def test_seq_lora_trains_one_adapter_on_from_where_the_last_task_left_it(
     re-wraps), each task moves them, and the backbone never changes."""
     from peft.tuners.lora import LoraLayer
 
-    from peft_ext.continual.methods import SequentialLoRA
+    from peft_ext.continual.methods.seq_lora import SequentialLoRA
 
     def weights(model):
         layers = layers_of(model, LoraLayer)
@@ -454,7 +454,7 @@ def test_seq_lora_trains_one_adapter_on_from_where_the_last_task_left_it(
 
 @pytest.mark.parametrize("driver", DRIVERS)
 def test_joint_trains_once_on_the_union_and_fills_only_the_last_row(driver, seq, tmp_path, tiny_backbone, monkeypatch):
-    from peft_ext.continual.methods import JointLoRA
+    from peft_ext.continual.methods.joint import JointLoRA
 
     phases: list[tuple[int, int]] = []
     observe(
@@ -471,7 +471,7 @@ def test_joint_trains_once_on_the_union_and_fills_only_the_last_row(driver, seq,
 
 
 def test_frozen_linear_keeps_the_backbone_and_trains_the_head(seq, tmp_path, tiny_backbone, monkeypatch):
-    from peft_ext.continual.methods import FrozenLinear
+    from peft_ext.continual.methods.frozen_linear import FrozenLinear
 
     seen: dict[int, tuple[dict, torch.Tensor]] = {}
 
@@ -539,7 +539,7 @@ def run_single_task(driver: str, key: str, tmp_path: Path) -> dict:
 def test_riemannion_steps_stay_on_the_fixed_rank_manifold(driver, tmp_path, monkeypatch):
     """Every optimizer step keeps each adapter a rank-``r`` point with orthonormal ``A`` and the probe ``Z`` at zero,
     and moves the point ``X = A B^T``; LOI starts it away from zero delta-free (the output is unchanged at init)."""
-    from peft_ext.continual.methods_riemannion import RiemannionMethod
+    from peft_ext.continual.methods.riemannion import RiemannionMethod
     from peft_ext.tuners.riemannion import RiemannionLayer
 
     points: dict[str, torch.Tensor] = {}
@@ -571,7 +571,7 @@ def test_low_rank_optimizers_update_projected_weights_in_rank_r_steps(optimizer,
     """DCT-AdamW and GaLore-AdamW: each step changes a projected weight (``query`` / ``value``) by a matrix of rank
     at most ``rank`` (the update is the projection of a rank-``r`` Adam step), while the other weights take full
     steps."""
-    from peft_ext.continual.methods_optim import FullFineTune
+    from peft_ext.continual.methods.full_ft import FullFineTune
 
     before: dict[str, torch.Tensor] = {}
     ranks: dict[str, int] = {}

@@ -10,7 +10,7 @@ import torch
 
 from peft_ext.continual import RunContext, TrainConfig, get_continual_method, run_sequence
 from peft_ext.continual.config import ConfigError, load_config
-from peft_ext.continual.methods_riemannion import StepTogether
+from peft_ext.continual.methods.lora_opt import StepTogether
 from peft_ext.optim import Riemannion, RiemannLoRA
 from peft_ext.tuners.riemannion import find_adapters
 
@@ -65,11 +65,11 @@ def test_riemannion_builds_the_optimizer_and_loi_keeps_the_output(seq):
         before = model(**inputs).logits
     starts = [ref.A.detach().clone() for ref in find_adapters(model)]
     model = method.before_task(model, 0, seq.tasks[0], ctx)
-    assert ctx.state["loi_seconds"] > 0
+    assert method.state["loi_seconds"] > 0
     assert all(not torch.equal(a, ref.A) for a, ref in zip(starts, find_adapters(model))), "LOI did not run"
     with torch.no_grad():
         torch.testing.assert_close(model(**inputs).logits, before, atol=1e-5, rtol=1e-5)
-    optimizer = method.make_optimizer(model, method.trainable_parameters(model))
+    optimizer = method.make_optimizer(model, method.trainable_parameters(model, ctx), ctx)
     assert type(optimizer) is RiemannLoRA
     assert {g["lr"] for g in optimizer.param_groups} == {0.05, 1e-3}
     # the second task continues from the trained point: no second LOI
@@ -98,14 +98,14 @@ def test_lora_peer_optimizers_keep_the_head_on_adamw(seq):
     for name in ("riemannian_precond", "muon"):
         method = get_continual_method("lora_opt")(lr=2e-3, head_lr=1e-2, optimizer=name, adapter=lora_adapter(4))
         model = method.build(tiny_classifier(seq.num_classes), ctx)
-        optimizer = method.make_optimizer(model, method.trainable_parameters(model))
+        optimizer = method.make_optimizer(model, method.trainable_parameters(model, ctx), ctx)
         assert isinstance(optimizer, StepTogether)
         adapter, head = optimizer.optimizers
         assert isinstance(head, torch.optim.AdamW) and head.param_groups[0]["lr"] == 1e-2
         names = {id(p): n for n, p in model.named_parameters()}
         assert all("classifier" in names[id(p)] for g in head.param_groups for p in g["params"])
         assert all("lora_" in names[id(p)] for g in adapter.param_groups for p in g["params"])
-        assert all(p.requires_grad for p in method.trainable_parameters(model))
+        assert all(p.requires_grad for p in method.trainable_parameters(model, ctx))
 
 
 def test_lora_ga_rewrites_the_base_but_keeps_the_output(seq):

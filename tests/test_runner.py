@@ -95,7 +95,7 @@ def test_class_incremental_evaluation_scores_against_all_seen_classes():
         name = "noop_test"
         options_cls = MethodOptions
 
-        def make_optimizer(self, model, params):
+        def make_optimizer(self, model, params, ctx):
             return torch.optim.SGD(params, lr=0.0)
 
     ex = lambda c: Example(torch.zeros(2, dtype=torch.long), c)  # noqa: E731
@@ -199,7 +199,7 @@ class _Hooks(ContinualMethod):
 
     def __init__(self, log: list, joint: bool = False) -> None:
         super().__init__()
-        self.log, self.joint = log, joint
+        self.log, self.trains_on_union = log, joint
 
     def before_task(self, model, task_id, task, ctx):
         self.log.append(("before", task_id))

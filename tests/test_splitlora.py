@@ -17,15 +17,15 @@ from torch import nn
 import peft_ext
 from peft_ext import SplitLoRAConfig
 from peft_ext.continual import RunContext, TrainConfig, get_continual_method, run_sequence
-from peft_ext.continual.methods_splitlora import gpm_update, inflora_A, input_covariances
+from peft_ext.continual.methods.covariance import input_covariances
+from peft_ext.continual.methods.inflora import gpm_update, inflora_A
 from peft_ext.models import tiny_bert
 from peft_ext.tuners.splitlora import SPLITLORA, SplitLoRALayer, SplitLoRAModel
+from peft_ext.tuners.splitlora.covariance import fd_compress, fd_update
 from peft_ext.tuners.splitlora.sequence_state import SEQUENCE_STATE_FILE
-from peft_ext.tuners.splitlora.stats import (
+from peft_ext.tuners.splitlora.subspace import (
     choose_split,
     closed_form_split,
-    fd_compress,
-    fd_update,
     kaiming_lora_A,
     primary_dimension,
     seeded_generator,

@@ -11,9 +11,9 @@ import torch
 
 from benchmarks._lib.splitlora_variants import AdaptiveSplitLoRA, RecordedSplitLoRA
 from peft_ext.continual import TrainConfig, run_sequence
-from peft_ext.continual.methods_splitlora import SplitLoRAOptions
+from peft_ext.continual.methods.splitlora import SplitLoRAOptions
 from peft_ext.tuners.splitlora import SplitLoRAConfig, SplitLoRALayer
-from peft_ext.tuners.splitlora.stats import kaiming_lora_A, seeded_generator
+from peft_ext.tuners.splitlora.subspace import kaiming_lora_A, seeded_generator
 
 from .helpers import QUERY_VALUE, stack_collate, tiny_classifier, token_sequence
 

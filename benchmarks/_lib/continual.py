@@ -353,8 +353,8 @@ class Instrumented:
             torch.set_rng_state(torch_state)
             random.setstate(py_state)
 
-    def make_optimizer(self, model: nn.Module, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        optimizer = self.method.make_optimizer(model, params)
+    def make_optimizer(self, model: nn.Module, params: list[nn.Parameter], ctx: Any) -> torch.optim.Optimizer:
+        optimizer = self.method.make_optimizer(model, params, ctx)
         last: list[float | None] = [None]
         steps = [0]
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from peft_ext.continual.methods_optim import is_projected
+from peft_ext.continual.methods.full_ft import is_projected
 from peft_ext.optim.dct import dct2, dct_matrix, dct_select, projection_side
 from peft_ext.optim.subspace import coordinate_select, power_refresh
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from peft_ext.continual.methods_splitlora import SplitLoRAMethod
+from peft_ext.continual.methods.splitlora import SplitLoRAMethod
 
 
 class WithinTaskMixin:
@@ -18,11 +18,11 @@ class WithinTaskMixin:
 
     def after_task(self, model: torch.nn.Module, task_id: int, task: Any, ctx: Any) -> torch.nn.Module:
         model = super().after_task(model, task_id, task, ctx)
-        ctx.state.setdefault("within_task", []).append(own_classes_accuracy(model, task.test, task, ctx))
+        self.state.setdefault("within_task", []).append(own_classes_accuracy(model, task.test, task, ctx))
         return model
 
     def report(self, ctx: Any) -> dict[str, Any]:
-        return {**super().report(ctx), "within_task": list(ctx.state.get("within_task", []))}
+        return {**super().report(ctx), "within_task": list(self.state.get("within_task", []))}
 
 
 def own_classes_accuracy(model: torch.nn.Module, examples: list[Any], task: Any, ctx: Any) -> float:
@@ -50,7 +50,7 @@ class RecordedSplitLoRA(WithinTaskMixin, SplitLoRAMethod):
 
     def build(self, base_model: torch.nn.Module, ctx: Any) -> torch.nn.Module:
         model = super().build(base_model, ctx)
-        splits: list[dict[str, list[int]]] = ctx.state.setdefault("ablation_splits", [])
+        splits: list[dict[str, list[int]]] = self.state.setdefault("ablation_splits", [])
         end_task = model.end_task
 
         def recording(*args: Any, **kwargs: Any) -> Any:
@@ -62,7 +62,7 @@ class RecordedSplitLoRA(WithinTaskMixin, SplitLoRAMethod):
         return model
 
     def report(self, ctx: Any) -> dict[str, Any]:
-        return {**super().report(ctx), "splits": list(ctx.state.get("ablation_splits", []))}
+        return {**super().report(ctx), "splits": list(self.state.get("ablation_splits", []))}
 
 
 class AdaptiveSplitLoRA(RecordedSplitLoRA):
@@ -98,7 +98,7 @@ class AdaptiveSplitLoRA(RecordedSplitLoRA):
         if not task.validation:
             raise ValueError(f"the adaptive SplitLoRA needs held-out (validation) examples in task {task.name!r}")
         model = super().before_task(model, task_id, task, ctx)
-        state = ctx.state.setdefault("adaptive", {"gain": 1.0, "accuracy": [], "gain_used": [], "trade_off": []})
+        state = self.state.setdefault("adaptive", {"gain": 1.0, "accuracy": [], "gain_used": [], "trade_off": []})
         gain = state["gain"] if self.knob == "norm" and task_id > 0 else 1.0
         # at most the kaiming norm: inverse_task divided it by t + 1 (constant: already there)
         gain = min(gain, task_id + 1.0 if self.options.adapter.init_scaling == "inverse_task" else 1.0)
@@ -110,7 +110,7 @@ class AdaptiveSplitLoRA(RecordedSplitLoRA):
         return model
 
     def after_task(self, model: torch.nn.Module, task_id: int, task: Any, ctx: Any) -> torch.nn.Module:
-        state = ctx.state["adaptive"]
+        state = self.state["adaptive"]
         accuracy = own_classes_accuracy(model, task.validation, task, ctx)
         state["accuracy"].append(accuracy)
         if task_id > 0 and accuracy < self.tolerance * state["accuracy"][0]:
@@ -124,5 +124,5 @@ class AdaptiveSplitLoRA(RecordedSplitLoRA):
         return super().after_task(model, task_id, task, ctx)
 
     def report(self, ctx: Any) -> dict[str, Any]:
-        state = ctx.state.get("adaptive", {})
+        state = self.state.get("adaptive", {})
         return {**super().report(ctx), "adaptive": {k: v for k, v in state.items() if k != "gain"}}

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 from ..data.tasks import Example, Task, TaskSequence
-
-# Importing the plugin modules registers their methods: full_ft; pclr; riemannion, lora_opt;
-# splitlora, inflora, olora, osf; ncm, slda, ranpac.
-from . import methods_optim, methods_pclr, methods_riemannion, methods_splitlora, methods_training_free  # noqa: F401
 from .context import RunContext, TrainConfig
 from .engine import ContinualEngine, MethodResult, Phase, RunRecord, TaskTrainer, evaluate
 from .generation import evaluate_generation, next_token_loss, prompt_query

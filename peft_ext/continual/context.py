@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 import torch
@@ -214,21 +214,20 @@ def eval_classes(sequence: TaskSequence, trained_upto: int, task_id: int) -> lis
 
 @dataclass
 class RunContext:
-    """What a method sees of the run: the sequence, the training settings, and a scratch dict for its own state.
+    """What a method's hooks see of the run: the sequence, the training settings, the collate and the device (what
+    the method keeps across tasks is its own :attr:`~peft_ext.continual.ContinualMethod.state`).
 
     Args:
         sequence: The task sequence.
         train: The training settings.
         collate: Turns a list of examples into a batch dict with ``labels``.
         device: The device the model runs on.
-        state: The method's own state across tasks (saved with the Trainer driver's checkpoints).
     """
 
     sequence: TaskSequence
     train: TrainConfig
     collate: Collate
     device: torch.device
-    state: dict[str, Any] = field(default_factory=dict)
 
     def to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
         """``batch`` on the run's device."""

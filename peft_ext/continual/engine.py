@@ -145,16 +145,21 @@ class TaskTrainer:
         """Called once the phase is evaluated and recorded (log it, save a snapshot)."""
 
 
-def trainable_parameters(method: ContinualMethod, model: nn.Module) -> list[nn.Parameter]:
-    """``method.trainable_parameters(model)``, refusing an empty list (nothing would train)."""
-    params = method.trainable_parameters(model)
+def trainable_parameters(method: ContinualMethod, model: nn.Module, ctx: RunContext) -> list[nn.Parameter]:
+    """``method.trainable_parameters(model, ctx)``, refusing an empty list (nothing would train)."""
+    params = method.trainable_parameters(model, ctx)
     if not params:
         raise ValueError(f"method {method.name!r} left no trainable parameters")
     return params
 
 
 def training_loss(
-    model: nn.Module, method: ContinualMethod, batch: dict[str, Any], task_id: int, mask: Optional[torch.Tensor]
+    model: nn.Module,
+    method: ContinualMethod,
+    batch: dict[str, Any],
+    task_id: int,
+    mask: Optional[torch.Tensor],
+    ctx: RunContext,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The loss every driver trains on: masked cross-entropy plus the method's ``extra_loss``.
 
@@ -168,6 +173,7 @@ def training_loss(
         batch: A collated batch with ``labels``, on the model's device.
         task_id: The task being trained.
         mask: Boolean mask of the logits the loss sees (``None``: all).
+        ctx: The run context (passed to ``extra_loss``).
 
     Returns:
         ``(loss, masked logits)``.
@@ -182,7 +188,7 @@ def training_loss(
         loss = next_token_loss(logits, batch["labels"])
     else:
         loss, logits = masked_cross_entropy(model_logits(model, batch), batch["labels"], mask)
-    extra = method.extra_loss(model, batch, task_id)
+    extra = method.extra_loss(model, batch, task_id, ctx)
     if extra is not None:
         loss = loss + extra
     if not torch.isfinite(loss):
@@ -276,14 +282,13 @@ def check_heads(sequence: TaskSequence, method: ContinualMethod, heads: Optional
             f"a generation sequence ({sequence.name!r}) scores generated answers, not classes: method "
             f"{method.label!r} takes no `head` or `compare_heads` there"
         )
-    for head in heads:
-        needs = head.needs_validation()
-        if needs and not any(task.validation for task in sequence.tasks):
-            raise ValueError(
-                f"the {head.name!r} head of method {method.label!r} (`{needs}`) chooses on a validation split, and "
-                f"{sequence.name!r} has none: set `data.val_per_class` (shipped data sets) or `data.validation` / "
-                "`data.validation_share` (your files), or give the head a fixed value"
-            )
+    needs = method.needs_validation()
+    if needs and not any(task.validation for task in sequence.tasks):
+        raise ValueError(
+            f"method {method.label!r} (`{needs}`) chooses on a validation split, and {sequence.name!r} has none: set "
+            "`data.val_per_class` (shipped data sets) or `data.validation` / `data.validation_share` (your files), "
+            "or give the head a fixed value"
+        )
 
 
 class ContinualEngine:
@@ -321,6 +326,7 @@ class ContinualEngine:
             require_causal_collate(collate)
         self.sequence = sequence
         self.method = method
+        method.load_state_dict({})  # a fresh run: nothing kept from an earlier one
         self.ctx = RunContext(sequence=sequence, train=train, collate=collate, device=device or train.resolve_device())
         self.head = build_head(method.head, sequence.num_classes, seed=train.seed)
         #: Per task of the final row, whether the method got each test example right ("0"/"1" per example).
@@ -346,7 +352,7 @@ class ContinualEngine:
         sequence, label = self.sequence, self.method.label
         # a generation loss ranges over the vocabulary: no class mask
         generation = sequence.kind == "generation"
-        if self.method.joint:
+        if self.method.trains_on_union:
             T = len(sequence)
             union = Task("joint", sequence.classes_seen(T - 1), [ex for t in sequence.tasks for ex in t.train], [])
             allowed = None if generation or self.ctx.train.train_logit_mask == "all" else union.classes
@@ -356,14 +362,10 @@ class ContinualEngine:
             for i, task in enumerate(sequence.tasks)
         ]
 
-    def evaluate_row(self, model: nn.Module, row: int) -> list[float]:
-        """Accuracy (exact match for a generation sequence) on the test sets of tasks ``0..row`` after training up to
-        phase row ``row``."""
-        return self.score_row(model, row)[0]
-
     def score_row(self, model: nn.Module, row: int) -> tuple[list[float], dict[str, list[float]]]:
-        """:meth:`evaluate_row`'s scores, and the further scores of the row by name (a generation sequence:
-        ``rouge_l`` and ``answer_loss`` of :func:`~.generation.generation_scores`; none for classification)."""
+        """Accuracy (exact match for a generation sequence) on the test sets of tasks ``0..row`` after training up to
+        phase row ``row``, and the further scores of the row by name (a generation sequence: ``rouge_l`` and
+        ``answer_loss`` of :func:`~.generation.generation_scores`; none for classification)."""
         ctx, sequence = self.ctx, self.sequence
         extra: dict[str, list[float]] = {}
         row_scores = []
@@ -393,24 +395,36 @@ class ContinualEngine:
             row_scores.append(score)
         return row_scores, extra
 
-    def learn_heads(self, model: nn.Module, phase: Phase) -> None:
-        """Every head reads the phase's training data (a no-op for heads the model trains); their states go to
-        ``ctx.state["heads"]`` so a snapshot holds them."""
+    def _feature_heads(self) -> dict[str, ContinualHead]:
+        """The heads that learn from features (the model's own classifier keeps its state in the model), by key."""
         heads = {"head": self.head, **self.compared}
-        readers = {key: head for key, head in heads.items() if head.reads_features}
-        if not readers:  # the model's own classifier scores: nothing to read, nothing to save
-            return
-        learn_heads(list(readers.values()), model, phase.task_id, phase.task, self.ctx)
-        states = self.ctx.state.setdefault("heads", {})
-        for key, head in readers.items():
-            states[key] = head.state_dict()
+        return {key: head for key, head in heads.items() if head.reads_features}
 
-    def restore_heads(self) -> None:
-        """Load the heads' states from ``ctx.state`` (a resumed run's snapshot), if it holds them."""
-        states = self.ctx.state.get("heads", {})
-        for key, head in (("head", self.head), *self.compared.items()):
-            if key in states:
-                head.load_state_dict(states[key])
+    def learn_heads(self, model: nn.Module, phase: Phase) -> None:
+        """Every head that learns from features reads the phase's training data."""
+        readers = self._feature_heads()
+        if readers:
+            learn_heads(list(readers.values()), model, phase.task_id, phase.task, self.ctx)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the run keeps beside the model: the method's state and the feature heads' states (loadable with
+        ``torch.load(weights_only=True)``)."""
+        return {
+            "method": self.method.state_dict(),
+            "heads": {key: head.state_dict() for key, head in self._feature_heads().items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (a resumed run's snapshot).
+
+        A snapshot written before the method and the heads were saved apart holds one mapping, the heads under
+        ``"heads"`` beside the method's own keys; it is read as such."""
+        if "method" not in state:
+            state = {"method": {k: v for k, v in state.items() if k != "heads"}, "heads": state.get("heads", {})}
+        self.method.load_state_dict(state["method"])
+        for key, head in self._feature_heads().items():
+            if key in state["heads"]:
+                head.load_state_dict(state["heads"][key])
 
     def run(self, model: nn.Module, trainer: TaskTrainer, record: RunRecord) -> nn.Module:
         """Run the phases not yet in ``record``; return the final model.
@@ -422,7 +436,6 @@ class ContinualEngine:
         """
         method, ctx = self.method, self.ctx
         phases = self.phases()
-        self.restore_heads()
         for phase in phases[record.completed :]:
             start = time.perf_counter()
             trainer.prepare(phase)
@@ -459,7 +472,7 @@ class ContinualEngine:
 
     def matrix_metrics(self, R: list[list[Optional[float]]]) -> dict[str, Optional[float]]:
         """:meth:`metrics` of one accuracy matrix ``R``."""
-        if self.method.joint:
+        if self.method.trains_on_union:
             T = len(R)
             # Only the last row exists: forgetting and transfer are undefined for a model trained once.
             return {

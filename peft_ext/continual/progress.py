@@ -1,6 +1,7 @@
 """End-of-task snapshots: what a continual run needs to continue after its last finished task, exactly.
 
-A snapshot holds the model's state dict, the method's ``ctx.state`` (generators stored as their state tensor, so
+A snapshot holds the model's state dict, the run's state beside the model (the method's and the feature heads':
+:meth:`~peft_ext.continual.ContinualEngine.state_dict`; generators stored as their state tensor, so
 ``torch.load(weights_only=True)`` reads it back) and, for drivers whose random streams run on across tasks, the
 random generators' states. :class:`TaskProgress` keeps the latest snapshot and the run's :class:`RunRecord` in a
 folder, for :func:`~peft_ext.continual.run_sequence` (``peft-ext run`` gives every method one); the Trainer driver
@@ -23,6 +24,7 @@ from torch import nn
 
 from ..fileperm import atomic_write
 from .engine import RunRecord
+from .state_codec import decode_state, encode_state
 
 __all__ = [
     "TaskProgress",
@@ -35,8 +37,6 @@ __all__ = [
     "write_json_atomic",
 ]
 
-_GENERATOR_KEY = "__torch_generator_state__"
-
 
 def save_atomic(obj: Any, path: Path) -> None:
     """``torch.save(obj, path)`` without ever leaving a half-written ``path``."""
@@ -46,30 +46,6 @@ def save_atomic(obj: Any, path: Path) -> None:
 def write_json_atomic(obj: Any, path: Path) -> None:
     """``obj`` as JSON in ``path``, written atomically."""
     atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=1)))
-
-
-def encode_state(obj: Any) -> Any:
-    """Make a method's ``ctx.state`` loadable with ``weights_only=True`` (generators become their state tensor)."""
-    if isinstance(obj, torch.Generator):
-        return {_GENERATOR_KEY: obj.get_state()}
-    if isinstance(obj, dict):
-        return {k: encode_state(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(encode_state(v) for v in obj)
-    return obj
-
-
-def decode_state(obj: Any) -> Any:
-    """The inverse of :func:`encode_state`."""
-    if isinstance(obj, dict):
-        if set(obj) == {_GENERATOR_KEY}:
-            generator = torch.Generator()
-            generator.set_state(obj[_GENERATOR_KEY])
-            return generator
-        return {k: decode_state(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(decode_state(v) for v in obj)
-    return obj
 
 
 def random_state() -> dict[str, Any]:
@@ -156,20 +132,18 @@ class TaskProgress:
             raise ValueError(f"{path} belongs to another run; (saved, now) differ in {differs}")
         return RunRecord.from_dict(saved)
 
-    def restore(self, model: nn.Module, method_state: dict[str, Any], record: RunRecord) -> None:
-        """Load the snapshot of ``record``'s last finished task into a freshly built ``model`` and ``method_state``
-        (cleared first), and restore the random generators; nothing to do for an empty record."""
+    def restore(self, model: nn.Module, record: RunRecord) -> Optional[dict[str, Any]]:
+        """Load the snapshot of ``record``'s last finished task into a freshly built ``model``, restore the random
+        generators, and return the run's saved state (:meth:`ContinualEngine.state_dict`); ``None`` (nothing
+        loaded) for an empty record."""
         if not record.completed:
-            return
+            return None
         snapshot = torch.load(self._snapshot(record.completed), weights_only=True)
         load_model_state(model, snapshot["model"])
-        method_state.clear()
-        method_state.update(decode_state(snapshot["method_state"]))
         set_random_state(snapshot["random"])
+        return decode_state(snapshot["method_state"])
 
-    def save(
-        self, model: nn.Module | dict[str, torch.Tensor], method_state: dict[str, Any], record: RunRecord
-    ) -> None:
+    def save(self, model: nn.Module | dict[str, torch.Tensor], run_state: dict[str, Any], record: RunRecord) -> None:
         """Write the snapshot after ``record``'s last finished task, then the record; drop the older snapshot.
 
         ``model`` is the model, or its state dict with whole tensors (an FSDP2 model's, gathered from the shards by
@@ -177,7 +151,7 @@ class TaskProgress:
         state = model if isinstance(model, dict) else model.state_dict()
         snapshot = {
             "model": {k: v.detach().cpu() for k, v in state.items()},
-            "method_state": encode_state(method_state),
+            "method_state": encode_state(run_state),
             "random": random_state(),
         }
         save_atomic(snapshot, self._snapshot(record.completed))

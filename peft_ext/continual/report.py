@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 from ..fileperm import atomic_write
 from .engine import MethodResult
+from .methods import method_capability
 from .metrics import paired_interval, verdict
 
 METRIC_COLUMNS = (
@@ -26,9 +27,14 @@ def _pct(x: float | None) -> str:
     return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}"
 
 
+def _upper_bound(r: MethodResult) -> bool:
+    """Whether ``r`` is the run of an upper bound (joint training), by its method's capability."""
+    return method_capability(r.method, "is_upper_bound")
+
+
 def _metric(r: MethodResult, key: str) -> Optional[float]:
     """``r.metrics[key]``; ``learning_acc`` of results saved before it existed comes from the matrix's diagonal."""
-    if key == "learning_acc" and key not in r.metrics and r.method != "joint":
+    if key == "learning_acc" and key not in r.metrics and not _upper_bound(r):
         diagonal = [r.accuracy_matrix[i][i] for i in range(len(r.accuracy_matrix))]
         return None if any(x is None for x in diagonal) else sum(diagonal) / len(diagonal)
     return r.metrics.get(key)
@@ -38,14 +44,15 @@ def metrics_table(results: Sequence[MethodResult], timings: bool = True) -> str:
     """A markdown table, one row per method: metrics in percent, trainable parameters and (``timings``) wall time.
 
     Beside final accuracy and forgetting, the mean accuracy on each task right after learning it (the diagonal of the
-    accuracy matrix: how well a method learns) and, when a ``joint`` run is among ``results``, each method's gap to
-    joint training's final accuracy in points (what continual training costs): a method with a high "acc after
-    learning" and a large gap forgets; one with a low "acc after learning" does not learn new tasks well. When an
+    accuracy matrix: how well a method learns) and, when an upper bound (``joint``: a method whose
+    ``is_upper_bound`` is set) is among ``results``, each method's gap to its final accuracy in points (what continual
+    training costs): a method with a high "acc after learning" and a large gap forgets; one with a low "acc after
+    learning" does not learn new tasks well. When an
     ``ncm`` run (SimpleCIL: the frozen backbone's class means) is among ``results``, each method's final accuracy
     minus SimpleCIL's, in points: what the method adds over what a user would do without it. A ``head`` column
     appears when some method scores with a head other than its linear classifier.
     """
-    joint = next((r.metrics.get("final_acc") for r in results if r.method == "joint"), None)
+    joint = next((r.metrics.get("final_acc") for r in results if _upper_bound(r)), None)
     simplecil = next((r.metrics.get("final_acc") for r in results if r.method == "ncm"), None)
     heads = [head_name(r) for r in results]
     with_heads = any(h != "linear" for h in heads)
@@ -62,7 +69,7 @@ def metrics_table(results: Sequence[MethodResult], timings: bool = True) -> str:
         cells = [r.label, *([head_used] if with_heads else []), *(_pct(_metric(r, key)) for key, _ in METRIC_COLUMNS)]
         final = r.metrics.get("final_acc")
         if joint is not None:
-            cells.append("—" if r.method == "joint" or final is None else _pct(joint - final))
+            cells.append("—" if _upper_bound(r) or final is None else _pct(joint - final))
         if simplecil is not None:
             cells.append("—" if r.method == "ncm" or final is None else f"{100 * (final - simplecil):+.1f}")
         cells.append(f"{r.trainable_params:,}")
@@ -226,11 +233,11 @@ def paired_final(a: MethodResult, b: MethodResult) -> Optional[tuple[float, floa
 
 def leader_line(results: Sequence[MethodResult]) -> str:
     """Who won on final accuracy, said only as far as the run shows it: the leader is named as ahead of a method only
-    when the paired 95 % interval over the same test examples clears 0; the others are ties. The upper bound
-    (``joint``, trained on every task at once) is left out; ``""`` when fewer than two methods recorded their
-    per-example outcomes."""
+    when the paired 95 % interval over the same test examples clears 0; the others are ties. An upper bound
+    (``is_upper_bound``: ``joint``, trained on every task at once) is left out; ``""`` when fewer than two methods
+    recorded their per-example outcomes."""
     ranked = sorted(
-        (r for r in results if r.method != "joint" and r.extras.get("final_correct")),
+        (r for r in results if not _upper_bound(r) and r.extras.get("final_correct")),
         key=lambda r: -r.metrics["final_acc"],
     )
     if len(ranked) < 2:
@@ -333,7 +340,6 @@ _CLAIM = re.compile(r"<!-- claim (?P<source>\S+) (?P<key>\S+) -->(?P<body>.*?)<!
 DATASET_OF = {"quickstart": "WordNet", "fortunes": "fortunes"}
 #: What the claims of a heads protocol summary can say (``KEY:METHOD`` for the first two).
 CLAIM_KINDS = ("vs_simplecil", "vs_simplecil_every_task", "vs_simplecil_head", "winners", "command")
-_NOT_ADAPTER_METHODS = ("joint", "frozen_linear", "ncm", "slda", "ranpac")
 
 
 def _head_words(head: str) -> str:
@@ -395,7 +401,7 @@ def heads_claim(summary: dict[str, Any], key: str) -> str:
             f"{label} ({_head_words(m['best_head'])}, {m['vs_ncm'][0]:+.1f} points [{m['vs_ncm'][1]:+.1f}, "
             f"{m['vs_ncm'][2]:+.1f}])"
             for label, m in summary["methods"].items()
-            if label not in _NOT_ADAPTER_METHODS and m.get("vs_ncm") and m["vs_ncm"][1] > 0
+            if method_capability(label, "is_continual_adapter", True) and m.get("vs_ncm") and m["vs_ncm"][1] > 0
         ]
         if not beat:
             return f"on {dataset} no adapter method here beats SimpleCIL, whatever the head ({n} class draws)"

@@ -74,7 +74,7 @@ def _shared_backward(
     local, error = 0.0, None
     try:
         if share:
-            loss, _ = training_loss(model, method, ctx.to_device(ctx.collate(share)), task_id, mask)
+            loss, _ = training_loss(model, method, ctx.to_device(ctx.collate(share)), task_id, mask, ctx)
             (loss * (world * weight)).backward()
             local = loss.item() * weight
     except Exception as err:  # every process must learn of it, or the others wait in the next collective forever
@@ -112,8 +112,8 @@ def train_examples(
         desc: Progress-bar label.
     """
     cfg = ctx.train
-    params = trainable_parameters(method, model)
-    optimizer = method.make_optimizer(model, params)
+    params = trainable_parameters(method, model, ctx)
+    optimizer = method.make_optimizer(model, params, ctx)
     mask = None if allowed_classes is None else ctx.class_mask(allowed_classes)
     rng = random.Random(cfg.seed * 1000 + task_id)
     model.train()
@@ -128,7 +128,7 @@ def train_examples(
         for chunk in split_batches(examples, cfg.batch_size, rng):
             optimizer.zero_grad(set_to_none=True)
             if world == 1:
-                loss, _ = training_loss(model, method, ctx.to_device(ctx.collate(chunk)), task_id, mask)
+                loss, _ = training_loss(model, method, ctx.to_device(ctx.collate(chunk)), task_id, mask, ctx)
                 loss.backward()
                 value = loss.item()
             else:
@@ -147,15 +147,17 @@ def train_examples(
 
 
 class LoopTrainer(TaskTrainer):
-    """Trains each phase with :func:`train_examples` (the runner's own loop); saves a snapshot after each phase when
-    given a :class:`~peft_ext.continual.progress.TaskProgress` (rank 0 writes it, the other processes wait).
+    """Trains each phase of ``engine``'s run with :func:`train_examples` (the runner's own loop); saves a snapshot
+    (the model and :meth:`ContinualEngine.state_dict`) after each phase when given a
+    :class:`~peft_ext.continual.progress.TaskProgress` (rank 0 writes it, the other processes wait).
 
     Under ``torch.distributed`` it also keeps the processes identical: after training (before the method's
     ``after_task``) they take rank 0's random generators, and after every phase rank 0's model."""
 
-    def __init__(self, method: ContinualMethod, ctx: RunContext, progress: Optional[TaskProgress] = None) -> None:
-        self.method = method
-        self.ctx = ctx
+    def __init__(self, engine: ContinualEngine, progress: Optional[TaskProgress] = None) -> None:
+        self.engine = engine
+        self.method = engine.method
+        self.ctx = engine.ctx
         self.progress = progress
 
     def train(self, model: nn.Module, phase: Phase) -> float:
@@ -181,7 +183,7 @@ class LoopTrainer(TaskTrainer):
             progress = self.progress
             # a snapshot holds whole tensors, gathered from the shards by every process
             state = whole_state_dict(model) if is_sharded(model) else model
-            on_rank_zero(lambda: progress.save(state, self.ctx.state, record))
+            on_rank_zero(lambda: progress.save(state, self.engine.state_dict(), record))
 
 
 def run_sequence(
@@ -218,9 +220,11 @@ def run_sequence(
     record = RunRecord.empty(len(sequence))
     if progress is not None:
         record = progress.record(len(sequence))
-        progress.restore(model, engine.ctx.state, record)
+        saved = progress.restore(model, record)
+        if saved is not None:
+            engine.load_state_dict(saved)
         share_random_state()  # the snapshot holds the generators of rank 0's CUDA device
-    trainer = LoopTrainer(method, engine.ctx, progress)
+    trainer = LoopTrainer(engine, progress)
     model = engine.run(model, trainer, record)
     result = engine.result(model, record)
     if trainer.shards:

@@ -45,7 +45,6 @@ __all__ = [
     "read_texts",
     "save_trained",
     "saved_methods",
-    "trained_folder",
 ]
 
 #: The description file of a saved method's folder.
@@ -224,57 +223,6 @@ def load_trained(directory: Union[str, Path]) -> TrainedClassifier:
             raise ValueError(f"{meta['weights']} holds tensors the model lacks: {missing.unexpected_keys[:5]}")
     model.eval()
     return TrainedClassifier(model, tokenizer, head, list(meta["class_names"]), meta)
-
-
-def trained_folder(source: Union[str, Path], method: Optional[str] = None) -> tuple[Path, Optional[str]]:
-    """The saved method's folder that ``source`` names, and a line saying which one was picked (or ``None``).
-
-    ``source`` is a method's folder, a job's output folder (holding ``adapters/``), or a continual config (its
-    ``output.dir``). In a job's folder ``method`` picks the label; by default the continual method with the best
-    final accuracy in the job's ``results.json`` (the upper bound ``joint`` left out).
-
-    Raises:
-        ValueError: Nothing saved there, or no saved method ``method`` (naming the saved ones).
-    """
-    path = Path(source)
-    if (path / MODEL_FILE).is_file():
-        if method is not None:
-            raise ValueError(f"{str(path)!r} is one method's folder; --method picks a method in a job's folder")
-        return path, None
-    if path.is_file():
-        import warnings
-
-        from ..jobs import load_job_config
-
-        with warnings.catch_warnings():  # the config's advice (a missing lr) is for running it, not for predicting
-            warnings.simplefilter("ignore")
-            config = load_job_config(str(path))
-        output = getattr(getattr(config, "output", None), "dir", None)
-        if output is None:
-            raise ValueError(f"{str(path)!r} is not a continual job's config")
-        path = Path(output)
-    saved = saved_methods(path)
-    if not saved:
-        raise ValueError(
-            f"no trained models under {str(path / 'adapters')!r}: run the job first (peft-ext run), with "
-            "output.save_adapters left true"
-        )
-    if method is not None:
-        if method not in saved:
-            raise ValueError(f"no saved method {method!r} under {str(path / 'adapters')!r}; saved: {saved}")
-        return path / "adapters" / method, None
-    scores = {}
-    for label in saved:
-        meta = json.loads((path / "adapters" / label / MODEL_FILE).read_text())
-        if meta.get("method") != "joint" and meta.get("final_acc") is not None:
-            scores[label] = float(meta["final_acc"])
-    if not scores:
-        return path / "adapters" / saved[0], f"predicting with {saved[0]} (pass --method to pick one of {saved})"
-    best = max(scores, key=scores.get)
-    return path / "adapters" / best, (
-        f"predicting with {best} (final accuracy {100 * scores[best]:.1f} %, the best of the {len(scores)} continual "
-        f"methods saved; --method picks another of {saved})"
-    )
 
 
 def read_texts(path: Union[str, Path], column: str = "text") -> list[str]:

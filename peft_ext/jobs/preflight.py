@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..continual.config import ConfigError, RunConfig, unknown_value
+from ..continual.methods import get_continual_method
 from ..tuners import matches_targets
 
 __all__ = [
@@ -29,9 +30,6 @@ __all__ = [
     "check_tokenizer",
     "preflight",
 ]
-
-#: Methods whose per-task ``A`` is drawn from an input-width covariance, so ``r`` must not exceed the input width.
-INPUT_WIDTH_RANK_METHODS = ("splitlora", "inflora")
 
 
 def check_finite(data: Any, key: str = "") -> None:
@@ -100,7 +98,6 @@ def check_data(config: RunConfig, tokenizer: Any = None) -> Any:
             f"`data` (n_tasks={data.n_tasks}, classes_per_task={data.classes_per_task}): {err}"
         ) from None
     from ..continual.engine import check_heads
-    from ..continual.methods import get_continual_method
 
     if config.tune.enabled:  # what `run --tune` refuses, `check --tune` refuses too
         from .tuning import validation_sequence
@@ -251,8 +248,8 @@ def _targets_and_rank(options: Any) -> tuple[Any, Any]:
 
 
 def check_adapters(config: RunConfig, model_config: Any) -> None:
-    """Raise ``ConfigError`` when a method's ``target_modules`` match no linear layer of the backbone, or (for the
-    methods of :data:`INPUT_WIDTH_RANK_METHODS`) its ``r`` is above a matched layer's input width.
+    """Raise ``ConfigError`` when a method's ``target_modules`` match no linear layer of the backbone, or (a method
+    whose ``rank_bounded_by_input_width``) its ``r`` is above a matched layer's input width.
 
     The backbone is built on the meta device from ``model_config``: no weights are read or allocated.
 
@@ -303,7 +300,7 @@ def check_adapters(config: RunConfig, model_config: Any) -> None:
                 f"`{where}` target_modules {targets!r} match no linear layer of {config.model.backbone!r}; "
                 f"its linear layers end in {some}"
             )
-        if entry.name in INPUT_WIDTH_RANK_METHODS and isinstance(r, int):
+        if get_continual_method(entry.name).rank_bounded_by_input_width and isinstance(r, int):
             width = min(m.in_features for m in matched.values())
             if r > width:
                 raise ConfigError(

@@ -29,8 +29,8 @@ def run_heads() -> dict:
     engine = ContinualEngine(seq, method, stack_collate, TrainConfig(progress=False, device="cpu", eval_batch_size=8))
     model = engine.build(tiny_classifier(seq.num_classes))
     record = RunRecord.empty(len(seq))
-    model = engine.run(model, LoopTrainer(method, engine.ctx), record)
-    return {"result": engine.result(model, record).to_dict(), "heads": engine.ctx.state["heads"]}
+    model = engine.run(model, LoopTrainer(engine), record)
+    return {"result": engine.result(model, record).to_dict(), "heads": engine.state_dict()["heads"]}
 
 
 def main(out: Path) -> None:

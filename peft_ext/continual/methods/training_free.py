@@ -15,53 +15,31 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from .heads import HEADS, head_spec
-from .heads.base import feature_heads
-from .methods import ContinualMethod, MethodOptions, register_continual_method
+from ..heads.base import feature_heads
+from .base import ContinualMethod, MethodOptions
 
 if TYPE_CHECKING:
-    from .context import RunContext
+    from ..context import RunContext
 
 
 class TrainingFree(ContinualMethod):
     """A frozen backbone and a head that learns from its features (``lr`` and ``weight_decay`` are not used)."""
 
     trains = False
+    is_continual_adapter = False
+
+    @classmethod
+    def supported_heads(cls) -> tuple[str, ...]:
+        return tuple(feature_heads())
+
+    @classmethod
+    def unsupported_head_reason(cls) -> str:
+        return f"{cls.name!r} trains nothing, so its head must learn from features"
 
     def __init__(self, options: MethodOptions | None = None, **kwargs: Any) -> None:
         super().__init__(options, **kwargs)
-        name = head_spec(self.head)[0]
-        if not HEADS[name].reads_features:
-            raise ValueError(
-                f"`head` {name!r} is trained with the model, and {self.name!r} trains nothing: use a head that learns "
-                f"from features ({', '.join(feature_heads())})"
-            )
         if self.options.adapt != "every_task":
             raise ValueError(f"`adapt` is for methods that train; {self.name!r} trains nothing")
 
     def build(self, base_model: nn.Module, ctx: RunContext) -> nn.Module:
         return base_model.requires_grad_(False)
-
-
-@register_continual_method
-class NearestClassMean(TrainingFree):
-    """SimpleCIL: the frozen backbone's class means, cosine scores."""
-
-    name = "ncm"
-    default_head = "prototype"
-
-
-@register_continual_method
-class StreamingLDA(TrainingFree):
-    """The frozen backbone with linear discriminant analysis on a shared, shrunk covariance."""
-
-    name = "slda"
-    default_head = "lda"
-
-
-@register_continual_method
-class RanPAC(TrainingFree):
-    """RanPAC without its first-session adaptation: the frozen backbone, a random ReLU projection, a ridge head."""
-
-    name = "ranpac"
-    default_head = "analytic"

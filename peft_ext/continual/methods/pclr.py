@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..tuners.pclr import PCLRConfig, PCLRCycleConfig
-from .generation import answer_logits, prompt_query, require_causal_collate
-from .methods import AdapterOptions, ContinualMethod, nest_into_section, register_continual_method, saved_head
+from ...tuners.pclr import PCLRConfig, PCLRCycleConfig
+from ..generation import answer_logits, prompt_query, require_causal_collate
+from .base import AdapterOptions, ContinualMethod, nest_into_section, register_continual_method, saved_head
 
 if TYPE_CHECKING:
-    from ..data.tasks import Task
-    from .context import RunContext
+    from ...data.tasks import Task
+    from ..context import RunContext
 
 __all__ = ["PCLRMethod", "PCLROptions"]
 
@@ -86,10 +86,10 @@ class PCLRMethod(ContinualMethod):
         model = get_peft_model(base_model, self.options.adapter_config(modules_to_save=saved_head(base_model, ctx)))
         if ctx.sequence.kind == "generation":
             model.base_model.set_query_fn(prompt_query(require_causal_collate(ctx.collate).separator_id))
-        ctx.state["pclr_pool"] = []
-        ctx.state["pclr_adapter_params"] = []
-        ctx.state["pclr_integrate"] = []
-        ctx.state["pclr_generator"] = torch.Generator().manual_seed(ctx.train.seed)
+        self.state["pclr_pool"] = []
+        self.state["pclr_adapter_params"] = []
+        self.state["pclr_integrate"] = []
+        self.state["pclr_generator"] = torch.Generator().manual_seed(ctx.train.seed)
         return model
 
     def _task_batches(self, task: Task, ctx: RunContext) -> list[dict[str, Any]]:
@@ -97,11 +97,11 @@ class PCLRMethod(ContinualMethod):
 
     def before_task(self, model: nn.Module, task_id: int, task: Task, ctx: RunContext) -> nn.Module:
         prototype = model.query_prototype(self._task_batches(task, ctx))
-        ctx.state["pclr_prototype"] = prototype
+        self.state["pclr_prototype"] = prototype
         model.begin_task(task_id, prototype, cycle=self.options.cycle)  # the cycle's key_noise
         return model
 
-    def trainable_parameters(self, model: nn.Module) -> list[nn.Parameter]:
+    def trainable_parameters(self, model: nn.Module, ctx: RunContext) -> list[nn.Parameter]:
         learnt = ("pclr_A.", "pclr_B.", "pclr_keys.", "modules_to_save.")
         params = []
         for name, p in model.named_parameters():
@@ -112,13 +112,15 @@ class PCLRMethod(ContinualMethod):
                 params.append(p)
         return params
 
-    def extra_loss(self, model: nn.Module, batch: dict[str, Any], task_id: int) -> torch.Tensor | None:
-        from ..tuners.pclr import query_loss
+    def extra_loss(
+        self, model: nn.Module, batch: dict[str, Any], task_id: int, ctx: RunContext
+    ) -> torch.Tensor | None:
+        from ...tuners.pclr import query_loss
 
         return query_loss(model)
 
     def after_task(self, model: nn.Module, task_id: int, task: Task, ctx: RunContext) -> nn.Module:
-        from ..tuners.pclr import pool_in_use, stored_adapter_parameters
+        from ...tuners.pclr import pool_in_use, stored_adapter_parameters
 
         opts = self.options
         mask: torch.Tensor | None = torch.zeros(ctx.sequence.num_classes, dtype=torch.bool, device=ctx.device)
@@ -134,22 +136,22 @@ class PCLRMethod(ContinualMethod):
             mask[list(task.classes)] = True
         result = model.end_task(
             task_id,
-            ctx.state.pop("pclr_prototype"),
+            self.state.pop("pclr_prototype"),
             self._task_batches(task, ctx),
             cycle=opts.cycle,
             forward=forward,
             mask=mask,
-            generator=ctx.state["pclr_generator"],
+            generator=self.state["pclr_generator"],
         )
-        ctx.state["pclr_pool"].append(pool_in_use(model))
-        ctx.state["pclr_adapter_params"].append(stored_adapter_parameters(model))
-        ctx.state["pclr_integrate"].append(None if result is None else (result.kl_before, result.kl_after))
+        self.state["pclr_pool"].append(pool_in_use(model))
+        self.state["pclr_adapter_params"].append(stored_adapter_parameters(model))
+        self.state["pclr_integrate"].append(None if result is None else (result.kl_before, result.kl_after))
         return model
 
     def report(self, ctx: RunContext) -> dict[str, Any]:
         """Pool ranks and adapter values in use after each task, and the distillation loss before/after each one."""
         return {
-            "pool_ranks": list(ctx.state.get("pclr_pool", [])),
-            "adapter_params": list(ctx.state.get("pclr_adapter_params", [])),
-            "integrate_kl": [None if kl is None else list(kl) for kl in ctx.state.get("pclr_integrate", [])],
+            "pool_ranks": list(self.state.get("pclr_pool", [])),
+            "adapter_params": list(self.state.get("pclr_adapter_params", [])),
+            "integrate_kl": [None if kl is None else list(kl) for kl in self.state.get("pclr_integrate", [])],
         }

@@ -1,18 +1,13 @@
-"""Continual-learning method plugins and the registry the runner and the CLI read.
+"""The base of every continual-learning method: its options, its hooks, its capabilities, and the registry configs
+name methods from.
 
 A method turns a freshly built base model into the model it trains (``build``), may act before and after each task
-(``before_task`` / ``after_task``: fold adapters, collect statistics, re-wrap), may add a regularizer
-(``extra_loss``), and picks what is trained (``trainable_parameters``). Each method declares its options as a
-dataclass, so configs are validated against it before any work starts.
-
-Baselines shipped here (every later method is measured against them, side by side, in one run):
-
-- ``frozen_linear``: frozen backbone, only the linear head is trained, task after task (lower bound).
-- ``seq_lora``: PEFT's LoRA, the same adapter fine-tuned task after task (how forgetting looks without care).
-- ``joint``: LoRA trained once on the union of all tasks (upper bound; no accuracy matrix before the last row).
-
-``seq_lora`` and ``joint`` (with ``splitlora`` and ``pclr``) also run ``kind="generation"`` sequences (instruction
-tasks on a causal LM, docs/continual_instruct.md): a method declares the kinds it runs in ``task_kinds``.
+(``before_task`` / ``after_task`` / ``between_tasks``: fold adapters, collect statistics, re-wrap), may add a
+regularizer (``extra_loss``), and picks what is trained (``trainable_parameters``) and how (``make_optimizer``). Every
+hook gets the run context. What a method keeps across tasks lives in ``self.state`` and travels through
+``state_dict`` / ``load_state_dict``, so a resumed run restores it. Each method declares its options as a dataclass,
+validated before any work starts, and its capabilities as class attributes that the job, the preflight, the tuning
+and the report read instead of its name.
 """
 
 from __future__ import annotations
@@ -27,11 +22,12 @@ import torch
 from peft import LoraConfig
 from torch import nn
 
-from .heads.base import HEADS, feature_heads, head_options
+from ..heads.base import HEADS, feature_heads, head_options
+from ..state_codec import decode_state, encode_state
 
 if TYPE_CHECKING:
-    from ..data.tasks import Task
-    from .context import RunContext
+    from ...data.tasks import Task
+    from ..context import RunContext
 
 
 ADAPT_MODES = ("every_task", "first_task")
@@ -208,25 +204,37 @@ class LoraOptions(AdapterOptions):
 
 
 class ContinualMethod:
-    """Base class of a continual-learning method plugin.
+    """Base class of a continual-learning method.
 
-    Subclasses set ``name`` and ``options_cls`` and override what they need. Register them with
-    :func:`register_continual_method` so configs can name them.
+    Subclasses set ``name`` and ``options_cls``, declare their capabilities below, and override the hooks they need.
+    Register them with :func:`register_continual_method` so configs can name them. Every hook gets the run context
+    (:class:`~peft_ext.continual.RunContext`); what the method keeps across tasks goes in :attr:`state`, which
+    :meth:`state_dict` / :meth:`load_state_dict` save and restore (snapshots, resumed runs).
     """
 
     name: ClassVar[str] = ""
     options_cls: ClassVar[type[MethodOptions]] = MethodOptions
-    #: Train once on the union of all tasks instead of task after task.
-    joint: ClassVar[bool] = False
+
+    # Capabilities: what the job, the preflight, the tuning and the report read instead of the method's name.
     #: The sequence kinds (``TaskSequence.kind``) the method runs; the engine refuses others.
     task_kinds: ClassVar[tuple[str, ...]] = ("classification",)
+    #: Trains once on the union of all tasks instead of task after task (one phase, evaluated as the last row).
+    trains_on_union: ClassVar[bool] = False
+    #: An upper bound the continual methods are measured against (joint training): the report gives each method's
+    #: gap to it and leaves it out of who won.
+    is_upper_bound: ClassVar[bool] = False
+    #: Learns the tasks in sequence with an adapter or the backbone (``False`` for the references a continual method
+    #: must beat: a frozen backbone with a trained or training-free head, and joint training).
+    is_continual_adapter: ClassVar[bool] = True
+    #: Its adapter rank ``r`` is drawn from an input-width covariance, so it cannot exceed a layer's input width.
+    rank_bounded_by_input_width: ClassVar[bool] = False
+    #: Trains on the tasks (``False``: a training-free method; only its head learns, from features; no lr to tune).
+    trains: ClassVar[bool] = True
     #: ``before_task`` / ``between_tasks`` return a new model around new modules (merge, then a new adapter): such a
-    #: method trains with whole parameters under ``train.sharding: fsdp2`` (:mod:`.sharding`).
+    #: method trains with whole parameters under ``train.sharding: fsdp2`` (:mod:`..sharding`).
     rewraps_model: ClassVar[bool] = False
     #: The head used when the options name none.
     default_head: ClassVar[str] = "linear"
-    #: Trains on the tasks (``False``: a training-free method; only its head learns, from features).
-    trains: ClassVar[bool] = True
 
     def __init__(self, options: MethodOptions | None = None, **kwargs: Any) -> None:
         if options is None:
@@ -237,6 +245,25 @@ class ContinualMethod:
             raise TypeError("pass either an options object or keyword options, not both")
         options.validate()
         self.options = options
+        head = head_options(self.head)[0]
+        supported = self.supported_heads()
+        if head not in supported:
+            raise ValueError(
+                f"method {self.name!r} cannot score with the {head!r} head: {self.unsupported_head_reason()}; "
+                f"use one of {list(supported)}"
+            )
+        #: What the method keeps across tasks (tensors, lists, numbers, generators), saved with every snapshot.
+        self.state: dict[str, Any] = {}
+
+    @classmethod
+    def supported_heads(cls) -> tuple[str, ...]:
+        """The heads (``head`` option) the method can score with (default: every registered head)."""
+        return tuple(HEADS)
+
+    @classmethod
+    def unsupported_head_reason(cls) -> str:
+        """Why a head outside :meth:`supported_heads` is refused (for the error message)."""
+        return "it does not support it"
 
     @property
     def label(self) -> str:
@@ -246,6 +273,15 @@ class ContinualMethod:
     def head(self) -> str | dict[str, Any]:
         """The ``head`` option the method runs with (its :attr:`default_head` when the options name none)."""
         return self.options.head if self.options.head is not None else self.default_head
+
+    def needs_validation(self) -> str | None:
+        """The option that makes this method choose on a validation split (one of its heads'), or ``None``."""
+        for spec in (self.head, *self.options.compare_heads):
+            name, options = head_options(spec)
+            needs = HEADS[name](options).needs_validation()
+            if needs:
+                return needs
+        return None
 
     def trains_task(self, task_id: int) -> bool:
         """Whether the method trains on phase ``task_id`` (not: a training-free method, or ``adapt: first_task``
@@ -257,6 +293,14 @@ class ContinualMethod:
         """Why the method cannot train on FSDP2 shards (``train.sharding: fsdp2``), or ``None`` when it can; such a
         method trains data-parallel with whole parameters on every process."""
         return "it re-wraps its model every task" if self.rewraps_model else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """:attr:`state` as data ``torch.load(weights_only=True)`` reads back (generators as their state tensor)."""
+        return encode_state(self.state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (``{}``: a fresh run, nothing kept yet)."""
+        self.state = decode_state(state)
 
     def build(self, base_model: nn.Module, ctx: RunContext) -> nn.Module:
         """Return the model to train; ``base_model`` is a fresh copy that the method may modify."""
@@ -276,14 +320,17 @@ class ContinualMethod:
         that re-wraps the model per task folds its adapter here instead of in ``before_task``)."""
         return model
 
-    def trainable_parameters(self, model: nn.Module) -> list[nn.Parameter]:
+    def trainable_parameters(self, model: nn.Module, ctx: RunContext) -> list[nn.Parameter]:
+        """The parameters one task trains (default: every parameter that requires a gradient)."""
         return [p for p in model.parameters() if p.requires_grad]
 
-    def make_optimizer(self, model: nn.Module, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    def make_optimizer(self, model: nn.Module, params: list[nn.Parameter], ctx: RunContext) -> torch.optim.Optimizer:
         """The optimizer for one task (a fresh one per task); ``params`` are :meth:`trainable_parameters`."""
         return torch.optim.AdamW(params, lr=self.options.lr, weight_decay=self.options.weight_decay)
 
-    def extra_loss(self, model: nn.Module, batch: dict[str, Any], task_id: int) -> torch.Tensor | None:
+    def extra_loss(
+        self, model: nn.Module, batch: dict[str, Any], task_id: int, ctx: RunContext
+    ) -> torch.Tensor | None:
         """An optional regularizer added to the task loss (e.g. O-LoRA's orthogonality loss)."""
         return None
 
@@ -319,6 +366,21 @@ def get_continual_method(name: str) -> type[ContinualMethod]:
         ) from None
 
 
+def method_capability(name: str, attribute: str, default: Any = False) -> Any:
+    """The capability ``attribute`` of the method registered as ``name`` (results files name their method), or
+    ``default`` for a name no method registers here (a result of a method defined elsewhere).
+
+    Args:
+        name: The method's registered name (``MethodResult.method``).
+        attribute: A capability of :class:`ContinualMethod` (``is_upper_bound``, ``is_continual_adapter``, ...).
+        default: What an unregistered name gets.
+    """
+    if not hasattr(ContinualMethod, attribute):
+        raise AttributeError(f"{attribute!r} is not a capability of ContinualMethod")
+    cls = CONTINUAL_METHODS.get(name)
+    return getattr(cls, attribute) if cls is not None else default
+
+
 def head_module_name(model: nn.Module) -> str:
     """Name of the classification head the runner's models expose (``classifier``)."""
     if not isinstance(getattr(model, "classifier", None), nn.Module):
@@ -337,43 +399,3 @@ def saved_head(base_model: nn.Module, ctx: RunContext | None) -> list[str] | Non
     if ctx is not None and ctx.sequence.kind == "generation":
         return None
     return [head_module_name(base_model)]
-
-
-@register_continual_method
-class FrozenLinear(ContinualMethod):
-    """Lower bound: the backbone stays frozen; only the linear head learns, task after task."""
-
-    name = "frozen_linear"
-
-    def build(self, base_model: nn.Module, ctx: RunContext) -> nn.Module:
-        head = getattr(base_model, head_module_name(base_model))
-        base_model.requires_grad_(False)
-        head.requires_grad_(True)
-        return base_model
-
-
-class _LoraMethod(ContinualMethod):
-    options_cls = LoraOptions
-
-    def build(self, base_model: nn.Module, ctx: RunContext) -> nn.Module:
-        from peft import get_peft_model
-
-        config = self.options.adapter_config(modules_to_save=saved_head(base_model, ctx))
-        return get_peft_model(base_model, config)
-
-
-@register_continual_method
-class SequentialLoRA(_LoraMethod):
-    """PEFT's LoRA fine-tuned on each task in turn, with nothing to protect old tasks."""
-
-    name = "seq_lora"
-    task_kinds = ("classification", "generation")
-
-
-@register_continual_method
-class JointLoRA(_LoraMethod):
-    """Upper bound: the same LoRA trained once on the union of every task's training data."""
-
-    name = "joint"
-    joint = True
-    task_kinds = ("classification", "generation")

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import nn
 
-from ..optim.dct_adamw import DCTAdamW, matches_target
-from .methods import ContinualMethod, MethodOptions, register_continual_method
+from ...optim.dct_adamw import DCTAdamW, matches_target
+from .base import ContinualMethod, MethodOptions, register_continual_method
 
 if TYPE_CHECKING:
-    from .context import RunContext
+    from ..context import RunContext
 
 OPTIMIZER_CHOICES = ("adamw", "galore_adamw", "dct_adamw")
 #: Each optimizer's own default refresh interval, used when ``update_proj_gap`` is left unset: GaLore's README
@@ -108,7 +108,7 @@ class FullFineTune(ContinualMethod):
     def build(self, base_model: nn.Module, ctx: RunContext) -> nn.Module:
         return base_model.requires_grad_(True)
 
-    def make_optimizer(self, model: nn.Module, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    def make_optimizer(self, model: nn.Module, params: list[nn.Parameter], ctx: RunContext) -> torch.optim.Optimizer:
         opts: FullFineTuneOptions = self.options  # type: ignore[assignment]
         betas = (float(opts.betas[0]), float(opts.betas[1]))
         common = {"lr": opts.lr, "betas": betas, "eps": opts.eps, "weight_decay": opts.weight_decay}
