@@ -10,7 +10,8 @@ the end). Batch size, epochs, gradient clipping, schedule, checkpointing and log
 Layout of ``args.output_dir``::
 
     continual_state.json      tasks finished, accuracy matrix and losses so far (written atomically)
-    task-{i}/checkpoint-{k}/  Trainer checkpoints of task i (the whole model state, optimizer, scheduler, RNG)
+    task-{i}/checkpoint-{k}/  Trainer checkpoints of task i (pytorch_model.bin: the whole model state dict; optimizer,
+                              scheduler, RNG)
     task-{i}/end-of-task.pt   model state and method state after task i was trained, folded and evaluated
 
 Resume (``resume=True``, the default, with the same arguments): the model is rebuilt with ``method.build``, the
@@ -21,7 +22,9 @@ given the saved state, so the accuracy matrix equals an uninterrupted run's.
 Why checkpoints hold the whole ``model.state_dict()`` rather than Trainer's usual adapter save: the method's task
 state lives in buffers (SplitLoRA's statistics and folded factors, PCLR's pool) and in the head, and methods such as
 SplitLoRA refuse ``save_pretrained`` in some phases; one ``torch.save`` of the state dict, read back with
-``weights_only=True``, covers every method whose model structure is fixed after ``build``.
+``weights_only=True``, covers every method whose model structure is fixed after ``build``. It is written under
+Trainer's ``WEIGHTS_NAME`` (``pytorch_model.bin``), the file ``Trainer.train(resume_from_checkpoint=...)`` reads into
+a model that is not a ``PreTrainedModel``, so the driver needs only Trainer's public ``save_model`` and ``train``.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, set_seed
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import WEIGHTS_NAME
 
 from ..continual.context import Collate, TrainConfig, class_mask
 from ..continual.engine import (
@@ -60,7 +64,6 @@ if TYPE_CHECKING:
 __all__ = ["ContinualTrainer", "last_complete_checkpoint", "load_model_state", "run_continual_with_trainer"]
 
 STATE_FILE = "continual_state.json"
-MODEL_FILE = "continual_model.pt"
 END_OF_TASK_FILE = "end-of-task.pt"
 
 
@@ -103,19 +106,20 @@ class ContinualTrainer(Trainer):
         loss, logits = training_loss(model, self.method, inputs, self.task_id, mask)
         return (loss, logits) if return_outputs else loss
 
-    def _save(self, output_dir: Optional[str] = None, state_dict: Optional[dict] = None) -> None:
-        if not self.args.should_save:
-            return
-        path = Path(output_dir if output_dir is not None else self.args.output_dir)
-        path.mkdir(parents=True, exist_ok=True)
-        state = self.model.state_dict() if state_dict is None else state_dict
-        save_atomic({k: v.detach().cpu() for k, v in state.items()}, path / MODEL_FILE)
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """Write the whole ``model.state_dict()`` to ``output_dir/pytorch_model.bin`` (atomically).
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Optional[nn.Module] = None) -> None:
-        path = Path(resume_from_checkpoint) / MODEL_FILE
-        if not path.is_file():
-            raise ValueError(f"{resume_from_checkpoint} is not a checkpoint of this driver (no {MODEL_FILE})")
-        load_model_state(model if model is not None else self.model, torch.load(path, weights_only=True))
+        Trainer saves each checkpoint through this method, before the optimizer, RNG and ``trainer_state.json``;
+        ``train(resume_from_checkpoint=...)`` reads the file back with ``torch.load(weights_only=True)``. Called by
+        user code, it also pushes to the Hub when ``args.push_to_hub`` is set, as ``Trainer.save_model`` does.
+        """
+        if self.args.should_save:
+            path = Path(output_dir if output_dir is not None else self.args.output_dir)
+            path.mkdir(parents=True, exist_ok=True)
+            state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+            save_atomic(state, path / WEIGHTS_NAME)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
 
 def last_complete_checkpoint(task_dir: Path) -> Optional[str]:
@@ -129,7 +133,7 @@ def last_complete_checkpoint(task_dir: Path) -> Optional[str]:
     steps = []
     for path in task_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
         suffix = path.name[len(PREFIX_CHECKPOINT_DIR) + 1 :]
-        if suffix.isdigit() and (path / TRAINER_STATE_NAME).is_file() and (path / MODEL_FILE).is_file():
+        if suffix.isdigit() and (path / TRAINER_STATE_NAME).is_file() and (path / WEIGHTS_NAME).is_file():
             steps.append((int(suffix), path))
     return str(max(steps)[1]) if steps else None
 
@@ -188,7 +192,13 @@ class _TrainerPhases(TaskTrainer):
             allowed_classes=phase.allowed_classes,
             num_classes=ctx.sequence.num_classes,
         )
-        output = self.trainer.train(resume_from_checkpoint=last_complete_checkpoint(Path(task_args.output_dir)))
+        checkpoint = last_complete_checkpoint(Path(task_args.output_dir))
+        if checkpoint is not None:
+            # Trainer's resume loads the checkpoint with strict=False; loading it here first resizes the buffers that
+            # grew during the sequence and refuses a state that does not fit, so a task never resumes half restored.
+            # Trainer's own load then writes the same values again.
+            load_model_state(model, torch.load(Path(checkpoint) / WEIGHTS_NAME, weights_only=True))
+        output = self.trainer.train(resume_from_checkpoint=checkpoint)
         return output.training_loss
 
     def finish(self, model: nn.Module, phase: Phase) -> None:
