@@ -28,6 +28,8 @@ def check_group(group: dict[str, Any], index: int) -> None:
         return ValueError(f"param group {index}: `{key}` must be {valid}, got {group[key]!r}")
 
     if isinstance(group["lr"], Tensor):
+        if group["lr"].numel() != 1:
+            raise ValueError(f"param group {index}: Tensor lr must be 1-element, got shape {tuple(group['lr'].shape)}")
         raise ValueError(
             f"param group {index}: lr as a Tensor is not supported by Riemannion (its step computes on the host "
             f"with Python floats); pass float(lr), got {group['lr']!r}"
