@@ -46,15 +46,15 @@ def main(argv: list[str] | None = None) -> int:
     from peft import LoraConfig, get_peft_model
 
     from peft_ext.continual.config import config_from_dict
+    from peft_ext.data.build import export_csv
     from peft_ext.data.collate import TextCollator
     from peft_ext.data.user_data import tokenize_sequence
-    from peft_ext.data.wordnet_build import export_csv
     from peft_ext.jobs.continual import build_sequence
     from peft_ext.jobs.preflight import check_data
     from peft_ext.models import load_text_classifier
 
     csv_path = tmp / "wordnet_all.csv"
-    n_rows = export_csv(csv_path, per_class=args.per_class)
+    n_rows = export_csv("wordnet", csv_path, per_class=args.per_class)
     config = config_from_dict(
         {
             "name": "data_path",

@@ -1,28 +1,38 @@
-"""WordNet gloss data: parser, reproducible builder, packaged file, splits, caps and task sequences."""
+"""WordNet gloss data: parser, reproducible builder, packaged file, splits, caps and task sequences; the registry of
+shipped data sets, `python -m peft_ext.data` and the config's `data.dataset` check."""
 
 from __future__ import annotations
 
+import csv
 import lzma
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from peft_ext.data import (
+    DATASETS,
+    FORTUNES,
     LEXNAMES,
+    SHIPPED,
+    WORDNET,
     GlossExample,
-    build_wordnet_glosses,
+    check_dataset,
     class_counts,
     load_wordnet_glosses,
     parse_data_line,
     parse_data_lines,
+    shipped_dataset,
     split_of,
     wordnet_task_sequence,
 )
+from peft_ext.data.__main__ import main
+from peft_ext.data.build import build_shipped
 from peft_ext.data.wordnet import DEFAULT_PATH
-from peft_ext.data.wordnet_build import main
 
-SYSTEM_WORDNET = Path("/usr/share/wordnet")
+SYSTEM_WORDNET = Path(WORDNET.source.folder)
 HEADER = "  1 This software and database is being provided to you, the LICENSEE, by  \n"
 
 # w_cnt "0b" is hexadecimal for 11 words (decimal parsing fails on it); three pointers follow the words.
@@ -97,8 +107,8 @@ def _fake_wordnet(root: Path) -> Path:
 
 def test_build_is_byte_for_byte_deterministic(tmp_path):
     wordnet = _fake_wordnet(tmp_path / "dict")
-    first = build_wordnet_glosses(wordnet, tmp_path / "a.tsv.xz")
-    second = build_wordnet_glosses(wordnet, tmp_path / "b.tsv.xz")
+    first = build_shipped("wordnet", wordnet, tmp_path / "a.tsv.xz")
+    second = build_shipped("wordnet", wordnet, tmp_path / "b.tsv.xz")
     assert first.read_bytes() == second.read_bytes()
 
     rows = lzma.decompress(first.read_bytes()).decode("utf-8").splitlines()
@@ -122,17 +132,18 @@ def test_build_is_byte_for_byte_deterministic(tmp_path):
 def test_build_cli_and_missing_files(tmp_path, capsys):
     wordnet = _fake_wordnet(tmp_path / "dict")
     out = tmp_path / "cli.tsv.xz"
-    assert main(["build", "--wordnet-dir", str(wordnet), "--out", str(out)]) == 0
-    assert out.read_bytes() == build_wordnet_glosses(wordnet, tmp_path / "api.tsv.xz").read_bytes()
+    assert main(["build", "wordnet", "--source-dir", str(wordnet), "--out", str(out)]) == 0
+    assert "6 synsets" in capsys.readouterr().out
+    assert out.read_bytes() == build_shipped("wordnet", wordnet, tmp_path / "api.tsv.xz").read_bytes()
 
     (wordnet / "data.adv").write_text(HEADER + "00001000 02 r 01 well 0 000 in a good way\n", encoding="ascii")
     with pytest.raises(ValueError, match=r"data\.adv:2: Not a WordNet data line"):
-        build_wordnet_glosses(wordnet, tmp_path / "never.tsv.xz")
+        build_shipped("wordnet", wordnet, tmp_path / "never.tsv.xz")
     (wordnet / "data.verb").unlink()
-    with pytest.raises(FileNotFoundError, match=r"data\.verb.*apt-get install wordnet-base"):
-        build_wordnet_glosses(wordnet, tmp_path / "never.tsv.xz")
+    with pytest.raises(FileNotFoundError, match=r"data\.verb.*--source-dir.*apt-get install wordnet-base"):
+        build_shipped("wordnet", wordnet, tmp_path / "never.tsv.xz")
     assert not (tmp_path / "never.tsv.xz").exists()
-    assert main(["build", "--wordnet-dir", str(tmp_path / "nowhere"), "--out", str(out)]) == 1
+    assert main(["build", "wordnet", "--source-dir", str(tmp_path / "nowhere"), "--out", str(out)]) == 1
     assert "apt-get install wordnet-base" in capsys.readouterr().err
 
 
@@ -140,7 +151,7 @@ def test_build_cli_and_missing_files(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.skipif(not SYSTEM_WORDNET.is_dir(), reason="WordNet data not installed (apt-get install wordnet-base)")
 def test_rebuild_matches_committed_file(tmp_path):
-    rebuilt = build_wordnet_glosses(SYSTEM_WORDNET, tmp_path / "wordnet_glosses.tsv.xz")
+    rebuilt = build_shipped("wordnet", SYSTEM_WORDNET, tmp_path / "wordnet_glosses.tsv.xz")
     committed = DEFAULT_PATH.read_bytes()
     # Content first, so a liblzma difference cannot hide behind (or be mistaken for) a data difference.
     assert lzma.decompress(rebuilt.read_bytes()) == lzma.decompress(committed)
@@ -151,7 +162,7 @@ def test_rebuild_of_real_source_lines_gives_the_committed_rows(tmp_path):
     """Runs everywhere: real lines of Debian's wordnet-base (tests/debian_sources) rebuilt give, verbatim, rows of
     the committed file: the same parse, supersense, lemmas, gloss and examples as the full rebuild above."""
     source = Path(__file__).parent / "debian_sources" / "wordnet"
-    rows = lzma.decompress(build_wordnet_glosses(source, tmp_path / "w.tsv.xz").read_bytes()).decode().splitlines()
+    rows = lzma.decompress(build_shipped("wordnet", source, tmp_path / "w.tsv.xz").read_bytes()).decode().splitlines()
     committed = set(lzma.decompress(DEFAULT_PATH.read_bytes()).decode().splitlines())
     assert rows[0] == "synset\tsupersense\tlemmas\tdefinition\texamples"
     assert len(rows) == 1 + 25 * 4 + 1  # the first 25 synsets of each file and the dog
@@ -308,3 +319,98 @@ def test_gloss_example_is_frozen():
     assert isinstance(record, GlossExample)
     with pytest.raises(AttributeError):
         record.supersense = "noun.act"  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the registry: every shipped data set declared, one build command for all, the config's `data.dataset` checked
+
+
+def test_registry_declares_each_shipped_data_set():
+    assert list(SHIPPED) == ["wordnet", "fortunes"]
+    assert DATASETS == ("wordnet", "fortunes", "files", "instructions")
+    assert (WORDNET.source.package, WORDNET.source.version) == ("wordnet-base", "1:3.0-37")
+    assert (FORTUNES.source.package, FORTUNES.source.version) == ("fortunes", "1:1.99.1-7.3")
+    assert str(WORDNET.license) == "WordNet 3.0 license (peft_ext/data/files/WORDNET_LICENSE)"
+    assert str(FORTUNES.license) == "fortune-mod BSD license (peft_ext/data/files/FORTUNES_LICENSE)"
+    assert (WORDNET.split_rule.column, WORDNET.split_rule.test_percent) == ("synset", 20)
+    assert (FORTUNES.split_rule.column, FORTUNES.split_rule.test_percent) == ("text", 30)
+    assert FORTUNES.source.files == FORTUNES.class_names  # one fortune file per class
+    readme = (WORDNET.path.parent / "README.md").read_text()
+    for data in SHIPPED.values():
+        assert data.rebuild == f"python -m peft_ext.data build {data.name}"
+        assert "Copyright" in (data.path.parent / data.license.file).read_text()
+        header = lzma.decompress(data.path.read_bytes()).split(b"\n", 1)[0].decode()
+        assert tuple(header.split("\t")) == data.columns
+        assert {data.key, data.label, data.text, data.split_rule.column} <= set(data.columns)
+        records = data.read()
+        assert len({data.key_of(r) for r in records}) == len(records)  # the key identifies a record
+        assert {data.label_of(r) for r in records} <= set(data.class_names)
+        # each record's split is the declared rule's
+        assert all(r.split == data.split_rule.of(getattr(r, data.split_rule.column)) for r in records)
+        assert data.stats_markdown() in readme  # files/README.md shows each file's per-class table
+
+
+def test_build_command_reproduces_the_rows_of_the_committed_files(tmp_path):
+    """`python -m peft_ext.data build NAME` in a fresh interpreter on the Debian excerpts of tests/debian_sources:
+    the same bytes as the API's build, every row verbatim a row of the committed file."""
+    for data in SHIPPED.values():
+        source = Path(__file__).parent / "debian_sources" / data.name
+        out = tmp_path / f"cli-{data.file}"
+        argv = [sys.executable, "-m", "peft_ext.data", "build", data.name, "--source-dir", str(source)]
+        done = subprocess.run([*argv, "--out", str(out)], capture_output=True, text=True, check=False)
+        assert done.returncode == 0, done.stderr
+        assert f"{data.item_word})" in done.stdout
+        assert out.read_bytes() == build_shipped(data.name, source, tmp_path / data.file).read_bytes()
+        rows = lzma.decompress(out.read_bytes()).decode().splitlines()
+        committed = set(lzma.decompress(data.path.read_bytes()).decode().splitlines())
+        assert len(rows) > 100 and not [row for row in rows if row not in committed]
+
+
+def test_unknown_names_are_refused_with_the_valid_ones(capsys, tmp_path):
+    for argv in (["build", "wordnt"], ["stats", "fortune"], ["export", "files", "--out", str(tmp_path / "x.csv")]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert f"no shipped data set {argv[1]!r}" in err and "shipped: wordnet, fortunes" in err
+    assert "did you mean 'wordnet'?" in check_message("wordnt") and "did you mean 'fortunes'?" in check_message(
+        "fortune"
+    )
+    with pytest.raises(ValueError, match=r"no shipped data set 'files'; shipped: wordnet, fortunes"):
+        shipped_dataset("files")
+    assert main(["list"]) == 0
+    listed = capsys.readouterr().out
+    assert "wordnet-base 1:3.0-37" in listed and "fortune-mod BSD license" in listed
+
+
+def check_message(name: str) -> str:
+    with pytest.raises(ValueError) as err:
+        check_dataset(name)
+    return str(err.value)
+
+
+def test_config_refuses_an_unknown_dataset_naming_the_valid_ones():
+    from peft_ext.continual.config import ConfigError, DataSection, config_from_dict
+    from peft_ext.jobs.reference import docstring_args
+
+    config = {"data": {"dataset": "fortune"}, "methods": [{"name": "seq_lora", "lr": 1e-3}]}
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(config)
+    assert str(err.value) == (
+        "`data.dataset` must be one of ['wordnet', 'fortunes', 'files', 'instructions'], got 'fortune' "
+        "(did you mean 'fortunes'?)"
+    )
+    config["data"]["dataset"] = "fortunes"
+    assert config_from_dict(config).data.n_tasks == FORTUNES.defaults["n_tasks"]
+    documented = docstring_args(DataSection)["dataset"]  # the config reference's line
+    assert all(f"``{name}``" in documented for name in DATASETS)
+
+
+def test_export_writes_any_shipped_data_set(tmp_path, capsys):
+    out = tmp_path / "food.csv"
+    assert main(["export", "fortunes", "--out", str(out), "--split", "test", "--classes", "food", "law"]) == 0
+    rows = list(csv.reader(out.open(encoding="utf-8")))
+    expected = [r for r in FORTUNES.read() if r.split == "test" and r.category in ("food", "law")]
+    assert rows == [["text", "label"]] + [[r.text, r.category] for r in expected]
+    assert main(["export", "fortunes", "--out", str(out)]) == 1
+    assert "exists" in capsys.readouterr().err

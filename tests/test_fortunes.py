@@ -13,7 +13,9 @@ import pytest
 import yaml
 
 from peft_ext.continual.config import ConfigError, config_from_dict
-from peft_ext.data import SHIPPED, wordnet_task_sequence
+from peft_ext.data import FORTUNES, SHIPPED, wordnet_task_sequence
+from peft_ext.data.__main__ import main
+from peft_ext.data.build import build_shipped, installed_version
 from peft_ext.data.fortunes import (
     CATEGORIES,
     DEFAULT_PATH,
@@ -25,17 +27,7 @@ from peft_ext.data.fortunes import (
     read_fortune_file,
     split_of,
 )
-from peft_ext.data.fortunes_build import (
-    DEFAULT_FORTUNE_DIR,
-    MAX_CHARS,
-    SOURCE_VERSION,
-    build_fortunes,
-    clean_entry,
-    installed_version,
-    main,
-    parse_fortune_file,
-    stats_markdown,
-)
+from peft_ext.data.fortunes_build import MAX_CHARS, clean_entry, parse_fortune_file
 from peft_ext.data.shipped import hash_split
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,25 +76,25 @@ def test_build_dedups_within_and_across_categories(tmp_path):
         if name == "politics":
             entries += [shared]  # in two categories: dropped from both
         (src / name).write_text("\n%\n".join(entries) + "\n%\n")
-    out = build_fortunes(src, tmp_path / "f.tsv.xz")
+    out = build_shipped("fortunes", src, tmp_path / "f.tsv.xz")
     records = read_fortune_file(out)
     assert Counter(r.category for r in records) == {name: 3 for name in CATEGORIES}
     assert all(r.text != shared for r in records)
     assert [r.id for r in records][:3] == ["art/0000", "art/0001", "art/0002"]
     assert all(r.split == split_of(r.text) for r in records)
-    assert build_fortunes(src, tmp_path / "again.tsv.xz").read_bytes() == out.read_bytes()
+    assert build_shipped("fortunes", src, tmp_path / "again.tsv.xz").read_bytes() == out.read_bytes()
     (src / "food").unlink()
     with pytest.raises(FileNotFoundError, match="apt-get install fortunes"):
-        build_fortunes(src, tmp_path / "x.tsv.xz")
+        build_shipped("fortunes", src, tmp_path / "x.tsv.xz")
 
 
 @pytest.mark.skipif(
-    installed_version() != SOURCE_VERSION or not Path(DEFAULT_FORTUNE_DIR).is_dir(),
-    reason=f"needs Debian's `fortunes` {SOURCE_VERSION} installed in {DEFAULT_FORTUNE_DIR} (apt-get install fortunes)",
+    installed_version("fortunes") != FORTUNES.source.version or not Path(FORTUNES.source.folder).is_dir(),
+    reason=f"needs Debian's fortunes {FORTUNES.source.version} in {FORTUNES.source.folder} (apt-get install fortunes)",
 )
 def test_rebuild_from_the_debian_package_equals_committed(tmp_path, capsys):
     out = tmp_path / "fortunes.tsv.xz"
-    assert main(["--out", str(out)]) == 0
+    assert main(["build", "fortunes", "--out", str(out)]) == 0
     assert f"{ROWS} entries" in capsys.readouterr().out
     assert out.read_bytes() == DEFAULT_PATH.read_bytes()
 
@@ -112,7 +104,7 @@ def test_rebuild_of_real_source_entries_gives_the_committed_rows(tmp_path):
     verbatim, rows of the committed file: the same filter, text cleaning, ids and categories as the full rebuild."""
     import lzma
 
-    out = build_fortunes(Path(__file__).parent / "debian_sources" / "fortunes", tmp_path / "f.tsv.xz")
+    out = build_shipped("fortunes", Path(__file__).parent / "debian_sources" / "fortunes", tmp_path / "f.tsv.xz")
     rows = lzma.decompress(out.read_bytes()).decode().splitlines()
     committed = set(lzma.decompress(DEFAULT_PATH.read_bytes()).decode().splitlines())
     assert rows[0] == "id\tcategory\ttext" and len(rows) == 1 + 147  # 180 entries, 33 dropped by the filter
@@ -135,7 +127,7 @@ def test_packaged_file_matches_its_documentation():
     assert all(20 <= len(r.text) <= MAX_CHARS and r.text.isascii() and "\t" not in r.text for r in records)
     readme = README.read_text()
     assert SHA256 in readme and f"{ROWS:,}" in readme
-    assert stats_markdown() in readme  # the per-class table is the file's
+    assert FORTUNES.stats_markdown() in readme  # the per-class table is the file's
     assert (DEFAULT_PATH.parent / "FORTUNES_LICENSE").read_text().count("Regents of the University of California")
     counts = class_counts()
     assert min(c["train"] for c in counts.values()) >= 80 and min(c["test"] for c in counts.values()) >= 30

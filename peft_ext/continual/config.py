@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import yaml
 
-from ..data import SHIPPED
+from ..data import SHIPPED, check_dataset
 from ..data.tasks import PROTOCOLS
 from .config_schema import (  # noqa: F401 (re-exported: the config's error and builders)
     ConfigError,
@@ -107,7 +107,7 @@ class DataSection:
             config file's folder.
     """
 
-    dataset: Literal["wordnet", "fortunes", "files", "instructions"] = "wordnet"
+    dataset: str = "wordnet"
     n_tasks: int | None = None
     classes_per_task: int | None = None
     train_per_class: int | None = None
@@ -139,6 +139,7 @@ class DataSection:
     )
 
     def validate(self) -> None:
+        check_dataset(self.dataset)
         shipped = SHIPPED.get(self.dataset)  # a data set that ships with the package: its defaults fill the caps
         if shipped is not None:
             for key, value in shipped.defaults.items():

@@ -1,7 +1,84 @@
-"""``python -m peft_ext.data build|export|stats``: rebuild, export as CSV or summarize the WordNet gloss file."""
+"""``python -m peft_ext.data``: the shipped data sets by name (:data:`~peft_ext.data.registry.SHIPPED`).
 
+``list`` names them with their source and license, ``build NAME`` rebuilds one's committed file from its source,
+``stats NAME`` prints its per-class counts as a Markdown table, ``export NAME`` writes it as a ``text,label`` CSV.
+"""
+
+from __future__ import annotations
+
+import argparse
 import sys
+from collections.abc import Sequence
 
-from .wordnet_build import main
+from .build import build_shipped, export_csv, installed_version
+from .registry import SHIPPED, shipped_dataset
 
-sys.exit(main())
+
+def _name(value: str) -> str:
+    try:
+        return shipped_dataset(value).name
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m peft_ext.data", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="the shipped data sets: name, file, source, license")
+    names = f"a shipped data set: {', '.join(SHIPPED)}"
+    build = sub.add_parser("build", help="rebuild a data set's committed file from its source files")
+    build.add_argument("name", type=_name, metavar="NAME", help=names)
+    build.add_argument("--source-dir", default=None, help="folder of the source files (default: the package's)")
+    build.add_argument("--out", default=None, help="output path (default: the committed file)")
+    stats = sub.add_parser("stats", help="print the per-class train/test counts")
+    stats.add_argument("name", type=_name, metavar="NAME", help=names)
+    stats.add_argument("--path", default=None, help="the data file (default: the committed one)")
+    export = sub.add_parser("export", help="write a data set as a CSV (text,label), e.g. to try `dataset: files`")
+    export.add_argument("name", type=_name, metavar="NAME", help=names)
+    export.add_argument("--out", required=True, help="the CSV file to write (never overwritten)")
+    export.add_argument("--split", choices=("train", "test", "all"), default="all", help="which split (default all)")
+    export.add_argument("--classes", nargs="+", default=None, help="only these classes (default: all)")
+    export.add_argument("--per-class", type=int, default=None, help="at most this many rows per class and split")
+    export.add_argument("--seed", type=int, default=0, help="picks the capped subset")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns 0, or 1 when a build, stats or export fails (a bad argument or an unknown name
+    exits with 2, as argparse does).
+
+    Args:
+        argv: Arguments (defaults to ``sys.argv[1:]``).
+    """
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "list":
+            for data in SHIPPED.values():
+                src = data.source
+                print(f"{data.name}: {data.describe}; files/{data.file}, {data.license}")
+                print(f"  source: Debian {src.package} {src.version} ({src.folder}), {src.upstream}")
+        elif args.command == "build":
+            data = SHIPPED[args.name]
+            version = installed_version(data.source.package) if args.source_dir is None else None
+            if version not in (None, data.source.version):
+                print(
+                    f"note: {data.source.package} {version} is installed; the committed file was built from "
+                    f"{data.source.version}",
+                    file=sys.stderr,
+                )
+            out = build_shipped(args.name, args.source_dir, args.out)
+            print(f"wrote {out} ({out.stat().st_size} bytes, {len(data.read(out))} {data.item_word})")
+        elif args.command == "stats":
+            print(SHIPPED[args.name].stats_markdown(args.path))
+        else:
+            split = None if args.split == "all" else args.split
+            rows = export_csv(args.name, args.out, split, args.classes, args.per_class, args.seed)
+            print(f"wrote {args.out} ({rows} rows: text,label)")
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,15 +3,14 @@ comes from.
 
 The package ships ``files/fortunes.tsv.xz``: short entries of twelve topic files of Debian's ``fortunes`` package,
 attributions removed, one row per entry with columns ``id`` (``<category>/<n>``, the entry's position in its source
-file), ``category`` and ``text``. It was built by :func:`~peft_ext.data.fortunes_build.build_fortunes`
-(``python -m peft_ext.data.fortunes_build``; the filtering is documented there and in ``files/README.md``) and is
-distributed under the fortune-mod BSD license in ``files/FORTUNES_LICENSE``. Loading it needs nothing outside this
-package.
+file), ``category`` and ``text``. Its declaration (source, license, columns, split rule) is
+:data:`~peft_ext.data.registry.FORTUNES`; ``python -m peft_ext.data build fortunes`` rebuilds it (the filtering is
+documented in :mod:`.fortunes_build` and ``files/README.md``). Loading it needs nothing outside this package.
 
 It is the second shipped benchmark next to WordNet glosses (:mod:`.wordnet`): everyday jokes, quotations and
 aphorisms rather than dictionary definitions, with classes that are topics rather than lexical categories. The
 train/test split is a fixed function of the text (a SHA-1 hash, about 30% test: the classes are small), and task
-sequences are built exactly as WordNet's are (:class:`~peft_ext.data.shipped.ShippedTexts`).
+sequences are built exactly as WordNet's are (:class:`~peft_ext.data.shipped.ShippedDataset`).
 """
 
 from __future__ import annotations
@@ -19,32 +18,16 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
-from .shipped import ShippedTexts, hash_split
+from .registry import FORTUNES
 from .tasks import TaskSequence
 
-__all__ = ["FORTUNES", "FortuneExample", "fortunes_task_sequence", "load_fortunes", "read_fortune_file"]
+__all__ = ["FortuneExample", "fortune_from_row", "fortunes_task_sequence", "load_fortunes", "read_fortune_file"]
 
-#: The fortune files used, one class each: topics that fortune-mod's ``cookie-files`` describes as distinct and that
-#: keep at least 130 entries after filtering.
-CATEGORIES: tuple[str, ...] = (
-    "art",
-    "computers",
-    "drugs",
-    "education",
-    "food",
-    "law",
-    "literature",
-    "love",
-    "politics",
-    "science",
-    "startrek",
-    "work",
-)
-TEST_PERCENT = 30
-DEFAULT_PATH = Path(__file__).resolve().parent / "files" / "fortunes.tsv.xz"
-COLUMNS = ("id", "category", "text")
+#: The fortune files used, one class each (:data:`~peft_ext.data.registry.FORTUNES` says why these).
+CATEGORIES: tuple[str, ...] = FORTUNES.class_names
+TEST_PERCENT = FORTUNES.split_rule.test_percent
+DEFAULT_PATH = FORTUNES.path
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,46 +54,23 @@ def split_of(text: str) -> str:
     Args:
         text: The fortune's text as stored.
     """
-    return hash_split(text, TEST_PERCENT)
+    return FORTUNES.split_rule.of(text)
 
 
-def _record(path: str, lineno: int, fields: list[str]) -> FortuneExample:
+def fortune_from_row(path: str, lineno: int, fields: list[str]) -> FortuneExample:
+    """One row of the fortunes file as a record; a category outside :data:`CATEGORIES` raises ``ValueError`` naming
+    the file and line."""
     id_, category, text = fields
     if category not in CATEGORIES:
         raise ValueError(f"{path}:{lineno} has category {category!r}, not one of {list(CATEGORIES)}")
     return FortuneExample(id_, category, text, split_of(text))
 
 
-#: The data set as the job's ``data.dataset: fortunes`` sees it.
-FORTUNES: ShippedTexts[FortuneExample] = ShippedTexts(
-    name="fortunes",
-    file=DEFAULT_PATH,
-    columns=COLUMNS,
-    record=_record,
-    rebuild="python -m peft_ext.data.fortunes_build",
-    class_names=CATEGORIES,
-    class_arg="categories",
-    item_word="entries",
-    key=lambda r: r.text,
-    label=lambda r: r.category,
-    text=lambda r: r.text,
-    test_percent=TEST_PERCENT,
-    provenance={
-        "dataset": "Debian fortunes: fortune -> fortune file (topic)",
-        "license": "fortune-mod BSD license (peft_ext/data/files/FORTUNES_LICENSE)",
-        "input": "text (attribution removed)",
-    },
-    sequence_name="fortunes",
-    defaults={"n_tasks": 4, "classes_per_task": 3, "train_per_class": 60, "test_per_class": 30},
-    describe="fortune cookie -> fortune file (topic)",
-)
-
-
 def read_fortune_file(path: str | os.PathLike[str] | None = None) -> tuple[FortuneExample, ...]:
     """Every record of the fortunes file at ``path`` (default: the packaged one), read once per file version.
 
     Args:
-        path: A file written by :func:`~peft_ext.data.fortunes_build.build_fortunes`.
+        path: A file written by ``python -m peft_ext.data build fortunes``.
     """
     return FORTUNES.read(path)
 
@@ -155,27 +115,15 @@ def fortunes_task_sequence(
     path: str | os.PathLike[str] | None = None,
     val_per_class: int = 0,
 ) -> TaskSequence:
-    """A continual-learning sequence of fortune topic-classification tasks with disjoint classes.
-
-    Built exactly as :func:`~peft_ext.data.wordnet.wordnet_task_sequence` builds WordNet's (both are
-    :meth:`ShippedTexts.task_sequence <peft_ext.data.shipped.ShippedTexts.task_sequence>`, which documents the other
-    keywords: ``seed``, ``protocol``, ``path``, ``val_per_class``): a class is eligible with at least
-    ``train_per_class + val_per_class`` train and ``test_per_class`` test entries (at the defaults all twelve are),
-    ``random.Random(seed).sample`` over the sorted eligible names picks and orders the classes, dealt to tasks
-    ``classes_per_task`` at a time; each class contributes exactly ``train_per_class`` train and ``test_per_class``
-    test entries (the seeded caps of :func:`load_fortunes`), train examples are shuffled per task, and the validation
-    split holds the train-split entries ranked right after the training ones. ``Example.inputs`` is the fortune's
-    text.
+    """A continual-learning sequence of fortune topic-classification tasks with disjoint classes, built as every
+    shipped data set's is (:meth:`~peft_ext.data.shipped.ShippedDataset.task_sequence` documents how); at the defaults
+    all twelve topics are eligible. ``Example.inputs`` is the fortune's text.
 
     Args:
-        n_tasks: Number of tasks.
-        classes_per_task: New classes per task.
         categories: Use exactly these classes in this order (``n_tasks * classes_per_task`` names, all eligible)
             instead of a seeded pick.
-        train_per_class: Train examples per class.
-        test_per_class: Test examples per class.
-        seed, protocol, path, val_per_class: As :meth:`~peft_ext.data.shipped.ShippedTexts.task_sequence` takes
-            them.
+        n_tasks, classes_per_task, seed, train_per_class, test_per_class, protocol, path, val_per_class: As
+            :meth:`~peft_ext.data.shipped.ShippedDataset.task_sequence` takes them.
     """
     return FORTUNES.task_sequence(
         n_tasks, classes_per_task, seed, train_per_class, test_per_class, protocol, categories, path, val_per_class

@@ -1,8 +1,9 @@
-"""Building the packaged fortunes file from Debian's ``fortunes`` package: ``python -m peft_ext.data.fortunes_build``.
+"""Building the rows of the packaged fortunes file from Debian's ``fortunes`` package
+(``python -m peft_ext.data build fortunes`` runs :func:`fortune_rows`).
 
 :func:`parse_fortune_file` splits one fortune(6) data file into its entries, :func:`clean_entry` turns an entry into
-the one-line text a classifier sees (or refuses it), and :func:`build_fortunes` writes the reproducible xz-compressed
-TSV that :mod:`peft_ext.data.fortunes` loads. The filtering, in order, for every entry of the twelve
+the one-line text a classifier sees (or refuses it), and :func:`fortune_rows` gives the rows that
+:mod:`peft_ext.data.fortunes` loads. The filtering, in order, for every entry of the twelve
 :data:`~peft_ext.data.fortunes.CATEGORIES` files:
 
 1. overstrike is undone (``X<BS>Y`` prints ``Y``: the underlined and bold words of a few entries);
@@ -22,32 +23,14 @@ The id of a row is ``<category>/<n>``, ``n`` being the entry's 0-based position 
 
 from __future__ import annotations
 
-import argparse
-import os
 import re
-import subprocess
-import sys
 from collections import Counter
-from collections.abc import Sequence
 from pathlib import Path
 
-from .fortunes import (
-    CATEGORIES,
-    COLUMNS,
-    DEFAULT_PATH,
-    FORTUNES,
-    FortuneExample,
-    read_fortune_file,
-    split_of,
-)
-from .shipped import source_folder, write_xz
+from .fortunes import CATEGORIES
 
-__all__ = ["DEFAULT_FORTUNE_DIR", "build_fortunes", "clean_entry", "parse_fortune_file"]
+__all__ = ["MAX_CHARS", "MIN_CHARS", "clean_entry", "fortune_rows", "parse_fortune_file"]
 
-DEFAULT_FORTUNE_DIR = "/usr/share/games/fortunes"
-#: The Debian package (and version) the committed file was built from.
-SOURCE_PACKAGE = "fortunes"
-SOURCE_VERSION = "1:1.99.1-7.3"
 MIN_CHARS = 20
 MAX_CHARS = 300
 
@@ -99,11 +82,20 @@ def clean_entry(entry: str) -> str | None:
     return text if MIN_CHARS <= len(text) <= MAX_CHARS else None
 
 
-def _records(fortune_dir: Path) -> list[FortuneExample]:
+def fortune_rows(folder: Path) -> list[tuple[str, str, str]]:
+    """The rows of the fortunes file (``id``, ``category``, ``text``), sorted by id, from the fortune files of
+    :data:`~peft_ext.data.fortunes.CATEGORIES` in ``folder`` (Debian's ``fortunes`` installs them in
+    ``/usr/share/games/fortunes``): every entry :func:`clean_entry` keeps, less duplicates (step 6 of the module
+    docstring).
+
+    Args:
+        folder: The folder holding the fortune files.
+    """
     candidates: list[tuple[str, str, str]] = []  # (id, category, text)
     for category in CATEGORIES:
-        path = fortune_dir / category
-        text = path.read_bytes().decode("utf-8")  # strict: an undecodable file is not the one documented
+        text = (
+            (folder / category).read_bytes().decode("utf-8")
+        )  # strict: an undecodable file is not the one documented
         seen: set[str] = set()
         for n, entry in enumerate(parse_fortune_file(text)):
             cleaned = clean_entry(entry)
@@ -111,87 +103,4 @@ def _records(fortune_dir: Path) -> list[FortuneExample]:
                 seen.add(cleaned)
                 candidates.append((f"{category}/{n:04d}", category, cleaned))
     categories_of = Counter(text for _, _, text in candidates)
-    return [
-        FortuneExample(id_, category, text, split_of(text))
-        for id_, category, text in sorted(candidates)
-        if categories_of[text] == 1
-    ]
-
-
-def _encode_tsv(records: Sequence[FortuneExample]) -> bytes:
-    rows = ["\t".join(COLUMNS)]
-    rows += ["\t".join((r.id, r.category, r.text)) for r in records]
-    return ("\n".join(rows) + "\n").encode("ascii")
-
-
-def build_fortunes(
-    fortune_dir: str | os.PathLike[str] = DEFAULT_FORTUNE_DIR, out_path: str | os.PathLike[str] | None = None
-) -> Path:
-    """Read the fortune files of :data:`~peft_ext.data.fortunes.CATEGORIES`, filter them and write the
-    xz-compressed TSV that :mod:`peft_ext.data.fortunes` loads.
-
-    The output is byte-for-byte reproducible: rows are sorted by id and the xz container holds no timestamp or file
-    name.
-
-    Args:
-        fortune_dir: Directory holding the fortune files (Debian's ``fortunes`` installs them in
-            ``/usr/share/games/fortunes``).
-        out_path: Where to write; defaults to the package's ``files/fortunes.tsv.xz``.
-
-    Returns:
-        The path written.
-    """
-    fortune_dir = source_folder(fortune_dir, CATEGORIES, "fortune files", "--fortune-dir", "fortunes")
-    return write_xz(Path(out_path or DEFAULT_PATH), _encode_tsv(_records(fortune_dir)))
-
-
-def installed_version(package: str = SOURCE_PACKAGE) -> str | None:
-    """The installed version of a Debian package (``dpkg-query``), or ``None`` when it (or dpkg) is absent."""
-    try:
-        result = subprocess.run(
-            ["dpkg-query", "-W", "-f", "${Status} ${Version}", package], capture_output=True, text=True, check=False
-        )
-    except OSError:
-        return None
-    status, _, version = result.stdout.rpartition(" ")
-    return version if result.returncode == 0 and status.endswith("installed") else None
-
-
-def stats_markdown(path: str | os.PathLike[str] | None = None) -> str:
-    """The per-category train/test counts of the fortunes file as a Markdown table."""
-    return FORTUNES.stats_markdown("category", path)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: rebuild the fortunes file (default), or print its class counts (``--stats``).
-
-    Args:
-        argv: Arguments (defaults to ``sys.argv[1:]``).
-    """
-    parser = argparse.ArgumentParser(
-        prog="python -m peft_ext.data.fortunes_build", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("--fortune-dir", default=DEFAULT_FORTUNE_DIR, help="directory of the fortune files")
-    parser.add_argument("--out", default=None, help=f"output path (default: {DEFAULT_PATH})")
-    parser.add_argument("--stats", action="store_true", help="print the per-category counts of --out instead")
-    args = parser.parse_args(argv)
-    try:
-        if args.stats:
-            print(stats_markdown(args.out))
-            return 0
-        version = installed_version()
-        if args.fortune_dir == DEFAULT_FORTUNE_DIR and version not in (None, SOURCE_VERSION):
-            print(
-                f"note: {SOURCE_PACKAGE} {version} is installed; the committed file was built from {SOURCE_VERSION}",
-                file=sys.stderr,
-            )
-        out = build_fortunes(args.fortune_dir, args.out)
-        print(f"wrote {out} ({out.stat().st_size} bytes, {len(read_fortune_file(out))} entries)")
-    except (FileNotFoundError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return [row for row in sorted(candidates) if categories_of[row[2]] == 1]

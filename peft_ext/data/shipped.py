@@ -1,31 +1,36 @@
-"""What the data sets shipped with the package (WordNet glosses: :mod:`.wordnet`; fortunes: :mod:`.fortunes`) share.
+"""The declaration of a data set that ships with the package (:class:`ShippedDataset`) and what every shipped data
+set does the same way; the declarations themselves are in :mod:`.registry`.
 
 Each is one committed, xz-compressed TSV of labelled texts. The train/test split of a record is a fixed function of
-its key (a SHA-1 hash), seeded caps keep the records with the smallest SHA-1 of ``f"{seed}:{key}"`` per class, a
-seeded ``random.Random(seed).sample`` picks and orders the classes of a task sequence, and the validation split is
-carved from the train-split records the capped training data leaves out. A :class:`ShippedTexts` does all of it for
-any record type, given how to parse a row and read a record's key, class and text; each data set's module defines
-one (``wordnet.WORDNET``, ``fortunes.FORTUNES``) and ``peft_ext.data.SHIPPED`` names them for the job's
-``data.dataset``.
+its key (:class:`~.registry.HashSplit`: a SHA-1 hash), seeded caps keep the records with the smallest SHA-1 of
+``f"{seed}:{key}"`` per class, a seeded ``random.Random(seed).sample`` picks and orders the classes of a task
+sequence, and the validation split is carved from the train-split records the capped training data leaves out. Only
+two things are code per data set, named in its declaration by ``"module:function"``: how a row of the file becomes a
+record, and how the rows are built from the source files (:mod:`.build` runs it).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import lzma
 import os
 import random
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .tasks import PROTOCOLS, Example, Task, TaskSequence
 
+if TYPE_CHECKING:
+    from .registry import DebianSource, HashSplit, License
+
 __all__ = [
-    "ShippedTexts",
+    "ShippedDataset",
     "cap_per_class",
     "check_class_names",
     "count_by_class",
@@ -36,6 +41,8 @@ __all__ = [
 
 R = TypeVar("R")
 SPLITS = ("train", "test")
+#: Where the committed files and their licenses are.
+FILES = Path(__file__).resolve().parent / "files"
 
 
 def tsv_rows(path: str, columns: tuple[str, ...]) -> Iterator[tuple[int, list[str]]]:
@@ -50,40 +57,6 @@ def tsv_rows(path: str, columns: tuple[str, ...]) -> Iterator[tuple[int, list[st
             if len(fields) != len(columns):
                 raise ValueError(f"{path}:{lineno} has {len(fields)} fields, expected {len(columns)}")
             yield lineno, fields
-
-
-def write_xz(out: Path, data: bytes) -> Path:
-    """Write ``data`` to ``out`` xz-compressed, reproducibly (no timestamp or file name in the container; preset 6,
-    xz's default, within 0.3 % of preset 9 at a fraction of its memory) and atomically (a temporary file, then a
-    rename); returns ``out``."""
-    payload = lzma.compress(data, format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC64, preset=6)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_bytes(payload)
-    os.replace(tmp, out)
-    return out
-
-
-def source_folder(folder: str | os.PathLike[str], names: Sequence[str], what: str, option: str, package: str) -> Path:
-    """``folder`` as a ``Path`` once every file of ``names`` is in it (a data set's rebuild reads them); otherwise
-    ``FileNotFoundError`` naming the missing files, the builder's ``option`` that points elsewhere and the Debian
-    ``package`` that installs them.
-
-    Args:
-        folder: Where the source files should be.
-        names: Their names.
-        what: What they are, for the message (``"WordNet data files"``).
-        option: The builder's command-line option for another folder (``"--wordnet-dir"``).
-        package: The Debian / Ubuntu package that installs them (``"wordnet-base"``).
-    """
-    folder = Path(folder)
-    missing = [str(folder / name) for name in names if not (folder / name).is_file()]
-    if missing:
-        raise FileNotFoundError(
-            f"{what} not found: {', '.join(missing)}. Pass {option} pointing at the folder that holds them, or on "
-            f"Debian/Ubuntu run `apt-get install {package}`."
-        )
-    return folder
 
 
 def hash_split(key: str, test_percent: int) -> str:
@@ -167,64 +140,109 @@ def file_sha256(path: str | Path) -> str:
     return _sha256(str(Path(path).resolve()))
 
 
+_split = attrgetter("split")
+
+
+@functools.cache
+def resolve(target: str) -> Callable[..., Any]:
+    """The function a declaration names as ``"package.module:name"``, imported on first use (a data set's module
+    imports the registry, so the registry names its code rather than importing it)."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 @functools.lru_cache(maxsize=8)
-def _parse(data: ShippedTexts[Any], path: str, mtime_ns: int, size: int) -> tuple[Any, ...]:
+def _parse(data: ShippedDataset, path: str, mtime_ns: int, size: int) -> tuple[Any, ...]:
     # mtime and size are part of the key so a rebuilt file is re-read rather than served stale.
     del mtime_ns, size
-    return tuple(data.record(path, lineno, fields) for lineno, fields in tsv_rows(path, data.columns))
+    record = resolve(data.record)
+    return tuple(record(path, lineno, fields) for lineno, fields in tsv_rows(path, data.columns))
 
 
 @dataclass(frozen=True, eq=False)
-class ShippedTexts(Generic[R]):
-    """A labelled-text data set that ships with the package: its file, its records, and how it is loaded, counted
-    and dealt into continual-learning task sequences. ``data.dataset`` names one (see ``peft_ext.data.SHIPPED``).
+class ShippedDataset:
+    """A labelled-text data set that ships with the package, declared: its file, source, license, columns and split
+    rule, and how it is loaded, counted and dealt into continual-learning task sequences. ``data.dataset`` names one
+    (:data:`peft_ext.data.registry.SHIPPED`); ``python -m peft_ext.data build NAME`` rebuilds its file.
 
     Args:
-        name: Its ``data.dataset`` name; task sequences are named ``f"{sequence_name}-{n_tasks}x{k}-seed{seed}"``.
-        file: The committed file, an xz-compressed TSV.
+        name: Its ``data.dataset`` name, and the build command's.
+        describe: One line for messages and docs.
+        title: What it is, recorded as ``TaskSequence.meta["dataset"]``.
+        file: The committed file in ``peft_ext/data/files``, an xz-compressed TSV.
         columns: The file's header.
-        record: ``(path, line number, fields) -> record``: one row as a record (raising ``ValueError`` that names
-            the file and line for a bad row).
-        rebuild: The command that rebuilds the file, without ``--out`` (said when the file is missing).
+        key: The column that identifies a record (the seeded caps rank it).
+        label: The column of the class name.
+        text: The column a classifier sees (``Example.inputs``).
+        input: What ``text`` holds, recorded as ``TaskSequence.meta["input"]``.
+        split_rule: The train/test rule (each record's ``split`` attribute follows it).
         class_names: Every class name, in the data set's order.
         class_arg: The loaders' keyword for class names (``"supersenses"``), used in messages.
         item_word: What a record is, plural (``"synsets"``), used in messages.
-        key: A record's unique key (the caps rank it; the file's split is a function of it).
-        label: A record's class name.
-        text: What the classifier sees (``Example.inputs``).
-        test_percent: The share of the test split, in percent.
-        provenance: Recorded first in ``TaskSequence.meta``: ``dataset``, ``license`` and ``input``.
-        sequence_name: The prefix of the sequences' names.
+        source: What the file is built from.
+        license: What the file is distributed under.
+        record: ``"module:function"``, ``(path, line number, fields) -> record``: a row as a record whose attributes
+            are the columns and ``split`` (a bad row raises ``ValueError`` naming the file and line).
+        build: ``"module:function"``, ``(source folder) -> rows``: the file's rows (tuples of strings, in file
+            order) built from :attr:`source`'s files.
+        sequence_name: The prefix of the sequences' names: ``f"{sequence_name}-{n_tasks}x{k}-seed{seed}"``.
         defaults: ``n_tasks``, ``classes_per_task``, ``train_per_class`` and ``test_per_class`` for a job config that
             leaves them unset.
-        describe: One line for messages and docs.
     """
 
     name: str
-    file: Path
+    describe: str
+    title: str
+    file: str
     columns: tuple[str, ...]
-    record: Callable[[str, int, list[str]], R]
-    rebuild: str
+    key: str
+    label: str
+    text: str
+    input: str
+    split_rule: HashSplit
     class_names: tuple[str, ...]
     class_arg: str
     item_word: str
-    key: Callable[[R], str]
-    label: Callable[[R], str]
-    text: Callable[[R], str]
-    test_percent: int
-    provenance: dict[str, str]
+    source: DebianSource
+    license: License
+    record: str
+    build: str
     sequence_name: str
     defaults: dict[str, int]
-    describe: str
+
+    @property
+    def path(self) -> Path:
+        """The committed file."""
+        return FILES / self.file
+
+    @property
+    def rebuild(self) -> str:
+        """The command that rebuilds the file (from :attr:`source`)."""
+        return f"python -m peft_ext.data build {self.name}"
+
+    @functools.cached_property
+    def key_of(self) -> Callable[[Any], str]:
+        """``record -> its key`` (the :attr:`key` column)."""
+        return attrgetter(self.key)
+
+    @functools.cached_property
+    def label_of(self) -> Callable[[Any], str]:
+        """``record -> its class name`` (the :attr:`label` column)."""
+        return attrgetter(self.label)
+
+    @functools.cached_property
+    def text_of(self) -> Callable[[Any], str]:
+        """``record -> what a classifier sees`` (the :attr:`text` column)."""
+        return attrgetter(self.text)
 
     def names(self) -> tuple[str, ...]:
         """Every class name of the data set."""
         return self.class_names
 
-    def read(self, path: str | os.PathLike[str] | None = None) -> tuple[R, ...]:
+    def read(self, path: str | os.PathLike[str] | None = None) -> tuple[Any, ...]:
         """Every record of the file at ``path`` (default: the shipped one), parsed once per file version (a
         rebuilt file is re-read); a missing file raises ``FileNotFoundError`` saying how to rebuild it."""
-        p = Path(path) if path is not None else self.file
+        p = Path(path) if path is not None else self.path
         if not p.is_file():
             raise FileNotFoundError(f"{self.name} data file {p} not found; rebuild it with `{self.rebuild} --out {p}`")
         stat = p.stat()
@@ -238,7 +256,7 @@ class ShippedTexts(Generic[R]):
         max_per_class: int | None = None,
         seed: int = 0,
         path: str | os.PathLike[str] | None = None,
-    ) -> list[R]:
+    ) -> list[Any]:
         """The records of ``split`` (``"train"``, ``"test"``, ``None`` for both) and ``classes`` (``None``: all), in
         file order, at most ``max_per_class`` per class (:func:`cap_per_class` with ``seed``)."""
         if split is not None and split not in SPLITS:
@@ -249,23 +267,18 @@ class ShippedTexts(Generic[R]):
         records = [
             r
             for r in self.read(path)
-            if (split is None or self.split(r) == split) and (wanted is None or self.label(r) in wanted)
+            if (split is None or r.split == split) and (wanted is None or self.label_of(r) in wanted)
         ]
-        return cap_per_class(records, max_per_class, seed, self.key, self.label)
-
-    @staticmethod
-    def split(record: Any) -> str:
-        """A record's split, ``"train"`` or ``"test"`` (its ``split`` field)."""
-        return record.split
+        return cap_per_class(records, max_per_class, seed, self.key_of, self.label_of)
 
     def class_counts(self, path: str | os.PathLike[str] | None = None) -> dict[str, dict[str, int]]:
         """``{class: {"train": n, "test": m}}`` for the classes that have records, in the data set's order."""
-        return count_by_class(self.read(path), self.class_names, self.label, self.split)
+        return count_by_class(self.read(path), self.class_names, self.label_of, _split)
 
-    def stats_markdown(self, column: str, path: str | os.PathLike[str] | None = None) -> str:
-        """The per-class train / test counts as a Markdown table whose first column is headed ``column``."""
+    def stats_markdown(self, path: str | os.PathLike[str] | None = None) -> str:
+        """The per-class train / test counts as a Markdown table (``files/README.md`` shows it)."""
         counts = self.class_counts(path)
-        lines = [f"| {column} | train | test | total |", "|---|---:|---:|---:|"]
+        lines = [f"| {self.label} | train | test | total |", "|---|---:|---:|---:|"]
         lines += [f"| {name} | {c['train']} | {c['test']} | {c['train'] + c['test']} |" for name, c in counts.items()]
         train = sum(c["train"] for c in counts.values())
         test = sum(c["test"] for c in counts.values())
@@ -332,24 +345,24 @@ class ShippedTexts(Generic[R]):
             if classes is not None
             else self._sampled_classes(eligible, need, seed, f"{n_tasks} * {classes_per_task}")
         )
-        label_of = {name: i for i, name in enumerate(chosen)}
+        label_id = {name: i for i, name in enumerate(chosen)}
         wanted_all = set(chosen)
 
-        def select(which: str, cap: int) -> list[R]:
-            kept = [r for r in records if self.split(r) == which and self.label(r) in wanted_all]
-            return cap_per_class(kept, cap, seed, self.key, self.label)
+        def select(which: str, cap: int) -> list[Any]:
+            kept = [r for r in records if r.split == which and self.label_of(r) in wanted_all]
+            return cap_per_class(kept, cap, seed, self.key_of, self.label_of)
 
         data = {which: select(which, cap) for which, cap in (("train", train_per_class), ("test", test_per_class))}
-        validation: list[R] = []
+        validation: list[Any] = []
         if val_per_class:
             # A smaller cap keeps a subset of a larger one: train + validation minus train is the validation part.
             wider = select("train", train_per_class + val_per_class)
-            used = {self.key(r) for r in data["train"]}
-            seen = {self.text(r) for part in data.values() for r in part}  # a few records may share a text
-            validation = [r for r in wider if self.key(r) not in used and self.text(r) not in seen]
+            used = {self.key_of(r) for r in data["train"]}
+            seen = {self.text_of(r) for part in data.values() for r in part}  # a few records may share a text
+            validation = [r for r in wider if self.key_of(r) not in used and self.text_of(r) not in seen]
 
-        def examples(part: list[R], wanted: set[str]) -> list[Example]:
-            return [Example(self.text(r), label_of[self.label(r)]) for r in part if self.label(r) in wanted]
+        def examples(part: list[Any], wanted: set[str]) -> list[Example]:
+            return [Example(self.text_of(r), label_id[self.label_of(r)]) for r in part if self.label_of(r) in wanted]
 
         tasks = []
         for t in range(n_tasks):
@@ -360,31 +373,31 @@ class ShippedTexts(Generic[R]):
             tasks.append(
                 Task(
                     f"t{t}:" + "+".join(names),
-                    [label_of[n] for n in names],
+                    [label_id[n] for n in names],
                     train,
                     examples(data["test"], wanted),
                     examples(validation, wanted),
                 )
             )
-        source = Path(path) if path is not None else self.file
+        source = Path(path) if path is not None else self.path
         return TaskSequence(
             name=f"{self.sequence_name}-{n_tasks}x{classes_per_task}-seed{seed}",
             class_names=list(chosen),
             tasks=tasks,
             protocol=protocol,  # type: ignore[arg-type]
             meta={
-                "dataset": self.provenance["dataset"],
+                "dataset": self.title,
                 "source": source.name,
                 "source_sha256": file_sha256(source),
-                "license": self.provenance["license"],
-                "input": self.provenance["input"],
+                "license": str(self.license),
+                "input": self.input,
                 "seed": seed,
                 "n_tasks": n_tasks,
                 "classes_per_task": classes_per_task,
                 "train_per_class": train_per_class,
                 "test_per_class": test_per_class,
                 "val_per_class": val_per_class,
-                "test_percent": self.test_percent,
+                "test_percent": self.split_rule.test_percent,
                 "class_selection": "given" if classes is not None else "random.Random(seed).sample(eligible)",
                 "n_eligible": len(eligible),
             },

@@ -1,9 +1,8 @@
 """WordNet 3.0 gloss classification: predict a synset's supersense (lexicographer file) from its definition.
 
-The package ships ``files/wordnet_glosses.tsv.xz``, one row per WordNet 3.0 synset (117,659 rows) with columns
-``synset``, ``supersense``, ``lemmas``, ``definition`` and ``examples``. It was built from Debian's ``wordnet-base``
-data files by :func:`~peft_ext.data.wordnet_build.build_wordnet_glosses` (``python -m peft_ext.data build``) and
-is distributed under the WordNet 3.0 license in ``files/WORDNET_LICENSE``. Loading it needs nothing outside this
+The package ships ``files/wordnet_glosses.tsv.xz``, one row per WordNet 3.0 synset (117,659 rows). Its declaration
+(source, license, columns, split rule) is :data:`~peft_ext.data.registry.WORDNET`; ``python -m peft_ext.data build
+wordnet`` rebuilds it from Debian's ``wordnet-base`` (:mod:`.wordnet_build`). Loading it needs nothing outside this
 package.
 
 The train/test split is a fixed function of the synset id (a SHA-1 hash, about 20% test), so it never depends on
@@ -15,77 +14,29 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
-from .shipped import SPLITS, ShippedTexts, hash_split
+from .registry import WORDNET
+from .shipped import SPLITS
 from .tasks import TaskSequence
 
 __all__ = [
     "DEFAULT_PATH",
-    "WORDNET",
     "LEXNAMES",
     "SPLITS",
     "TEST_PERCENT",
     "GlossExample",
     "class_counts",
+    "gloss_from_row",
     "load_wordnet_glosses",
     "read_gloss_file",
     "split_of",
     "wordnet_task_sequence",
 ]
 
-# Lexicographer file names, indexed by the ``lex_filenum`` field of the data files (WordNet's lexnames(5WN)).
-LEXNAMES: tuple[str, ...] = (
-    "adj.all",
-    "adj.pert",
-    "adv.all",
-    "noun.Tops",
-    "noun.act",
-    "noun.animal",
-    "noun.artifact",
-    "noun.attribute",
-    "noun.body",
-    "noun.cognition",
-    "noun.communication",
-    "noun.event",
-    "noun.feeling",
-    "noun.food",
-    "noun.group",
-    "noun.location",
-    "noun.motive",
-    "noun.object",
-    "noun.person",
-    "noun.phenomenon",
-    "noun.plant",
-    "noun.possession",
-    "noun.process",
-    "noun.quantity",
-    "noun.relation",
-    "noun.shape",
-    "noun.state",
-    "noun.substance",
-    "noun.time",
-    "verb.body",
-    "verb.change",
-    "verb.cognition",
-    "verb.communication",
-    "verb.competition",
-    "verb.consumption",
-    "verb.contact",
-    "verb.creation",
-    "verb.emotion",
-    "verb.motion",
-    "verb.perception",
-    "verb.possession",
-    "verb.social",
-    "verb.stative",
-    "verb.weather",
-    "adj.ppl",
-)
-
-TEST_PERCENT = 20
-DEFAULT_PATH = Path(__file__).resolve().parent / "files" / "wordnet_glosses.tsv.xz"
-COLUMNS = ("synset", "supersense", "lemmas", "definition", "examples")
+#: The 45 supersenses, indexed by the ``lex_filenum`` field of the data files (WordNet's lexnames(5WN)).
+LEXNAMES: tuple[str, ...] = WORDNET.class_names
+TEST_PERCENT = WORDNET.split_rule.test_percent
+DEFAULT_PATH = WORDNET.path
 # Joins the examples of one synset in the file; no WordNet 3.0 gloss contains "|" after the field separator.
 EXAMPLE_SEP = " | "
 
@@ -130,11 +81,12 @@ def split_of(synset: str) -> str:
     Args:
         synset: A synset id such as ``"n02084071"``.
     """
-    return hash_split(synset, TEST_PERCENT)
+    return WORDNET.split_rule.of(synset)
 
 
-def _record(path: str, lineno: int, fields: list[str]) -> GlossExample:
-    del path, lineno  # every field is free text
+def gloss_from_row(path: str, lineno: int, fields: list[str]) -> GlossExample:
+    """One row of the gloss file as a record (every field is free text, so any row of five fields is one)."""
+    del path, lineno
     synset, supersense, lemmas, definition, examples = fields
     return GlossExample(
         synset,
@@ -146,36 +98,11 @@ def _record(path: str, lineno: int, fields: list[str]) -> GlossExample:
     )
 
 
-#: The data set as the job's ``data.dataset: wordnet`` sees it.
-WORDNET: ShippedTexts[GlossExample] = ShippedTexts(
-    name="wordnet",
-    file=DEFAULT_PATH,
-    columns=COLUMNS,
-    record=_record,
-    rebuild="python -m peft_ext.data build",
-    class_names=LEXNAMES,
-    class_arg="supersenses",
-    item_word="synsets",
-    key=lambda r: r.synset,
-    label=lambda r: r.supersense,
-    text=lambda r: r.text,
-    test_percent=TEST_PERCENT,
-    provenance={
-        "dataset": "WordNet 3.0 gloss -> supersense (lexicographer file)",
-        "license": "WordNet 3.0 license (peft_ext/data/files/WORDNET_LICENSE)",
-        "input": "definition",
-    },
-    sequence_name="wordnet-supersenses",
-    defaults={"n_tasks": 5, "classes_per_task": 4, "train_per_class": 80, "test_per_class": 40},
-    describe="WordNet 3.0 gloss -> supersense",
-)
-
-
 def read_gloss_file(path: str | os.PathLike[str] | None = None) -> tuple[GlossExample, ...]:
     """Every record of the gloss file at ``path`` (default: the packaged one), read once per file version.
 
     Args:
-        path: A file written by :func:`~peft_ext.data.wordnet_build.build_wordnet_glosses`.
+        path: A file written by ``python -m peft_ext.data build wordnet``.
     """
     return WORDNET.read(path)
 
@@ -261,7 +188,7 @@ def wordnet_task_sequence(
             instead of a seeded pick.
         train_per_class: Train examples per class.
         test_per_class: Test examples per class.
-        seed, protocol, path, val_per_class: As :meth:`~peft_ext.data.shipped.ShippedTexts.task_sequence` takes
+        seed, protocol, path, val_per_class: As :meth:`~peft_ext.data.shipped.ShippedDataset.task_sequence` takes
             them.
     """
     return WORDNET.task_sequence(

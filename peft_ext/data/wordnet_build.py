@@ -1,35 +1,21 @@
-"""Building the packaged WordNet gloss file from the WordNet 3.0 data files, and the ``python -m peft_ext.data`` CLI.
+"""Building the rows of the packaged WordNet gloss file from the WordNet 3.0 data files
+(``python -m peft_ext.data build wordnet`` runs :func:`gloss_rows`).
 
-:func:`parse_data_line` reads one line of WordNet's ``data.*`` files (wndb(5WN)); :func:`build_wordnet_glosses`
-writes the reproducible xz-compressed TSV that :mod:`peft_ext.data.wordnet` loads.
+:func:`parse_data_line` reads one line of WordNet's ``data.*`` files (wndb(5WN)); :func:`gloss_rows` turns the four
+files into the rows :mod:`peft_ext.data.wordnet` loads, sorted by synset id.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import re
-import sys
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 
-from .shipped import source_folder, write_xz
-from .wordnet import (
-    COLUMNS,
-    DEFAULT_PATH,
-    EXAMPLE_SEP,
-    LEXNAMES,
-    WORDNET,
-    GlossExample,
-    read_gloss_file,
-    split_of,
-)
+from .registry import WORDNET
+from .wordnet import EXAMPLE_SEP, LEXNAMES, GlossExample, split_of
 
-__all__ = ["DEFAULT_WORDNET_DIR", "build_wordnet_glosses", "main", "parse_data_line", "parse_data_lines"]
-
-DEFAULT_WORDNET_DIR = "/usr/share/wordnet"
-DATA_FILES = ("data.adj", "data.adv", "data.noun", "data.verb")
+__all__ = ["gloss_rows", "parse_data_line", "parse_data_lines"]
 
 # ss_type -> (synset id prefix, lexname prefix). Satellites ("s") live in data.adj next to head adjectives and share
 # its offset space, so they get the "a" prefix of the file they come from.
@@ -141,119 +127,32 @@ def parse_data_lines(lines: Iterable[str]) -> list[GlossExample]:
     return [record for record in map(parse_data_line, lines) if record is not None]
 
 
-def _encode_tsv(records: Iterable[GlossExample]) -> bytes:
-    rows = ["\t".join(COLUMNS)]
-    for r in sorted(records, key=lambda r: r.synset):
-        fields = (r.synset, r.supersense, " ".join(r.lemmas), r.definition, EXAMPLE_SEP.join(r.examples))
-        rows.append("\t".join(_clean(f) for f in fields))
-    return ("\n".join(rows) + "\n").encode("utf-8")
-
-
-def build_wordnet_glosses(
-    wordnet_dir: str | os.PathLike[str] = DEFAULT_WORDNET_DIR, out_path: str | os.PathLike[str] | None = None
-) -> Path:
-    """Parse the WordNet 3.0 data files and write the xz-compressed TSV this module loads.
-
-    The output is byte-for-byte reproducible: rows are sorted by synset id and the xz container holds no timestamp
-    or file name (xz rather than gzip because it keeps the file near 3.4 MB instead of 4.5 MB).
+def gloss_rows(folder: Path) -> list[tuple[str, ...]]:
+    """The rows of the gloss file (its columns: :attr:`WORDNET.columns <peft_ext.data.registry.WORDNET>`), sorted by
+    synset id, from the WordNet 3.0 data files in ``folder`` (Debian's ``wordnet-base`` installs them in
+    ``/usr/share/wordnet``); a malformed line raises ``ValueError`` naming its file and line.
 
     Args:
-        wordnet_dir: Directory holding ``data.noun``, ``data.verb``, ``data.adj`` and ``data.adv`` (Debian's
-            ``wordnet-base`` installs them in ``/usr/share/wordnet``).
-        out_path: Where to write; defaults to the package's ``files/wordnet_glosses.tsv.xz``.
-
-    Returns:
-        The path written.
+        folder: The folder holding ``data.adj``, ``data.adv``, ``data.noun`` and ``data.verb``.
     """
-    wordnet_dir = source_folder(wordnet_dir, DATA_FILES, "WordNet 3.0 data files", "--wordnet-dir", "wordnet-base")
     records: list[GlossExample] = []
-    for name in DATA_FILES:
+    for name in WORDNET.source.files:
         # WordNet 3.0 is pure ASCII; latin-1 cannot fail on other bytes, and the parser rejects anything malformed.
-        with open(wordnet_dir / name, encoding="latin-1") as fh:
+        with open(folder / name, encoding="latin-1") as fh:
             for lineno, line in enumerate(fh, start=1):
                 try:
                     record = parse_data_line(line)
                 except ValueError as err:
-                    raise ValueError(f"{wordnet_dir / name}:{lineno}: {err}") from err
+                    raise ValueError(f"{folder / name}:{lineno}: {err}") from err
                 if record is not None:
                     records.append(record)
     ids = Counter(r.synset for r in records)
     dupes = sorted(s for s, n in ids.items() if n > 1)
     if dupes:
-        raise ValueError(f"Synset ids repeated in {wordnet_dir}: {dupes[:5]}")
-    return write_xz(Path(out_path or DEFAULT_PATH), _encode_tsv(records))
-
-
-def export_csv(
-    out: str | Path,
-    split: str | None = None,
-    classes: Sequence[str] | None = None,
-    per_class: int | None = None,
-    seed: int = 0,
-) -> int:
-    """Write glosses as a UTF-8 CSV with columns ``text`` (the definition) and ``label`` (the supersense), in synset
-    order; returns the number of rows. Refuses to overwrite ``out``.
-
-    Args:
-        out: The CSV file.
-        split: ``"train"``, ``"test"`` or ``None`` (both).
-        classes: Only these supersenses (``None``: all).
-        per_class: At most this many per class and split (the seeded subset of :func:`load_wordnet_glosses`).
-        seed: Picks the capped subset.
-    """
-    import csv
-
-    from .wordnet import load_wordnet_glosses
-
-    path = Path(out)
-    if path.exists():
-        raise ValueError(f"{str(path)!r} exists; choose another --out (nothing is overwritten)")
-    splits = [split] if split else ["train", "test"]
-    records = [r for s in splits for r in load_wordnet_glosses(s, classes, per_class, seed)]
-    records.sort(key=lambda r: r.synset)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="", encoding="utf-8") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(["text", "label"])
-        writer.writerows([r.text, r.supersense] for r in records)
-    return len(records)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``build`` rebuilds the gloss file, ``export`` writes glosses as a CSV, ``stats`` prints the class
-    counts as a Markdown table.
-
-    Args:
-        argv: Arguments (defaults to ``sys.argv[1:]``).
-    """
-    parser = argparse.ArgumentParser(prog="python -m peft_ext.data", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    build = sub.add_parser("build", help="rebuild the gloss file from the WordNet 3.0 data files")
-    build.add_argument("--wordnet-dir", default=DEFAULT_WORDNET_DIR, help="directory with data.noun etc.")
-    build.add_argument("--out", default=None, help=f"output path (default: {DEFAULT_PATH})")
-    export = sub.add_parser(
-        "export", help="write WordNet glosses as a CSV (text,label), e.g. to try the job on files of your own"
-    )
-    export.add_argument("--out", required=True, help="the CSV file to write (never overwritten)")
-    export.add_argument("--split", choices=("train", "test", "all"), default="all", help="which split (default all)")
-    export.add_argument("--classes", nargs="+", default=None, help="only these supersenses (default: all)")
-    export.add_argument("--per-class", type=int, default=None, help="at most this many glosses per class")
-    export.add_argument("--seed", type=int, default=0, help="picks the capped subset")
-    stats = sub.add_parser("stats", help="print per-supersense train/test counts")
-    stats.add_argument("--path", default=None, help="gloss file (default: the packaged one)")
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "build":
-            out = build_wordnet_glosses(args.wordnet_dir, args.out)
-            print(f"wrote {out} ({out.stat().st_size} bytes, {len(read_gloss_file(out))} synsets)")
-        elif args.command == "export":
-            rows = export_csv(
-                args.out, None if args.split == "all" else args.split, args.classes, args.per_class, args.seed
-            )
-            print(f"wrote {args.out} ({rows} rows: text,label)")
-        else:
-            print(WORDNET.stats_markdown("supersense", args.path))
-    except (FileNotFoundError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    return 0
+        raise ValueError(f"Synset ids repeated in {folder}: {dupes[:5]}")
+    return [
+        tuple(
+            _clean(f) for f in (r.synset, r.supersense, " ".join(r.lemmas), r.definition, EXAMPLE_SEP.join(r.examples))
+        )
+        for r in sorted(records, key=lambda r: r.synset)
+    ]

@@ -1,0 +1,240 @@
+"""Every data set a job's ``data.dataset`` can name: the shipped ones declared (:data:`SHIPPED`: source, license,
+file, columns, split rule, classes and the code that parses and builds them), and the kinds that read the user's own
+files (:data:`USER_DATASETS`).
+
+A new shipped data set is one more :class:`~.shipped.ShippedDataset` here, a record type with its row parser, a
+build function from its source files, its file and license in ``files/``; ``python -m peft_ext.data build NAME``
+then rebuilds it, and the job, the config check and the benchmarks find it by name.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+from .shipped import ShippedDataset, hash_split
+
+__all__ = [
+    "DATASETS",
+    "FORTUNES",
+    "SHIPPED",
+    "USER_DATASETS",
+    "WORDNET",
+    "DebianSource",
+    "HashSplit",
+    "License",
+    "check_dataset",
+    "shipped_dataset",
+]
+
+
+@dataclass(frozen=True)
+class HashSplit:
+    """The train/test rule of a shipped data set: ``"test"`` for about ``test_percent`` percent of records, by the
+    SHA-1 of their ``column`` (:func:`hash_split`), so a record's split never depends on caps, seeds or classes.
+
+    Args:
+        column: The column whose value decides.
+        test_percent: The share of the test split, in percent.
+    """
+
+    column: str
+    test_percent: int
+
+    def of(self, key: str) -> str:
+        """The split of the record whose ``column`` is ``key``: ``"train"`` or ``"test"``."""
+        return hash_split(key, self.test_percent)
+
+
+@dataclass(frozen=True)
+class License:
+    """The license a shipped file is redistributed under.
+
+    Args:
+        name: Its name (``"WordNet 3.0 license"``).
+        file: Its full text, a file next to the data (``peft_ext/data/files/WORDNET_LICENSE``); the licenses ask
+            for the notice to travel with every copy.
+    """
+
+    name: str
+    file: str
+
+    def __str__(self) -> str:
+        return f"{self.name} (peft_ext/data/files/{self.file})"
+
+
+@dataclass(frozen=True)
+class DebianSource:
+    """Where a shipped file is rebuilt from: data files of a Debian package.
+
+    Args:
+        package: The Debian / Ubuntu package that installs them (``apt-get install PACKAGE``).
+        version: The package version the committed file was built from (a rebuild from another one may differ).
+        folder: Where the package installs them.
+        files: The names of the files the build reads there.
+        upstream: What they are upstream, with its home page.
+    """
+
+    package: str
+    version: str
+    folder: str
+    files: tuple[str, ...]
+    upstream: str
+
+
+WORDNET = ShippedDataset(
+    name="wordnet",
+    describe="WordNet 3.0 gloss -> supersense",
+    title="WordNet 3.0 gloss -> supersense (lexicographer file)",
+    file="wordnet_glosses.tsv.xz",
+    columns=("synset", "supersense", "lemmas", "definition", "examples"),
+    key="synset",
+    label="supersense",
+    # The definition alone: a lemma often names its class outright ("dog"), and most synsets have no examples.
+    text="definition",
+    input="definition",
+    split_rule=HashSplit(column="synset", test_percent=20),
+    # The lexicographer files of lexnames(5WN), in the order of the data files' ``lex_filenum`` field.
+    class_names=(
+        "adj.all",
+        "adj.pert",
+        "adv.all",
+        "noun.Tops",
+        "noun.act",
+        "noun.animal",
+        "noun.artifact",
+        "noun.attribute",
+        "noun.body",
+        "noun.cognition",
+        "noun.communication",
+        "noun.event",
+        "noun.feeling",
+        "noun.food",
+        "noun.group",
+        "noun.location",
+        "noun.motive",
+        "noun.object",
+        "noun.person",
+        "noun.phenomenon",
+        "noun.plant",
+        "noun.possession",
+        "noun.process",
+        "noun.quantity",
+        "noun.relation",
+        "noun.shape",
+        "noun.state",
+        "noun.substance",
+        "noun.time",
+        "verb.body",
+        "verb.change",
+        "verb.cognition",
+        "verb.communication",
+        "verb.competition",
+        "verb.consumption",
+        "verb.contact",
+        "verb.creation",
+        "verb.emotion",
+        "verb.motion",
+        "verb.perception",
+        "verb.possession",
+        "verb.social",
+        "verb.stative",
+        "verb.weather",
+        "adj.ppl",
+    ),
+    class_arg="supersenses",
+    item_word="synsets",
+    source=DebianSource(
+        package="wordnet-base",
+        version="1:3.0-37",
+        folder="/usr/share/wordnet",
+        files=("data.adj", "data.adv", "data.noun", "data.verb"),
+        upstream="Princeton WordNet 3.0 database files (https://wordnet.princeton.edu)",
+    ),
+    license=License("WordNet 3.0 license", "WORDNET_LICENSE"),
+    record="peft_ext.data.wordnet:gloss_from_row",
+    build="peft_ext.data.wordnet_build:gloss_rows",
+    sequence_name="wordnet-supersenses",
+    defaults={"n_tasks": 5, "classes_per_task": 4, "train_per_class": 80, "test_per_class": 40},
+)
+
+# The fortune files used, one class each: topics that fortune-mod's ``cookie-files`` describes as distinct and that
+# keep at least 130 entries after filtering (files/README.md).
+_FORTUNE_TOPICS = (
+    "art",
+    "computers",
+    "drugs",
+    "education",
+    "food",
+    "law",
+    "literature",
+    "love",
+    "politics",
+    "science",
+    "startrek",
+    "work",
+)
+
+FORTUNES = ShippedDataset(
+    name="fortunes",
+    describe="fortune cookie -> fortune file (topic)",
+    title="Debian fortunes: fortune -> fortune file (topic)",
+    file="fortunes.tsv.xz",
+    columns=("id", "category", "text"),
+    key="text",
+    label="category",
+    text="text",
+    input="text (attribution removed)",
+    # More test than WordNet's 20 %: the classes are small. By text, so a text is in one split whatever its id.
+    split_rule=HashSplit(column="text", test_percent=30),
+    class_names=_FORTUNE_TOPICS,
+    class_arg="categories",
+    item_word="entries",
+    source=DebianSource(
+        package="fortunes",
+        version="1:1.99.1-7.3",
+        folder="/usr/share/games/fortunes",
+        files=_FORTUNE_TOPICS,
+        upstream="fortune-mod 1.99.1 data files (https://github.com/shlomif/fortune-mod)",
+    ),
+    license=License("fortune-mod BSD license", "FORTUNES_LICENSE"),
+    record="peft_ext.data.fortunes:fortune_from_row",
+    build="peft_ext.data.fortunes_build:fortune_rows",
+    sequence_name="fortunes",
+    defaults={"n_tasks": 4, "classes_per_task": 3, "train_per_class": 60, "test_per_class": 30},
+)
+
+#: The data sets that ship with the package, by their ``data.dataset`` name.
+SHIPPED: dict[str, ShippedDataset] = {data.name: data for data in (WORDNET, FORTUNES)}
+
+#: The ``data.dataset`` names that read the user's own files, and what they read.
+USER_DATASETS: dict[str, str] = {
+    "files": "your own classification data, read by Hugging Face `datasets` (docs/own_data.md)",
+    "instructions": "instruction tasks in TRL's formats for a `causal_lm` (docs/continual_instruct.md)",
+}
+
+#: Every name ``data.dataset`` takes.
+DATASETS: tuple[str, ...] = (*SHIPPED, *USER_DATASETS)
+
+
+def _did_you_mean(value: object, valid: tuple[str, ...] | list[str]) -> str:
+    close = difflib.get_close_matches(str(value), valid, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_dataset(name: object) -> str:
+    """``name`` when ``data.dataset`` may take it (:data:`DATASETS`); otherwise ``ValueError`` naming it, the
+    closest valid name and every valid one."""
+    if name not in DATASETS:
+        raise ValueError(f"`dataset` must be one of {list(DATASETS)}, got {name!r}{_did_you_mean(name, DATASETS)}")
+    return name  # type: ignore[return-value]
+
+
+def shipped_dataset(name: str) -> ShippedDataset:
+    """The shipped data set called ``name``; otherwise ``ValueError`` naming it, the closest name and every shipped
+    one."""
+    if name not in SHIPPED:
+        raise ValueError(
+            f"no shipped data set {name!r}{_did_you_mean(name, list(SHIPPED))}; shipped: {', '.join(SHIPPED)}"
+        )
+    return SHIPPED[name]
