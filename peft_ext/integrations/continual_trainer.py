@@ -44,7 +44,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import WEIGHTS_NAME
 
-from ..continual.context import Collate, TrainConfig, class_mask
+from ..continual.context import Collate, RunContext, TrainConfig, class_mask
 from ..continual.engine import (
     ContinualEngine,
     MethodResult,
@@ -75,6 +75,7 @@ class ContinualTrainer(Trainer):
         task_id: Index of the task being trained.
         allowed_classes: Classes whose logits the loss sees (``None``: all).
         num_classes: Size of the label space.
+        ctx: The run context (the method's hooks get it).
         *args, **kwargs: As for ``transformers.Trainer``.
     """
 
@@ -85,10 +86,12 @@ class ContinualTrainer(Trainer):
         task_id: int,
         allowed_classes: Optional[Sequence[int]],
         num_classes: int,
+        ctx: RunContext,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.method = method
+        self.ctx = ctx
         self.task_id = task_id
         self.allowed_classes = None if allowed_classes is None else list(allowed_classes)
         self.num_classes = num_classes
@@ -103,7 +106,7 @@ class ContinualTrainer(Trainer):
         mask = None
         if self.allowed_classes is not None:
             mask = class_mask(self.num_classes, self.allowed_classes, inputs["labels"].device)
-        loss, logits = training_loss(model, self.method, inputs, self.task_id, mask)
+        loss, logits = training_loss(model, self.method, inputs, self.task_id, mask, self.ctx)
         return (loss, logits) if return_outputs else loss
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
@@ -176,7 +179,7 @@ class _TrainerPhases(TaskTrainer):
 
     def train(self, model: nn.Module, phase: Phase) -> float:
         method, ctx = self.engine.method, self.engine.ctx
-        params = trainable_parameters(method, model)
+        params = trainable_parameters(method, model, ctx)
         task_args = copy.deepcopy(self.args)
         task_args.output_dir = str(self.out / f"task-{phase.task_id}")
         task_args.seed = self.args.seed + phase.task_id
@@ -185,12 +188,13 @@ class _TrainerPhases(TaskTrainer):
             args=task_args,
             train_dataset=phase.task.train,
             data_collator=ctx.collate,
-            optimizers=(method.make_optimizer(model, params), None),
+            optimizers=(method.make_optimizer(model, params, ctx), None),
             callbacks=self.callbacks,
             method=method,
             task_id=phase.task_id,
             allowed_classes=phase.allowed_classes,
             num_classes=ctx.sequence.num_classes,
+            ctx=ctx,
         )
         checkpoint = last_complete_checkpoint(Path(task_args.output_dir))
         if checkpoint is not None:
@@ -212,7 +216,7 @@ class _TrainerPhases(TaskTrainer):
         accuracies = {f"continual/acc_{phase.row}_{j}": acc for j, acc in enumerate(row)}
         self.trainer.log({"continual/task": float(phase.task_id), **accuracies})
         snapshot = {"model": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
-        snapshot["method_state"] = encode_state(self.engine.ctx.state)
+        snapshot["method_state"] = encode_state(self.engine.state_dict())
         save_atomic(snapshot, self.out / f"task-{phase.task_id}" / END_OF_TASK_FILE)
         # after the snapshot: the state file never points at a missing one
         write_json_atomic({**self.identity, **asdict(record)}, self.out / STATE_FILE)
@@ -275,8 +279,7 @@ def run_continual_with_trainer(
     if record.completed:
         snapshot = torch.load(out / f"task-{record.completed - 1}" / END_OF_TASK_FILE, weights_only=True)
         load_model_state(model, snapshot["model"])
-        engine.ctx.state.clear()
-        engine.ctx.state.update(decode_state(snapshot["method_state"]))
+        engine.load_state_dict(decode_state(snapshot["method_state"]))
 
     phases = _TrainerPhases(engine, args, callbacks, identity)
     model = engine.run(model, phases, record)
