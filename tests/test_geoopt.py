@@ -4,12 +4,16 @@ training a Riemannion adapter through ``riemannian_parameters``."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import geoopt
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
+import peft_ext
 import peft_ext.manifolds as manifolds
 from peft_ext import RiemannionConfig
 from peft_ext.manifolds import (
@@ -41,6 +45,16 @@ def test_the_package_exports_the_geoopt_names_on_first_use():
     assert manifolds.FactoredFixedRank is geoopt_manifold.FactoredFixedRank
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         manifolds.nope  # noqa: B018
+    # only geoopt_manifold imports geoopt, and no module imports geoopt_manifold: `import peft_ext` stays without it
+    importers = set()
+    for path in Path(peft_ext.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            names = [alias.name for alias in node.names] + [getattr(node, "module", None) or ""]
+            if any(name.split(".")[0] == "geoopt" or "geoopt_manifold" in name for name in names):
+                importers.add(path.name)
+    assert importers == {"geoopt_manifold.py"}, importers
 
 
 # -- the fixed-rank geometry against geoopt's Stiefel manifold -------------------------------------------------------

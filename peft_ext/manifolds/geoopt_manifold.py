@@ -26,7 +26,9 @@ import geoopt
 import torch
 from torch import Tensor, nn
 
+from ..distributed import is_dtensor
 from ..precision import is_half
+from ..tuners.riemannion.layer import AdapterRef, find_adapters
 from .fixed_rank import FixedRankPoint, TangentVector, inner, proju, reorthonormalize, retr, tangent_factors, transp
 
 __all__ = ["STIEFEL", "FactoredFixedRank", "riemannian_parameters"]
@@ -211,10 +213,6 @@ def riemannian_parameters(model: nn.Module, adapter_name: str | None = None) -> 
         TypeError: If an adapter's factors are bfloat16 / float16 (geoopt's QR retraction runs in the factor's dtype)
             or sharded DTensors.
     """
-    # imported here: the Riemannion layer imports this package
-    from ..distributed import is_dtensor
-    from ..tuners.riemannion.layer import find_adapters
-
     every = find_adapters(model)
     refs = [ref for ref in every if adapter_name is None or ref.adapter_name == adapter_name]
     trainable = [ref for ref in refs if ref.A.requires_grad]
@@ -230,7 +228,7 @@ def riemannian_parameters(model: nn.Module, adapter_name: str | None = None) -> 
         raise ValueError(f"riemannian_parameters: {type(model).__name__} {found}")
     chosen = set()
     for ref in trainable:
-        _check_adapter(ref, is_dtensor)
+        _check_adapter(ref)
         if not isinstance(getattr(ref.A, "manifold", None), geoopt.EuclideanStiefel):
             ref.layer.riemannion_A[ref.adapter_name] = geoopt.ManifoldParameter(ref.A.detach(), manifold=STIEFEL)
         chosen |= {id(ref.A), id(ref.B)}
@@ -239,7 +237,7 @@ def riemannian_parameters(model: nn.Module, adapter_name: str | None = None) -> 
 
 
 @torch.no_grad()
-def _check_adapter(ref, is_dtensor) -> None:
+def _check_adapter(ref: AdapterRef) -> None:
     A = ref.A
     if is_half(A.dtype) or is_half(ref.B.dtype):
         raise TypeError(
