@@ -53,7 +53,7 @@ from benchmarks._lib.tables import fmt_mib, markdown_table
 from benchmarks._lib.timing import Interleaved, timed
 from peft_ext import SplitLoRAConfig
 from peft_ext.tuners.splitlora import SplitLoRALayer
-from peft_ext.tuners.splitlora.stats import choose_split, covariance_spectrum, primary_dimension, sketch_spectrum
+from peft_ext.tuners.splitlora.subspace import choose_split, covariance_spectrum, primary_dimension, sketch_spectrum
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK = 16

@@ -34,7 +34,7 @@ def _state(model: nn.Module):
 
 
 def test_only_opt_feeds_a_linear_layer_flattened_tokens():
-    # the finding behind router.per_sample's docstring: every linear input of every architecture, recorded
+    # the finding behind selection.per_sample's docstring: every linear input of every architecture, recorded
     flattening = set()
     for arch in ARCHS:
         model, batch = arch.model(), arch.batch(size=3, length=7)

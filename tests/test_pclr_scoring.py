@@ -208,7 +208,7 @@ def test_the_distillation_teacher_is_the_contribution_pass(monkeypatch, routing)
     monkeypatch.setattr(pclr_model, "teacher_outputs", counted_outputs)
     model, results = _sequence(3, "contribution", routing)
     assert teacher_passes == []
-    monkeypatch.setattr(pclr_model._KeptOutputs, "offer", lambda self, index, task, output: None)
+    monkeypatch.setattr(pclr_model.KeptOutputs, "offer", lambda self, index, task, output: None)
     again, reference = _sequence(3, "contribution", routing)
     assert teacher_passes and set(teacher_passes) == {"snapshot" if routing == "tasks" else "input"}
     for result, want in zip(results[1:], reference[1:]):  # the schedule compresses after tasks 1 and 2

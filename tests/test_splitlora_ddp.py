@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from peft_ext.tuners.splitlora.stats import choose_split, covariance_spectrum, primary_dimension
+from peft_ext.tuners.splitlora.subspace import choose_split, covariance_spectrum, primary_dimension
 
 from .helpers import torchrun_ranks
 

@@ -15,13 +15,11 @@ from peft import get_peft_model
 from torch import nn
 
 from peft_ext import SplitLoRAConfig
-from peft_ext.tuners.splitlora import SplitLoRALayer, stats
-from peft_ext.tuners.splitlora.stats import (
+from peft_ext.tuners.splitlora import SplitLoRALayer, covariance
+from peft_ext.tuners.splitlora.covariance import fd_append, fd_compress, fd_update
+from peft_ext.tuners.splitlora.subspace import (
     choose_split,
     covariance_spectrum,
-    fd_append,
-    fd_compress,
-    fd_update,
     minor_subspace_A,
     primary_dimension,
     sketch_spectrum,
@@ -109,8 +107,8 @@ def test_buffered_sketch_shrinks_once_per_ell_rows_whatever_the_batches(monkeypa
     n, ell = 40, 16
     data = _decaying(200, n, seed=10).float()
     calls = []
-    original = stats.fd_compress
-    monkeypatch.setattr(stats, "fd_compress", lambda *a: calls.append(1) or original(*a))
+    original = covariance.fd_compress
+    monkeypatch.setattr(covariance, "fd_compress", lambda *a: calls.append(1) or original(*a))
     buffers = []
     for batch in (5, 37, 200):
         buffer, fill = torch.zeros(2 * ell, n), 0
@@ -234,7 +232,7 @@ def test_sketch_error_bound_holds_through_three_tasks(kind, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("kind", STREAMS)
 def test_fd_compress_bound_holds_in_the_buffer_dtype_and_when_merging(kind, dtype):
-    """The stats functions on their own: streaming into a buffer of each dtype (a bfloat16 buffer keeps a bfloat16
+    """The covariance functions on their own: streaming into a buffer of each dtype (a bfloat16 buffer keeps a bfloat16
     sketch, whose coarse rounding the bound must include) and merging two sketches as DDP does."""
     for seed in range(3):
         data = _adversarial(kind, 500, seed=seed).to(dtype)
@@ -289,7 +287,7 @@ def _per_batch_ms(n: int, ell: int, tokens: int) -> tuple[float, float, float]:
     batches = [torch.randn(tokens, n, generator=g) * torch.logspace(0, -3, n) for _ in range(4)]
     turn = iter(range(10**9))
     cov = torch.zeros(n, n)
-    dense = _median_ms(lambda: stats.accumulate_covariance(cov, batches[next(turn) % 4]), 5)
+    dense = _median_ms(lambda: covariance.accumulate_covariance(cov, batches[next(turn) % 4]), 5)
     state = {"old": _old_fd_update(torch.zeros(ell, n, dtype=torch.float64), batches[0].double())[0]}
 
     def old() -> None:  # the old layer: a float64 copy of the batch, one SVD per chunk of ell rows

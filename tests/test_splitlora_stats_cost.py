@@ -10,7 +10,7 @@ from torch import nn
 
 from peft_ext import SplitLoRAConfig
 from peft_ext.tuners.splitlora import SplitLoRALayer
-from peft_ext.tuners.splitlora.stats import (
+from peft_ext.tuners.splitlora.covariance import (
     accumulate_covariance,
     accumulate_covariance_lower,
     symmetrize_lower_,

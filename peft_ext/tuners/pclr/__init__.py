@@ -2,9 +2,10 @@
 (docs/methods.md (PCLR)), registered with PEFT as ``"pclr"``.
 
 Modules: ``config`` (:class:`PCLRConfig`, :class:`PCLRCycleConfig`), ``layer`` (the layer and its pool API),
-``query`` (the routing query by architecture), ``router`` (routing state, selection, query-key loss), ``pool`` (layer
-groups, folding, snapshots), ``keys`` (prototypes, routing as a task, key pulling), ``scoring`` (rank scores,
-compression), ``distill`` (integration), ``model`` (the tuner and the task cycle). The task cycle is the same for
+``query`` (the routing query by architecture), ``router`` (the routing state a model's layers share), ``hooks`` (the
+forward hooks that drive it), ``selection`` (per-sample top-K selection, query-key loss), ``pool`` (layer groups,
+folding, snapshots), ``keys`` (prototypes, routing as a task, key pulling), ``scoring`` (rank scores, compression),
+``distill`` (integration), ``model`` (the tuner and the task cycle). The task cycle is the same for
 every adapter type that has one: docs/task_cycle.md.
 
 Example::
@@ -26,31 +27,17 @@ Example::
 from __future__ import annotations
 
 from ...registry import register_peft_type
+from .._architecture import encoder_decoder_stacks, find_input_embeddings, find_patch_embeddings
 from .config import INTEGRATE_ROUTING, PCLRConfig, PCLRCycleConfig
 from .distill import IntegrateResult, distill_loss, integrate, integrate_over_tasks, teacher_outputs
 from .keys import pull_keys_to_prototypes, query_loss, query_prototype, routed_as, task_route
 from .layer import Linear, PCLRLayer
 from .model import PCLRModel
 from .pool import PoolSnapshot, fold_new_ranks, group_layers, pool_in_use, stored_adapter_parameters, stored_prototypes
-from .query import (
-    QuerySource,
-    default_query,
-    encoder_decoder_stacks,
-    find_input_embeddings,
-    find_patch_embeddings,
-    pooled_query,
-    query_source,
-)
-from .router import (
-    RoutingState,
-    allowed_by_prototype,
-    forward_arguments,
-    per_sample,
-    query_key_loss,
-    route,
-    select_top_k,
-)
+from .query import QuerySource, default_query, pooled_query, query_source
+from .router import RoutingState, forward_arguments
 from .scoring import compress, contribution_scores, importance_scores
+from .selection import allowed_by_prototype, per_sample, query_key_loss, route, select_top_k
 
 __all__ = [
     "INTEGRATE_ROUTING",

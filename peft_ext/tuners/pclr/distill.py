@@ -29,6 +29,7 @@ from .pool import PoolSnapshot, group_layers, stored_prototypes
 
 __all__ = [
     "IntegrateResult",
+    "KeptOutputs",
     "default_forward",
     "distill_loss",
     "evaluating",
@@ -383,3 +384,27 @@ def integrate_over_tasks(
                         draws[task] += 1
                         steps += 1
     return IntegrateResult(before, mean_loss(), steps, draws, weights.tolist())
+
+
+class KeptOutputs:
+    """Model outputs by ``(batch index, task)``, kept while their total size stays within ``max_bytes`` (a
+    classifier's logits always fit; a causal LM's answer logits over its vocabulary for every pair may not).
+
+    Args:
+        max_bytes: The budget.
+    """
+
+    def __init__(self, max_bytes: int = 256 * 2**20) -> None:
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.room = max_bytes
+
+    def offer(self, index: int, task: int, output: torch.Tensor) -> None:
+        size = output.numel() * output.element_size()
+        if size <= self.room:
+            self.outputs[(index, task)] = output
+            self.room -= size
+
+    def batches(self, task: int, count: int) -> Optional[list[torch.Tensor]]:
+        """The outputs of batches ``0..count-1`` routed as ``task``, or ``None`` unless all of them are kept."""
+        found = [self.outputs.get((index, task)) for index in range(count)]
+        return None if any(out is None for out in found) else found

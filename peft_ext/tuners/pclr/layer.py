@@ -32,7 +32,8 @@ from ...kernels import rank_pool_gather, rank_pool_gather_shared
 from ...precision import is_half
 from ..adapter_layer import AdapterLayer, AdapterLinear
 from .config import PCLRConfig
-from .router import RoutingState, allowed_by_prototype, copy_blocks, per_sample, route
+from .router import RoutingState
+from .selection import allowed_by_prototype, copy_blocks, per_sample, route
 from .store import N_NEW, N_PROTOS, N_STATIC, TASK, RankPoolStore
 
 __all__ = ["N_NEW", "N_PROTOS", "N_STATIC", "TASK", "Linear", "PCLRLayer"]
@@ -197,9 +198,9 @@ class PCLRLayer(AdapterLayer, RankPoolStore):
         # (samples, ..., in): a layer fed flattened tokens (batch x seq, in) routes each row by its sample's query
         samples = per_sample(x, indices.shape[0], self.pclr_name or self.pclr_group)
         # One gather over the pool [static..., new...], whose indices the selection gives. With both stores in use
-        # pool() concatenates them: one N x in copy, the size of the rows a batch of N / K samples gathers anyway,
-        # where reading each store in place took two gathers of all K slots (the other store's gated to 0): twice the
-        # work, and a training step 1.40x LoRA's at width 256 against 1.25x now (benchmarks/pclr.py --step).
+        # pool() concatenates them: one N x in copy, the size of the rows a batch of N / K samples gathers anyway.
+        # Reading each store in place would take two gathers of all K slots (the other store's gated to 0): twice the
+        # work, a training step 1.40x LoRA's at width 256 against 1.25x (benchmarks/pclr.py --step).
         A, B = self.pool(adapter_name)
         state = self._pclr_state
         if rows is None and state.recorder is not None:

@@ -30,79 +30,21 @@ from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from torch import nn
 
 from ...distributed import broadcast_, gathered_parameters, reject_zero3
+from .._architecture import encoder_decoder_stacks
 from .._cycle import resolve_cycle_adapter
 from ..adapter_tuner import AdapterTuner
 from .config import MEASURED_RULES, PCLRConfig, PCLRCycleConfig
-from .distill import IntegrateResult, integrate, integrate_over_tasks, teacher_outputs
+from .distill import IntegrateResult, KeptOutputs, integrate, integrate_over_tasks, teacher_outputs
 from .keys import pull_keys_to_prototypes, query_prototype
 from .layer import N_NEW, N_STATIC, TASK, Linear, PCLRLayer
 from .pool import PoolSnapshot, fold_new_ranks, group_layers, stored_prototypes
-from .query import encoder_decoder_stacks, query_source
+from .query import query_source
 from .router import QueryFn, RoutingState
 from .scoring import compress, contribution_scores, drop_count
 
 Batch = dict[str, Any]
 
 __all__ = ["PCLRModel"]
-
-
-class _QueryHook:
-    """Forward pre-hook on the wrapped model: chooses the routing query once per forward pass.
-
-    A small object rather than a closure so that ``copy.deepcopy`` of the model re-points it at the copied state.
-    """
-
-    def __init__(self, state: RoutingState) -> None:
-        self.state = state
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        self.state.begin(module, args, kwargs)
-        self.state.in_pass = True
-
-
-class _CacheHook:
-    """Forward hook on the wrapped model (always called, also when the forward raises): the pass is over, and a KV
-    cache it returns keeps its query (hand-written decoding)."""
-
-    def __init__(self, state: RoutingState) -> None:
-        self.state = state
-
-    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
-        self.state.end(output)
-
-
-class _EncoderQueryHook:
-    """Forward pre-hook on an encoder-decoder's encoder: ``generate`` runs it alone before the decoding steps, and
-    that call starts the prompt's routing (:meth:`RoutingState.begin_encoder`)."""
-
-    def __init__(self, state: RoutingState, model: nn.Module) -> None:
-        self.state = state
-        self.model = model
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        self.state.begin_encoder(self.model, module, args, kwargs)
-
-
-class _EncoderOutputHook:
-    """Forward hook on an encoder-decoder's encoder: its output keeps the query for the decoding steps."""
-
-    def __init__(self, state: RoutingState) -> None:
-        self.state = state
-
-    def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
-        self.state.end_encoder(output)
-
-
-class _LayerQueryHook:
-    """Forward pre-hook on the first adapted layer of a model without token or patch inputs: its pooled input is
-    the query of a forward pass whose query function gave none (:mod:`.query`)."""
-
-    def __init__(self, state: RoutingState) -> None:
-        self.state = state
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        x = args[0] if args else kwargs.get("x", kwargs.get("input"))
-        self.state.take_layer_query(module, x)
 
 
 class PCLRModel(AdapterTuner):
@@ -135,13 +77,8 @@ class PCLRModel(AdapterTuner):
         if state is None:
             state = RoutingState()
             self.__dict__["_pclr_routing"] = state
-            self.model.register_forward_pre_hook(_QueryHook(state), with_kwargs=True)
-            self.model.register_forward_hook(_CacheHook(state), always_call=True)
             stacks = encoder_decoder_stacks(self.model)
-            if stacks is not None:
-                encoder = stacks[0]
-                encoder.register_forward_pre_hook(_EncoderQueryHook(state, self.model), with_kwargs=True)
-                encoder.register_forward_hook(_EncoderOutputHook(state))
+            state.attach(self.model, None if stacks is None else stacks[0])
         return state
 
     @contextmanager
@@ -185,8 +122,7 @@ class PCLRModel(AdapterTuner):
         state = self._routing_state()
         if state.query_layer is not None or query_source(self.model) is not None:
             return
-        state.query_layer, state.query_layer_name = layer, current_key
-        layer.register_forward_pre_hook(_LayerQueryHook(state), with_kwargs=True)
+        state.attach_query_layer(layer, current_key)
 
     def _update_target(self, target: PCLRLayer, peft_config: PCLRConfig, adapter_name: str, current_key: str) -> None:
         query_dim = self._query_dim(peft_config, target)
@@ -331,10 +267,10 @@ class PCLRModel(AdapterTuner):
                 source = scores.topk(min(count, n_s)).indices.tolist()
             device = owner.pclr_keys[adapter].device
             # relative to the unit prototype: the noise's expected norm is key_noise, so a new key's cosine to the
-            # prototype is about 1 / sqrt(1 + key_noise^2) (0.9988 at 0.05) whatever the query width. (Per-coordinate
-            # noise of key_noise, as before, had norm key_noise * sqrt(dim): at width 384 about as long as the
-            # prototype, cosine 0.71, so the new keys lost the top-k to the trained static keys and the new ranks
-            # hardly trained: docs/pclr.md, "Why new tasks learnt poorly".)
+            # prototype is about 1 / sqrt(1 + key_noise^2) (0.9988 at 0.05) whatever the query width. Per-coordinate
+            # noise of key_noise would have norm key_noise * sqrt(dim): at width 384 about as long as the prototype,
+            # cosine 0.71, so the new keys would lose the top-k to the trained static keys and the new ranks would
+            # hardly train (docs/pclr.md, "Why new tasks learnt poorly").
             noise = torch.randn(count, dim, device=device) * (key_noise / math.sqrt(dim))
             keys = F.normalize(proto.to(device) + noise, dim=-1)
             # drawn from each process's generator: rank 0's draw for all, before it is written (under FSDP2 each
@@ -437,7 +373,7 @@ class PCLRModel(AdapterTuner):
         # The contribution pass runs the uncompressed pool on every batch routed as every stored task: exactly the
         # teacher's forward passes (the current task routed by its own queries, as `integrate` routes it). Its
         # outputs are kept for the distillation, which then runs the teacher only for pairs it could not keep.
-        kept = _KeptOutputs() if integrating and measured else None
+        kept = KeptOutputs() if integrating and measured else None
         teacher: Any = None
         if integrating and by_tasks:
             teacher = PoolSnapshot(self, adapter)
@@ -460,27 +396,3 @@ class PCLRModel(AdapterTuner):
             options |= {"generator": generator, "known_outputs": None if kept is None else kept.outputs}
         distill = integrate_over_tasks if by_tasks else integrate
         return distill(self, batches, teacher, adapter, measure=settings.measure_integration, **options)
-
-
-class _KeptOutputs:
-    """Model outputs by ``(batch index, task)``, kept while their total size stays within ``max_bytes`` (a
-    classifier's logits always fit; a causal LM's answer logits over its vocabulary for every pair may not).
-
-    Args:
-        max_bytes: The budget.
-    """
-
-    def __init__(self, max_bytes: int = 256 * 2**20) -> None:
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
-        self.room = max_bytes
-
-    def offer(self, index: int, task: int, output: torch.Tensor) -> None:
-        size = output.numel() * output.element_size()
-        if size <= self.room:
-            self.outputs[(index, task)] = output
-            self.room -= size
-
-    def batches(self, task: int, count: int) -> Optional[list[torch.Tensor]]:
-        """The outputs of batches ``0..count-1`` routed as ``task``, or ``None`` unless all of them are kept."""
-        found = [self.outputs.get((index, task)) for index in range(count)]
-        return None if any(out is None for out in found) else found

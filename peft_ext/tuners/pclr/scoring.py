@@ -20,7 +20,7 @@ from .distill import default_forward, evaluating, model_output
 from .keys import routed_as_tasks, stack_batch, task_route
 from .layer import PCLRLayer
 from .pool import adapter_config, group_layers, pclr_tuner, stored_prototypes
-from .router import copy_blocks
+from .selection import copy_blocks
 
 __all__ = ["compress", "contribution_scores", "drop_count", "importance_scores"]
 
@@ -59,9 +59,9 @@ def contribution_scores(
     stores it first). For the current task the batches are routed as they really are, each sample by its own query
     (``route_current_by_input``); for every older task ``t`` they are routed as ``t`` (:func:`routed_as`, its
     prototype as every sample's query: the old tasks' data is gone). Routing the current task by its prototype
-    instead (``route_current_by_input=False``, the rule before) can select none of the task's own ranks: the mean
-    query sits closer to static keys pulled toward the mean of the prototypes than to the new keys trained on the
-    individual queries, so the new ranks scored 0 and were the first dropped (docs/pclr.md). Rank ``i`` scores
+    instead (``route_current_by_input=False``) can select none of the task's own ranks: the mean query sits closer
+    to static keys pulled toward the mean of the prototypes than to the new keys trained on the individual queries,
+    so the new ranks score 0 and are the first dropped (docs/pclr.md). Rank ``i`` scores
     ``sum over samples of gate_i * mean over tokens |a_i . x| * ||b_i||`` summed over the group's linears: the size
     of what it adds to the outputs when it is used. Each task's scores are normalized to sum to one before they are
     added, so every task has the same say whatever its magnitudes (``||a_i|| ||b_i||`` alone is not comparable across

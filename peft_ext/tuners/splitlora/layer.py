@@ -15,8 +15,7 @@ from ...precision import is_half
 from ..adapter_layer import AdapterLayer, AdapterLinear
 from .config import SplitLoRAConfig
 from .statistics import LayerStatistics
-from .stats import kaiming_lora_A, seeded_generator
-from .task import commit_task, plan_task
+from .subspace import kaiming_lora_A, seeded_generator
 
 __all__ = ["Linear", "SplitLoRALayer"]
 
@@ -40,7 +39,8 @@ class SplitLoRALayer(LayerStatistics, AdapterLayer):
 
     Half precision: the delta's factors (:attr:`weight_names`) are float32, or the base's bfloat16 / float16 with
     ``autocast_adapter_dtype=False``; the statistics (covariance or sketch, energy, sketch error) are float32 (float64
-    on a float64 base) always, and their eigendecompositions run in float64 (:mod:`.stats`).
+    on a float64 base) always; a sketch's shrinks run in float64 (:mod:`.covariance`), the spectra in float32
+    (:mod:`.subspace`).
     """
 
     method_name = "SplitLoRA"
@@ -213,22 +213,6 @@ class SplitLoRALayer(LayerStatistics, AdapterLayer):
                 self.splitlora_old_B[adapter_name] = old_b
                 self.splitlora_old_A[adapter_name] = old_a
         param.zero_()  # elementwise: each FSDP2 process zeroes its own shard
-
-    def advance_task(self, adapter_name: str, group: Any = None) -> dict[str, Any]:
-        """Split the running statistics, fold the finished task and prepare the next task's ``A`` (docs/methods.md
-        (SplitLoRA)).
-
-        Call :meth:`finish_statistics` first. ``SplitLoRAModel.end_task`` instead plans every module
-        (:func:`~peft_ext.tuners.splitlora.task.plan_task`) before it changes any.
-
-        Args:
-            adapter_name: Name of the adapter.
-            group: ``torch.distributed`` process group the new ``A`` is broadcast over (default: the default group).
-
-        Returns:
-            ``{"task", "k_star", "primary", "in_features"}``: what was chosen, for logs and tests.
-        """
-        return commit_task(self, adapter_name, plan_task(self, adapter_name, None, group))
 
     # --- the delta (the forward skeleton and merging are AdapterLinear's) ------------------------------------------
 

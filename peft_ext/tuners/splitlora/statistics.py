@@ -25,14 +25,8 @@ import torch.distributed as dist
 
 from ...distributed import full_tensor, is_dtensor
 from ...distributed.features import FeatureShards
-from .stats import (
-    accumulate_covariance_lower,
-    covariance_spectrum,
-    fd_append,
-    fd_compress,
-    sketch_spectrum,
-    symmetrize_lower_,
-)
+from .covariance import accumulate_covariance_lower, fd_append, symmetrize_lower_
+from .subspace import covariance_spectrum, sketch_spectrum
 from .task import distributed_group
 
 __all__ = ["LayerStatistics", "statistics_mesh"]
@@ -162,7 +156,8 @@ class LayerStatistics:
         gram: Optional[torch.Tensor] = None,
         keep_gram: bool = False,
     ) -> Optional[torch.Tensor]:
-        """Add inputs to the statistics of the task in progress (kept apart until :meth:`finish_statistics`).
+        """Add inputs to the statistics of the task in progress (kept apart until ``end_task``'s
+        :meth:`add_statistics`).
 
         Sharded (:meth:`shard_statistics`), this is a collective: every process calls it for the same modules in the
         same order (as FSDP2's forward does), with its own rows (possibly none).
@@ -267,8 +262,8 @@ class LayerStatistics:
         Args:
             adapter_name: Name of the adapter.
             pending: :meth:`reduced_statistics`.
-            sketch: The merged sketch when already computed (``plan_task``; this process's columns when sharded);
-                default: merged here.
+            sketch: Sketch statistics: the running sketch merged with the task's (``plan_task``; this process's
+                columns when sharded).
             sketch_error: Its error bound, with ``sketch``.
         """
         self._splitlora_pending.pop(adapter_name, None)
@@ -287,24 +282,8 @@ class LayerStatistics:
         if "cov" in pending:
             self.splitlora_cov[adapter_name] = shards.dtensor(self.local_statistics(adapter_name) + pending["cov"], 0)
             return
-        if sketch is None:
-            running = self.local_statistics(adapter_name)
-            stacked = torch.cat([running.to(pending["sketch"].dtype), pending["sketch"]])
-            sketch, delta = fd_compress(stacked, running.shape[0], shards)
-            sketch_error = self.splitlora_sketch_error[adapter_name] + pending["error"] + delta
         self.splitlora_sketch[adapter_name] = sketch if shards is None else shards.dtensor(sketch, 1)
         self.splitlora_sketch_error[adapter_name] = sketch_error
-
-    def finish_statistics(self, adapter_name: str, group: Any = None) -> None:
-        """Fold the task in progress into the running statistics; under ``torch.distributed``, all ranks' first.
-
-        Every rank must call this for every layer in the same order (it runs collectives).
-
-        Args:
-            adapter_name: Name of the adapter.
-            group: ``torch.distributed`` process group (default: the default group, when initialized).
-        """
-        self.add_statistics(adapter_name, self.reduced_statistics(adapter_name, group))
 
     # --- reading the running statistics ----------------------------------------------------------------------------
 

@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 
 from ...distributed import full_tensor
-from .stats import (
+from .covariance import fd_compress
+from .subspace import (
     choose_split,
     closed_form_split,
     covariance_spectrum,
-    fd_compress,
     kaiming_lora_A,
     minor_subspace_A,
     primary_dimension,
@@ -52,7 +52,7 @@ class TaskPlan:
         primary: Primary directions the next task's ``A`` avoids.
         in_features: The module's input width.
         new_a: The next task's frozen ``A``.
-        pending: The task's (reduced) statistics, added to the running ones on commit (``None``: already added).
+        pending: The task's (reduced) statistics, added to the running ones on commit.
         sketch: The merged sketch (sketch statistics only).
         sketch_error: The merged sketch error (sketch statistics only).
     """
@@ -62,7 +62,7 @@ class TaskPlan:
     primary: int
     in_features: int
     new_a: torch.Tensor
-    pending: Optional[dict[str, torch.Tensor]] = None
+    pending: dict[str, torch.Tensor]
     sketch: Optional[torch.Tensor] = None
     sketch_error: Optional[torch.Tensor] = None
 
@@ -85,16 +85,13 @@ def check_finite(tensor: torch.Tensor, what: str, where: str) -> None:
         )
 
 
-def plan_task(
-    layer: Any, adapter_name: str, pending: Optional[dict[str, torch.Tensor]], group: Any = None
-) -> TaskPlan:
+def plan_task(layer: Any, adapter_name: str, pending: dict[str, torch.Tensor], group: Any = None) -> TaskPlan:
     """Check one module and compute its end of task without changing it.
 
     Args:
         layer: The ``SplitLoRALayer``.
         adapter_name: The adapter.
-        pending: The task's statistics, already reduced over processes (``None``: the running statistics already
-            hold them).
+        pending: The task's statistics, already reduced over processes (``reduced_statistics``).
         group: ``torch.distributed`` process group the new ``A`` is broadcast over (default: the default group).
 
     Returns:
@@ -107,9 +104,8 @@ def plan_task(
     check_finite(full_tensor(layer.splitlora_B[adapter_name]), f"B of SplitLoRA adapter {adapter_name!r}", key)
     tokens, energy = int(layer.splitlora_tokens[adapter_name]), layer.splitlora_energy[adapter_name]
     plan_sketch = plan_error = None
-    if pending is not None:
-        tokens += int(pending["tokens"])
-        energy = energy.to(pending["energy"].dtype) + pending["energy"]
+    tokens += int(pending["tokens"])
+    energy = energy.to(pending["energy"].dtype) + pending["energy"]
     what = f"the input statistics of SplitLoRA adapter {adapter_name!r} (the task's inputs had inf/nan)"
     check_finite(energy, what, key)
     if tokens == 0 or not float(energy) > 0:
@@ -122,8 +118,7 @@ def plan_task(
     shards = layer.statistics_shards(adapter_name)
     if layer.statistics_kind(adapter_name) == "dense":
         cov = layer.local_statistics(adapter_name)
-        if pending is not None:
-            cov = cov.to(pending["cov"].dtype) + pending["cov"]  # as commit's in-place sum: the same bits
+        cov = cov.to(pending["cov"].dtype) + pending["cov"]  # as commit's in-place sum: the same bits
         if shards is not None:
             cov = shards.gather(cov, 0)
         check_finite(cov, what, key)
@@ -133,10 +128,9 @@ def plan_task(
     else:
         plan_sketch = layer.local_statistics(adapter_name)
         plan_error = layer.splitlora_sketch_error[adapter_name]
-        if pending is not None:
-            stacked = torch.cat([plan_sketch.to(pending["sketch"].dtype), pending["sketch"]])
-            plan_sketch, delta = fd_compress(stacked, plan_sketch.shape[0], shards)
-            plan_error = plan_error.to(pending["error"].dtype) + (pending["error"] + delta)
+        stacked = torch.cat([plan_sketch.to(pending["sketch"].dtype), pending["sketch"]])
+        plan_sketch, delta = fd_compress(stacked, plan_sketch.shape[0], shards)
+        plan_error = plan_error.to(pending["error"].dtype) + (pending["error"] + delta)
         if shards is not None:
             bad = (~torch.isfinite(plan_sketch)).any().to(torch.int64)
             if int(shards.all_reduce_(bad)):
@@ -197,8 +191,7 @@ def commit_task(layer: Any, adapter_name: str, plan: TaskPlan) -> dict[str, Any]
     Returns:
         ``{"task", "k_star", "primary", "in_features"}``: what was chosen, for logs and tests.
     """
-    if plan.pending is not None:
-        layer.add_statistics(adapter_name, plan.pending, plan.sketch, plan.sketch_error)
+    layer.add_statistics(adapter_name, plan.pending, plan.sketch, plan.sketch_error)
     layer.fold_task(adapter_name)
     layer.splitlora_A[adapter_name] = plan.new_a
     layer.splitlora_tasks[adapter_name] += 1
