@@ -18,13 +18,9 @@ Example::
 
 from __future__ import annotations
 
-import copy
 import json
-import pickle
-import platform
 import re
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from peft.config import PeftConfig
@@ -36,6 +32,8 @@ from peft.mapping import (
 )
 from peft.utils import PeftType, register_peft_method
 from torch import nn
+
+from .peft_type_enum import add_member, interpreter, undo_all
 
 __all__ = ["register_peft_type", "registered_peft_types"]
 
@@ -49,8 +47,6 @@ _PREFIX_PATTERN = re.compile(r"[A-Za-z][A-Za-z0-9_]*_")
 _STATE_ATTR = "_peft_ext_registrations"
 
 _LOCK = threading.RLock()
-
-_Undo = Callable[[], None]
 
 
 @dataclass(frozen=True)
@@ -69,10 +65,6 @@ def _registrations() -> dict[str, _Registration]:
         # EnumType.__setattr__ only guards member names, so a plain attribute can be added to the class.
         setattr(PeftType, _STATE_ATTR, state)
     return state
-
-
-def _python() -> str:
-    return f"Python {platform.python_version()} ({platform.python_implementation()})"
 
 
 def registered_peft_types() -> dict[str, PeftType]:
@@ -151,7 +143,7 @@ def register_peft_type(
                 f"{', '.join(owners)}; pass a unique prefix=."
             )
 
-        member, undo = _add_member(upper)
+        member, undo = add_member(upper)
         try:
             register_peft_method(
                 name=name,
@@ -169,7 +161,7 @@ def register_peft_type(
                 PEFT_TYPE_TO_PREFIX_MAPPING,
             ):
                 mapping.pop(member, None)
-            _undo_all(undo, upper)
+            undo_all(undo, upper)
             raise
 
         _registrations()[name] = _Registration(member, config_cls, model_cls, prefix, is_mixed_compatible)
@@ -259,165 +251,6 @@ def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-# --- Adding the enum member ---------------------------------------------------------------------------------------
-#
-# CPython builds enum members in enum._proto_member.__set_name__ (3.11+) or EnumType.__new__ (3.10). For a str enum
-# without a custom __new__ such as PeftType, a member is a str instance of the enum class carrying _value_, _name_,
-# __objclass__ and (3.11+) _sort_order_, and it is reachable through four structures, which are all that
-# lookups consult on 3.10-3.13: the class attribute (getattr; 3.10/3.11 also fall back to _member_map_ via
-# EnumType.__getattr__, 3.12+ do not), _member_names_ (iteration, len), _member_map_ (PeftType[NAME], __members__)
-# and _value2member_map_ (PeftType(value), unpickling, `in` on 3.12+). Each step below writes one of them and returns
-# how to undo it, so that a failure at any point restores the enum exactly.
-
-
-def _set_class_attribute(member: PeftType) -> _Undo:
-    # type.__setattr__/__delattr__ bypass EnumType's guards against reassigning or deleting members.
-    type.__setattr__(PeftType, member._name_, member)
-    return lambda: type.__delattr__(PeftType, member._name_)
-
-
-def _append_member_name(member: PeftType) -> _Undo:
-    PeftType._member_names_.append(member._name_)
-    return lambda: PeftType._member_names_.remove(member._name_)
-
-
-def _map_name(member: PeftType) -> _Undo:
-    PeftType._member_map_[member._name_] = member
-    return lambda: PeftType._member_map_.pop(member._name_)
-
-
-def _map_value(member: PeftType) -> _Undo:
-    PeftType._value2member_map_[member._value_] = member
-    # Some CPython versions also keep a list of hashable values for `in` checks; keep it in step where present.
-    hashable_values = vars(PeftType).get("_hashable_values_")
-    if isinstance(hashable_values, list):
-        hashable_values.append(member._value_)
-
-    def undo() -> None:
-        PeftType._value2member_map_.pop(member._value_)
-        if isinstance(hashable_values, list):
-            hashable_values.remove(member._value_)
-
-    return undo
-
-
-_INSTALL_STEPS: tuple[Callable[[PeftType], _Undo], ...] = (
-    _set_class_attribute,
-    _append_member_name,
-    _map_name,
-    _map_value,
-)
-
-
-def _check_internals() -> None:
-    expected = {"_member_map_": dict, "_value2member_map_": dict, "_member_names_": list}
-    problems = [
-        f"PeftType.{attr} is not a {kind.__name__}"
-        for attr, kind in expected.items()
-        if not isinstance(vars(PeftType).get(attr), kind)
-    ]
-    if getattr(PeftType, "_member_type_", None) is not str:
-        problems.append("PeftType._member_type_ is not str")
-    if problems:
-        raise RuntimeError(
-            f"Cannot extend peft.utils.PeftType on {_python()}: its enum internals are not what peft_ext supports "
-            f"({'; '.join(problems)}). Supported: CPython 3.10-3.13."
-        )
-
-
-def _add_member(upper: str) -> tuple[PeftType, list[_Undo]]:
-    """Add and verify ``PeftType.<upper>``; return it with the undo steps that take it out again."""
-    _check_internals()
-    reference = PeftType.LORA
-    size_before = len(PeftType)
-
-    member = str.__new__(PeftType, upper)
-    member._value_ = upper
-    member._name_ = upper
-    member.__objclass__ = PeftType
-    member._sort_order_ = size_before
-    member.__init__(upper)
-
-    undo: list[_Undo] = []
-    try:
-        for step in _INSTALL_STEPS:
-            undo.append(step(member))
-    except Exception as exc:
-        _undo_all(undo, upper)
-        raise RuntimeError(f"Extending peft.utils.PeftType with {upper} failed on {_python()}: {exc!r}") from exc
-
-    failed = [label for label, check in _member_checks(member, reference, size_before) if not _passes(check)]
-    if failed:
-        _undo_all(undo, upper)
-        raise RuntimeError(
-            f"Extending peft.utils.PeftType with {upper} does not work on {_python()}; these checks failed: "
-            f"{'; '.join(failed)}. The enum was restored; peft_ext's enum extension needs updating for this "
-            "interpreter."
-        )
-    return member, undo
-
-
-def _undo_all(undo: list[_Undo], upper: str) -> None:
-    errors = []
-    for step in reversed(undo):
-        try:
-            step()
-        except Exception as exc:  # keep undoing the other steps; report them all below
-            errors.append(repr(exc))
-    undo.clear()
-    if errors:
-        raise RuntimeError(
-            f"Could not fully remove PeftType.{upper} again on {_python()} ({'; '.join(errors)}); PeftType may be "
-            "inconsistent, restart the interpreter."
-        )
-
-
-def _passes(check: Callable[[], bool]) -> bool:
-    try:
-        return bool(check())
-    except Exception:
-        return False
-
-
-def _member_checks(member: PeftType, reference: PeftType, size_before: int) -> list[tuple[str, Callable[[], bool]]]:
-    upper = member._name_
-
-    def like_reference(render: Callable[[object], str]) -> bool:
-        # Built-in members have name == value, so swapping the name in their rendering gives the expected one.
-        return render(member) == render(reference).replace(reference._name_, upper)
-
-    def config_json_round_trip() -> bool:
-        # What save_pretrained/from_pretrained do with peft_type: dataclasses.asdict (deep copy), json, plain str.
-        dumped = json.dumps(PeftConfig(peft_type=member).to_dict())
-        loaded = json.loads(dumped)["peft_type"]
-        return type(loaded) is str and loaded == upper and PeftType(loaded) is member
-
-    return [
-        (f"PeftType[{upper!r}] is the member", lambda: PeftType[upper] is member),
-        (f"PeftType({upper!r}) is the member", lambda: PeftType(upper) is member),
-        (f"getattr(PeftType, {upper!r}) is the member", lambda: getattr(PeftType, upper) is member),
-        ("the member is in list(PeftType) exactly once", lambda: [m for m in PeftType if m is member] == [member]),
-        ("len(PeftType) grew by one", lambda: len(PeftType) == size_before + 1),
-        ("the member is `in PeftType`", lambda: member in PeftType),
-        (f"PeftType.__members__[{upper!r}] is the member", lambda: PeftType.__members__[upper] is member),
-        ("member.name and member.value", lambda: member.name == upper and member.value == upper),
-        (
-            "str equality and hash with the value",
-            lambda: member == upper and upper == member and hash(member) == hash(upper),
-        ),
-        (
-            "isinstance(member, PeftType) and isinstance(member, str)",
-            lambda: isinstance(member, PeftType) and isinstance(member, str),
-        ),
-        ("repr() like built-in members", lambda: like_reference(repr)),
-        ("str() like built-in members", lambda: like_reference(str)),
-        ("format() like built-in members", lambda: like_reference(format)),
-        ("copy.deepcopy keeps the member", lambda: copy.deepcopy(member) is member),
-        ("pickle round trip", lambda: pickle.loads(pickle.dumps(member)) is member),
-        ("JSON round trip of a PeftConfig's peft_type", config_json_round_trip),
-    ]
-
-
 def _check_registration(member: PeftType, config_cls: type[PeftConfig], model_cls: type, prefix: str) -> None:
     """Check what PEFT's load path needs: lookups with the plain string from JSON, and a config that round-trips."""
     value = member._value_
@@ -428,7 +261,7 @@ def _check_registration(member: PeftType, config_cls: type[PeftConfig], model_cl
     )
     if not lookups_ok:
         raise RuntimeError(
-            f"PEFT's mappings do not resolve the plain string {value!r} to {member!r} on {_python()}, so "
+            f"PEFT's mappings do not resolve the plain string {value!r} to {member!r} on {interpreter()}, so "
             "from_pretrained could not load it."
         )
 

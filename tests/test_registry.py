@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import peft_ext
-from peft_ext import registry
+from peft_ext import peft_type_enum, registry
 from peft_ext.registry import register_peft_type, registered_peft_types
 
 from .toy_tuner import TOYSCALE, ToyScaleConfig, ToyScaleLinear, ToyScaleModel
@@ -305,9 +305,9 @@ def test_wrong_argument_types_are_refused(kwargs, message, unchanged):
 def test_failed_verification_raises_and_rolls_back(monkeypatch, unchanged):
     # Simulate an interpreter whose by-value lookup reads a structure that peft_ext does not write: the new member
     # would then be reachable by name but not by PeftType("TOYBROKEN"), which is what loading from JSON needs.
-    steps = tuple(step for step in registry._INSTALL_STEPS if step is not registry._map_value)
-    assert len(steps) == len(registry._INSTALL_STEPS) - 1
-    monkeypatch.setattr(registry, "_INSTALL_STEPS", steps)
+    steps = tuple(step for step in peft_type_enum._INSTALL_STEPS if step is not peft_type_enum._map_value)
+    assert len(steps) == len(peft_type_enum._INSTALL_STEPS) - 1
+    monkeypatch.setattr(peft_type_enum, "_INSTALL_STEPS", steps)
     with pytest.raises(RuntimeError) as info:
         register_peft_type("toybroken", config_cls=ToyScaleConfig, model_cls=BrokenModel)
     message = str(info.value)
@@ -321,8 +321,8 @@ def test_failure_while_installing_rolls_back_the_steps_already_done(monkeypatch,
     def boom(member: PeftType):
         raise AttributeError("simulated change of enum internals")
 
-    steps = registry._INSTALL_STEPS
-    monkeypatch.setattr(registry, "_INSTALL_STEPS", (*steps[:2], boom, *steps[2:]))
+    steps = peft_type_enum._INSTALL_STEPS
+    monkeypatch.setattr(peft_type_enum, "_INSTALL_STEPS", (*steps[:2], boom, *steps[2:]))
     with pytest.raises(RuntimeError, match=r"TOYBROKEN failed on Python 3\.\d+\.\d+ .*simulated change"):
         register_peft_type("toybroken", config_cls=ToyScaleConfig, model_cls=BrokenModel)
     _assert_absent("TOYBROKEN")

@@ -6,6 +6,7 @@
 - :mod:`.prompts`: missing-aware prompts (the MMP baseline);
 - :mod:`.dual_encoder`: MiniLM-L6 + small ViT dual encoder, LiT pretraining (imported on use: needs transformers);
 - :mod:`.methods`: the registry of the experiment's methods (MoRA, LoRA, linear probe, prompts);
+- :mod:`.preparation`: the pretrained backbone, tokenized splits and cached lower layers every method starts from;
 - :mod:`.experiment`: the missing-modality fine-tuning grid (its job: :mod:`peft_ext.jobs.multimodal`).
 
 Rebuild the data file with ``python -m peft_ext.multimodal build`` (needs Debian's unicode-data and

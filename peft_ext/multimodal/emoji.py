@@ -277,7 +277,7 @@ def load_emoji_pairs(
             or ``None`` (everything).
         path: The ``.npz`` file.
         hold_out_validation: With ``split="train"``, leave out the validation pairs (then the three splits are
-            disjoint). ``False`` keeps the train split as it always was, validation pairs included.
+            disjoint). ``False``: the whole train split, validation pairs included.
 
     Raises:
         ValueError: If ``split`` is not one of those, or ``hold_out_validation`` is set for another split.

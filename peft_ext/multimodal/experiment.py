@@ -13,29 +13,20 @@ both towers.
 from __future__ import annotations
 
 import copy
-import functools
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from .dual_encoder import (
-    DualEncoder,
-    build_dual_encoder,
-    cosine_with_warmup,
-    matched_lora_ranks,
-    pixels,
-    pretrain_contrastive,
-)
-from .emoji import load_emoji_pairs
+from .dual_encoder import DualEncoder, cosine_with_warmup
 from .methods import MISSING_MODALITY_METHODS, get_missing_modality_method, job_methods
 from .metrics import accuracy, auroc, f1_macro
-from .missing import MissingSpec, blank_image, missing_masks
+from .missing import MissingSpec, missing_masks
+from .preparation import ExperimentSettings, Prepared, Split, prepare
 from .prompts import missing_pattern
 from .report import LABELS, cell_key, grid_specs, markdown_table
 
@@ -60,186 +51,6 @@ ALL_METHODS = tuple(MISSING_MODALITY_METHODS)
 
 
 @dataclass
-class ExperimentSettings:
-    """Everything that changes a result (the pretraining cache key is built from the backbone part).
-
-    Args:
-        text: Text tower: ``"minilm"`` (packaged offline MiniLM-L6) or a local BERT directory.
-        vision_width: Hidden size of the ViT.
-        vision_layers: Depth of the ViT.
-        vision_heads: Attention heads of the ViT.
-        patch_size: ViT patch size on the 32 x 32 emoji images.
-        embed_dim: Joint-space width.
-        max_length: Token limit of the names (all emoji names fit in 12 MiniLM tokens).
-        pretrain_epochs: LiT contrastive epochs on the complete training pairs.
-        pretrain_lr: Their AdamW learning rate.
-        cache_dir: Where the pretrained backbone is cached (``None``: no cache).
-        top_layers: Layers per tower that are adapted / prompted (the rest stays frozen and cached).
-        r: Rank of LoRA and MoRA.
-        alpha: Their scale numerator (scaling ``alpha / r``).
-        prompt_length: Prompt tokens per prompted layer and missing pattern.
-        epochs: Fine-tuning epochs per method.
-        batch_size: Fine-tuning batch size.
-        lr: AdamW learning rate of every method (docs/methods.md (MoRA): 1e-2, cosine, 10% warmup).
-        train_limit: Use only the first ``train_limit`` training pairs (tests); ``None``: all.
-        timing_batches: Timed rounds of the inference forward (the minimum is reported).
-    """
-
-    text: str = "minilm"
-    vision_width: int = 192
-    vision_layers: int = 4
-    vision_heads: int = 4
-    patch_size: int = 8
-    embed_dim: int = 128
-    max_length: int = 16
-    pretrain_epochs: int = 30
-    pretrain_lr: float = 1e-3
-    cache_dir: str | None = ".cache/peft_ext"
-    top_layers: int = 2
-    r: int = 4
-    alpha: float = 4.0
-    prompt_length: int = 4
-    epochs: int = 5
-    batch_size: int = 64
-    lr: float = 1e-2
-    train_limit: int | None = None
-    timing_batches: int = 20
-
-    def backbone_key(self) -> dict[str, Any]:
-        keys = ("text", "vision_width", "vision_layers", "vision_heads", "patch_size", "embed_dim", "max_length")
-        keys += ("pretrain_epochs", "pretrain_lr", "train_limit")
-        return {k: getattr(self, k) for k in keys}
-
-
-@dataclass
-class _Split:
-    ids: torch.Tensor  # (n, T) complete names
-    mask: torch.Tensor
-    px: torch.Tensor  # (n, 3, H, W) complete images
-    y: torch.Tensor
-    text_low: torch.Tensor  # (n, T, d_text) input of the first adapted text layer, complete names
-    vision_low: torch.Tensor  # (n, P, d_vision) input of the first adapted vision layer, complete images
-
-
-@dataclass
-class Prepared:
-    """The pretrained backbone, tokenized splits and cached lower-layer outputs; reused by every setting.
-
-    ``validation`` is set by ``prepare(..., validation=True)``, which then also leaves it out of ``train``.
-    """
-
-    settings: ExperimentSettings
-    model: DualEncoder
-    train: _Split
-    test: _Split
-    num_classes: int
-    empty: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # ids, mask, text_low of the empty string (1, T...)
-    blank: tuple[torch.Tensor, torch.Tensor]  # px, vision_low of the blank image
-    pretrain_log: dict[str, float] = field(default_factory=dict)
-    validation: _Split | None = None
-
-    @functools.cached_property
-    def matched_ranks(self) -> dict[str, int]:
-        """The ranks of the ``lora_matched`` method (:func:`~.dual_encoder.matched_lora_ranks`), computed once."""
-        s = self.settings
-        return matched_lora_ranks(self.model, s.r, s.alpha, s.top_layers)
-
-    @property
-    def text_start(self) -> int:
-        return len(self.model.text_layers) - self.settings.top_layers
-
-    @property
-    def vision_start(self) -> int:
-        return len(self.model.vision_layers) - self.settings.top_layers
-
-
-def _lower(model: DualEncoder, ids: torch.Tensor, mask: torch.Tensor, px: torch.Tensor, top: int):
-    # outputs of the frozen lower layers = inputs of the first adapted layer of each tower
-    t_start, v_start = len(model.text_layers) - top, len(model.vision_layers) - top
-    text, vision = [], []
-    with torch.no_grad():
-        for i in range(0, len(ids), 256):
-            emb = model.text_embeddings(ids[i : i + 256])
-            text.append(model.text_hidden(emb, mask[i : i + 256], end=t_start))
-        for i in range(0, len(px), 256):
-            vision.append(model.vision_hidden(model.vision_embeddings(px[i : i + 256]), end=v_start))
-    return torch.cat(text), torch.cat(vision)
-
-
-def prepare(settings: ExperimentSettings, echo: Callable[[str], Any] = print, *, validation: bool = False) -> Prepared:
-    """Build and pretrain (or load from the cache) the dual encoder, tokenize the splits, cache the lower layers.
-
-    Args:
-        settings: The experiment's settings.
-        echo: Where progress lines go.
-        validation: Also prepare the emoji validation split and hold it out of the training pairs (of the
-            backbone's pretraining too, which then gets its own cache entry), so that :func:`run_method` can score
-            on it. ``False``: train on the whole train split, as before.
-    """
-    model, tokenizer = build_dual_encoder(
-        settings.text,
-        vision_width=settings.vision_width,
-        vision_layers=settings.vision_layers,
-        vision_heads=settings.vision_heads,
-        patch_size=settings.patch_size,
-        embed_dim=settings.embed_dim,
-        seed=0,
-    )
-    for tower, layers in (("text", model.text_layers), ("vision", model.vision_layers)):
-        if not 1 <= settings.top_layers <= len(layers):
-            raise ValueError(f"`top_layers` must be in [1, {len(layers)}] (the {tower} tower's depth)")
-
-    def tokenize(texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        enc = tokenizer(
-            list(texts), padding="max_length", max_length=settings.max_length, truncation=True, return_tensors="pt"
-        )
-        return enc["input_ids"], enc["attention_mask"]
-
-    splits = {}
-    train_pairs = load_emoji_pairs("train", hold_out_validation=validation)
-    if settings.train_limit is not None:
-        train_pairs = train_pairs.subset(np.arange(min(settings.train_limit, len(train_pairs))))
-    named = [("train", train_pairs), ("test", load_emoji_pairs("test"))]
-    if validation:
-        named.append(("validation", load_emoji_pairs("validation")))
-    for name, pairs in named:
-        ids, mask = tokenize(pairs.names)
-        splits[name] = (ids, mask, pixels(pairs.images), torch.from_numpy(pairs.group).long())
-    ids, mask, px, _ = splits["train"]
-    log = pretrain_contrastive(
-        model,
-        ids,
-        mask,
-        px,
-        settings.pretrain_epochs,
-        lr=settings.pretrain_lr,
-        cache_dir=settings.cache_dir,
-        # the key of a run without validation is unchanged, so its cached backbone stays valid
-        cache_key={**settings.backbone_key(), **({"hold_out_validation": True} if validation else {})},
-        echo=echo,
-    )
-    model.requires_grad_(False)
-    built = {}
-    for name, (ids, mask, px, y) in splits.items():
-        text_low, vision_low = _lower(model, ids, mask, px, settings.top_layers)
-        built[name] = _Split(ids, mask, px, y, text_low, vision_low)
-    empty_ids, empty_mask = tokenize([""])
-    blank_px = pixels(blank_image((1, *train_pairs.images.shape[1:])))
-    empty_low, blank_low = _lower(model, empty_ids, empty_mask, blank_px, settings.top_layers)
-    return Prepared(
-        settings=settings,
-        model=model,
-        train=built["train"],
-        test=built["test"],
-        num_classes=len(train_pairs.group_names),
-        empty=(empty_ids, empty_mask, empty_low),
-        blank=(blank_px, blank_low),
-        pretrain_log=log,
-        validation=built.get("validation"),
-    )
-
-
-@dataclass
 class _Inputs:
     """One split under one missing draw: full inputs (for timing) and cached lower-layer outputs (for training)."""
 
@@ -252,7 +63,7 @@ class _Inputs:
     y: torch.Tensor
 
 
-def _apply(prep: Prepared, split: _Split, spec: MissingSpec, seed: int) -> _Inputs:
+def _apply(prep: Prepared, split: Split, spec: MissingSpec, seed: int) -> _Inputs:
     masks = missing_masks(len(split.y), spec, seed=seed)
     text, image = torch.from_numpy(masks.text), torch.from_numpy(masks.image)
     empty_ids, empty_mask, empty_low = prep.empty

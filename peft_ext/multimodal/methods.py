@@ -33,7 +33,7 @@ __all__ = [
 
 
 class _Prepared(Protocol):
-    """What a builder reads from the experiment's prepared backbone (:class:`~.experiment.Prepared`)."""
+    """What a builder reads from the experiment's prepared backbone (:class:`~.preparation.Prepared`)."""
 
     settings: Any
 
