@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 def world_size() -> int:
     """The number of data-parallel processes: 1 when ``torch.distributed`` is not initialized."""
+    # not PartialState().num_processes: that reads the launcher's environment, not the process group in use
     if not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size()

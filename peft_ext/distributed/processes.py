@@ -1,6 +1,13 @@
 """Data-parallel reductions over the processes, and keeping one job's processes identical
 (``torchrun -m peft_ext run``). Every helper is a no-op when ``torch.distributed`` is not initialized or has one
-process."""
+process.
+
+accelerate's counterparts (``accelerate.utils.reduce``, ``broadcast``, ``broadcast_object_list``,
+``synchronize_rng_states``, ``PartialState.main_process_first``) are not used: they act through ``PartialState``,
+which takes the world from the launcher's environment, so on a process group the caller initialized itself (a file
+or TCP store, as the tests and users of the library API do) it reports one process and every collective is skipped;
+constructing it can also initialize a process group or select a device. These helpers read the process group in use.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ def all_reduce_(tensors: Sequence[torch.Tensor], mean: bool = False) -> None:
         tensors: Tensors of one device; each is replaced by its sum (mean) over the processes.
         mean: Divide by the number of processes (DDP's gradient convention).
     """
+    # accelerate.utils.reduce reduces tensor by tensor in their own dtype; this is one collective, summed in float64
     world = world_size()
     if world == 1 or not tensors:
         return
@@ -40,6 +48,7 @@ def all_reduce_(tensors: Sequence[torch.Tensor], mean: bool = False) -> None:
 def broadcast_(tensors: Iterable[torch.Tensor], src: int = 0) -> None:
     """Overwrite ``tensors`` with rank ``src``'s values (state initialized from each rank's own random numbers).
     A non-contiguous tensor goes through a contiguous copy (collectives need contiguous memory)."""
+    # accelerate.utils.broadcast hands the tensors to dist.broadcast as they are: a non-contiguous one fails there
     if world_size() == 1:
         return
     for t in tensors:
@@ -56,6 +65,7 @@ def average_gradients(params: Iterable[torch.Tensor]) -> None:
     every process keeps ``grad=None``; one with a gradient on some processes only gets zeros for the others. FSDP2
     (DTensor) parameters are skipped: their gradients are already averaged shards.
     """
+    # accelerate has no counterpart: it leaves gradient averaging to the DDP / FSDP wrapper this step bypasses.
     # FSDP2 reduce-scatters (averages) the gradients of its DTensor parameters in the backward already
     params = [p for p in params if not is_dtensor(p)]
     if world_size() == 1 or not params:
@@ -116,6 +126,7 @@ def on_rank_zero(fn: Callable[[], T]) -> Optional[T]:
     Sharing the outcome is what keeps a failed write from leaving the other processes waiting forever: they raise the
     same exception (a ``RuntimeError`` with its message when it cannot be pickled).
     """
+    # not PartialState.on_main_process / main_process_first: the others would skip fn, or wait forever if it raised
     if world_size() == 1:
         return fn()
     error: Optional[Exception] = None
@@ -143,6 +154,7 @@ def share_random_state() -> None:
     Training draws differently on each process (dropout over its own share of the batch); the method's hooks that
     follow (a re-wrapped adapter's initialization, random keys) must draw the same numbers everywhere.
     """
+    # accelerate.utils.synchronize_rng_states has no Python `random` state, and one collective per generator
     if world_size() == 1:
         return
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
