@@ -27,7 +27,7 @@ Usage::
 
 Targets: statistics pass <= 1.5x a plain forward at every width; inference checkpoint <= 2x LoRA's;
 ``end_task`` <= 50 LoRA-step equivalents at width 4096. The float32 split's accuracy against float64 (k*, subspace
-angle < 1 degree) is asserted in tests/test_splitlora_stats.py and tabled in docs/splitlora.md.
+angle < 1 degree) is asserted in tests/test_splitlora_statistics.py and tabled in docs/splitlora.md.
 """
 
 from __future__ import annotations

@@ -130,7 +130,7 @@ def fd_compress(stacked: torch.Tensor, ell: int, shards: Optional[FeatureShards]
 
     so ``||stacked^T stacked - sketch^T sketch||_2 <= delta`` holds for the returned sketch; errors of successive
     shrinks add up (triangle inequality), which is how the layers accumulate them. Tested against float64 covariances
-    in ``tests/test_splitlora_stats.py``.
+    in ``tests/test_splitlora_statistics.py``.
 
     With ``shards``, ``stacked`` holds this process's columns (input features) of the rows, and so does the sketch
     returned: the ``m x m`` Gram matrix is summed over the processes (one all-reduce, and one of a scalar for the

@@ -269,7 +269,7 @@ def test_spectra_reject_other_dtypes():
         sketch_spectrum(torch.eye(3), 3.0, torch.bfloat16)
 
 
-# --- the measurements in docs/splitlora.md ("Cost at LLM scale"): python tests/test_splitlora_stats.py -------------
+# --- the measurements in docs/splitlora.md ("Cost at LLM scale"): python tests/test_splitlora_statistics.py ---------
 
 
 def _median_ms(fn, reps: int) -> float:
