@@ -99,8 +99,8 @@ def test_greedy_with_cache_equals_without_and_every_step_routes_by_the_prompt(fa
     ids, mask = _left_pad(_prompts([7, 7], seed=1))
     with _QueryLog(model) as log:
         cached = _generate(model, ids, use_cache=True)
-    # Before routing was kept, each decoding step routed by its one new token: these queries were that token's
-    # embedding, and the tokens below diverged after the first.
+    # Without the kept prompt query each decoding step would route by its one new token (that token's embedding as
+    # the query), and the cached tokens below would diverge from the uncached ones after the first.
     assert len(log.queries) == 12
     for query in log.queries:
         torch.testing.assert_close(query, _prompt_query(model, ids, mask), atol=0, rtol=0)
