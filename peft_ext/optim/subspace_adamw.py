@@ -34,17 +34,18 @@ from ..precision import compute_dtype
 from .adam_math import adam_direction
 from .bases import Moments, SubspaceBasis, SubspaceSpec
 from .components import KINDS, component_class
-from .dct import projection_side
 from .nonfinite import caller_stacklevel, check_gradients, nonfinite_policy, skipped_steps
 from .saved_state import restore_saved_dtypes
 from .subspace_checks import (
     check_group,
     check_lr,
     drop_foreign_options,
-    matches_target,
+    param_name,
     parts_from_options,
+    planned_rank,
     resolve_group,
     restore_group,
+    side_of,
     unmatched_targets,
 )
 from .subspace_state import load_buffer, store_buffer
@@ -158,11 +159,8 @@ class SubspaceAdamW(Optimizer):
             An option the chosen parts do not declare is a ``TypeError`` naming who does. ``projection=`` is the
             deprecated name of ``basis=``.
 
-    Example::
-
-        SubspaceAdamW(model.named_parameters(), lr=1e-4, rank=8, basis=DCTBasis(dct_method="fft"),
-                      update=ChannelUpdate(norm_growth_limit=None))
-        SubspaceAdamW(model.named_parameters(), lr=1e-4, rank=8, basis="dct", dct_method="fft", update="channel")
+    Example: ``SubspaceAdamW(named, basis=DCTBasis(dct_method="fft"), update=ChannelUpdate(norm_growth_limit=None))``
+    is ``SubspaceAdamW(named, basis="dct", dct_method="fft", update="channel", norm_growth_limit=None)``.
     """
 
     def __init__(
@@ -269,12 +267,8 @@ class SubspaceAdamW(Optimizer):
     # ------------------------------------------------------------------------------------------------------------
     # which parameters are projected
 
-    def _param_name(self, group: dict[str, Any], index: int) -> str | None:
-        names = group.get("param_names")
-        return names[index] if names is not None else None
-
     def _describe(self, group: dict[str, Any], index: int, p: torch.Tensor) -> str:
-        name = self._param_name(group, index)
+        name = param_name(group, index)
         number = next(i for i, g in enumerate(self.param_groups) if g is group)  # `index` would compare tensors
         where = f"`{name}`" if name is not None else f"parameter {index} of group {number}"
         return f"{where} (shape {tuple(p.shape)})"
@@ -282,24 +276,6 @@ class SubspaceAdamW(Optimizer):
     def _describe_param(self, p: torch.Tensor) -> str:
         group, index = next((g, i) for g in self.param_groups for i, q in enumerate(g["params"]) if q is p)
         return self._describe(group, index, p)
-
-    def _planned_rank(self, group: dict[str, Any], index: int, p: torch.Tensor) -> tuple[int | None, int]:
-        """``(rank, requested)``: the rank ``p`` will be projected to (None: plain AdamW) and the group's rank."""
-        if p.ndim != 2 or max(p.shape) >= group["max_shape"]:
-            return None, group["rank"]
-        name = self._param_name(group, index)
-        module = name.rsplit(".", 1)[0] if name is not None and "." in name else (name or "")
-        if not matches_target(module, group["target_modules"]):
-            return None, group["rank"]
-        n = p.shape[1] if self._side(group, p) == "right" else p.shape[0]
-        return min(group["rank"], n), group["rank"]
-
-    @staticmethod
-    def _side(group: dict[str, Any], p: torch.Tensor) -> str:
-        side = group["side"]
-        if side != "auto":
-            return side
-        return "right" if is_dtensor(p) else projection_side(p.shape)
 
     def projection_plan(self) -> list[tuple[str, tuple[int, ...], int | None]]:
         """``(name, shape, rank)`` for every parameter; ``rank`` is None for parameters that get plain AdamW.
@@ -310,8 +286,8 @@ class SubspaceAdamW(Optimizer):
         plan = []
         for g, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
-                name = self._param_name(group, i) or f"group {g}, param {i}"
-                plan.append((name, tuple(p.shape), self._planned_rank(group, i, p)[0]))
+                name = param_name(group, i) or f"group {g}, param {i}"
+                plan.append((name, tuple(p.shape), planned_rank(group, i, p)[0]))
         return plan
 
     # ------------------------------------------------------------------------------------------------------------
@@ -356,7 +332,7 @@ class SubspaceAdamW(Optimizer):
             state = self.state[p]
             if not state:
                 state["step"] = 0
-                rank, requested = self._planned_rank(group, i, p)
+                rank, requested = planned_rank(group, i, p)
                 if rank is not None:
                     state["rank"] = rank
                     if rank < requested:
@@ -418,7 +394,7 @@ class SubspaceAdamW(Optimizer):
         basis, rule = parts
         # an FSDP2 row shard: project the local rows; only per-column sums are combined over the processes
         reduce = partial(all_reduce_over_row_shards_, like=p) if is_dtensor(p) else None
-        spec = SubspaceSpec(self._side(group, p), state["rank"], reduce, sync)
+        spec = SubspaceSpec(side_of(group, p), state["rank"], reduce, sync)
         work = self._work_dtype(p)
         grad, p = local_part(p.grad).to(work), local_part(p)
         low_shape = (p.shape[0], spec.rank) if spec.side == "right" else (spec.rank, p.shape[1])

@@ -20,7 +20,7 @@ import torch
 from ..distributed import check_row_sharded, is_dtensor
 from ..precision import check_dtypes
 from .components import KINDS, REGISTRY, Component, component_class, component_of, unknown_options_message
-from .dct import SIDES
+from .dct import SIDES, projection_side
 from .nonfinite import NONFINITE_POLICIES, caller_stacklevel
 from .subspace_state import QUANT_BLOCKSIZES
 
@@ -29,9 +29,12 @@ __all__ = [
     "check_group",
     "check_lr",
     "matches_target",
+    "param_name",
     "parts_from_options",
+    "planned_rank",
     "resolve_group",
     "restore_group",
+    "side_of",
     "unmatched_targets",
 ]
 
@@ -115,6 +118,33 @@ def unmatched_targets(param_groups: Sequence[dict[str, Any]], owner: str = "Subs
         f"AdamW (no projection, no memory saving); the modules holding matrices are e.g. {shown} (a list entry "
         "matches whole dotted components of a module's name, a string must match the whole name as a regex)"
     )
+
+
+def param_name(group: dict[str, Any], index: int) -> str | None:
+    """The name of parameter ``index`` of ``group``, when the parameters came with names."""
+    names = group.get("param_names")
+    return names[index] if names is not None else None
+
+
+def side_of(group: dict[str, Any], p: torch.Tensor) -> str:
+    """The side of ``p`` that ``group`` compresses: its ``side``, or for ``"auto"`` the smaller dimension (always
+    ``"right"`` for a DTensor, FSDP2's row shard, so each process projects its own rows)."""
+    if group["side"] != "auto":
+        return group["side"]
+    return "right" if is_dtensor(p) else projection_side(p.shape)
+
+
+def planned_rank(group: dict[str, Any], index: int, p: torch.Tensor) -> tuple[int | None, int]:
+    """``(rank, requested)``: the rank parameter ``index`` of ``group`` is projected to (None: plain AdamW, as for
+    vectors, matrices with a dimension ``>= max_shape`` and those outside ``target_modules``) and the group's rank."""
+    if p.ndim != 2 or max(p.shape) >= group["max_shape"]:
+        return None, group["rank"]
+    name = param_name(group, index)
+    module = name.rsplit(".", 1)[0] if name is not None and "." in name else (name or "")
+    if not matches_target(module, group["target_modules"]):
+        return None, group["rank"]
+    n = p.shape[1] if side_of(group, p) == "right" else p.shape[0]
+    return min(group["rank"], n), group["rank"]
 
 
 def positive_int(name: str, value: Any) -> int:
