@@ -209,20 +209,27 @@ def test_not_run_blocks_compile():
     "page", [p for p in DOCS if any(m is None for m, _, _ in _blocks(p))], ids=lambda p: p.name.removesuffix(".md")
 )
 def test_the_blocks_of_a_page_run(page, tmp_path, monkeypatch):
+    from peft_ext.continual import CONTINUAL_METHODS
+
     monkeypatch.chdir(tmp_path)
     os.symlink(ROOT / "configs", tmp_path / "configs")  # pages name the shipped configs' files by relative path
+    registered = set(CONTINUAL_METHODS)
     scope: dict = {}
     ran = 0
-    for i, (mark, _, code) in enumerate(_blocks(page)):
-        if mark is not None:
-            continue
-        exec(compile(PRELUDE + EXTRA.get((page.name, i), ""), f"prelude of {page.name}:{i}", "exec"), scope)
-        try:
-            exec(compile(_runnable(code), f"{page}:block{i}", "exec"), scope)
-        finally:
-            if (page.name, i) in CLEANUP:
-                exec(CLEANUP[page.name, i], scope)
-        ran += 1
+    try:
+        for i, (mark, _, code) in enumerate(_blocks(page)):
+            if mark is not None:
+                continue
+            exec(compile(PRELUDE + EXTRA.get((page.name, i), ""), f"prelude of {page.name}:{i}", "exec"), scope)
+            try:
+                exec(compile(_runnable(code), f"{page}:block{i}", "exec"), scope)
+            finally:
+                if (page.name, i) in CLEANUP:
+                    exec(CLEANUP[page.name, i], scope)
+            ran += 1
+    finally:  # a page that registers a method (adding_a_continual_method.md) leaves the registry as it found it
+        for name in set(CONTINUAL_METHODS) - registered:
+            del CONTINUAL_METHODS[name]
     assert ran
 
 

@@ -185,7 +185,7 @@ def test_olora_penalizes_overlap_with_every_earlier_task_A(driver, seq, tmp_path
         layers = layers_of(model, LoraLayer)
         trained[task_id] = {n: m.lora_A["default"].weight.detach().clone() for n, m in layers.items()}
 
-    def record_penalty(self, out, model, batch, task_id):
+    def record_penalty(self, out, model, batch, task_id, ctx):
         earlier = [trained[i] for i in range(task_id) if i in trained]
         expected = None
         if len(earlier) == task_id and task_id > 0:  # every earlier A observed in this process
@@ -501,7 +501,7 @@ def on_every_step(monkeypatch, cls: type, before_step: Callable, after_step: Cal
     """Call ``before_step(model)`` / ``after_step(model)`` around every optimizer step of ``cls``'s runs: the
     optimizer the method makes for the driver gets its ``step`` wrapped (the driver's own calls, in its order)."""
 
-    def wrap(self, optimizer, model, params):
+    def wrap(self, optimizer, model, params, ctx):
         step = optimizer.step
 
         def stepped(opt, *args, **kwargs):
