@@ -137,7 +137,7 @@ def head_scores(result: dict[str, Any], variant: str) -> dict[str, dict[str, Any
 def run_all(args: argparse.Namespace, out: Path) -> None:
     from peft_ext.continual import get_continual_method, run_sequence
     from peft_ext.data.collate import TextCollator
-    from peft_ext.jobs.continual import build_sequence
+    from peft_ext.jobs.sequence import build_sequence
     from peft_ext.models import load_text_classifier
 
     config = load(args)

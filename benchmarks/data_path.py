@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     from peft_ext.data.build import export_csv
     from peft_ext.data.collate import TextCollator
     from peft_ext.data.user_data import tokenize_sequence
-    from peft_ext.jobs.continual import build_sequence
     from peft_ext.jobs.preflight import check_data
+    from peft_ext.jobs.sequence import build_sequence
     from peft_ext.models import load_text_classifier
 
     csv_path = tmp / "wordnet_all.csv"

@@ -196,7 +196,7 @@ def scored_sequence(config: RunConfig) -> Any:
     job's ``--tune`` scores), with ``validation`` := as many further held-out train-split examples per class, for the
     adaptive variants' measurements (the same classes and training examples: a larger validation carve keeps the
     smaller one; checked)."""
-    from peft_ext.jobs.continual import build_sequence
+    from peft_ext.jobs.sequence import build_sequence
 
     data = config.data
     wider = dataclasses.replace(config, data=dataclasses.replace(data, val_per_class=2 * data.val_per_class))

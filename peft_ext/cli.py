@@ -59,8 +59,8 @@ def _load_and_preflight(args: argparse.Namespace):
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from peft_ext.jobs.continual import sequence_summary
     from peft_ext.jobs.preflight import preflight
+    from peft_ext.jobs.sequence import sequence_summary
 
     config = _load(args)
     sequence = preflight(config)
@@ -72,7 +72,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from peft_ext.jobs.continual import job_processes
+    from peft_ext.jobs.launch import job_processes
 
     config = _load_and_preflight(args)
     with job_processes(config):

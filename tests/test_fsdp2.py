@@ -343,7 +343,7 @@ def test_the_job_takes_fsdp2_from_an_accelerate_config(monkeypatch):
 
     from peft_ext.continual.config import ConfigError, load_config
     from peft_ext.continual.sharding import sharding_from_launcher
-    from peft_ext.jobs.continual import launcher_sharding
+    from peft_ext.jobs.launch import launcher_sharding
 
     config = load_config(ROOT / "configs" / "quickstart.yaml")
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)

@@ -12,9 +12,9 @@ import yaml
 
 from peft_ext.continual.config import load_config
 from peft_ext.continual.trained import MODEL_FILE, load_trained, read_texts
-from peft_ext.jobs.continual import build_sequence
 from peft_ext.jobs.resume import config_hash
 from peft_ext.jobs.saved import trained_folder
+from peft_ext.jobs.sequence import build_sequence
 from peft_ext_cli import main
 
 from .helpers import job_config, save_tiny_bert

@@ -1,9 +1,21 @@
-"""The ``continual`` job (the default of ``peft-ext run``): build the task sequence and the backbone from a
-:class:`~peft_ext.continual.config.RunConfig`, run every method, report.
+"""The ``continual`` job (the default of ``peft-ext run``), as named steps: :class:`ContinualJob`.
 
-Launched by ``torchrun`` or ``accelerate launch`` (``WORLD_SIZE`` > 1 in the environment), every process runs the job
-and :func:`job_processes` joins them into a process group: each method trains data-parallel
-(:func:`~peft_ext.continual.runner.train_examples`), rank 0 alone prints and writes, and the others wait for it.
+``ContinualJob(config).run()`` takes these steps, each a method whose inputs and outputs are the job's attributes:
+
+1. :meth:`~ContinualJob.prepare`: the launcher's settings, the config's fingerprint, the methods an earlier run
+   finished (``--resume``);
+2. :meth:`~ContinualJob.build`: the backbone, the task sequence and its collate (``sequence``, ``base``,
+   ``collate``);
+3. :meth:`~ContinualJob.preflight`: what must hold before any training (a validation split for ``--tune``), and the
+   run's ``meta``;
+4. per method, :meth:`~ContinualJob.run_method`: :meth:`~ContinualJob.tune` (``--tune``), the run itself, and
+   :meth:`~ContinualJob.save_trained` (the trained model under ``output.dir/adapters/``);
+5. :meth:`~ContinualJob.finish`: the closing report, and :class:`~.errors.JobFailed` when a method failed.
+
+What the job tells the world goes through its callbacks, one list (:class:`JobCallback`): :class:`ConsoleLog` prints
+progress lines and tables, :class:`ResultsWriter` writes ``results.json`` / ``results.md`` / the heatmap before the
+first method and after every one (so they always hold every method finished so far) and drops a finished method's
+snapshots. Under ``torchrun`` every process runs the job (:mod:`.launch`); rank 0 alone has these callbacks.
 """
 
 from __future__ import annotations
@@ -11,84 +23,37 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import platform
 import re
 import shutil
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from ..continual.config import ConfigError, RunConfig
+from ..continual.config import MethodEntry, RunConfig
 from ..continual.engine import MethodResult
-from ..continual.methods import get_continual_method
+from ..continual.methods import ContinualMethod, get_continual_method
 from ..continual.progress import TaskProgress
 from ..continual.report import leader_line, matrix_table, metrics_table, noise_line, save_results
 from ..continual.runner import run_sequence
-from ..continual.sharding import sharding_from_launcher
 from ..continual.trained import save_trained, saved_methods
-from ..data import SHIPPED
 from ..data.tasks import TaskSequence
 from ..distributed import on_rank_zero, rank, rank_zero_first, world_size
 from .errors import JobFailed, one_line
+from .launch import check_world_size, launcher_sharding
 from .resume import _plain, config_hash, finished_results
+from .sequence import build_sequence, separator_id, sequence_summary
 
-#: The ``data`` keys every class-incremental sequence (a shipped data set or your files) is built from.
-CLASS_SEQUENCE_KEYS = (
-    "n_tasks",
-    "classes_per_task",
-    "classes",
-    "seed",
-    "train_per_class",
-    "test_per_class",
-    "protocol",
-)
+__all__ = ["ConsoleLog", "ContinualJob", "JobCallback", "ResultsWriter", "effective_settings", "run_job"]
 
 
-def _keys(section: Any, names: tuple[str, ...]) -> dict[str, Any]:
-    """``{name: section.name}`` for ``names``."""
-    return {name: getattr(section, name) for name in names}
-
-
-def build_sequence(config: RunConfig, tokenizer: Any = None) -> TaskSequence:
-    """The task sequence the config's ``data`` section describes (``tokenizer``: renders conversational instruction
-    rows with its chat template)."""
-    data = config.data
-    if data.dataset == "instructions":
-        from ..data.user_instructions import instruction_sequence_from_files
-
-        return instruction_sequence_from_files(
-            data.tasks,
-            None if data.tasks is not None else data.train,
-            task_column=data.task_column,
-            tokenizer=tokenizer,
-            test_share=data.test_share,
-            validation_share=data.validation_share,
-            seed=data.seed,
-            name=config.name,
-        )
-    if data.dataset in SHIPPED:  # wordnet, fortunes: files that ship with the package
-        return SHIPPED[data.dataset].task_sequence(
-            **_keys(data, CLASS_SEQUENCE_KEYS), val_per_class=data.val_per_class or 0
-        )
-    if data.dataset == "files":
-        from ..data.user_data import file_task_sequence
-
-        return file_task_sequence(
-            data.train,
-            data.test,
-            data.validation,
-            **_keys(data, (*CLASS_SEQUENCE_KEYS, "text_column", "label_column", "task_column", "test_share")),
-            validation_share=data.validation_share,
-            name=config.name,
-        )
-    raise ValueError(f"unknown dataset {data.dataset!r}")  # unreachable: the config's Literal type checks it
+def _silent(*args: Any) -> None:
+    """The echo of ranks other than 0."""
 
 
 def effective_settings(options: Any, train: Any) -> dict[str, Any]:
@@ -103,46 +68,6 @@ def effective_settings(options: Any, train: Any) -> dict[str, Any]:
     return settings
 
 
-def sequence_summary(name: str, sequence: TaskSequence) -> list[str]:
-    """The lines that say what a job's task sequence is: tasks, classes, examples per split, then each task's name
-    (``peft-ext run`` prints them when it starts, ``peft-ext check`` when the config is valid)."""
-    count = {split: sum(len(getattr(t, split)) for t in sequence.tasks) for split in ("train", "validation", "test")}
-    how = (
-        "instruction tasks, scored by exact match of the generated answers"
-        if sequence.kind == "generation"
-        else sequence.protocol
-    )
-    head = (
-        f"{name}: {sequence.name} ({how}), {len(sequence)} tasks, {sequence.num_classes} classes, "
-        f"{count['train']} train / "
-        + (f"{count['validation']} validation / " if count["validation"] else "")
-        + f"{count['test']} test examples"
-    )
-    return [head, *(f"  t{i}: {task.name}" for i, task in enumerate(sequence.tasks))]
-
-
-def separator_id(tokenizer: Any, token: str | None) -> int:
-    """The id of the token that ends every prompt of an instruction sequence: ``token`` (``model.separator``), else
-    the tokenizer's separator token.
-
-    Raises:
-        ValueError: ``token`` is not one token of the vocabulary, or neither is set.
-    """
-    if token is None:
-        if getattr(tokenizer, "sep_token_id", None) is None:
-            raise ValueError(
-                f"the tokenizer ({type(tokenizer).__name__}) has no separator token to end prompts with: set "
-                "`model.separator` to a special token of its vocabulary that no prompt contains (e.g. an unused "
-                "reserved token)"
-            )
-        return int(tokenizer.sep_token_id)
-    ids = tokenizer.convert_tokens_to_ids([token])
-    unk = getattr(tokenizer, "unk_token_id", None)
-    if not ids or ids[0] is None or (unk is not None and ids[0] == unk and token != tokenizer.unk_token):
-        raise ValueError(f"`model.separator` {token!r} is not a token of the tokenizer's vocabulary")
-    return int(ids[0])
-
-
 def method_progress(config: RunConfig, index: int, name: str, label: str, fingerprint: str) -> TaskProgress:
     """Where method ``index`` of the job keeps its end-of-task snapshots: ``output.dir/progress/{index}-{label}``."""
     folder = f"{index:02d}-{re.sub(r'[^A-Za-z0-9_.+-]', '_', label)}"
@@ -152,306 +77,357 @@ def method_progress(config: RunConfig, index: int, name: str, label: str, finger
     return TaskProgress(Path(config.output.dir) / "progress" / folder, identity)
 
 
-@contextmanager
-def job_processes(config: Any) -> Iterator[None]:
-    """Join the process group that ``torchrun`` / ``accelerate launch`` describe in the environment (``WORLD_SIZE``,
-    ``RANK``, ``MASTER_ADDR``, ...) for the block, and leave it after; nothing happens for one process or when a
-    group is already initialized (a script that calls the job itself).
+class JobCallback:
+    """A listener at the job's named points; every method is a no-op, so a callback overrides what it needs."""
 
-    The backend is gloo on CPUs; with CUDA, each process takes the GPU of its ``LOCAL_RANK`` and CUDA tensors go
-    through NCCL while CPU tensors (flags, random states) still go through gloo.
+    def on_start(self, job: ContinualJob) -> None:
+        """The sequence and backbone are built and ``job.meta`` is set; no method has run."""
+
+    def on_method_start(self, job: ContinualJob, label: str, note: str) -> None:
+        """Method ``label`` starts (``note``: what the job knows of it, e.g. resumed after 2 tasks)."""
+
+    def on_message(self, job: ContinualJob, line: str) -> None:
+        """A line the job has to say (a setting it chose, a method it skips, a method that failed)."""
+
+    def on_method_end(
+        self, job: ContinualJob, result: Optional[MethodResult], progress: Optional[TaskProgress]
+    ) -> None:
+        """A method ended: ``result`` (``None``: it failed, see ``job.failures``), and its snapshots' folder when it
+        finished in this run."""
+
+    def on_end(self, job: ContinualJob) -> None:
+        """Every method ran; ``job.results`` and ``job.failures`` are final."""
+
+
+class ConsoleLog(JobCallback):
+    """Progress lines and tables, through ``echo`` (``print`` by default)."""
+
+    def __init__(self, echo: Callable[[str], Any] = print) -> None:
+        self.echo = echo
+
+    def on_start(self, job: ContinualJob) -> None:
+        first, *tasks = sequence_summary(job.config.name, job.sequence)
+        self.echo(f"[peft-ext] {first}")
+        for line in tasks:
+            self.echo(line)
+
+    def on_method_start(self, job: ContinualJob, label: str, note: str) -> None:
+        self.echo(f"\n[peft-ext] method {label}{note}")
+
+    def on_message(self, job: ContinualJob, line: str) -> None:
+        self.echo(line)
+
+    def on_method_end(
+        self, job: ContinualJob, result: Optional[MethodResult], progress: Optional[TaskProgress]
+    ) -> None:
+        if result is not None:
+            self.echo(matrix_table(result))
+
+    def on_end(self, job: ContinualJob) -> None:
+        self.echo(f"\n[peft-ext] metrics (percent), {len(job.sequence)} tasks, wall time {job.wall_seconds():.0f} s\n")
+        self.echo(metrics_table(job.results))
+        for line in (noise_line(job.results, job.meta["test_examples"]), leader_line(job.results)):
+            if line:
+                self.echo("\n" + line)
+
+
+class ResultsWriter(JobCallback):
+    """``results.json``, ``results.md`` and ``accuracy_matrix.png`` in ``output.dir``: written before the first method
+    (with the config's fingerprint, so an interruption during the first method is resumable) and after every one;
+    then a finished method's snapshots are dropped (its result is on disk). Under several processes every process
+    calls it and rank 0 writes while the others wait (:func:`~peft_ext.distributed.on_rank_zero`)."""
+
+    def __init__(self, echo: Callable[[str], Any] = print) -> None:
+        self.echo = echo
+        self.paths: Optional[dict[str, Path]] = None
+
+    def _write(self, job: ContinualJob, results: Sequence[MethodResult], finished: Optional[TaskProgress]) -> None:
+        job.meta["wall_seconds"] = round(job.wall_seconds(), 1)
+
+        def write() -> dict[str, Path]:
+            paths = save_results(results, job.config.output.dir, job.meta, job.task_names, job.failures)
+            if finished is not None:
+                shutil.rmtree(finished.directory, ignore_errors=True)
+            return paths
+
+        self.paths = on_rank_zero(write)
+
+    def on_start(self, job: ContinualJob) -> None:
+        self._write(job, list(job.done.values()), None)
+
+    def on_method_end(
+        self, job: ContinualJob, result: Optional[MethodResult], progress: Optional[TaskProgress]
+    ) -> None:
+        self._write(job, job.results, progress)
+
+    def on_end(self, job: ContinualJob) -> None:
+        folder = Path(job.config.output.dir) / "progress"
+        on_rank_zero(lambda: folder.rmdir() if folder.is_dir() and not any(folder.iterdir()) else None)
+        if self.paths is None:  # not rank 0
+            return
+        written = [self.paths["json"], self.paths["markdown"]] + ([self.paths["png"]] if job.results else [])
+        self.echo(f"\n[peft-ext] wrote {', '.join(str(p) for p in written)}")
+        saved = saved_methods(job.config.output.dir)
+        if saved and job.saves_trained:
+            folder = Path(job.config.output.dir) / "adapters"
+            self.echo(
+                f"[peft-ext] trained models of {', '.join(saved)} in {folder}/: classify new texts with "
+                f"`peft-ext predict {folder / saved[0]} TEXTS.txt` (docs/own_data.md)"
+            )
+
+
+class ContinualJob:
+    """Every method of ``config`` on the same sequence and backbone, as named steps (see the module docstring).
 
     Args:
-        config: The job's config (a continual one: the other jobs run on one process).
-
-    Raises:
-        ConfigError: Several processes for a job other than ``continual``, or a ``train.device`` that names one GPU.
+        config: The validated run config.
+        echo: Where progress lines go (rank 0).
+        debug: Print the traceback of a failed method (stderr).
+        resume: Keep the methods an earlier run of the same config finished (its ``results.json`` in
+            ``output.dir``), continue an unfinished one after its last finished task, and run the others
+            (:mod:`peft_ext.jobs.resume`).
+        callbacks: The listeners (default: :class:`ConsoleLog` and :class:`ResultsWriter` on ``echo``). Every
+            process calls them; ``echo`` is silent off rank 0, and files are written by rank 0 alone.
     """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1 or (dist.is_available() and dist.is_initialized()):
-        yield
-        return
-    if not isinstance(config, RunConfig):
-        raise ConfigError(
-            f"this job runs on one process, but WORLD_SIZE={world}: only `job: continual` runs data-parallel under "
-            "torchrun / accelerate launch; start it with plain `peft-ext run`"
-        )
-    if config.train.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(
-            f"`train.device` {config.train.device!r} would put all {world} processes on one GPU; use 'auto' or 'cuda' "
-            "(each process takes the GPU of its LOCAL_RANK) or 'cpu'"
-        )
-    backend = "gloo"
-    if config.train.device != "cpu" and torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        backend = "cpu:gloo,cuda:nccl"
-    dist.init_process_group(backend)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
+    def __init__(
+        self,
+        config: RunConfig,
+        echo: Callable[[str], Any] = print,
+        debug: bool = False,
+        resume: bool = False,
+        callbacks: Optional[list[JobCallback]] = None,
+    ) -> None:
+        self.config = config
+        self.debug = debug
+        self.resume = resume
+        if rank() != 0:
+            echo = _silent
+        self.callbacks = callbacks if callbacks is not None else [ConsoleLog(echo), ResultsWriter(echo)]
+        self.start = time.perf_counter()
+        self.fingerprint = ""
+        self.done: dict[tuple[str, str], MethodResult] = {}
+        self.sequence: Optional[TaskSequence] = None
+        self.base: Optional[torch.nn.Module] = None
+        self.collate: Any = None
+        self.meta: dict[str, Any] = {}
+        self.results: list[MethodResult] = []
+        self.failures: list[dict[str, str]] = []
 
-def launcher_sharding(config: RunConfig) -> RunConfig:
-    """``config`` with ``train.sharding: fsdp2`` when ``accelerate launch`` runs the job with an FSDP2 config.
+    # --- what the steps share ---------------------------------------------------------------------------------------
 
-    Raises:
-        ConfigError: The accelerate config asks for FSDP1.
-    """
-    try:
-        by_launcher = sharding_from_launcher()
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    if by_launcher is None or config.train.sharding == by_launcher:
-        return config
-    return dataclasses.replace(config, train=dataclasses.replace(config.train, sharding=by_launcher))
+    def emit(self, event: str, *args: Any) -> None:
+        """Call ``event`` on every callback."""
+        for callback in self.callbacks:
+            getattr(callback, event)(self, *args)
 
+    def say(self, line: str) -> None:
+        self.emit("on_message", line)
 
-def check_world_size(out_dir: str) -> None:
-    """Refuse to resume, on a different number of processes, a run whose ``results.json`` names another.
+    def wall_seconds(self) -> float:
+        return time.perf_counter() - self.start
 
-    Each process trains on its share of every batch, so the rounding (and, with dropout, the random draws) depend on
-    the number of processes: a resumed run equals the uninterrupted one only on the same number.
+    @property
+    def task_names(self) -> list[str]:
+        return [t.name for t in self.sequence.tasks]
 
-    Raises:
-        ConfigError: The stored ``world_size`` (1 when absent: runs from before it was stored) differs.
-    """
-    try:
-        stored = json.loads((Path(out_dir) / "results.json").read_text())["meta"].get("world_size", 1)
-    except (OSError, ValueError, KeyError, AttributeError):
-        return  # finished_results already said what is wrong with the file
-    if stored != world_size():
-        launch = "plain `peft-ext run`" if stored == 1 else f"`torchrun --nproc_per_node {stored} -m peft_ext run`"
-        raise ConfigError(
-            f"--resume: the run in {out_dir!r} was made on {stored} process(es), this one has {world_size()}; a "
-            f"resumed run must use the same number to equal an uninterrupted one: resume it with {launch} (or start "
-            "over with --overwrite)"
-        )
+    @property
+    def sharded(self) -> bool:
+        """Whether methods train on FSDP2 shards (``train.sharding: fsdp2`` on several processes)."""
+        return self.config.train.sharding == "fsdp2" and world_size() > 1
+
+    @property
+    def saves_trained(self) -> bool:
+        """Whether each method's trained model is saved (``output.save_adapters``; not under FSDP2 sharding)."""
+        return self.config.output.save_adapters and not self.sharded
+
+    # --- the steps -------------------------------------------------------------------------------------------------
+
+    def run(self) -> list[MethodResult]:
+        """Every step in order; returns the finished methods' results (every process returns the same).
+
+        Raises:
+            JobFailed: After every method ran, when at least one failed.
+            ConfigError: ``resume`` with no results, or results of a different config or number of processes, in
+                ``output.dir``.
+        """
+        self.prepare()
+        self.build()
+        self.preflight()
+        self.emit("on_start")
+        self.announce()
+        for index, entry in enumerate(self.config.methods):
+            result, progress = self.run_method(index, entry)
+            if result is not None:
+                self.results.append(result)
+            self.emit("on_method_end", result, progress)
+        self.finish()
+        return self.results
+
+    def prepare(self) -> None:
+        """The launcher's settings (FSDP2 from ``accelerate launch``), no progress bars off rank 0, the config's
+        fingerprint and, with ``resume``, the methods the earlier run finished."""
+        config = self.config
+        if world_size() > 1:
+            config = launcher_sharding(config)
+        if rank() != 0:
+            config = dataclasses.replace(config, train=dataclasses.replace(config.train, progress=False))
+        self.config = config
+        if world_size() > 1:
+            dist.barrier()  # every process has checked `output.dir` (claim_output_dir) before rank 0 writes into it
+        self.fingerprint = config_hash(config)
+        if self.resume:
+            self.done = {(r.method, r.label): r for r in finished_results(config, self.fingerprint)}
+            check_world_size(config.output.dir)
+
+    def build(self) -> None:
+        """``sequence`` (tokenized once for your files), ``base`` (the backbone) and ``collate``."""
+        from ..data.collate import CausalLMCollator, TextCollator
+        from ..models import load_causal_lm, load_text_classifier
+
+        config = self.config
+        causal = config.model.kind == "causal_lm"
+        tokenizer = None
+        if causal:  # the tokenizer renders conversational rows, so it comes first
+            self.base, tokenizer = load_causal_lm(config.model.backbone, config.model.dtype, config.model.load_in_4bit)
+        # reading user files fills the `datasets` cache, which the other processes then only read
+        sequence = rank_zero_first(lambda: build_sequence(config, tokenizer))
+        if not causal:
+            self.base, tokenizer = load_text_classifier(
+                config.model.backbone, sequence.num_classes, config.model.dropout, seed=config.train.seed
+            )
+        if config.data.dataset == "files":  # tokenized once (cached by `datasets`), not by every method's collate
+            from ..data.user_data import tokenize_sequence
+
+            tokenize = functools.partial(
+                tokenize_sequence, sequence, tokenizer, config.model.max_length, config.train.progress
+            )
+            sequence = rank_zero_first(tokenize)
+        self.sequence = sequence
+        if causal:
+            separator = separator_id(tokenizer, config.model.separator)
+            self.collate = CausalLMCollator(tokenizer, config.model.max_length, separator, config.model.max_new_tokens)
+        else:
+            self.collate = TextCollator(tokenizer, config.model.max_length)
+
+    def preflight(self) -> None:
+        """What must hold before any training (``--tune``: every task has validation examples), and ``meta``."""
+        config, sequence = self.config, self.sequence
+        if config.tune.enabled:
+            from .tuning import validation_sequence
+
+            validation_sequence(sequence, config.tune.protocol)
+        self.meta = {
+            "name": config.name,
+            "sequence": sequence.name,
+            "protocol": sequence.protocol,
+            "sequence_meta": sequence.meta,
+            "backbone": config.model.backbone,
+            "wall_seconds": 0.0,
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "machine": platform.machine(),
+            "config_hash": self.fingerprint,
+            "world_size": world_size(),
+            "test_examples": [len(t.test) for t in sequence.tasks],
+        }
+        if config.train.sharding != "none":
+            self.meta["sharding"] = config.train.sharding
+
+    def announce(self) -> None:
+        """The lines that say what the job chose for the whole run (truncated texts, FSDP2)."""
+        truncated = self.sequence.meta.get("truncated")
+        if truncated:
+            total = sum(len(t.train) + len(t.test) + len(t.validation) for t in self.sequence.tasks)
+            self.say(
+                f"  {truncated} of {total} distinct texts are longer than model.max_length="
+                f"{self.config.model.max_length} tokens and are truncated to it (raise model.max_length to keep more)"
+            )
+        if self.sharded:
+            self.say(f"  FSDP2: each method's parameters sharded over {world_size()} processes while it trains")
+            if self.config.output.save_adapters:
+                self.say(
+                    "  trained models are not saved under FSDP2 sharding (output.save_adapters): run on one process"
+                )
+
+    def tune(self, entry: MethodEntry, method: ContinualMethod) -> tuple[ContinualMethod, Optional[dict[str, Any]]]:
+        """``--tune``: the method with the learning rate (and setting) chosen on validation, and what was chosen; a
+        method that trains nothing has no learning rate to tune and comes back as it is."""
+        if not (self.config.tune.enabled and method.trains):
+            return method, None
+        from .tuning import tune_methods, tuned_options
+
+        tuned = tune_methods(self.config, [entry], self.sequence, self.base, self.collate, self.fingerprint, self.say)
+        chosen = tuned[method.label]
+        return get_continual_method(entry.name)(tuned_options(entry, chosen)), chosen
+
+    def run_method(self, index: int, entry: MethodEntry) -> tuple[Optional[MethodResult], Optional[TaskProgress]]:
+        """One method: its result (read back when the run being resumed finished it), and its snapshots' folder
+        when it finished here; a method that raises is recorded in ``failures`` (its snapshots kept) and ``(None,
+        None)`` returned, so the next method runs."""
+        label = entry.name
+        try:
+            method = get_continual_method(entry.name)(entry.options)
+            label = method.label
+            if (method.name, label) in self.done:
+                self.emit("on_method_start", label, ": finished in the run being resumed")
+                return self.done[(method.name, label)], None
+            progress = method_progress(self.config, index, method.name, label, self.fingerprint)
+            record = progress.record(len(self.sequence))
+            note = f": resuming after {record.completed} finished task(s)" if record.completed else ""
+            self.emit("on_method_start", label, note)
+            if self.sharded and method.needs_whole_parameters:
+                self.say(
+                    f"  {label} trains with whole parameters on every process (data-parallel), not FSDP2 shards: "
+                    f"{method.needs_whole_parameters}"
+                )
+            method, tuned = self.tune(entry, method)
+            keep = functools.partial(self.save_trained, label, method.name) if self.saves_trained else None
+            result = run_sequence(
+                self.sequence, method, self.base, self.collate, self.config.train, progress=progress, keep=keep
+            )
+        except Exception as err:  # a failed method is recorded and the others still run
+            if self.debug:
+                traceback.print_exc()
+            self.failures.append({"method": entry.name, "label": label, "error": one_line(err)})
+            self.say(f"[peft-ext] method {label} failed: {one_line(err)}")
+            return None, None
+        if tuned is not None:
+            result.extras["tuning"] = tuned
+        result.extras["settings"] = effective_settings(method.options, self.config.train)
+        return result, progress
+
+    def save_trained(self, label: str, method: str, model: torch.nn.Module, head: Any, result: MethodResult) -> None:
+        """Save one method's trained model under ``output.dir/adapters/<label>`` (rank 0;
+        :mod:`..continual.trained`)."""
+        if rank() != 0:
+            return
+        config, sequence = self.config, self.sequence
+        description = {
+            "kind": "causal_lm" if config.model.kind == "causal_lm" else "classifier",
+            "method": method,
+            "label": label,
+            "backbone": config.model.backbone,
+            "num_classes": sequence.num_classes,
+            "class_names": list(sequence.class_names),
+            "dropout": config.model.dropout,
+            "seed": config.train.seed,
+            "max_length": config.model.max_length,
+            "final_acc": result.metrics.get("final_acc"),
+            "config": config.name,
+        }
+        folder = re.sub(r"[^\w.+-]", "_", label)
+        save_trained(Path(config.output.dir) / "adapters" / folder, model, head, self.base, description)
+
+    def finish(self) -> None:
+        """The closing report (callbacks), then :class:`JobFailed` when a method failed."""
+        self.emit("on_end")
+        if self.failures:
+            raise JobFailed(self.failures, self.config.output.dir)
 
 
 def run_job(
     config: RunConfig, echo: Callable[[str], Any] = print, debug: bool = False, resume: bool = False
 ) -> list[MethodResult]:
-    """Run every method of ``config`` on the same sequence and backbone; write results; return them.
-
-    The results files are written before the first method and rewritten after each one, so they always hold every
-    method finished so far; while a method runs, a snapshot after each of its tasks is kept in
-    ``output.dir/progress/`` (deleted once the method's result is written). A method that raises is recorded (under
-    ``failed`` in the results, its snapshots kept) and the next one runs.
-
-    Args:
-        config: The validated run config.
-        echo: Where progress lines go.
-        debug: Print the traceback of a failed method (stderr).
-        resume: Keep the methods an earlier run of the same config finished (its ``results.json`` in
-            ``output.dir``), continue an unfinished one after its last finished task, and run the others
-            (:mod:`peft_ext.jobs.resume`).
-
-    Under ``torch.distributed`` with several processes (:func:`job_processes`) every process calls this; only rank 0
-    echoes, shows progress bars and writes, and every process returns the same results.
-
-    Raises:
-        JobFailed: After every method ran, when at least one failed.
-        ConfigError: ``resume`` with no results, or results of a different config or number of processes, in
-            ``output.dir``.
-    """
-    from ..data.collate import CausalLMCollator, TextCollator
-    from ..models import load_causal_lm, load_text_classifier
-
-    start = time.perf_counter()
-    if world_size() > 1:
-        config = launcher_sharding(config)
-    if rank() != 0:
-        echo = _silent
-        config = dataclasses.replace(config, train=dataclasses.replace(config.train, progress=False))
-    if world_size() > 1:
-        dist.barrier()  # every process has checked `output.dir` (claim_output_dir) before rank 0 writes into it
-    fingerprint = config_hash(config)
-    done = {(r.method, r.label): r for r in finished_results(config, fingerprint)} if resume else {}
-    if resume:
-        check_world_size(config.output.dir)
-    causal = config.model.kind == "causal_lm"
-    if causal:  # the tokenizer renders conversational rows, so it comes first
-        base, tokenizer = load_causal_lm(config.model.backbone, config.model.dtype, config.model.load_in_4bit)
-    else:
-        tokenizer = None
-    # reading user files fills the `datasets` cache, which the other processes then only read
-    sequence = rank_zero_first(lambda: build_sequence(config, tokenizer))
-    first, *tasks = sequence_summary(config.name, sequence)
-    echo(f"[peft-ext] {first}")
-    for line in tasks:
-        echo(line)
-    if not causal:
-        base, tokenizer = load_text_classifier(
-            config.model.backbone, sequence.num_classes, config.model.dropout, seed=config.train.seed
-        )
-    if config.data.dataset == "files":
-        # tokenized once (cached by `datasets`), not by every method's collate
-        from ..data.user_data import tokenize_sequence
-
-        sequence = rank_zero_first(
-            functools.partial(tokenize_sequence, sequence, tokenizer, config.model.max_length, config.train.progress)
-        )
-        if sequence.meta["truncated"]:
-            total = sum(len(t.train) + len(t.test) + len(t.validation) for t in sequence.tasks)
-            echo(
-                f"  {sequence.meta['truncated']} of {total} distinct texts are longer than model.max_length="
-                f"{config.model.max_length} tokens and are truncated to it (raise model.max_length to keep more)"
-            )
-    if config.tune.enabled:  # refused here, before any training, when a task has no validation examples
-        from .tuning import validation_sequence
-
-        validation_sequence(sequence, config.tune.protocol)
-    if causal:
-        separator = separator_id(tokenizer, config.model.separator)
-        collate = CausalLMCollator(tokenizer, config.model.max_length, separator, config.model.max_new_tokens)
-    else:
-        collate = TextCollator(tokenizer, config.model.max_length)
-    task_names = [t.name for t in sequence.tasks]
-    meta = {
-        "name": config.name,
-        "sequence": sequence.name,
-        "protocol": sequence.protocol,
-        "sequence_meta": sequence.meta,
-        "backbone": config.model.backbone,
-        "wall_seconds": 0.0,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "machine": platform.machine(),
-        "config_hash": fingerprint,
-        "world_size": world_size(),
-        "test_examples": [len(t.test) for t in sequence.tasks],
-    }
-    if config.train.sharding != "none":
-        meta["sharding"] = config.train.sharding
-    sharded = config.train.sharding == "fsdp2" and world_size() > 1
-    if sharded:
-        echo(f"  FSDP2: each method's parameters sharded over {world_size()} processes while it trains")
-        if config.output.save_adapters:
-            echo("  trained models are not saved under FSDP2 sharding (output.save_adapters): run on one process")
-    results: list[MethodResult] = []
-    failures: list[dict[str, str]] = []
-    # The report exists (with the config's fingerprint) before any training, so an interruption during the first
-    # method is resumable too.
-    paths = on_rank_zero(lambda: save_results(list(done.values()), config.output.dir, meta, task_names))
-    for index, entry in enumerate(config.methods):
-        label = entry.name
-        progress = finished = None
-        try:
-            method = get_continual_method(entry.name)(entry.options)
-            label = method.label
-            if (method.name, label) in done:
-                echo(f"\n[peft-ext] method {label}: finished in the run being resumed")
-                result = done[(method.name, label)]
-            else:
-                progress = method_progress(config, index, method.name, label, fingerprint)
-                record = progress.record(len(sequence))
-                resumed = f": resuming after {record.completed} finished task(s)" if record.completed else ""
-                echo(f"\n[peft-ext] method {label}{resumed}")
-                if sharded and method.needs_whole_parameters:
-                    echo(
-                        f"  {label} trains with whole parameters on every process (data-parallel), not FSDP2 shards: "
-                        f"{method.needs_whole_parameters}"
-                    )
-                tuned = None
-                if config.tune.enabled and method.trains:  # a training-free method has no learning rate to tune
-                    from .tuning import tune_methods, tuned_options
-
-                    tuned = tune_methods(config, [entry], sequence, base, collate, fingerprint, echo)[label]
-                    method = get_continual_method(entry.name)(tuned_options(entry, tuned))
-                keep = None
-                if config.output.save_adapters and not sharded:
-                    keep = functools.partial(_keep_trained, config, sequence, base, label, method.name)
-                result = run_sequence(sequence, method, base, collate, config.train, progress=progress, keep=keep)
-                if tuned is not None:
-                    result.extras["tuning"] = tuned
-                result.extras["settings"] = effective_settings(method.options, config.train)
-        except Exception as err:  # a failed method is recorded and the others still run
-            if debug:
-                traceback.print_exc()
-            failures.append({"method": entry.name, "label": label, "error": one_line(err)})
-            echo(f"[peft-ext] method {label} failed: {one_line(err)}")
-        else:
-            echo(matrix_table(result))
-            results.append(result)
-            finished = progress
-        # Written after every method, so the report on disk always holds every method finished so far.
-        meta["wall_seconds"] = round(time.perf_counter() - start, 1)
-        paths = on_rank_zero(functools.partial(_save, results, config, meta, task_names, failures, finished))
-    on_rank_zero(lambda: _remove_empty(Path(config.output.dir) / "progress"))
-    wall = time.perf_counter() - start
-    echo(f"\n[peft-ext] metrics (percent), {len(sequence)} tasks, wall time {wall:.0f} s\n")
-    echo(metrics_table(results))
-    noise = noise_line(results, meta["test_examples"])
-    if noise:
-        echo("\n" + noise)
-    leader = leader_line(results)
-    if leader:
-        echo("\n" + leader)
-    if paths is not None:  # rank 0
-        written = [paths["json"], paths["markdown"]] + ([paths["png"]] if results else [])
-        echo(f"\n[peft-ext] wrote {', '.join(str(p) for p in written)}")
-        saved = saved_methods(config.output.dir)
-        if saved and config.output.save_adapters and not sharded:
-            folder = Path(config.output.dir) / "adapters"
-            echo(
-                f"[peft-ext] trained models of {', '.join(saved)} in {folder}/: classify new texts with "
-                f"`peft-ext predict {folder / saved[0]} TEXTS.txt` (docs/own_data.md)"
-            )
-    if failures:
-        raise JobFailed(failures, config.output.dir)
-    return results
-
-
-def _silent(*args: Any) -> None:
-    """The echo of ranks other than 0."""
-
-
-def _keep_trained(
-    config: RunConfig,
-    sequence: TaskSequence,
-    base: torch.nn.Module,
-    label: str,
-    method: str,
-    model: torch.nn.Module,
-    head: Any,
-    result: MethodResult,
-) -> None:
-    """Save one method's trained model under ``output.dir/adapters/<label>`` (rank 0; :mod:`..continual.trained`)."""
-    if rank() != 0:
-        return
-    description = {
-        "kind": "causal_lm" if config.model.kind == "causal_lm" else "classifier",
-        "method": method,
-        "label": label,
-        "backbone": config.model.backbone,
-        "num_classes": sequence.num_classes,
-        "class_names": list(sequence.class_names),
-        "dropout": config.model.dropout,
-        "seed": config.train.seed,
-        "max_length": config.model.max_length,
-        "final_acc": result.metrics.get("final_acc"),
-        "config": config.name,
-    }
-    folder = re.sub(r"[^\w.+-]", "_", label)
-    save_trained(Path(config.output.dir) / "adapters" / folder, model, head, base, description)
-
-
-def _save(
-    results: list[MethodResult],
-    config: RunConfig,
-    meta: dict[str, Any],
-    task_names: list[str],
-    failures: list[dict[str, str]],
-    finished: TaskProgress | None,
-) -> dict[str, Path]:
-    """Write the report; then drop the snapshots of the method just finished (``finished``), now in the report."""
-    paths = save_results(results, config.output.dir, meta, task_names, failures)
-    if finished is not None:
-        shutil.rmtree(finished.directory, ignore_errors=True)
-    return paths
-
-
-def _remove_empty(folder: Path) -> None:
-    if folder.is_dir() and not any(folder.iterdir()):
-        folder.rmdir()
+    """``ContinualJob(config, echo, debug, resume).run()``: every method of ``config``, its results written."""
+    return ContinualJob(config, echo, debug, resume).run()

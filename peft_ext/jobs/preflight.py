@@ -78,7 +78,7 @@ def check_data(config: RunConfig, tokenizer: Any = None) -> Any:
     """Raise ``ConfigError`` when the ``data`` section asks for classes the data set does not have: an unknown
     ``data.classes`` name, or more classes than the data set has at the per-class caps (``data.n_tasks``)."""
     from ..data import SHIPPED
-    from .continual import build_sequence
+    from .sequence import build_sequence
 
     data = config.data
     shipped = SHIPPED.get(data.dataset)
@@ -314,7 +314,7 @@ def check_instruction_lengths(config: RunConfig, tokenizer: Any, sequence: Any) 
     an example needs more than ``model.max_length`` tokens: answers are never truncated (a cut answer would train
     and score the model on the wrong text), so such an example would fail its batch in the middle of training."""
     from ..data.collate import CausalLMCollator
-    from .continual import separator_id
+    from .sequence import separator_id
 
     try:
         collate = CausalLMCollator(tokenizer, config.model.max_length, separator_id(tokenizer, config.model.separator))

@@ -1,0 +1,103 @@
+"""The task sequence a continual job's ``data`` section describes, and the lines that say what it is."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..continual.config import RunConfig
+from ..data import SHIPPED
+from ..data.tasks import TaskSequence
+
+__all__ = ["CLASS_SEQUENCE_KEYS", "build_sequence", "separator_id", "sequence_summary"]
+
+
+#: The ``data`` keys every class-incremental sequence (a shipped data set or your files) is built from.
+CLASS_SEQUENCE_KEYS = (
+    "n_tasks",
+    "classes_per_task",
+    "classes",
+    "seed",
+    "train_per_class",
+    "test_per_class",
+    "protocol",
+)
+
+
+def _keys(section: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    """``{name: section.name}`` for ``names``."""
+    return {name: getattr(section, name) for name in names}
+
+
+def build_sequence(config: RunConfig, tokenizer: Any = None) -> TaskSequence:
+    """The task sequence the config's ``data`` section describes (``tokenizer``: renders conversational instruction
+    rows with its chat template)."""
+    data = config.data
+    if data.dataset == "instructions":
+        from ..data.user_instructions import instruction_sequence_from_files
+
+        return instruction_sequence_from_files(
+            data.tasks,
+            None if data.tasks is not None else data.train,
+            task_column=data.task_column,
+            tokenizer=tokenizer,
+            test_share=data.test_share,
+            validation_share=data.validation_share,
+            seed=data.seed,
+            name=config.name,
+        )
+    if data.dataset in SHIPPED:  # wordnet, fortunes: files that ship with the package
+        return SHIPPED[data.dataset].task_sequence(
+            **_keys(data, CLASS_SEQUENCE_KEYS), val_per_class=data.val_per_class or 0
+        )
+    if data.dataset == "files":
+        from ..data.user_data import file_task_sequence
+
+        return file_task_sequence(
+            data.train,
+            data.test,
+            data.validation,
+            **_keys(data, (*CLASS_SEQUENCE_KEYS, "text_column", "label_column", "task_column", "test_share")),
+            validation_share=data.validation_share,
+            name=config.name,
+        )
+    raise ValueError(f"unknown dataset {data.dataset!r}")  # unreachable: the config checks the name
+
+
+def sequence_summary(name: str, sequence: TaskSequence) -> list[str]:
+    """The lines that say what a job's task sequence is: tasks, classes, examples per split, then each task's name
+    (``peft-ext run`` prints them when it starts, ``peft-ext check`` when the config is valid)."""
+    count = {split: sum(len(getattr(t, split)) for t in sequence.tasks) for split in ("train", "validation", "test")}
+    how = (
+        "instruction tasks, scored by exact match of the generated answers"
+        if sequence.kind == "generation"
+        else sequence.protocol
+    )
+    head = (
+        f"{name}: {sequence.name} ({how}), {len(sequence)} tasks, {sequence.num_classes} classes, "
+        f"{count['train']} train / "
+        + (f"{count['validation']} validation / " if count["validation"] else "")
+        + f"{count['test']} test examples"
+    )
+    return [head, *(f"  t{i}: {task.name}" for i, task in enumerate(sequence.tasks))]
+
+
+def separator_id(tokenizer: Any, token: str | None) -> int:
+    """The id of the token that ends every prompt of an instruction sequence: ``token`` (``model.separator``), else
+    the tokenizer's separator token.
+
+    Raises:
+        ValueError: ``token`` is not one token of the vocabulary, or neither is set.
+    """
+    if token is None:
+        if getattr(tokenizer, "sep_token_id", None) is None:
+            raise ValueError(
+                f"the tokenizer ({type(tokenizer).__name__}) has no separator token to end prompts with: set "
+                "`model.separator` to a special token of its vocabulary that no prompt contains (e.g. an unused "
+                "reserved token)"
+            )
+        return int(tokenizer.sep_token_id)
+    ids = tokenizer.convert_tokens_to_ids([token])
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if not ids or ids[0] is None or (unk is not None and ids[0] == unk and token != tokenizer.unk_token):
+        raise ValueError(f"`model.separator` {token!r} is not a token of the tokenizer's vocabulary")
+    return int(ids[0])
