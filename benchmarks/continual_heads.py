@@ -47,7 +47,7 @@ import torch
 from benchmarks._lib import machine
 from benchmarks._lib.protocol import paired_interval, t_quantile
 from benchmarks._lib.tables import markdown_table
-from peft_ext.continual.report import heads_targets
+from peft_ext.continual.published import heads_targets
 
 FEATURE_HEADS = ["prototype", "lda", "analytic", "aligned"]
 BASELINES = {"ncm": "prototype", "slda": "lda", "ranpac": "analytic"}
@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("--sizes writes its results file to --out: name it")
         payload = sizes([Path(p) for p in args.sizes])
         Path(args.out).write_text(json.dumps(payload, indent=1))
-        from peft_ext.continual.report import published_table
+        from peft_ext.continual.published import published_table
 
         print(published_table(args.out))
         return 0

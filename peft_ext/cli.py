@@ -163,7 +163,7 @@ def _named_base(checkpoint: str) -> tuple[str | None, str | None]:
 
 
 def _cmd_table(args: argparse.Namespace) -> int:
-    from peft_ext.continual.report import published_table, write_generated_tables
+    from peft_ext.continual.published import published_table, write_generated_tables
 
     try:
         if args.results is not None:

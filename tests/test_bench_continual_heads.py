@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import continual_heads as bench
-from peft_ext.continual.report import published_table
+from peft_ext.continual.published import published_table
 
 from .helpers import run_module
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from peft_ext.continual.context import by_length
-from peft_ext.continual.engine import evaluate_heads
+from peft_ext.continual.evaluation import evaluate_heads
 from peft_ext.data.tasks import Example
 from peft_ext.data.user_data import Tokenized
 

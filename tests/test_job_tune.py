@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from peft_ext.continual.report import published_table
+from peft_ext.continual.published import published_table
 from peft_ext_cli import main
 
 from .helpers import job_config, save_tiny_bert

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from peft_ext.continual.report import (
+from peft_ext.continual.published import (
     CLAIM_CLOSE,
     CLAIM_OPEN,
     GENERATED_CLOSE,
@@ -289,7 +289,7 @@ def test_a_run_records_which_final_test_examples_it_got_right():
 def test_the_per_example_outcomes_follow_the_examples_order_not_the_length_sorted_one():
     """Evaluation scores examples shortest first; the recorded outcomes map back to the order of the test set, so two
     methods are paired example by example."""
-    from peft_ext.continual.engine import evaluate_heads
+    from peft_ext.continual.evaluation import evaluate_heads
     from peft_ext.data.tasks import Example
 
     class Parity(torch.nn.Module):

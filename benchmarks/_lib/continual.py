@@ -23,7 +23,7 @@ from torch import nn
 
 from peft_ext.continual import TrainConfig, get_continual_method, run_sequence
 from peft_ext.continual.config import ConfigError, build_section
-from peft_ext.continual.engine import evaluate
+from peft_ext.continual.evaluation import evaluate
 from peft_ext.data import SHIPPED
 from peft_ext.data.collate import TextCollator
 from peft_ext.data.tasks import Task, TaskSequence

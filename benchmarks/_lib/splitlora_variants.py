@@ -27,7 +27,7 @@ class WithinTaskMixin:
 
 def own_classes_accuracy(model: torch.nn.Module, examples: list[Any], task: Any, ctx: Any) -> float:
     """Accuracy on ``examples`` when the model may only predict ``task``'s classes (no random numbers drawn)."""
-    from peft_ext.continual.engine import evaluate
+    from peft_ext.continual.evaluation import evaluate
 
     torch_state = torch.get_rng_state()
     try:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from ..data.tasks import Example, Task, TaskSequence
 from .context import RunContext, TrainConfig
-from .engine import ContinualEngine, MethodResult, Phase, RunRecord, TaskTrainer, evaluate
+from .engine import ContinualEngine, MethodResult, Phase, RunRecord, TaskTrainer
+from .evaluation import evaluate
 from .generation import evaluate_generation, next_token_loss, prompt_query
 from .methods import CONTINUAL_METHODS, ContinualMethod, MethodOptions, get_continual_method, register_continual_method
 from .metrics import average_incremental_accuracy, backward_transfer, final_average_accuracy, forgetting, summarize

@@ -14,30 +14,25 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
-from ..data.tasks import Example, Task, TaskSequence
+from ..data.tasks import Task, TaskSequence
 from .context import (
     Collate,
     RunContext,
     TrainConfig,
-    class_mask,
     count_params,
-    length_order,
     masked_cross_entropy,
     model_logits,
-    split_batches,
-    to_device,
 )
+from .evaluation import check_heads, evaluate_heads
 from .generation import generation_scores, next_token_loss, require_causal_collate
 from .heads import ContinualHead, build_head
-from .heads.base import forward_with_features, learn_heads
+from .heads.base import learn_heads
 from .methods import CONTINUAL_METHODS, ContinualMethod
 from .metrics import summarize
 
@@ -47,9 +42,6 @@ __all__ = [
     "Phase",
     "RunRecord",
     "TaskTrainer",
-    "check_heads",
-    "evaluate",
-    "evaluate_heads",
     "trainable_parameters",
     "training_loss",
 ]
@@ -194,101 +186,6 @@ def training_loss(
     if not torch.isfinite(loss):
         raise FloatingPointError(f"non-finite training loss {loss.item()} at task {task_id}")
     return loss, logits
-
-
-def evaluate(
-    model: nn.Module,
-    examples: Sequence[Example],
-    allowed_classes: Sequence[int],
-    num_classes: int,
-    collate: Collate,
-    device: torch.device,
-    batch_size: int = 128,
-    progress: bool = False,
-    desc: str = "eval",
-) -> float:
-    """Accuracy of ``model`` on ``examples`` when it may only predict ``allowed_classes``."""
-    return evaluate_heads(
-        model, examples, allowed_classes, num_classes, collate, device, {"": None}, batch_size, progress, desc
-    )[""]
-
-
-@torch.no_grad()
-def evaluate_heads(
-    model: nn.Module,
-    examples: Sequence[Example],
-    allowed_classes: Sequence[int],
-    num_classes: int,
-    collate: Collate,
-    device: torch.device,
-    heads: dict[str, Optional[ContinualHead]],
-    batch_size: int = 128,
-    progress: bool = False,
-    desc: str = "eval",
-    hits: Optional[list[bool]] = None,
-) -> dict[str, float]:
-    """Accuracy of each head on ``examples`` when it may only predict ``allowed_classes``, from one forward per batch.
-
-    Args:
-        heads: By name; ``None`` or a head that does not read features scores with the model's own output.
-        hits: When given, filled with whether the first head of ``heads`` got each example right, in the order of
-            ``examples`` (what a paired comparison of two methods on the same examples needs).
-    """
-    if not examples:
-        raise ValueError("cannot evaluate on an empty test set")
-    was_training = model.training
-    model.eval()
-    mask = class_mask(num_classes, allowed_classes, device)
-    reads = any(head is not None and head.reads_features for head in heads.values())
-    correct = dict.fromkeys(heads, 0)
-    first = next(iter(heads))
-    order = length_order(examples)  # each example is scored on its own: batches of similar lengths pad less
-    right: list[bool] = []
-    chunks = split_batches([examples[i] for i in order], batch_size)
-    for batch in tqdm(chunks, desc=desc, disable=not progress, leave=False):
-        batch = to_device(collate(batch), device)
-        logits, features = forward_with_features(model, batch) if reads else (model_logits(model, batch), None)
-        for name, head in heads.items():
-            scores = head.scores(features) if head is not None and head.reads_features else logits
-            hit = scores.masked_fill(~mask, float("-inf")).argmax(-1) == batch["labels"]
-            correct[name] += hit.sum().item()
-            if name == first and hits is not None:
-                right += hit.tolist()
-    model.train(was_training)
-    if hits is not None:
-        hits[:] = [False] * len(examples)
-        for position, value in zip(order, right):
-            hits[position] = value
-    return {name: n / len(examples) for name, n in correct.items()}
-
-
-def check_heads(sequence: TaskSequence, method: ContinualMethod, heads: Optional[list[ContinualHead]] = None) -> None:
-    """Refuse heads that ``sequence`` cannot serve, before any work: a generation sequence takes none, and a head
-    that chooses on a validation split needs one.
-
-    Args:
-        sequence: The task sequence.
-        method: The method, whose ``head`` and ``compare_heads`` options are checked.
-        heads: The heads already built from them (default: built here).
-
-    Raises:
-        ValueError: One line naming the method, the head and the key that would fix it.
-    """
-    if heads is None:
-        specs = [method.head, *method.options.compare_heads]
-        heads = [build_head(spec, sequence.num_classes) for spec in specs]
-    if sequence.kind == "generation" and any(h.name != "linear" for h in heads):
-        raise ValueError(
-            f"a generation sequence ({sequence.name!r}) scores generated answers, not classes: method "
-            f"{method.label!r} takes no `head` or `compare_heads` there"
-        )
-    needs = method.needs_validation()
-    if needs and not any(task.validation for task in sequence.tasks):
-        raise ValueError(
-            f"method {method.label!r} (`{needs}`) chooses on a validation split, and {sequence.name!r} has none: set "
-            "`data.val_per_class` (shipped data sets) or `data.validation` / `data.validation_share` (your files), "
-            "or give the head a fixed value"
-        )
 
 
 class ContinualEngine:
