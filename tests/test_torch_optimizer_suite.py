@@ -356,13 +356,13 @@ def test_state_dict_and_load_state_dict_hooks(info, options):
 def test_forloop_goes_right_direction(info, options, with_scheduler):
     model, optimizer = _model_and_optimizer(info, options)
     scheduler = StepLR(optimizer, step_size=2, gamma=0.5) if with_scheduler else None
-    before = float(_batch(model, 0))
+    before = float(_batch(model, 0).detach())
     for _ in range(6):
         _backward(model, 0)
         optimizer.step()
         if scheduler is not None:
             scheduler.step()
-    assert float(_batch(model, 0)) < before
+    assert float(_batch(model, 0).detach()) < before
     if scheduler is not None:  # the scheduler's keys in the param groups survive a weights_only round trip
         blob = io.BytesIO()
         torch.save(optimizer.state_dict(), blob)
