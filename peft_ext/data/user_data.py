@@ -21,36 +21,22 @@ Every refusal names the file, the column or the row and what would be valid.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
 import random
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from .sources import Source, describe_source, quiet_progress, read_source, require_datasets
 from .tasks import PROTOCOLS, Example, Task, TaskSequence
 
-__all__ = [
-    "SPLITS",
-    "Tokenized",
-    "carved_split",
-    "describe_source",
-    "file_task_sequence",
-    "read_source",
-    "split_share",
-    "tokenize_sequence",
-]
+__all__ = ["SPLITS", "Tokenized", "carved_split", "file_task_sequence", "split_share", "tokenize_sequence"]
 
 #: The splits a sequence's tasks hold, training first.
 SPLITS = ("train", "test", "validation")
-
-#: File suffixes and the ``datasets`` builder that reads them.
-BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
-
-Source = Union[str, Path, Sequence[Union[str, Path]], Any]
 
 
 @dataclass(frozen=True)
@@ -64,111 +50,6 @@ class Tokenized:
 
     text: str
     input_ids: tuple[int, ...]
-
-
-def _require_datasets() -> Any:
-    try:
-        import datasets
-    except ImportError as err:
-        raise ImportError(
-            "reading your own data needs Hugging Face `datasets`: `pip install 'peft-ext[data]'` (or "
-            "`pip install datasets`)"
-        ) from err
-    return datasets
-
-
-@contextlib.contextmanager
-def _quiet(datasets: Any, quiet: bool = True) -> Iterator[None]:
-    """``datasets``' progress bars off inside (its per-file "Generating split" bars for a few-second read)."""
-    shown = datasets.is_progress_bar_enabled()
-    if quiet and shown:
-        datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if quiet and shown:
-            datasets.enable_progress_bars()
-
-
-def describe_source(source: Any) -> str:
-    if isinstance(source, (list, tuple)):
-        return ", ".join(map(str, source))
-    return str(source) if isinstance(source, (str, Path)) else type(source).__name__
-
-
-def read_source(source: Source, split: str = "train") -> Any:
-    """A ``datasets.Dataset`` from a file, a list of files of one format, a ``save_to_disk`` folder, a hub id, or a
-    ``Dataset`` / ``DatasetDict`` (its ``split``).
-
-    Raises:
-        FileNotFoundError: A path that does not exist (named).
-        ValueError: An unknown file format, a file that is not UTF-8, or a missing split (named, with the valid ones).
-    """
-    datasets = _require_datasets()
-    if isinstance(source, datasets.DatasetDict):
-        if split not in source:
-            raise ValueError(f"the DatasetDict has no split {split!r}; its splits: {sorted(source)}")
-        return source[split]
-    if isinstance(source, datasets.Dataset):
-        return source
-    files = [Path(p) for p in source] if isinstance(source, (list, tuple)) else [Path(source)]
-    local = [p.expanduser() for p in files]
-    if len(local) == 1 and local[0].is_dir():
-        with _quiet(datasets):
-            loaded = datasets.load_from_disk(str(local[0]))
-        return read_source(loaded, split)
-    looks_like_file = local[0].suffix.lower() in BUILDERS or str(source).startswith((".", "/", "~"))
-    if len(files) == 1 and not local[0].exists() and "/" in str(source) and not looks_like_file:
-        try:
-            with _quiet(datasets):
-                return datasets.load_dataset(str(source), split=split)  # a hub id (network, or the local cache)
-        except Exception as err:  # noqa: BLE001 - offline, unknown id, missing split: one line naming the source
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-            raise ValueError(
-                f"{str(source)!r} is not a local file or folder, and as a hub data set it cannot be loaded: {first}"
-            ) from None
-    missing = [str(p) for p in local if not p.is_file()]
-    if missing:
-        raise FileNotFoundError(f"data file {missing[0]!r} does not exist")
-    suffixes = {p.suffix.lower() for p in local}
-    builders = {BUILDERS.get(s) for s in suffixes}
-    if None in builders or len(builders) != 1:
-        raise ValueError(
-            f"cannot read {describe_source(source)}: files must share one of the formats {sorted(BUILDERS)} "
-            f"(got suffixes {sorted(suffixes)})"
-        )
-    for p in local:
-        _check_text(p)
-    (builder,) = builders
-    options = {"delimiter": "\t"} if suffixes == {".tsv"} else {}
-    try:
-        with _quiet(datasets):
-            return datasets.load_dataset(builder, data_files=[str(p) for p in local], split="train", **options)
-    except Exception as err:  # noqa: BLE001 - the reader's failure, named with the file
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ValueError(f"cannot read {describe_source(source)} as {builder}: {first}") from None
-
-
-def _check_text(path: Path) -> None:
-    """One pass over a text data file: every line UTF-8, and at least one row (a CSV / TSV: a header and a row),
-    each failure named with the file and the fix (the reader's own errors say neither)."""
-    if path.suffix.lower() == ".parquet":
-        return
-    filled = 0
-    with path.open("rb") as fh:
-        for number, line in enumerate(fh, start=1):
-            try:
-                line.decode("utf-8")
-            except UnicodeDecodeError as err:
-                bad = line[err.start : err.start + 4]
-                raise ValueError(
-                    f"data file {str(path)!r} is not UTF-8 (line {number}, byte {err.start}: {bad!r}); re-save it "
-                    "as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)"
-                ) from None
-            filled += bool(line.strip())
-    if not filled or (path.suffix.lower() in (".csv", ".tsv") and filled < 2):
-        what = "is empty" if not filled else "has a header and no rows"
-        raise ValueError(f"data file {str(path)!r} {what}: it needs one example per row (a text and a label column)")
 
 
 def _columns(table: Any, where: str, text_columns: Sequence[str], label_column: str, task_column: Optional[str]):
@@ -452,7 +333,7 @@ def tokenize_sequence(sequence: TaskSequence, tokenizer: Any, max_length: int, p
     ``meta`` records how many examples were truncated to ``max_length``. The result is cached on disk (in
     ``datasets``' cache folder) under a hash of the texts, the tokenizer's vocabulary and ``max_length``, so a later
     run of the same data and model reads it back instead of tokenizing again."""
-    datasets = _require_datasets()
+    datasets = require_datasets()
     texts = sorted({ex.inputs for task in sequence.tasks for ex in task.train + task.test + task.validation})
     table = datasets.Dataset.from_dict({"text": texts})
 
@@ -471,7 +352,7 @@ def tokenize_sequence(sequence: TaskSequence, tokenizer: Any, max_length: int, p
     digest.update(repr((type(tokenizer).__name__, max_length)).encode())
     cache = Path(datasets.config.HF_DATASETS_CACHE) / "peft_ext_tokenized" / f"{digest.hexdigest()[:32]}.arrow"
     cache.parent.mkdir(parents=True, exist_ok=True)
-    with _quiet(datasets, not progress):
+    with quiet_progress(datasets, not progress):
         encoded = table.map(encode, batched=True, desc="tokenizing", cache_file_name=str(cache))
     columns = encoded.to_dict()
     ids = {text: tuple(v) for text, v in zip(texts, columns["input_ids"])}

@@ -22,8 +22,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Optional
 
+from .sources import Source, describe_source, read_source
 from .tasks import Example, Instruction, Task, TaskSequence
-from .user_data import SPLITS, Source, carved_split, describe_source, read_source, split_share
+from .user_data import SPLITS, carved_split, split_share
 
 __all__ = ["instruction_sequence_from_files", "instruction_rows"]
 

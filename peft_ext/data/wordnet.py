@@ -151,14 +151,13 @@ def wordnet_task_sequence(
     path: str | os.PathLike[str] | None = None,
     val_per_class: int = 0,
 ) -> TaskSequence:
-    """A continual-learning sequence of WordNet supersense-classification tasks with disjoint classes.
+    """A continual-learning sequence of WordNet supersense-classification tasks with disjoint classes, built as every
+    shipped data set's is (:meth:`~peft_ext.data.shipped.ShippedDataset.task_sequence` documents how: eligible
+    classes, seeded picks and caps, the validation carve). ``Example.inputs`` is :attr:`GlossExample.text`.
 
-    A class is eligible when it has at least ``train_per_class + val_per_class`` train and ``test_per_class`` test
-    synsets; at the
-    default caps (100/40) that is 41 of the 45 supersenses (``adj.ppl``, ``noun.Tops``, ``noun.motive`` and
-    ``verb.weather`` are too small). ``random.Random(seed).sample`` over the sorted eligible names picks and orders
-    the classes, which are dealt to tasks ``classes_per_task`` at a time. Both default-cap layouts below sample 20
-    classes, so they see the same 20 in the same order. At the default caps, seed 0 picks
+    At the default caps (100/40) 41 of the 45 supersenses are eligible (``adj.ppl``, ``noun.Tops``, ``noun.motive``
+    and ``verb.weather`` are too small). Both default-cap layouts below sample 20 classes, so they see the same 20 in
+    the same order; seed 0 picks
 
     * 5x4: ``t0`` noun.state, noun.time, adv.all, noun.person; ``t1`` verb.consumption, verb.competition,
       noun.substance, noun.possession; ``t2`` verb.communication, noun.relation, noun.plant, verb.change; ``t3``
@@ -169,27 +168,11 @@ def wordnet_task_sequence(
       verb.change; ``t6`` noun.attribute, verb.perception; ``t7`` noun.animal, noun.communication; ``t8``
       verb.social, noun.act; ``t9`` verb.contact, noun.cognition.
 
-    Each class contributes exactly ``train_per_class`` train and ``test_per_class`` test examples, chosen as in
-    :func:`load_wordnet_glosses` with the same ``seed``. ``Example.inputs`` is :attr:`GlossExample.text` (the
-    definition) and labels are global ids into ``class_names`` (the chosen supersenses in task order). Train examples
-    are shuffled with a seeded RNG (so classes are interleaved); test examples stay in synset-id order.
-
-    The validation split (``val_per_class`` > 0) is carved from the train-split synsets that the training data does
-    not use: per class, the ``val_per_class`` synsets ranked right after the ``train_per_class`` training ones (the
-    same seeded SHA-1 ranking), in synset-id order, less any whose gloss text is also a train or test example's (a
-    few synsets share a definition). It is disjoint from train and test, reproducible from the seed,
-    and asking for it changes neither the training nor the test examples (only, when a class is too small for both,
-    which classes are eligible).
-
     Args:
-        n_tasks: Number of tasks.
-        classes_per_task: New classes per task.
         supersenses: Use exactly these classes in this order (``n_tasks * classes_per_task`` names, all eligible)
             instead of a seeded pick.
-        train_per_class: Train examples per class.
-        test_per_class: Test examples per class.
-        seed, protocol, path, val_per_class: As :meth:`~peft_ext.data.shipped.ShippedDataset.task_sequence` takes
-            them.
+        n_tasks, classes_per_task, seed, train_per_class, test_per_class, protocol, path, val_per_class: As
+            :meth:`~peft_ext.data.shipped.ShippedDataset.task_sequence` takes them.
     """
     return WORDNET.task_sequence(
         n_tasks, classes_per_task, seed, train_per_class, test_per_class, protocol, supersenses, path, val_per_class
