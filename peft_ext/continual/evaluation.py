@@ -4,7 +4,7 @@ serve a method's heads."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -19,21 +19,10 @@ from .methods import ContinualMethod
 __all__ = ["check_heads", "evaluate", "evaluate_heads"]
 
 
-def evaluate(
-    model: nn.Module,
-    examples: Sequence[Example],
-    allowed_classes: Sequence[int],
-    num_classes: int,
-    collate: Collate,
-    device: torch.device,
-    batch_size: int = 128,
-    progress: bool = False,
-    desc: str = "eval",
-) -> float:
-    """Accuracy of ``model`` on ``examples`` when it may only predict ``allowed_classes``."""
-    return evaluate_heads(
-        model, examples, allowed_classes, num_classes, collate, device, {"": None}, batch_size, progress, desc
-    )[""]
+def evaluate(model: nn.Module, examples: Sequence[Example], *args: Any, **options: Any) -> float:
+    """Accuracy of ``model`` on ``examples`` when it may only predict ``allowed_classes``: :func:`evaluate_heads`
+    (same arguments, ``heads`` aside) scoring with the model's own output."""
+    return evaluate_heads(model, examples, *args, heads={"": None}, **options)[""]
 
 
 @torch.no_grad()
