@@ -22,7 +22,10 @@ def _name(value: str) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m peft_ext.data", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m peft_ext.data",
+        description=f"List, rebuild, count or export the data sets that ship with peft-ext: {', '.join(SHIPPED)}.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="the shipped data sets: name, file, source, license")
     names = f"a shipped data set: {', '.join(SHIPPED)}"
