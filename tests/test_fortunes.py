@@ -28,7 +28,7 @@ from peft_ext.data.fortunes import (
     split_of,
 )
 from peft_ext.data.fortunes_build import MAX_CHARS, clean_entry, parse_fortune_file
-from peft_ext.data.shipped import hash_split
+from peft_ext.data.provenance import hash_split
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "fortunes.yaml"

@@ -25,13 +25,12 @@ from peft_ext.manifolds import (
     proju_dense,
     retr,
     retr_dense,
-    riemannian_parameters,
     tangent_to_dense,
     to_dense,
     transp,
 )
 from peft_ext.optim import create_riemannion_optimizer
-from peft_ext.tuners.riemannion import find_adapters
+from peft_ext.tuners.riemannion import find_adapters, geoopt_params, riemannian_parameters
 
 from .single_thread import single_thread  # noqa: F401  (fixture)
 from .test_fixed_rank import F64, M, N, R, _gen, _point, _tangent
@@ -45,7 +44,8 @@ def test_the_package_exports_the_geoopt_names_on_first_use():
     assert manifolds.FactoredFixedRank is geoopt_manifold.FactoredFixedRank
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         manifolds.nope  # noqa: B018
-    # only geoopt_manifold imports geoopt, and no module imports geoopt_manifold: `import peft_ext` stays without it
+    # only geoopt_manifold and the Riemannion tuner's geoopt_params import geoopt, and only geoopt_params imports
+    # geoopt_manifold: `import peft_ext` stays without it
     importers = set()
     for path in Path(peft_ext.__file__).parent.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -54,7 +54,8 @@ def test_the_package_exports_the_geoopt_names_on_first_use():
             names = [alias.name for alias in node.names] + [getattr(node, "module", None) or ""]
             if any(name.split(".")[0] == "geoopt" or "geoopt_manifold" in name for name in names):
                 importers.add(path.name)
-    assert importers == {"geoopt_manifold.py"}, importers
+    assert importers == {"geoopt_manifold.py", "geoopt_params.py"}, importers
+    assert riemannian_parameters is geoopt_params.riemannian_parameters
 
 
 # -- the fixed-rank geometry against geoopt's Stiefel manifold -------------------------------------------------------

@@ -12,11 +12,9 @@
 - ``peft_ext_model.json``: what rebuilds the model: the backbone, the number and names of the classes, the head and
   the files above.
 
-:func:`load_trained` reads such a folder back and classifies new texts::
+:func:`load_trained` (``peft_ext.load_trained``) reads such a folder back and classifies new texts::
 
-    from peft_ext import load_trained
-
-    model = load_trained("runs/quickstart/adapters/splitlora")
+    model = peft_ext.load_trained("runs/quickstart/adapters/splitlora")
     print(model.predict(["a small domesticated carnivore", "move fast on foot"]))
 
 ``peft-ext predict CONFIG_OR_FOLDER FILE`` does the same from the command line.

@@ -14,7 +14,8 @@ import subprocess
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from .registry import DebianSource, shipped_dataset
+from .provenance import DebianSource
+from .registry import shipped_dataset
 from .shipped import resolve
 
 __all__ = ["build_shipped", "export_csv", "installed_version", "source_folder", "write_xz"]

@@ -10,9 +10,9 @@ then rebuilds it, and the job, the config check and the benchmarks find it by na
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
 
-from .shipped import ShippedDataset, hash_split
+from .provenance import DebianSource, HashSplit, License
+from .shipped import ShippedDataset
 
 __all__ = [
     "DATASETS",
@@ -20,66 +20,9 @@ __all__ = [
     "SHIPPED",
     "USER_DATASETS",
     "WORDNET",
-    "DebianSource",
-    "HashSplit",
-    "License",
     "check_dataset",
     "shipped_dataset",
 ]
-
-
-@dataclass(frozen=True)
-class HashSplit:
-    """The train/test rule of a shipped data set: ``"test"`` for about ``test_percent`` percent of records, by the
-    SHA-1 of their ``column`` (:func:`hash_split`), so a record's split never depends on caps, seeds or classes.
-
-    Args:
-        column: The column whose value decides.
-        test_percent: The share of the test split, in percent.
-    """
-
-    column: str
-    test_percent: int
-
-    def of(self, key: str) -> str:
-        """The split of the record whose ``column`` is ``key``: ``"train"`` or ``"test"``."""
-        return hash_split(key, self.test_percent)
-
-
-@dataclass(frozen=True)
-class License:
-    """The license a shipped file is redistributed under.
-
-    Args:
-        name: Its name (``"WordNet 3.0 license"``).
-        file: Its full text, a file next to the data (``peft_ext/data/files/WORDNET_LICENSE``); the licenses ask
-            for the notice to travel with every copy.
-    """
-
-    name: str
-    file: str
-
-    def __str__(self) -> str:
-        return f"{self.name} (peft_ext/data/files/{self.file})"
-
-
-@dataclass(frozen=True)
-class DebianSource:
-    """Where a shipped file is rebuilt from: data files of a Debian package.
-
-    Args:
-        package: The Debian / Ubuntu package that installs them (``apt-get install PACKAGE``).
-        version: The package version the committed file was built from (a rebuild from another one may differ).
-        folder: Where the package installs them.
-        files: The names of the files the build reads there.
-        upstream: What they are upstream, with its home page.
-    """
-
-    package: str
-    version: str
-    folder: str
-    files: tuple[str, ...]
-    upstream: str
 
 
 WORDNET = ShippedDataset(

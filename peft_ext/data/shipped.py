@@ -2,7 +2,7 @@
 set does the same way; the declarations themselves are in :mod:`.registry`.
 
 Each is one committed, xz-compressed TSV of labelled texts. The train/test split of a record is a fixed function of
-its key (:class:`~.registry.HashSplit`: a SHA-1 hash), seeded caps keep the records with the smallest SHA-1 of
+its key (:class:`~.provenance.HashSplit`: a SHA-1 hash), seeded caps keep the records with the smallest SHA-1 of
 ``f"{seed}:{key}"`` per class, a seeded ``random.Random(seed).sample`` picks and orders the classes of a task
 sequence, and the validation split is carved from the train-split records the capped training data leaves out. Only
 two things are code per data set, named in its declaration by ``"module:function"``: how a row of the file becomes a
@@ -24,10 +24,11 @@ from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from .provenance import hash_split
 from .tasks import PROTOCOLS, Example, Task, TaskSequence
 
 if TYPE_CHECKING:
-    from .registry import DebianSource, HashSplit, License
+    from .provenance import DebianSource, HashSplit, License
 
 __all__ = [
     "ShippedDataset",
@@ -57,19 +58,6 @@ def tsv_rows(path: str, columns: tuple[str, ...]) -> Iterator[tuple[int, list[st
             if len(fields) != len(columns):
                 raise ValueError(f"{path}:{lineno} has {len(fields)} fields, expected {len(columns)}")
             yield lineno, fields
-
-
-def hash_split(key: str, test_percent: int) -> str:
-    """``"test"`` for about ``test_percent`` percent of keys, else ``"train"``: a fixed function of the key.
-
-    SHA-1 of the key rather than Python's ``hash()``, which is salted per process for strings.
-
-    Args:
-        key: The record's key (a WordNet synset id, a fortune's text).
-        test_percent: Share of keys in the test split, in percent.
-    """
-    digest = hashlib.sha1(key.encode()).digest()
-    return "test" if int.from_bytes(digest[:8], "big") % 100 < test_percent else "train"
 
 
 def seeded_rank(seed: int, key: str) -> bytes:

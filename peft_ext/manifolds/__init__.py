@@ -15,7 +15,7 @@ from . import fixed_rank, fixed_rank_dense
 from .fixed_rank import *  # noqa: F403  (the names of fixed_rank.__all__)
 from .fixed_rank_dense import *  # noqa: F403  (the names of fixed_rank_dense.__all__)
 
-_GEOOPT_NAMES = ("STIEFEL", "FactoredFixedRank", "riemannian_parameters")  # geoopt_manifold.__all__, tested equal
+_GEOOPT_NAMES = ("STIEFEL", "FactoredFixedRank")  # geoopt_manifold.__all__, tested equal
 
 __all__ = [*fixed_rank.__all__, *fixed_rank_dense.__all__, *_GEOOPT_NAMES]
 

@@ -11,34 +11,32 @@ factors are stored:
   :mod:`.fixed_rank`, so ``geoopt.optim.RiemannianSGD`` on such a parameter takes the steps of
   :class:`peft_ext.optim.RiemannLoRA` without momentum (tested). For a module of your own that stores its low-rank
   matrix as one tensor.
-- :func:`riemannian_parameters`: a Riemannion adapter keeps ``A`` and ``B`` as two parameters, and the fixed-rank
-  step couples them (``A``'s direction needs ``B_R``; the retraction refactors both), which geoopt's one-parameter-
-  at-a-time step cannot express. So the adapter is trained on the product St(m, r) x R^{n x r} of its factors:
-  ``riemannion_A`` on ``geoopt.EuclideanStiefel`` (its orthonormal columns kept by geoopt's QR retraction),
-  ``riemannion_B`` Euclidean. This is a different geometry from the Riemannion optimizer's: a move of ``A`` changes
-  ``X`` by ``dA B^T``, so the steps depend on how ``X`` is split between ``A`` and ``B`` (their scales), which
-  :class:`peft_ext.optim.Riemannion` avoids by stepping ``X`` itself.
+- ``riemannian_parameters`` (:mod:`peft_ext.tuners.riemannion`): a Riemannion adapter keeps ``A`` and ``B`` as two
+  parameters, and the fixed-rank step couples them (``A``'s direction needs ``B_R``; the retraction refactors both),
+  which geoopt's one-parameter-at-a-time step cannot express. So the adapter is trained on the product St(m, r) x
+  R^{n x r} of its factors: ``riemannion_A`` on ``geoopt.EuclideanStiefel`` (its orthonormal columns kept by geoopt's
+  QR retraction), ``riemannion_B`` Euclidean. This is a different geometry from the Riemannion optimizer's: a move of
+  ``A`` changes ``X`` by ``dA B^T``, so the steps depend on how ``X`` is split between ``A`` and ``B`` (their
+  scales), which :class:`peft_ext.optim.Riemannion` avoids by stepping ``X`` itself.
 """
 
 from __future__ import annotations
 
 import geoopt
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from ..distributed import is_dtensor
-from ..precision import is_half
-from ..tuners.riemannion.layer import AdapterRef, find_adapters
 from .fixed_rank import FixedRankPoint, TangentVector, inner, proju, reorthonormalize, retr, tangent_factors, transp
 
-__all__ = ["STIEFEL", "FactoredFixedRank", "riemannian_parameters"]
+__all__ = ["STIEFEL", "FactoredFixedRank"]
 
-#: The manifold :func:`riemannian_parameters` puts every ``riemannion_A`` on: the Euclidean metric, as the
-#: fixed-rank geometry's inner product of ``A_dot`` (:func:`~.fixed_rank.inner`).
+#: The manifold ``peft_ext.tuners.riemannion.riemannian_parameters`` puts every ``riemannion_A`` on: the Euclidean
+#: metric, as the fixed-rank geometry's inner product of ``A_dot`` (:func:`~.fixed_rank.inner`).
 STIEFEL = geoopt.EuclideanStiefel()
 
 # |A^T A - I| allowed for an adapter handed to geoopt, the Riemannion optimizer's bound for float32 / float64
-_ORTHONORMAL_TOL = 1e-4
+#: How far ``A^T A`` may be from the identity for ``A`` to count as a point of the Stiefel manifold.
+ORTHONORMAL_TOL = 1e-4
 
 
 class FactoredFixedRank(geoopt.Manifold):
@@ -190,69 +188,3 @@ class FactoredFixedRank(geoopt.Manifold):
         self._assert_check_shape((self.m + n, r), "x")
         A = torch.linalg.qr(torch.randn(self.m, r, dtype=dtype, device=device)).Q
         return geoopt.ManifoldTensor(self.pack_point(A, torch.randn(n, r, dtype=dtype, device=device)), manifold=self)
-
-
-def riemannian_parameters(model: nn.Module, adapter_name: str | None = None) -> list[nn.Parameter]:
-    """The trainable parameters of ``model`` ready for geoopt's optimizers, Riemannion adapters on their manifolds.
-
-    Each Riemannion adapter's ``riemannion_A`` is replaced in its layer by a ``geoopt.ManifoldParameter`` on
-    :data:`STIEFEL` sharing its storage, so ``geoopt.optim.RiemannianAdam`` / ``RiemannianSGD`` keep its columns
-    orthonormal; ``riemannion_B`` and every other trainable parameter (heads, ``modules_to_save``) are Euclidean.
-    The adapters' zero probes ``riemannion_Z`` are left out: they serve the Riemannion optimizer and must stay zero.
-    Call it before building the optimizer (a replaced ``A`` is a new parameter object); calling it again returns the
-    same parameters. See the module docstring for how this geometry differs from :class:`peft_ext.optim.Riemannion`'s.
-
-    Args:
-        model: A model with Riemannion adapters (e.g. from ``get_peft_model``).
-        adapter_name: Only this Riemannion adapter (default: every trainable one); the other adapters' parameters
-            are left out, other trainable parameters are included.
-
-    Raises:
-        ValueError: If the model has no trainable Riemannion adapter (named ``adapter_name``), or an adapter's ``A``
-            is not orthonormal.
-        TypeError: If an adapter's factors are bfloat16 / float16 (geoopt's QR retraction runs in the factor's dtype)
-            or sharded DTensors.
-    """
-    every = find_adapters(model)
-    refs = [ref for ref in every if adapter_name is None or ref.adapter_name == adapter_name]
-    trainable = [ref for ref in refs if ref.A.requires_grad]
-    if not trainable:
-        names = sorted({ref.adapter_name for ref in every})
-        if not every:
-            found = "has no Riemannion adapter; add one with get_peft_model(model, RiemannionConfig(...))"
-        elif not refs:
-            found = f"has no Riemannion adapter named {adapter_name!r}; valid names: {names}"
-        else:
-            found = f"has no trainable Riemannion adapter{'' if adapter_name is None else f' named {adapter_name!r}'}"
-            found += f" (adapters {names}); activate one with model.set_adapter(name)"
-        raise ValueError(f"riemannian_parameters: {type(model).__name__} {found}")
-    chosen = set()
-    for ref in trainable:
-        _check_adapter(ref)
-        if not isinstance(getattr(ref.A, "manifold", None), geoopt.EuclideanStiefel):
-            ref.layer.riemannion_A[ref.adapter_name] = geoopt.ManifoldParameter(ref.A.detach(), manifold=STIEFEL)
-        chosen |= {id(ref.A), id(ref.B)}
-    left_out = {id(p) for ref in every for p in (ref.A, ref.B, ref.Z)} - chosen
-    return [p for p in model.parameters() if p.requires_grad and id(p) not in left_out]
-
-
-@torch.no_grad()
-def _check_adapter(ref: AdapterRef) -> None:
-    A = ref.A
-    if is_half(A.dtype) or is_half(ref.B.dtype):
-        raise TypeError(
-            f"riemannian_parameters: {ref} has {A.dtype} factors; geoopt's Stiefel retraction (QR) needs float32 or "
-            "float64 (PEFT keeps adapters in float32 unless autocast_adapter_dtype=False)"
-        )
-    if is_dtensor(A) or is_dtensor(ref.B):
-        raise TypeError(
-            f"riemannian_parameters: {ref} is sharded (DTensor); geoopt's QR retraction needs whole factors: use "
-            "peft_ext.optim.Riemannion for FSDP2 (docs/distributed.md)"
-        )
-    err = (A.double().mT @ A.double() - torch.eye(A.shape[-1], dtype=torch.float64, device=A.device)).abs().max()
-    if err > _ORTHONORMAL_TOL:
-        raise ValueError(
-            f"riemannian_parameters: {ref}: riemannion_A is not orthonormal (max |A^T A - I| = {err.item():.1e} > "
-            f"{_ORTHONORMAL_TOL}), so it is not a point of the Stiefel manifold; it was changed outside a manifold "
-            "optimizer (RiemannionLayer.reorthonormalize(adapter_name) refactors it, keeping A B^T)"
-        )

@@ -15,6 +15,9 @@ Example::
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 from ...registry import register_peft_type
 from .config import RiemannionConfig
 from .layer import AdapterRef, Linear, RiemannionLayer, find_adapters
@@ -32,6 +35,15 @@ __all__ = [
     "backprop_rsvd",
     "find_adapters",
     "initialize_loi",
+    "riemannian_parameters",
 ]
 
 RIEMANNION = register_peft_type("riemannion", config_cls=RiemannionConfig, model_cls=RiemannionModel)
+
+
+def __getattr__(name: str) -> Any:
+    # geoopt is imported on first use of riemannian_parameters: its import (about half a second) is not needed by
+    # the layer, the tuner or the Riemannion optimizer
+    if name == "riemannian_parameters":
+        return importlib.import_module(".geoopt_params", __name__).riemannian_parameters
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
