@@ -9,11 +9,9 @@ config and model classes to ``register_peft_method``. Once registered, ``get_pef
 The member exists only in processes that ran the registration: a process that unpickles a config or loads an
 adapter (e.g. a spawned DataLoader worker) must import the module that registers the type first.
 
-Example::
+Example (``peft_ext.register_peft_type`` is :func:`register_peft_type`)::
 
-    from peft_ext import register_peft_type
-
-    TOYSCALE = register_peft_type("toyscale", config_cls=ToyScaleConfig, model_cls=ToyScaleModel)
+    TOYSCALE = peft_ext.register_peft_type("toyscale", config_cls=ToyScaleConfig, model_cls=ToyScaleModel)
 """
 
 from __future__ import annotations

@@ -210,9 +210,7 @@ def load_trained(directory: Union[str, Path]) -> TrainedClassifier:
         head.load_state_dict(torch.load(directory / HEAD_FILE, weights_only=True))
         model = head.attach(model)  # a head that replaces the classifier module (cosine) does so before the adapter
     if meta.get("adapter"):
-        from peft import PeftModel
-
-        import peft_ext  # noqa: F401  (registers the adapter types)
+        from peft import PeftModel  # peft_ext's adapter types are registered: importing this package did it
 
         model = PeftModel.from_pretrained(model, str(directory))
     if meta.get("weights"):
