@@ -97,7 +97,7 @@ def check_heads(sequence: TaskSequence, method: ContinualMethod, heads: Optional
     needs = method.needs_validation()
     if needs and not any(task.validation for task in sequence.tasks):
         raise ValueError(
-            f"method {method.label!r} (`{needs}`) chooses on a validation split, and {sequence.name!r} has none: set "
+            f"method {method.label!r} chooses on a validation split ({needs}), and {sequence.name!r} has none: set "
             "`data.val_per_class` (shipped data sets) or `data.validation` / `data.validation_share` (your files), "
             "or give the head a fixed value"
         )

@@ -275,12 +275,12 @@ class ContinualMethod:
         return self.options.head if self.options.head is not None else self.default_head
 
     def needs_validation(self) -> str | None:
-        """The option that makes this method choose on a validation split (one of its heads'), or ``None``."""
+        """What makes this method choose on a validation split (one of its heads and the option), or ``None``."""
         for spec in (self.head, *self.options.compare_heads):
             name, options = head_options(spec)
             needs = HEADS[name](options).needs_validation()
             if needs:
-                return needs
+                return f"its {name!r} head's `{needs}`"
         return None
 
     def trains_task(self, task_id: int) -> bool:
