@@ -86,16 +86,17 @@ ADAPTER_CONFIGS: dict[str, Callable[[], PeftConfig]] = {
 class ContractMLP(nn.Module):
     """Two hidden linears and a head, ``forward(x)`` like any model PEFT wraps: the tuner-contract test model.
 
-    Hidden widths are 64: bitsandbytes' CPU 4-bit inference kernel (used on AVX512-BF16 machines) repacks the weight
-    in blocks of 32 output rows and 64 input columns and refuses other shapes.
+    ``widths``: input, the two hidden widths, output. The contract's are 64: bitsandbytes' CPU 4-bit inference kernel
+    (used on AVX512-BF16 machines) repacks the weight in blocks of 32 output rows and 64 input columns and refuses
+    other shapes.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, widths: tuple[int, int, int, int] = (64, 64, 64, 5)) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.lin0 = nn.Linear(64, 64)
-        self.lin1 = nn.Linear(64, 64)
-        self.head = nn.Linear(64, 5)
+        self.lin0 = nn.Linear(widths[0], widths[1])
+        self.lin1 = nn.Linear(widths[1], widths[2])
+        self.head = nn.Linear(widths[2], widths[3])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.lin1(torch.tanh(self.lin0(x)))))

@@ -32,6 +32,7 @@ from peft_ext.manifolds import (
 from peft_ext.optim import create_riemannion_optimizer
 from peft_ext.tuners.riemannion import find_adapters, geoopt_params, riemannian_parameters
 
+from .helpers import ContractMLP
 from .single_thread import single_thread  # noqa: F401  (fixture)
 from .test_fixed_rank import F64, M, N, R, _gen, _point, _tangent
 
@@ -225,16 +226,8 @@ def test_factored_fixed_rank_errors_say_what_is_valid():
 # -- riemannian_parameters: geoopt's optimizers on a Riemannion adapter ----------------------------------------------
 
 
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin0 = nn.Linear(10, 24)
-        self.lin1 = nn.Linear(24, 16)
-        self.head = nn.Linear(16, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.lin1(torch.tanh(self.lin0(x)))))
+def MLP() -> nn.Module:  # noqa: N802  (stands for the class it builds)
+    return ContractMLP((10, 24, 16, 3))
 
 
 def _model(**config) -> nn.Module:
