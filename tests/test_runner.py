@@ -261,3 +261,29 @@ def test_run_context_batches_and_task_loss(seq):
     assert not torch.allclose(
         ctx.task_loss(model, batch, 1), torch.nn.functional.cross_entropy(logits, batch["labels"])
     )
+
+
+def test_engine_state_round_trips_and_reads_a_snapshot_of_the_flat_layout(seq):
+    """``ContinualEngine.state_dict`` keeps the method's state (generators encoded) and the feature heads' apart; a
+    snapshot written when both lived in one mapping (the heads under ``"heads"``) still loads into both."""
+    from peft_ext.continual.runner import LoopTrainer
+
+    method = get_continual_method("ncm")(compare_heads=["lda"])
+    engine = ContinualEngine(seq, method, stack_collate, FAST)
+    model = engine.build(tiny_classifier(seq.num_classes))
+    engine.run(model, LoopTrainer(engine), RunRecord.empty(len(seq)))  # the heads learn every task
+    method.state["generator"] = torch.Generator().manual_seed(3)
+    saved = engine.state_dict()
+    assert set(saved) == {"method", "heads"} and set(saved["heads"]) == {"head", "lda"}
+    assert not isinstance(saved["method"]["generator"], torch.Generator)
+    for state in (saved, {**saved["method"], "heads": saved["heads"]}):  # today's layout, then the flat one
+        fresh = ContinualEngine(seq, get_continual_method("ncm")(compare_heads=["lda"]), stack_collate, FAST)
+        assert fresh.method.state == {}  # a new run starts empty
+        fresh.load_state_dict(state)
+        assert torch.equal(fresh.method.state["generator"].get_state(), method.state["generator"].get_state())
+        for key, head_state in saved["heads"].items():
+            got = fresh.state_dict()["heads"][key]
+            assert got.keys() == head_state.keys()
+            for name, value in head_state.items():
+                if isinstance(value, torch.Tensor):
+                    assert torch.equal(got[name], value), (key, name)

@@ -24,12 +24,9 @@ from torch import nn
 
 from ..fileperm import atomic_write
 from .engine import RunRecord
-from .state_codec import decode_state, encode_state
 
 __all__ = [
     "TaskProgress",
-    "decode_state",
-    "encode_state",
     "load_model_state",
     "random_state",
     "save_atomic",
@@ -134,24 +131,25 @@ class TaskProgress:
 
     def restore(self, model: nn.Module, record: RunRecord) -> Optional[dict[str, Any]]:
         """Load the snapshot of ``record``'s last finished task into a freshly built ``model``, restore the random
-        generators, and return the run's saved state (:meth:`ContinualEngine.state_dict`); ``None`` (nothing
-        loaded) for an empty record."""
+        generators, and return the run's saved state (:meth:`ContinualEngine.state_dict`, for
+        :meth:`ContinualEngine.load_state_dict`); ``None`` (nothing loaded) for an empty record."""
         if not record.completed:
             return None
         snapshot = torch.load(self._snapshot(record.completed), weights_only=True)
         load_model_state(model, snapshot["model"])
         set_random_state(snapshot["random"])
-        return decode_state(snapshot["method_state"])
+        return snapshot["method_state"]
 
     def save(self, model: nn.Module | dict[str, torch.Tensor], run_state: dict[str, Any], record: RunRecord) -> None:
         """Write the snapshot after ``record``'s last finished task, then the record; drop the older snapshot.
 
         ``model`` is the model, or its state dict with whole tensors (an FSDP2 model's, gathered from the shards by
-        :func:`~peft_ext.continual.sharding.whole_state_dict`)."""
+        :func:`~peft_ext.continual.sharding.whole_state_dict`); ``run_state`` is :meth:`ContinualEngine.state_dict`,
+        already data ``torch.load(weights_only=True)`` reads (the method encodes its generators)."""
         state = model if isinstance(model, dict) else model.state_dict()
         snapshot = {
             "model": {k: v.detach().cpu() for k, v in state.items()},
-            "method_state": encode_state(run_state),
+            "method_state": run_state,
             "random": random_state(),
         }
         save_atomic(snapshot, self._snapshot(record.completed))

@@ -55,7 +55,7 @@ from ..continual.engine import (
     training_loss,
 )
 from ..continual.methods import ContinualMethod
-from ..continual.progress import decode_state, encode_state, load_model_state, save_atomic, write_json_atomic
+from ..continual.progress import load_model_state, save_atomic, write_json_atomic
 from ..data.tasks import TaskSequence
 
 if TYPE_CHECKING:
@@ -216,7 +216,7 @@ class _TrainerPhases(TaskTrainer):
         accuracies = {f"continual/acc_{phase.row}_{j}": acc for j, acc in enumerate(row)}
         self.trainer.log({"continual/task": float(phase.task_id), **accuracies})
         snapshot = {"model": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
-        snapshot["method_state"] = encode_state(self.engine.state_dict())
+        snapshot["method_state"] = self.engine.state_dict()
         save_atomic(snapshot, self.out / f"task-{phase.task_id}" / END_OF_TASK_FILE)
         # after the snapshot: the state file never points at a missing one
         write_json_atomic({**self.identity, **asdict(record)}, self.out / STATE_FILE)
@@ -279,7 +279,7 @@ def run_continual_with_trainer(
     if record.completed:
         snapshot = torch.load(out / f"task-{record.completed - 1}" / END_OF_TASK_FILE, weights_only=True)
         load_model_state(model, snapshot["model"])
-        engine.load_state_dict(decode_state(snapshot["method_state"]))
+        engine.load_state_dict(snapshot["method_state"])
 
     phases = _TrainerPhases(engine, args, callbacks, identity)
     model = engine.run(model, phases, record)
