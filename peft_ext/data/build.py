@@ -14,6 +14,7 @@ import subprocess
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from ..fileperm import atomic_write
 from .provenance import DebianSource
 from .registry import shipped_dataset
 from .shipped import resolve
@@ -24,12 +25,9 @@ __all__ = ["build_shipped", "export_csv", "installed_version", "source_folder", 
 def write_xz(out: Path, data: bytes) -> Path:
     """Write ``data`` to ``out`` xz-compressed, reproducibly (no timestamp or file name in the container; preset 6,
     xz's default, within 0.3 % of preset 9 at a fraction of its memory) and atomically (a temporary file, then a
-    rename); returns ``out``."""
+    rename: :func:`~peft_ext.fileperm.atomic_write`); returns ``out``."""
     payload = lzma.compress(data, format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC64, preset=6)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_bytes(payload)
-    os.replace(tmp, out)
+    atomic_write(out, lambda tmp: Path(tmp).write_bytes(payload))
     return out
 
 
