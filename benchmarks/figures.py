@@ -23,7 +23,8 @@ them):
 - ``measured SECTION N``: the ratio a target line measured (``... = 58x (>= 50x): met`` gives ``58x``);
 - ``cell SECTION TABLE ROW COLUMN``: one cell as printed;
 - ``targets SECTION``: the section's target lines, as its list prints them;
-- ``command SECTION``: the benchmark module that produced the section (```python -m benchmarks.riemannion```);
+- ``command SECTION``: the command that produced the section, less the options that only name output files
+  (```python -m benchmarks.pclr --step --widths 256 1024 2048 --rounds 20 12 8```);
 - ``table SECTION TABLE``: a whole table, as printed, between blank lines (so the markers sit on lines of their
   own and the table renders).
 
@@ -170,6 +171,23 @@ def _grid_next(grid: str, chosen: str) -> str:
     return points[index + 1]
 
 
+#: Options of a benchmark command that only say where its files go (each takes one value) or reuse earlier runs.
+_OUTPUT_OPTIONS = {"--json", "--runs", "--png", "--out"}
+
+
+def command_line(args: tuple[str, ...]) -> str:
+    """A section's command as a reader re-runs it: the module and its options, less those that name output files."""
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in _OUTPUT_OPTIONS:
+            skip = True
+        elif arg != "--resume":
+            kept.append(arg)
+    return " ".join(kept)
+
+
 def render(key: str, sections: dict[str, Section], titles: dict[str, str] | None = None) -> str:
     """The text of the figure ``key`` (see the module docstring) from the parsed report."""
     head, *rest = key.split(" | ")
@@ -191,7 +209,7 @@ def render(key: str, sections: dict[str, Section], titles: dict[str, str] | None
 
     try:
         if kind == "command":
-            return f"`python -m {BY_NAME[name].args[0]}`"
+            return f"`python -m {command_line(BY_NAME[name].args)}`"
         if kind == "measured":
             line = section.targets[int(args[1]) - 1]
             found = re.search(r" = (\S+?x)\b", line)

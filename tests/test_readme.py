@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
 
 
@@ -131,3 +132,42 @@ def test_every_figure_of_the_chooser_is_generated_from_a_results_file():
         named = named or "the same commands as the row above" in evidence
         assert named, f"no command named in the evidence of: {row[:80]}"
     assert generated >= 20
+
+
+#: The pages whose "In short" section summarizes what the benchmarks measured of one method.
+METHOD_PAGES = ["splitlora.md", "pclr.md", "riemannion.md", "dct_adamw.md", "mora.md"]
+#: Words that rank or compare methods: said only by a generated figure or claim, which says them from an interval
+#: ("its best learning rate" names a point of a method's own grid, not a ranking of methods).
+COMPARATIVES = (
+    r"\b(the best|is best|highest|lowest|least|fastest|slowest|beats?|ties|trails?|ahead|behind|better|worse|wins?)\b"
+)
+
+
+def _by_hand(text: str) -> str:
+    """``text`` without its generated figures and claims, words quoted as words (``"beats"``), links and the targets
+    it measures against (``target 1.5x``: a goal, not a measurement)."""
+    text = re.sub(r"<!-- (claim|figure) .*?<!-- /\1 -->", "", text, flags=re.S)
+    return re.sub(r'"[a-z]+"|\[[^\]]*\]\([^)]*\)|\btarget \d+(\.\d+)?x', "", text)
+
+
+@pytest.mark.parametrize("page", METHOD_PAGES)
+def test_every_figure_and_ranking_of_a_method_page_summary_is_generated(page):
+    """A method page's "In short" says no figure and no ranking word by hand: each sits inside a figure of
+    docs/benchmarks.md or a claim of a heads summary (tests/test_figures.py and tests/test_tables.py fail when a
+    re-run moves one), and the section names the command behind its figures."""
+    text = (ROOT / "docs" / page).read_text()
+    assert "\n## In short\n" in text, f"{page} has no summary"
+    summary = text.split("\n## In short\n", 1)[1].split("\n## ", 1)[0]
+    by_hand = _by_hand(summary)
+    assert not re.findall(r"\d+\.\d+|\d+x\b|\[", by_hand), f"a figure typed by hand in {page}'s summary: {by_hand}"
+    assert not re.findall(COMPARATIVES, by_hand, re.I), f"a ranking said by hand in {page}'s summary: {by_hand}"
+    assert re.search(r"<!-- (figure command \S+|claim \S+ command) -->", summary), f"{page}'s summary names no command"
+    assert len(re.findall(r"<!-- (?:claim|figure) ", summary)) >= 4
+
+
+def test_the_summary_check_catches_a_figure_or_a_ranking_typed_by_hand():
+    generated = '<!-- figure vs continual 1 splitlora -->ties X (+3.7 points [-0.4, +7.7])<!-- /figure --> ("beats")'
+    assert not re.findall(r"\d+\.\d+|\[", _by_hand(generated)) and not re.findall(COMPARATIVES, _by_hand(generated))
+    assert re.findall(r"\d+\.\d+", _by_hand(generated + " and 1.2x faster"))
+    assert re.findall(COMPARATIVES, _by_hand(generated + " so it is the best option"))
+    assert not re.findall(r"\d+\.\d+|\[", _by_hand("(target 1.5x; [the page](page.md))"))
