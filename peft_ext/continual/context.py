@@ -222,12 +222,16 @@ class RunContext:
         train: The training settings.
         collate: Turns a list of examples into a batch dict with ``labels``.
         device: The device the model runs on.
+        frozen_features: Where the features of a frozen backbone are kept for later passes over the same examples
+            (:class:`~peft_ext.continual.heads.frozen.FrozenFeatures`; set for methods that train nothing), or
+            ``None``.
     """
 
     sequence: TaskSequence
     train: TrainConfig
     collate: Collate
     device: torch.device
+    frozen_features: Optional[Any] = None  # a FrozenFeatures (heads/frozen.py imports this module)
 
     def to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
         """``batch`` on the run's device."""

@@ -33,6 +33,7 @@ from .evaluation import check_heads, evaluate_heads
 from .generation import generation_scores, next_token_loss, require_causal_collate
 from .heads import ContinualHead, build_head
 from .heads.base import learn_heads
+from .heads.frozen import FrozenFeatures
 from .methods import CONTINUAL_METHODS, ContinualMethod
 from .metrics import summarize
 
@@ -211,6 +212,7 @@ class ContinualEngine:
         collate: Collate,
         train: TrainConfig,
         device: Optional[torch.device] = None,
+        frozen_features: Optional[FrozenFeatures] = None,
     ) -> None:
         train.validate()
         if sequence.kind not in method.task_kinds:
@@ -225,6 +227,8 @@ class ContinualEngine:
         self.method = method
         method.load_state_dict({})  # a fresh run: nothing kept from an earlier one
         self.ctx = RunContext(sequence=sequence, train=train, collate=collate, device=device or train.resolve_device())
+        if frozen_features is not None and not method.trains:  # its backbone stays as built: features can be kept
+            self.ctx.frozen_features = frozen_features
         self.head = build_head(method.head, sequence.num_classes, seed=train.seed)
         #: Per task of the final row, whether the method got each test example right ("0"/"1" per example).
         self.final_hits: dict[int, str] = {}
@@ -242,7 +246,10 @@ class ContinualEngine:
         head first shapes the copy's classifier, then the method builds on it)."""
         torch.manual_seed(self.ctx.train.seed)
         model = self.head.attach(copy.deepcopy(base_model))
-        return self.method.build(model, self.ctx).to(self.ctx.device)
+        model = self.method.build(model, self.ctx).to(self.ctx.device)
+        if self.ctx.frozen_features is not None:
+            self.ctx.frozen_features.check(model)
+        return model
 
     def phases(self) -> list[Phase]:
         """The phases in order: one per task, or one over the union of all tasks for a joint method."""
@@ -282,7 +289,16 @@ class ContinualEngine:
                 final = row == len(sequence) - 1  # the final row records which test examples the method gets right
                 hits: Optional[list[bool]] = [] if final else None
                 scores = evaluate_heads(
-                    model, test, classes, sequence.num_classes, ctx.collate, ctx.device, heads, hits=hits, **options
+                    model,
+                    test,
+                    classes,
+                    sequence.num_classes,
+                    ctx.collate,
+                    ctx.device,
+                    heads,
+                    hits=hits,
+                    frozen_features=ctx.frozen_features,
+                    **options,
                 )
                 score = scores.pop("")
                 if hits is not None:

@@ -14,6 +14,7 @@ from ..data.tasks import Example, TaskSequence
 from .context import Collate, class_mask, length_order, model_logits, split_batches, to_device
 from .heads import ContinualHead, build_head
 from .heads.base import forward_with_features
+from .heads.frozen import FrozenFeatures
 from .methods import ContinualMethod
 
 __all__ = ["check_heads", "evaluate", "evaluate_heads"]
@@ -38,6 +39,7 @@ def evaluate_heads(
     progress: bool = False,
     desc: str = "eval",
     hits: Optional[list[bool]] = None,
+    frozen_features: Optional[FrozenFeatures] = None,
 ) -> dict[str, float]:
     """Accuracy of each head on ``examples`` when it may only predict ``allowed_classes``, from one forward per batch.
 
@@ -45,6 +47,8 @@ def evaluate_heads(
         heads: By name; ``None`` or a head that does not read features scores with the model's own output.
         hits: When given, filled with whether the first head of ``heads`` got each example right, in the order of
             ``examples`` (what a paired comparison of two methods on the same examples needs).
+        frozen_features: Features of the model's frozen backbone kept from earlier passes (every head must read
+            features): a batch seen before is not run through the model again.
     """
     if not examples:
         raise ValueError("cannot evaluate on an empty test set")
@@ -52,14 +56,21 @@ def evaluate_heads(
     model.eval()
     mask = class_mask(num_classes, allowed_classes, device)
     reads = any(head is not None and head.reads_features for head in heads.values())
+    if frozen_features is not None and not all(head is not None and head.reads_features for head in heads.values()):
+        raise ValueError("frozen_features serves heads that read features; a head here scores the model's logits")
     correct = dict.fromkeys(heads, 0)
     first = next(iter(heads))
     order = length_order(examples)  # each example is scored on its own: batches of similar lengths pad less
     right: list[bool] = []
     chunks = split_batches([examples[i] for i in order], batch_size)
     for batch in tqdm(chunks, desc=desc, disable=not progress, leave=False):
-        batch = to_device(collate(batch), device)
-        logits, features = forward_with_features(model, batch) if reads else (model_logits(model, batch), None)
+        chunk, batch = batch, to_device(collate(batch), device)
+        if frozen_features is not None:  # a frozen backbone's features of this batch, once per job
+            logits, features = None, frozen_features.features(model, chunk, batch)
+        elif reads:
+            logits, features = forward_with_features(model, batch)
+        else:
+            logits, features = model_logits(model, batch), None
         for name, head in heads.items():
             scores = head.scores(features) if head is not None and head.reads_features else logits
             hit = scores.masked_fill(~mask, float("-inf")).argmax(-1) == batch["labels"]

@@ -37,6 +37,7 @@ from ..distributed import (
 )
 from .context import Collate, RunContext, TrainConfig, lr_factor, split_batches
 from .engine import ContinualEngine, MethodResult, Phase, RunRecord, TaskTrainer, trainable_parameters, training_loss
+from .heads.frozen import FrozenFeatures
 from .methods import ContinualMethod
 from .progress import TaskProgress
 from .sharding import fsdp2_units, is_sharded, shard_model, whole_state_dict
@@ -194,6 +195,7 @@ def run_sequence(
     train: Optional[TrainConfig] = None,
     progress: Optional[TaskProgress] = None,
     keep: Optional[Callable[[nn.Module, ContinualHead, MethodResult], Any]] = None,
+    frozen_features: Optional[FrozenFeatures] = None,
 ) -> MethodResult:
     """Run ``method`` through ``sequence`` starting from a deep copy of ``base_model``.
 
@@ -211,11 +213,14 @@ def run_sequence(
         progress: Where end-of-task snapshots go and a resumed run reads them (``None``: none are taken).
         keep: Called with the final model, the run's head and the result once the run ends (the job saves the
             trained model with it: :func:`peft_ext.continual.trained.save_trained`).
+        frozen_features: Where a method that trains nothing keeps its frozen backbone's features, so later passes
+            over the same examples (each evaluation row, the next such method of a job on the same ``base_model``)
+            read them instead of running the backbone (:class:`~peft_ext.continual.heads.frozen.FrozenFeatures`).
 
     Returns:
         The accuracy matrix, the metrics and the cost of the run.
     """
-    engine = ContinualEngine(sequence, method, collate, train or TrainConfig())
+    engine = ContinualEngine(sequence, method, collate, train or TrainConfig(), frozen_features=frozen_features)
     model = engine.build(base_model)
     record = RunRecord.empty(len(sequence))
     if progress is not None:

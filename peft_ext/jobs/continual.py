@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from ..continual.config import MethodEntry, RunConfig
 from ..continual.engine import MethodResult
+from ..continual.heads.frozen import FrozenFeatures
 from ..continual.methods import ContinualMethod, get_continual_method
 from ..continual.progress import TaskProgress
 from ..continual.report import leader_line, matrix_table, metrics_table, noise_line, save_results
@@ -210,6 +211,7 @@ class ContinualJob:
         self.sequence: Optional[TaskSequence] = None
         self.base: Optional[torch.nn.Module] = None
         self.collate: Any = None
+        self.frozen_features: Optional[FrozenFeatures] = None
         self.meta: dict[str, Any] = {}
         self.results: list[MethodResult] = []
         self.failures: list[dict[str, str]] = []
@@ -309,6 +311,8 @@ class ContinualJob:
             self.collate = CausalLMCollator(tokenizer, config.model.max_length, separator, config.model.max_new_tokens)
         else:
             self.collate = TextCollator(tokenizer, config.model.max_length)
+        # the methods that train nothing read the same backbone's features: computed once for the job
+        self.frozen_features = FrozenFeatures()
 
     def preflight(self) -> None:
         """What must hold before any training (``--tune``: every task has validation examples), and ``meta``."""
@@ -384,7 +388,14 @@ class ContinualJob:
             method, tuned = self.tune(entry, method)
             keep = functools.partial(self.save_trained, label, method.name) if self.saves_trained else None
             result = run_sequence(
-                self.sequence, method, self.base, self.collate, self.config.train, progress=progress, keep=keep
+                self.sequence,
+                method,
+                self.base,
+                self.collate,
+                self.config.train,
+                progress=progress,
+                keep=keep,
+                frozen_features=self.frozen_features,
             )
         except Exception as err:  # a failed method is recorded and the others still run
             if self.debug:

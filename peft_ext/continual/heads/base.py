@@ -247,7 +247,10 @@ def feature_batches(
     try:
         for chunk in split_batches(examples, ctx.train.eval_batch_size):
             batch = ctx.to_device(ctx.collate(chunk))
-            _, features = forward_with_features(model, batch)
+            if ctx.frozen_features is not None:  # a frozen backbone's features of this batch, once per job
+                features = ctx.frozen_features.features(model, chunk, batch)
+            else:
+                _, features = forward_with_features(model, batch)
             yield features.float(), batch["labels"]
     finally:
         model.train(was_training)
