@@ -14,6 +14,7 @@ from peft_ext.kernels import (
     rank_pool_gather_loop,
     rank_pool_gather_masked,
     rank_pool_gather_shared,
+    rank_pool_gather_stores,
     register_rank_pool_kernel,
 )
 
@@ -114,6 +115,39 @@ def test_shared_index_set_equals_the_gather_with_it_repeated_values_and_gradient
         rank_pool_gather_shared(x, A, B, repeated, 0.6)
 
 
+@pytest.mark.parametrize(
+    "tokens,n_rank,frozen,k,scale",
+    [(6, 9, 5, 4, 0.6), (None, 40, 30, 3, 1.0), (6, 9, 0, 4, 1.0), (6, 9, 9, 2, 0.6), (1, 9, 5, 4, 1.0)],
+    ids=["both", "rows", "no_frozen", "no_trainable", "masked_path"],
+)
+def test_two_stores_equal_the_gather_over_their_concatenation(tokens, n_rank, frozen, k, scale):
+    # PCLR's pool: frozen ranks (no gradient) first, trainable ones after; repeats and a zero gate included. The
+    # gathered path runs but for masked_path (one token, a small pool: the cost model's masked reference)
+    x, A, B, idx = _inputs(4, tokens, 6, n_rank, 5, k, seed=6, repeats=True)
+    gates = torch.ones(idx.shape)
+    gates[1, 0] = 0.0
+    probe = torch.randn(4, *([tokens] if tokens else []), 5, generator=torch.Generator().manual_seed(7))
+    results = []
+    for two_stores in (True, False):
+        x_, A_t, B_t = (t.clone().requires_grad_(True) for t in (x, A.mT[frozen:], B[frozen:]))
+        if two_stores:
+            y = rank_pool_gather_stores(x_, (A.mT[:frozen], B[:frozen]), (A_t, B_t), idx, scale, gates)
+        else:
+            y = rank_pool_gather(
+                x_, torch.cat([A.mT[:frozen], A_t]).mT, torch.cat([B[:frozen], B_t]), idx, scale, gates
+            )
+        (y * probe).sum().backward()
+        results.append([y.detach(), x_.grad, A_t.grad, B_t.grad])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(results[0][0].double(), _naive(x, A, B, idx, scale, gates), atol=1e-4, rtol=1e-4)
+    with torch.no_grad():  # no graph: the same values
+        y = rank_pool_gather_stores(x, (A.mT[:frozen], B[:frozen]), (A.mT[frozen:], B[frozen:]), idx, scale, gates)
+    torch.testing.assert_close(y, results[0][0], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="the stores do not fit together"):
+        rank_pool_gather_stores(x, (A.mT[:frozen, :-1], B[:frozen]), (A.mT[frozen:], B[frozen:]), idx, scale)
+
+
 def test_choose_reference_by_pool_size_and_k():
     assert choose_reference(tokens=32, n_ranks=8, k=8, width_in=64, width_out=64) == "masked"
     assert choose_reference(tokens=32, n_ranks=256, k=8, width_in=64, width_out=64) == "indexed"
@@ -140,6 +174,11 @@ def test_dispatch_env_var_and_registered_kernel(monkeypatch):
         register_rank_pool_kernel(RankPoolKernel("cuda-only", fake, supports=lambda t: t.is_cuda))
         y = rank_pool_gather(x, A, B, idx, 1.0)  # falls back to torch on CPU without an error
         assert calls == [1]
+        torch.testing.assert_close(y, rank_pool_gather_loop(x, A, B, idx, 1.0))
+        # the two-store entry point (PCLR's) hands a usable fast kernel the concatenated pool
+        register_rank_pool_kernel(RankPoolKernel("fake", fake, supports=lambda t: True))
+        y = rank_pool_gather_stores(x, (A.mT[:4], B[:4]), (A.mT[4:], B[4:]), idx, 1.0)
+        assert calls == [1, 1]
         torch.testing.assert_close(y, rank_pool_gather_loop(x, A, B, idx, 1.0))
         monkeypatch.setenv(KERNEL_ENV_VAR, "cuda")
         with pytest.raises(ValueError, match="PEFT_EXT_KERNELS"):

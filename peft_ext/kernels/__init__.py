@@ -1,7 +1,8 @@
 """Pure tensor kernels with torch reference implementations (and, where registered, fused fast paths).
 
-:mod:`.dispatch` chooses between them (``PEFT_EXT_KERNELS``, the kernel registry); :mod:`.rank_pool` and
-:mod:`.retraction` hold the references and the entry points; the Triton modules are imported only on first use.
+:mod:`.dispatch` chooses between them (``PEFT_EXT_KERNELS``, the kernel registry); :mod:`.rank_pool` (with
+:mod:`.rank_pool_stores`, the gather over a pool held in two stores) and :mod:`.retraction` hold the references and
+the entry points; the Triton modules are imported only on first use.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .rank_pool import (
     rank_pool_gather_masked,
     rank_pool_gather_shared,
 )
+from .rank_pool_stores import rank_pool_gather_stores
 from .retraction import batched_retraction, cholesky_qr2, choose_retraction, retract, stack_by_shape
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
     "rank_pool_gather_loop",
     "rank_pool_gather_masked",
     "rank_pool_gather_shared",
+    "rank_pool_gather_stores",
     "register_rank_pool_kernel",
     "registered_rank_pool_kernel",
     "retract",

@@ -13,8 +13,8 @@ Per adapter the layer holds (``N_s`` static and ``N_n`` new ranks in use; docs/m
 
 Ranks are stored rank-major (one row per rank), so gathering a subset reads contiguous rows. The group's per-sample
 selection indexes the pool of ``N = N_s + N_n`` ranks (static first); the forward pass gathers from it with
-:func:`peft_ext.kernels.rank_pool_gather`, one store read in place when the other is empty and the two concatenated
-once per call otherwise (measured cheaper than two gathers over the stores in place). The counts live on the host
+:func:`peft_ext.kernels.rank_pool_gather_stores`, which reads both stores as one pool (one gather of the ``K`` slots,
+not one per store) and gives the static ranks no gradient. The counts live on the host
 (``pclr_host_counts``); ``pclr_counts`` mirrors them for checkpoints and is read back on load. Only the pool API
 (:class:`~.store.RankPoolStore`: ``begin_new_ranks``, ``drop_ranks``, ``fold_new_ranks``, ``store_prototype``,
 ``set_static_keys``, ``finish_task``, ``load_pool_tensors``) writes into the stores.
@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ...kernels import rank_pool_gather, rank_pool_gather_shared
+from ...kernels import rank_pool_gather, rank_pool_gather_shared, rank_pool_gather_stores
 from ...precision import is_half
 from ..adapter_layer import AdapterLayer, AdapterLinear
 from .config import PCLRConfig
@@ -197,20 +197,19 @@ class PCLRLayer(AdapterLayer, RankPoolStore):
             indices, gates = indices[rows], gates[rows]
         # (samples, ..., in): a layer fed flattened tokens (batch x seq, in) routes each row by its sample's query
         samples = per_sample(x, indices.shape[0], self.pclr_name or self.pclr_group)
-        # One gather over the pool [static..., new...], whose indices the selection gives. With both stores in use
-        # pool() concatenates them: one N x in copy, the size of the rows a batch of N / K samples gathers anyway.
-        # Reading each store in place would take two gathers of all K slots (the other store's gated to 0): twice the
-        # work, a training step 1.40x LoRA's at width 256 against 1.25x (benchmarks/pclr.py --step).
-        A, B = self.pool(adapter_name)
+        # One gather over the pool [static..., new...], whose indices the selection gives (in range: the router's
+        # top-K over this pool's own keys, so no range check and its host read). rank_pool_gather_stores reads both
+        # stores without a concatenated copy in the graph, and no gradient is computed for the static ranks.
         state = self._pclr_state
         if rows is None and state.recorder is not None:
-            state.recorder(self, adapter_name, samples, A, B, indices, gates)
+            state.recorder(self, adapter_name, samples, *self.pool(adapter_name), indices, gates)
         scale, gates = self.pclr_scale[adapter_name], gates.to(x.dtype)
         copies = state.routed_copies if rows is None else None
         if copies is None:
-            # The router's top-K over this pool's own keys gives in-range indices: skip the range check's host read.
-            out = rank_pool_gather(samples, A.mT, B, indices, scale, gates, check_range=False)
+            static, new = self.static_ranks(adapter_name), self.new_ranks(adapter_name)
+            out = rank_pool_gather_stores(samples, static, new, indices, scale, gates)
         else:
+            A, B = self.pool(adapter_name)
             out = torch.cat(
                 [
                     rank_pool_gather(part, A.mT, B, index, scale, gate, check_range=False)
