@@ -61,10 +61,12 @@ def make_model(kind: dict[str, Any], sharded: bool) -> nn.Module:
 
 
 def held_bytes(model: nn.Module) -> tuple[int, int]:
-    """(running, task in progress) statistics bytes this process holds, over every module."""
+    """(running, task in progress) statistics bytes this process holds, over every module; an accumulator of the task
+    in progress that modules fed the same input share is counted once."""
     layers = [m for m in model.modules() if isinstance(m, SplitLoRALayer)]
     running = sum(m.local_statistics("default").nbytes for m in layers)
-    pending = sum(sum(t.nbytes for t in m._splitlora_pending.get("default", {}).values()) for m in layers)
+    accumulators = {id(p): p for m in layers if (p := m._splitlora_pending.get("default")) is not None}
+    pending = sum(t.nbytes for p in accumulators.values() for t in p.values())
     return running, pending
 
 
@@ -125,15 +127,24 @@ def _on_process(rank: int, world: int) -> dict:
     }
 
 
+def _held(widths: list[int], rows: int, parts: int) -> int:
+    # float32 bytes of a `rows`-row sketch (or buffer) per input width, each split over `parts` processes
+    return sum(rows * -(-n // parts) * 4 for n in widths)
+
+
 def on_paper(world: int, ell: int = 256) -> list[dict[str, Any]]:
-    """Statistics bytes per process for the Llama-3 shapes: a float32 ``ell``-row sketch per projection (and the
-    ``2 ell``-row buffer of the task in progress while collecting), whole or split over ``world`` processes."""
+    """Statistics bytes per process for the Llama-3 shapes: a float32 ``ell``-row sketch per projection, and while
+    collecting the ``2 ell``-row buffer of the task in progress per distinct input (q/k/v share one, gate/up one),
+    whole or split over ``world`` processes."""
     rows = []
     for name, h, _kv, inter, layers in LLAMA3:
         inputs = [h] * 6 + [inter]  # q, k, v, o, gate, up read the hidden state (or o the attention's); down inter
-        whole = layers * sum(ell * n * 4 for n in inputs)
-        mine = layers * sum(ell * -(-n // world) * 4 for n in inputs)
-        rows.append({"model": name, "world": world, "whole": whole, "sharded": mine})
+        distinct = [h, h, h, inter]  # q/k/v's hidden state, o's attention output, gate/up's hidden state, down's
+
+        whole, mine = layers * _held(inputs, ell, 1), layers * _held(inputs, ell, world)
+        buffers = layers * _held(distinct, 2 * ell, 1), layers * _held(distinct, 2 * ell, world)
+        collecting = whole + buffers[0], mine + buffers[1]
+        rows.append({"model": name, "world": world, "whole": whole, "sharded": mine, "collecting": collecting})
     return rows
 
 
@@ -170,10 +181,10 @@ def report(one: dict, ranks: list[dict]) -> list[str]:
     )
     print(markdown_table(head, rows, align="llrrlrrrl"))
     print("\n### Part 2, on paper: 256-row sketches of every projection's input, float32, 8 processes\n")
-    head = ["model", "processes", "whole on every process", "sharded (per process)", "while collecting (x3)"]
+    head = ["model", "processes", "whole on every process", "sharded (per process)", "while collecting"]
     paper = [
         [p["model"], str(p["world"]), f"{p['whole'] / 2**30:.2f} GiB", f"{p['sharded'] / 2**30:.3f} GiB",
-         f"{p['whole'] * 3 / 2**30:.2f} -> {p['sharded'] * 3 / 2**30:.3f} GiB"]
+         f"{p['collecting'][0] / 2**30:.2f} -> {p['collecting'][1] / 2**30:.3f} GiB"]
         for p in on_paper(8)
     ]  # fmt: skip
     print(markdown_table(head, paper, align="lrrrr"))

@@ -131,10 +131,11 @@ def measure_width(width: int, layers: int, batches: int, lora_steps: int) -> dic
         for ids in data:
             timer.round({"plain": partial(split, input_ids=ids), "stats": partial(stats, ids)})
     plain, collected = timer.times("plain"), timer.times("stats")
-    layer_pending = [
-        m._splitlora_pending.get("default", {}) for m in split.modules() if hasattr(m, "_splitlora_pending")
-    ]
-    pending_bytes = _bytes(t for p in layer_pending for t in p.values())
+    # an accumulator that modules fed the same input share is counted once
+    layer_pending = {
+        id(p): p for m in split.modules() if (p := getattr(m, "_splitlora_pending", {}).get("default")) is not None
+    }
+    pending_bytes = _bytes(t for p in layer_pending.values() for t in p.values())
     adapter = [t for k, t in split.state_dict().items() if "splitlora_" in k]
     kinds = sorted({m.statistics_kind("default") for m in split.modules() if hasattr(m, "statistics_kind")})
 

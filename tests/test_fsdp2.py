@@ -110,6 +110,26 @@ def test_splitlora_statistics_are_sharded_over_the_processes(ranks, single):
 
 
 @pytest.mark.distributed
+def test_splitlora_modules_fed_one_input_share_one_sharded_sketch(ranks, single):
+    # q/k/v and gate/up share one accumulator: 4 distinct inputs per decoder layer (q/k/v's, o's, gate/up's, down's),
+    # so one rows exchange per distinct input and batch instead of one per module (7); every process ends with the
+    # statistics and splits of separate accumulators, bit for bit (the same rows appended and shrunk alike)
+    for rank in ranks:
+        shared, separate = rank["splitlora_sketch"], rank["splitlora_sketch_separate"]
+        layers = worker.tiny_llama().config.num_hidden_layers
+        assert shared["exchanges"] == 2 * worker.STEPS * 4 * layers, shared["exchanges"]
+        assert separate["exchanges"] == 2 * worker.STEPS * 7 * layers, separate["exchanges"]
+        for groups in shared["groups"]:
+            assert sorted(len(group) for group in groups) == sorted([1, 1, 2, 3] * layers), groups
+        assert shared["splits"] == separate["splits"] == single["splitlora_sketch"]["splits"]
+        for name, value in shared["state"].items():
+            assert torch.equal(value, separate["state"][name]), name
+        assert torch.equal(shared["logits"], separate["logits"])
+    assert single["splitlora_sketch"]["exchanges"] == 0  # one process: nothing to exchange
+    assert single["splitlora_sketch"]["groups"] == ranks[0]["splitlora_sketch"]["groups"]
+
+
+@pytest.mark.distributed
 def test_feature_shards_layout_and_collectives(ranks):
     # 7 features over 2 processes: torch.chunk's 4 + 3; process p's rows are (p + 2) x 7, whole = arange * (p + 1)
     whole = torch.arange(21.0).reshape(3, 7)

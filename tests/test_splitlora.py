@@ -6,6 +6,7 @@ import copy
 import json
 import math
 import warnings
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -21,6 +22,8 @@ from peft_ext.continual.methods.covariance import input_covariances
 from peft_ext.continual.methods.inflora import gpm_update, inflora_A
 from peft_ext.models import tiny_bert
 from peft_ext.tuners.splitlora import SPLITLORA, SplitLoRALayer, SplitLoRAModel
+from peft_ext.tuners.splitlora import covariance as splitlora_covariance
+from peft_ext.tuners.splitlora import statistics as statistics_module
 from peft_ext.tuners.splitlora.covariance import fd_compress, fd_update
 from peft_ext.tuners.splitlora.sequence_state import SEQUENCE_STATE_FILE
 from peft_ext.tuners.splitlora.subspace import (
@@ -746,7 +749,7 @@ def test_on_real_minilm_splitlora_forgets_far_less_than_sequential_lora():
 
 
 def test_modules_fed_the_same_input_share_one_product():
-    """q/k/v (and gate/up) read the same tensor: from the second batch on one x^T x serves them all, and every
+    """q/k/v (and gate/up) read the same tensor: they hold one accumulator, so one x^T x serves them all, and every
     module's statistics still equal its own inputs' sum (padding excluded)."""
     from peft_ext.models import tiny_llama
 
@@ -754,15 +757,20 @@ def test_modules_fed_the_same_input_share_one_product():
     model = get_peft_model(tiny_llama(hidden_size=32), SplitLoRAConfig(r=2, target_modules=targets))
     layers = {key: layer for key, layer in _layers(model).items()}
     seen: dict[str, torch.Tensor] = {}
-    shared: list[str] = []
-    original = SplitLoRALayer.accumulate_statistics
+    current: dict[str, torch.Tensor] = {}
+    for key, layer in layers.items():
 
-    def spy(self, adapter_name, rows, gram=None, keep_gram=False):
-        key = self._splitlora_seed_key
-        seen[key] = seen.get(key, 0) + rows.double().T @ rows.double()
-        if gram is not None:
-            shared.append(key.rsplit(".", 1)[-1])
-        return original(self, adapter_name, rows, gram=gram, keep_gram=keep_gram)
+        def record(module, args, key=key):
+            rows = args[0][current["mask"].bool()]
+            seen[key] = seen.get(key, 0) + rows.double().T @ rows.double()
+
+        layer.register_forward_pre_hook(record)
+    products = []
+    original = splitlora_covariance.accumulate_covariance_lower
+
+    def spy(cov_sum, rows):
+        products.append(rows.shape)
+        return original(cov_sum, rows)
 
     g = _gen(0)
     batches = []
@@ -771,15 +779,15 @@ def test_modules_fed_the_same_input_share_one_product():
         mask = torch.ones(2, 6, dtype=torch.long)
         mask[1, 4:] = 0
         batches.append((ids, mask))
-    SplitLoRALayer.accumulate_statistics = spy
-    try:
-        with torch.no_grad(), model.collect_statistics():
+    with patch.object(statistics_module, "accumulate_covariance_lower", spy), torch.no_grad():
+        with model.collect_statistics():
             for ids, mask in batches:
+                current["mask"] = mask
                 model(input_ids=ids, attention_mask=mask)
-    finally:
-        SplitLoRALayer.accumulate_statistics = original
-    # batch 1 learns the groups; batches 2 and 3 reuse the leaders' products, in both layers
-    assert sorted(shared) == sorted(["k_proj", "v_proj", "up_proj"] * 2 * 2), shared
+    # per layer and batch: one product for q/k/v, o, gate/up, down
+    assert len(products) == 3 * 2 * 4, len(products)
+    groups = [[key.rsplit(".", 1)[-1] for key in group] for group in model.statistics_groups()]
+    assert groups == [["q_proj", "k_proj", "v_proj"], ["o_proj"], ["gate_proj", "up_proj"], ["down_proj"]] * 2
     for key, layer in layers.items():
         pending = layer.reduced_statistics("default")  # the dense sum mirrored from its lower triangle
         assert int(pending["tokens"]) == 3 * 10, key

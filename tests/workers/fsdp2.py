@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -84,23 +85,40 @@ def lora(part: slice, shard: Shard) -> dict:
     return finish(model, "lora_", {})
 
 
-def splitlora(part: slice, shard: Shard, **options) -> dict:
+def splitlora(part: slice, shard: Shard, separate: bool = False, **options) -> dict:
     """Two SplitLoRA tasks: begin_task, AdamW, statistics on this part, end_task (split, fold, next A); the bytes of
-    running statistics this process holds after each task (its share when they are sharded)."""
+    running statistics this process holds after each task (its share when they are sharded), the modules sharing one
+    accumulator and the rows exchanges (sharded sketches) of the statistics passes. ``separate``: sharing switched
+    off, every module its own accumulator (as before modules fed the same input shared one)."""
+    from unittest.mock import patch
+
+    from peft_ext.distributed.features import FeatureShards
+    from peft_ext.tuners.splitlora.sharing import _Group
+
     config = SplitLoRAConfig(r=2, target_modules=TARGETS, trade_off=3.0, dense_max_features=64, **options)
     model = shard(get_peft_model(tiny_llama(), config))
-    splits, held = [], []
+    splits, held, groups, exchanges = [], [], [], []
+    exchange = FeatureShards.exchange
+
+    def counted(self, rows):
+        exchanges.append(rows.shape)
+        return exchange(self, rows)
+
     for task in range(2):
         model.begin_task()
         data = [x[part] for x in tokens(10 + task, STEPS, low=40 * task, high=40 * task + 60)]
         train(model, data, adamw(model))
-        with torch.no_grad(), model.collect_statistics():
-            for ids in data:
-                model(input_ids=ids)
+        with patch.object(FeatureShards, "exchange", counted):
+            with patch.object(_Group, "matches", lambda self, *args: False) if separate else nullcontext():
+                with torch.no_grad(), model.collect_statistics():
+                    for ids in data:
+                        model(input_ids=ids)
+        groups.append(model.statistics_groups())
         splits.append({key: (s.k_star, s.primary) for key, s in model.end_task().items()})
         layers = [m for m in model.modules() if isinstance(m, SplitLoRALayer)]
         held.append(sum(m.local_statistics("default").nbytes for m in layers))
-    return finish(model, "splitlora_", {"splits": splits, "statistics_bytes": held})
+    record = {"splits": splits, "statistics_bytes": held, "groups": groups, "exchanges": len(exchanges)}
+    return finish(model, "splitlora_", record)
 
 
 def feature_shards() -> dict:
@@ -167,6 +185,7 @@ CASES = {
     "splitlora": splitlora,
     # every module a frequent-directions sketch (8 rows of 16-row buffers, shrinking every 8 tokens)
     "splitlora_sketch": partial(splitlora, statistics="sketch", sketch_rank=8),
+    "splitlora_sketch_separate": partial(splitlora, separate=True, statistics="sketch", sketch_rank=8),
     "splitlora_replicated": partial(splitlora, shard_statistics=False),
     "pclr": pclr,
     "mora": mora,

@@ -1,5 +1,6 @@
 """Collecting a task's input statistics with forward hooks (``SplitLoRAModel.collect_statistics``): each adapted
-module's inputs, without the padded positions of its stack's token mask, go to its ``accumulate_statistics``."""
+module's inputs, without the padded positions of its stack's token mask, go to its statistics of the task in progress,
+one accumulator per distinct input (:mod:`.sharing`)."""
 
 from __future__ import annotations
 
@@ -14,31 +15,30 @@ from torch import nn
 
 from .._architecture import encoder_decoder_stacks
 from .layer import SplitLoRALayer
+from .sharing import SharedInputs
 
 __all__ = ["statistics_hooks", "token_rows"]
 
 
 class _MaskHolder:
     """State shared by the statistics hooks of one ``collect_statistics`` block: the token mask of the forward pass in
-    progress, and the last input seen with its ``x^T x`` so that modules fed the very same tensor (a Llama block's
-    ``q_proj`` / ``k_proj`` / ``v_proj``, its ``gate_proj`` / ``up_proj``) compute the product once.
+    progress, and the modules' accumulators (:class:`.sharing.SharedInputs`: modules fed the very same tensor, a
+    Llama block's ``q_proj`` / ``k_proj`` / ``v_proj``, its ``gate_proj`` / ``up_proj``, share one).
 
     On an encoder-decoder the mask follows the stack that runs: the encoder's ``attention_mask`` in the encoder, the
     decoder's own (``decoder_attention_mask``; none: every position counts) in the decoder, and the encoder's mask
     again for the decoder's cross-attention inputs (``memory``: the encoder's output, the very tensor the decoder's
     cross-attention key / value projections read)."""
 
-    def __init__(self) -> None:
+    def __init__(self, inputs: SharedInputs) -> None:
         self.mask: torch.Tensor | None = None
         self.memory: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.warned = False
-        # (input, mask, module, its x^T x or None); the reference keeps the input alive, so `is` cannot match a new
-        # tensor allocated at a freed one's address
-        self.last: tuple[torch.Tensor, torch.Tensor | None, SplitLoRALayer, torch.Tensor | None] | None = None
-        self.leaders: set[int] = set()  # modules whose input a later module reads too (learned as batches pass)
+        self.inputs = inputs
 
     def reset(self) -> None:
-        self.last = None
+        """A new forward pass (or stack): nothing from the last one may be shared."""
+        self.inputs.flush()
         self.memory = None
 
     def mask_for(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -66,7 +66,7 @@ def _capture_encoder_mask(holder: _MaskHolder, module: nn.Module, args: tuple, k
 
 def _capture_decoder_mask(holder: _MaskHolder, module: nn.Module, args: tuple, kwargs: dict) -> None:
     # an encoder-decoder's decoder: its own mask for its tokens, the encoder's for the encoder output it attends to
-    holder.last = None
+    holder.inputs.flush()
     holder.mask = _tensor_or_none(kwargs.get("attention_mask"))
     memory = _tensor_or_none(kwargs.get("encoder_hidden_states"))
     holder.memory = None if memory is None else (memory, _tensor_or_none(kwargs.get("encoder_attention_mask")))
@@ -93,11 +93,7 @@ def token_rows(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | Non
     return None
 
 
-def _statistics_hook(holder: _MaskHolder, adapter_name: str, module: SplitLoRALayer, args: tuple, kwargs: dict):
-    x = args[0] if args else kwargs.get("input", kwargs.get("x"))
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"SplitLoRA statistics hook: cannot find the input tensor of {module._splitlora_seed_key!r}")
-    mask = holder.mask_for(x)
+def _rows(holder: _MaskHolder, module: SplitLoRALayer, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     # Padded positions never reach a masked-mean or last-token head, so they do not belong to the task's input
     # distribution; the public code (ViT, no padding) never meets them.
     rows = token_rows(x, mask)
@@ -109,19 +105,18 @@ def _statistics_hook(holder: _MaskHolder, adapter_name: str, module: SplitLoRALa
                 f"{module._splitlora_seed_key!r} has leading shape {tuple(x.shape[:-1])}; counting every position "
                 "of such inputs.",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
         rows = x.reshape(-1, x.shape[-1])
-    dense = module.statistics_kind(adapter_name) == "dense"
-    last = holder.last
-    same = last is not None and last[0] is x and last[1] is mask and last[2].in_features == module.in_features
-    if same and dense and last[3] is not None:
-        module.accumulate_statistics(adapter_name, rows, gram=last[3])  # the leader's x^T x: no second product
-        return
-    if same and last[3] is None:
-        holder.leaders.add(id(last[2]))  # from the next batch on, that module keeps its product for the others
-    gram = module.accumulate_statistics(adapter_name, rows, keep_gram=dense and id(module) in holder.leaders)
-    holder.last = (x, mask, module, gram)
+    return rows
+
+
+def _statistics_hook(holder: _MaskHolder, adapter_name: str, module: SplitLoRALayer, args: tuple, kwargs: dict):
+    x = args[0] if args else kwargs.get("input", kwargs.get("x"))
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"SplitLoRA statistics hook: cannot find the input tensor of {module._splitlora_seed_key!r}")
+    mask = holder.mask_for(x)
+    holder.inputs.report(module, x, mask, partial(_rows, holder, module, x, mask))
 
 
 @contextmanager
@@ -138,7 +133,7 @@ def statistics_hooks(
         adapter_name: The adapter.
         mask_key: Name of the forward keyword argument holding the token mask, or ``None`` (every position).
     """
-    holder = _MaskHolder()
+    holder = _MaskHolder(SharedInputs(layers, adapter_name))
     handles = []
     try:
         handles.append(model.register_forward_pre_hook(partial(_capture_mask, holder, mask_key), with_kwargs=True))
@@ -153,7 +148,9 @@ def statistics_hooks(
                 layer.register_forward_pre_hook(partial(_statistics_hook, holder, adapter_name), with_kwargs=True)
             )
         yield
+        holder.inputs.flush()  # the last group's rows; not after an exception, which left the statistics partial
     finally:
-        holder.reset()
+        holder.inputs.discard()
+        holder.memory = None
         for handle in handles:
             handle.remove()

@@ -77,6 +77,8 @@ class SplitLoRALayer(LayerStatistics, AdapterLayer):
         self.splitlora_config: dict[str, SplitLoRAConfig] = {}
         self._splitlora_pending: dict[str, dict[str, torch.Tensor]] = {}
         self._splitlora_shards: dict[str, FeatureShards] = {}
+        # adapters whose task-in-progress accumulator other modules fed the same input hold too (.sharing)
+        self._splitlora_shared: set[str] = set()
         self._splitlora_seed_key = seed_key
 
     # --- creation ------------------------------------------------------------------------------------------------
@@ -132,6 +134,7 @@ class SplitLoRALayer(LayerStatistics, AdapterLayer):
         self.splitlora_tasks[adapter_name] = torch.zeros((), dtype=torch.int64, device=device)
         self.splitlora_primary[adapter_name] = torch.zeros((), dtype=torch.int64, device=device)
         self._splitlora_pending.pop(adapter_name, None)
+        self._splitlora_shared.discard(adapter_name)
         self.set_adapter(self.active_adapters)
 
     def after_adapter_cast(self, adapter_name: str, autocast_adapter_dtype: bool) -> None:
@@ -155,6 +158,7 @@ class SplitLoRALayer(LayerStatistics, AdapterLayer):
 
     def delete_adapter(self, adapter_name: str) -> None:
         self._splitlora_pending.pop(adapter_name, None)
+        self._splitlora_shared.discard(adapter_name)
         super().delete_adapter(adapter_name)
 
     def _move_adapter_to_device_of_base_layer(self, adapter_name: str, device: Optional[torch.device] = None) -> None:

@@ -338,6 +338,22 @@ class SplitLoRAModel(AdapterTuner):
             result[key] = TaskSplit(task=task_index, **{k: info[k] for k in ("k_star", "primary", "in_features")})
         return result
 
+    def statistics_groups(self, adapter_name: str | None = None) -> list[list[str]]:
+        """The modules holding one accumulator of the task in progress's statistics between them (fed the same
+        inputs in ``collect_statistics``: a Llama block's q/k/v projections, its gate/up ones), in module order;
+        modules without statistics of the task in progress are left out.
+
+        Args:
+            adapter_name: The SplitLoRA adapter (default: the single active one).
+        """
+        name = self._resolve_adapter(adapter_name)
+        groups: dict[int, list[str]] = {}
+        for key, layer in self._layers(name):
+            pending = layer._splitlora_pending.get(name)
+            if pending is not None:
+                groups.setdefault(id(pending), []).append(key)
+        return list(groups.values())
+
     def task_state(self, adapter_name: str | None = None) -> dict[str, dict[str, Any]]:
         """Per module: finished tasks, primary directions, the old delta's storage, statistics kind and size.
 

@@ -1,7 +1,9 @@
 """A SplitLoRA layer's input statistics: the task in progress's, the running ones, and their sharding under FSDP2.
 
 :class:`LayerStatistics` is the part of ``SplitLoRALayer`` that collects inputs (``accumulate_statistics``), reduces
-them over processes (``reduced_statistics``) and folds them into the running statistics (``add_statistics``).
+them over processes (``reduced_statistics``) and folds them into the running statistics (``add_statistics``). Modules
+fed the same input hold one accumulator of the task in progress between them (:mod:`.sharing`; :func:`add_rows`
+does the per-input work once).
 
 Two layouts:
 
@@ -29,7 +31,7 @@ from .covariance import accumulate_covariance_lower, fd_append, symmetrize_lower
 from .subspace import covariance_spectrum, sketch_spectrum
 from .task import distributed_group
 
-__all__ = ["LayerStatistics", "statistics_mesh"]
+__all__ = ["LayerStatistics", "add_rows", "statistics_mesh"]
 
 
 def statistics_mesh(b: torch.Tensor) -> Any:
@@ -39,6 +41,59 @@ def statistics_mesh(b: torch.Tensor) -> Any:
         return None
     mesh = b.device_mesh
     return mesh if mesh.ndim == 1 and mesh.size() > 1 else None
+
+
+@torch.no_grad()
+def add_rows(
+    accumulators: list[dict[str, torch.Tensor]],
+    rows: torch.Tensor,
+    in_features: int,
+    dtype: torch.dtype,
+    shards: Optional[FeatureShards] = None,
+) -> None:
+    """Add one input's rows to each of ``accumulators`` (the task in progress's statistics of modules fed that input),
+    doing the per-input work once: the energy, the dense product ``rows^T rows`` (and its reduce-scatter when
+    sharded), the sharded sketch's exchange of rows; only the sketch's append (and its shrinks) is per accumulator.
+
+    Every accumulator ends as it would after adding ``rows`` on its own (bit for bit for sketches; dense sums to the
+    rounding of one addition). Sharded, this is a collective (see ``LayerStatistics.accumulate_statistics``).
+
+    Args:
+        accumulators: Distinct accumulators of one kind, dtype, device and sharding (``statistics_signature``).
+        rows: Inputs, one token per row, reshaped to ``(N, in_features)``.
+        in_features: The input width.
+        dtype: The statistics' dtype (the adapter dtype).
+        shards: The features' split, when the statistics are sharded.
+    """
+    first = accumulators[0]
+    rows = rows.detach().reshape(-1, in_features).to(device=first["tokens"].device, dtype=dtype)
+    if rows.shape[0] == 0 and shards is None:
+        return
+    # summed in the adapter dtype (a float64 copy of every batch costs as much as the covariance update itself);
+    # only the running total is float64
+    energy = rows.square().sum().to(torch.float64)
+    for pending in accumulators:
+        pending["tokens"] += rows.shape[0]
+        pending["energy"] += energy
+    if "cov" in first:
+        # only the lower block triangle is multiplied (half the products); replicated sums are mirrored once by
+        # reduced_statistics, a sharded one per batch before its rows are scattered
+        if shards is None and len(accumulators) == 1:
+            accumulate_covariance_lower(first["cov"], rows)  # in place: no n x n product apart
+            return
+        gram = torch.zeros(in_features, in_features, dtype=dtype, device=rows.device)
+        accumulate_covariance_lower(gram, rows)
+        if shards is not None:
+            gram = shards.reduce_scatter(symmetrize_lower_(gram))
+        for pending in accumulators:
+            pending["cov"].add_(gram)
+        return
+    if shards is not None:
+        rows = shards.exchange(rows)
+    for pending in accumulators:
+        fill, delta = fd_append(pending["sketch"], int(pending["fill"]), rows, shards)
+        pending["fill"].fill_(fill)
+        pending["error"] += delta
 
 
 class LayerStatistics:
@@ -53,6 +108,7 @@ class LayerStatistics:
     in_features: int
     _splitlora_pending: dict[str, dict[str, torch.Tensor]]
     _splitlora_shards: dict[str, FeatureShards]
+    _splitlora_shared: set[str]
     _splitlora_seed_key: str
     _adapter_dtype: Any
     _adapter_device: Any
@@ -148,67 +204,52 @@ class LayerStatistics:
             pending["error"] = torch.zeros((), dtype=torch.float64, device=device)
         return pending
 
-    @torch.no_grad()
-    def accumulate_statistics(
-        self,
-        adapter_name: str,
-        rows: torch.Tensor,
-        gram: Optional[torch.Tensor] = None,
-        keep_gram: bool = False,
-    ) -> Optional[torch.Tensor]:
-        """Add inputs to the statistics of the task in progress (kept apart until ``end_task``'s
-        :meth:`add_statistics`).
-
-        Sharded (:meth:`shard_statistics`), this is a collective: every process calls it for the same modules in the
-        same order (as FSDP2's forward does), with its own rows (possibly none).
+    def statistics_signature(self, adapter_name: str) -> tuple:
+        """What must match for two modules fed the same input to share one accumulator of the task in progress's
+        statistics (:func:`add_rows`): the width, the kind, the dtype and device, the sketch's rows, the sharding.
 
         Args:
             adapter_name: Name of the adapter.
-            rows: Inputs, one token per row, reshaped to ``(N, in_features)``.
-            gram: ``rows^T rows`` already computed (in the adapter dtype) by a module fed the same input: its lower
-                block triangle, or when sharded this process's rows of the processes' summed symmetric product;
-                dense statistics add it instead of multiplying (and reducing) again.
-            keep_gram: Dense statistics: compute ``rows^T rows`` apart, add it and return it (for such modules).
+        """
+        kind = self.statistics_kind(adapter_name)
+        ell = 0 if kind == "dense" else self.splitlora_sketch[adapter_name].shape[0]
+        shards = self._splitlora_shards.get(adapter_name)
+        layout = None if shards is None else (id(shards.mesh), shards.size)
+        return (self.in_features, kind, ell, self._adapter_dtype(), self._adapter_device(), layout)
 
-        Returns:
-            The product to pass as ``gram`` to the other modules fed the same input, when ``keep_gram`` and the
-            statistics are dense, else ``None``.
+    def pending_statistics(self, adapter_name: str) -> dict[str, torch.Tensor]:
+        """The accumulator of the task in progress's statistics, created empty when there is none yet. Modules fed
+        the same input may hold the very same one (``collect_statistics``); only :mod:`.sharing` writes to it then.
+
+        Args:
+            adapter_name: Name of the adapter.
         """
         if adapter_name not in self.splitlora_B:
             raise ValueError(f"no SplitLoRA adapter named {adapter_name!r} on {self._splitlora_seed_key!r}")
         pending = self._splitlora_pending.get(adapter_name)
         if pending is None:
             pending = self._splitlora_pending[adapter_name] = self._new_pending(adapter_name)
-        shards = self._splitlora_shards.get(adapter_name)
-        dtype = self._adapter_dtype()
-        rows = rows.detach().reshape(-1, self.in_features).to(device=pending["tokens"].device, dtype=dtype)
-        if rows.shape[0] == 0 and shards is None:
-            return None
-        pending["tokens"] += rows.shape[0]
-        # summed in the adapter dtype (a float64 copy of every batch costs as much as the covariance update itself);
-        # only the running total is float64
-        pending["energy"] += rows.square().sum().to(torch.float64)
-        if "cov" in pending:
-            # only the lower block triangle is multiplied (half the products); replicated sums are mirrored once by
-            # reduced_statistics, a sharded one per batch before its rows are scattered
-            if gram is not None:
-                pending["cov"].add_(gram)
-            elif shards is None and not keep_gram:
-                accumulate_covariance_lower(pending["cov"], rows)  # in place: no n x n product apart
-            else:
-                gram = torch.zeros(self.in_features, self.in_features, dtype=dtype, device=rows.device)
-                accumulate_covariance_lower(gram, rows)
-                if shards is not None:
-                    gram = shards.reduce_scatter(symmetrize_lower_(gram))
-                pending["cov"].add_(gram)
-                return gram if keep_gram else None
-        else:
-            if shards is not None:
-                rows = shards.exchange(rows)
-            fill, delta = fd_append(pending["sketch"], int(pending["fill"]), rows, shards)
-            pending["fill"].fill_(fill)
-            pending["error"] += delta
-        return None
+        return pending
+
+    @torch.no_grad()
+    def accumulate_statistics(self, adapter_name: str, rows: torch.Tensor) -> None:
+        """Add inputs to the statistics of the task in progress (kept apart until ``end_task``'s
+        :meth:`add_statistics`).
+
+        Sharded (:meth:`shard_statistics`), this is a collective: every process calls it for the same modules in the
+        same order (as FSDP2's forward does), with its own rows (possibly none). An accumulator shared with other
+        modules (``collect_statistics`` shares one between modules fed the same input) is copied first, so that
+        only this module's statistics change.
+
+        Args:
+            adapter_name: Name of the adapter.
+            rows: Inputs, one token per row, reshaped to ``(N, in_features)``.
+        """
+        pending = self.pending_statistics(adapter_name)
+        if adapter_name in self._splitlora_shared:
+            self._splitlora_shared.discard(adapter_name)
+            pending = self._splitlora_pending[adapter_name] = {key: value.clone() for key, value in pending.items()}
+        add_rows([pending], rows, self.in_features, self._adapter_dtype(), self._splitlora_shards.get(adapter_name))
 
     def reduced_statistics(self, adapter_name: str, group: Any = None) -> dict[str, torch.Tensor]:
         """The task in progress's statistics, summed over all processes under ``torch.distributed``; changes nothing
@@ -267,6 +308,7 @@ class LayerStatistics:
             sketch_error: Its error bound, with ``sketch``.
         """
         self._splitlora_pending.pop(adapter_name, None)
+        self._splitlora_shared.discard(adapter_name)
         # model.to(torch.bfloat16) casts these running sums too: back to their working dtypes before adding to them
         sums = (("splitlora_energy", "energy"), ("splitlora_cov", "cov"), ("splitlora_sketch_error", "error"))
         for attr, key in sums:
