@@ -118,11 +118,31 @@ def run_recording_state(seq: TaskSequence, method, epochs: int = 2, batch_size: 
     return run_sequence(seq, method, tiny_classifier(seq.num_classes), stack_collate, config), recorded
 
 
-def job_config(tmp_path: Path, name: str, edit: Callable[[dict], None]) -> Path:
+#: The analytic head's random projection in the jobs tests build on tiny backbones: RanPAC's 2048 columns make its
+#: per-task eigendecomposition of a 2048 x 2048 Gram matrix most of such a job's time (108 of 145 s in the resume
+#: test's job, profiled), and nothing those tests check depends on the width.
+TEST_HEAD_DIM = 64
+
+
+def small_analytic_heads(data: dict, dim: int = TEST_HEAD_DIM) -> None:
+    """Give every method of a job config that scores with the analytic head (by its ``head``, or ``ranpac``'s
+    default) a projection of ``dim`` columns, in place."""
+    for method in data.get("methods", []):
+        head = method.get("head", "analytic" if method["name"] == "ranpac" else None)
+        if head == "analytic":
+            method["head"] = {"name": "analytic", "dim": dim}
+        elif isinstance(head, dict) and head.get("name") == "analytic":
+            head.setdefault("dim", dim)
+
+
+def job_config(tmp_path: Path, name: str, edit: Callable[[dict], None], head_dim: int | None = TEST_HEAD_DIM) -> Path:
     """``configs/<name>.yaml`` changed by ``edit`` (in place) and with its output under ``tmp_path / "out"``, written
-    to ``tmp_path / "cfg.yaml"``; returns that path."""
+    to ``tmp_path / "cfg.yaml"``; returns that path. ``head_dim``: the analytic heads' projection width
+    (:func:`small_analytic_heads`; ``None`` keeps the config's)."""
     data = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())
     edit(data)
+    if head_dim is not None:
+        small_analytic_heads(data, head_dim)
     data["output"]["dir"] = str(tmp_path / "out")
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(data))

@@ -17,6 +17,7 @@ from peft_ext.integrations.continual_trainer import STATE_FILE, last_complete_ch
 
 from .helpers import (
     QUERY_VALUE,
+    TEST_HEAD_DIM,
     lora_adapter,
     pclr_adapter,
     run_module,
@@ -237,7 +238,10 @@ def test_heads_in_the_trainer_driver_learn_and_resume_exactly(seq, tmp_path):
 
     def heads_run(out, callbacks=None):
         method = get_continual_method("seq_lora")(
-            lr=1e-2, adapter=lora_adapter(4), head="analytic", compare_heads=["prototype", "aligned"]
+            lr=1e-2,
+            adapter=lora_adapter(4),
+            head={"name": "analytic", "dim": TEST_HEAD_DIM},  # a narrow projection: its eigh is the cost
+            compare_heads=["prototype", "aligned"],
         )
         return run_continual_with_trainer(
             seq, method, tiny_classifier(seq.num_classes), stack_collate, targs(out), callbacks=callbacks

@@ -7,7 +7,7 @@ import pytest
 
 from peft_ext_cli import main
 
-from .helpers import job_config, save_tiny_bert
+from .helpers import TEST_HEAD_DIM, job_config, save_tiny_bert
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_results_accumulate_after_each_method(tmp_path, tiny_backbone, monkeypat
     # every row records what its method ran with: the options with their defaults filled in, the training settings
     split = results["results"][1]["extras"]["settings"]
     assert split["options"]["adapter"]["r"] == 2 and split["options"]["lr"] == pytest.approx(5e-3)
-    assert split["options"]["head"] == "analytic" and split["train"]["epochs"] == 1
+    assert split["options"]["head"] == {"name": "analytic", "dim": TEST_HEAD_DIM} and split["train"]["epochs"] == 1
     assert "progress" not in split["train"]
     # the report says how many test examples there are and what one run can tell apart
     assert results["meta"]["test_examples"] == [4, 4]
