@@ -107,19 +107,20 @@ def test_module_entry_point_and_console_script():
 @pytest.mark.slow
 def test_quickstart_on_real_minilm_learns_and_forgets(tmp_path, capsys):
     """The default job, shrunk to 2 tasks: real pretrained MiniLM learns each task well above chance, and plain
-    sequential LoRA forgets the first task (the problem every continual method here is measured against)."""
+    sequential LoRA forgets the first task (the problem every continual method here is measured against). 32
+    glosses per class (measured: seq_lora 0.75 on task 0, then 0.58 / 0.68, forgetting 0.17; joint 0.90); the frozen
+    backbone's head-only training on real MiniLM is tests/test_fortunes.py's."""
     path = tmp_path / "q.yaml"
     data = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
-    data["data"].update(n_tasks=2, train_per_class=48, test_per_class=24)
-    data["methods"] = [m for m in data["methods"] if m["name"] in ("frozen_linear", "seq_lora", "joint")]
+    data["data"].update(n_tasks=2, train_per_class=32, test_per_class=24)
+    data["methods"] = [m for m in data["methods"] if m["name"] in ("seq_lora", "joint")]
     data["train"]["epochs"] = 3
     data["output"]["dir"] = str(tmp_path / "out")
     path.write_text(yaml.safe_dump(data))
     assert main(["run", str(path), "--no-progress"]) == 0
     results = {r["method"]: r for r in json.loads((tmp_path / "out" / "results.json").read_text())["results"]}
     chance = 1 / 8
-    for name in ("frozen_linear", "seq_lora"):
-        R = results[name]["accuracy_matrix"]
-        assert R[0][0] > 4 * chance and R[1][1] > 3 * chance, (name, R)
+    R = results["seq_lora"]["accuracy_matrix"]
+    assert R[0][0] > 4 * chance and R[1][1] > 3 * chance, R
     assert results["seq_lora"]["metrics"]["forgetting"] > 0.1
     assert results["joint"]["metrics"]["final_acc"] > 3 * chance
