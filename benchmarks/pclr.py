@@ -52,7 +52,7 @@ from peft_ext.tuners.pclr import group_layers
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = benchmark_parser(__doc__)
+    parser = benchmark_parser(__doc__, threads=1)
     for name, default in SIZES.items():
         option = "--" + name.replace("_", "-")
         text = f"default {default}; --sequence-cost: the continual benchmark's"
@@ -80,11 +80,9 @@ def main(argv: list[str] | None = None) -> None:
     for name, default in SIZES.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
-    if args.overhead_only:
-        routing_overhead(args)
-        return
-    if args.step:
-        step_overhead(args)
+    if args.overhead_only or args.step:  # timings of one process on its own threads, interleaved
+        torch.set_num_threads(args.threads)
+        (routing_overhead if args.overhead_only else step_overhead)(args)
         return
 
     sequence = wordnet_task_sequence(
