@@ -43,16 +43,16 @@ from peft_ext.models import tiny_llama
 from peft_ext.tuners.splitlora import SplitLoRALayer
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-HIDDEN, LAYERS, VOCAB, RANK, BATCHES = 256, 2, 512, 16, 6
+HIDDEN, LAYERS, VOCAB, RANK, BATCHES = 256, 2, 512, 16, 6  # BATCHES: the default of --batches
 KINDS = {"dense": {"statistics": "dense"}, "sketch (64 rows)": {"statistics": "sketch", "sketch_rank": 64}}
 LAYOUTS = {"sharded": True, "whole on every process": False}
 LLAMA3 = (("Llama-3-8B", 4096, 1024, 14336, 32), ("Llama-3-70B", 8192, 1024, 28672, 80))
 TARGET = 0.55
 
 
-def batches(part: slice) -> list[torch.Tensor]:
+def batches(part: slice, count: int = BATCHES) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return [torch.randint(0, VOCAB, (8, 64), generator=g)[part] for _ in range(BATCHES)]
+    return [torch.randint(0, VOCAB, (8, 64), generator=g)[part] for _ in range(count)]
 
 
 def make_model(kind: dict[str, Any], sharded: bool) -> nn.Module:
@@ -70,12 +70,14 @@ def held_bytes(model: nn.Module) -> tuple[int, int]:
     return running, pending
 
 
-def measure(kind: dict[str, Any], sharded: bool, part: slice, distributed: bool) -> dict[str, Any]:
+def measure(
+    kind: dict[str, Any], sharded: bool, part: slice, distributed: bool, count: int = BATCHES
+) -> dict[str, Any]:
     model = make_model(kind, sharded)
     if distributed:  # each decoder layer a unit, the PeftModel the root: as the job shards it
         model = shard_model(model, torch.device("cpu"))
     model.begin_task()
-    data = batches(part)
+    data = batches(part, count)
     plain, collect, calls, peak = [], [], [], 0
     with torch.no_grad():
         model(input_ids=data[0])  # warm-up (FSDP2's lazy init)
@@ -117,11 +119,11 @@ def _plain_collectives(model: nn.Module, ids: torch.Tensor) -> int:
     return counted.calls
 
 
-def _on_process(rank: int, world: int) -> dict:
+def _on_process(rank: int, world: int, count: int = BATCHES) -> dict:
     per = 8 // world
     part = slice(rank * per, (rank + 1) * per)
     return {
-        (kind, layout): measure(KINDS[kind], sharded, part, distributed=True)
+        (kind, layout): measure(KINDS[kind], sharded, part, distributed=True, count=count)
         for kind in KINDS
         for layout, sharded in LAYOUTS.items()
     }
@@ -148,7 +150,7 @@ def on_paper(world: int, ell: int = 256) -> list[dict[str, Any]]:
     return rows
 
 
-def report(one: dict, ranks: list[dict]) -> list[str]:
+def report(one: dict, ranks: list[dict], count: int = BATCHES) -> list[str]:
     head = ["statistics", "layout", "running / process", "while collecting", "/ one process (running, collecting)"]
     head += ["stats pass / plain forward", "collectives per stats batch", "end_task", "k* = one process's"]
     rows, lines = [], []
@@ -177,7 +179,7 @@ def report(one: dict, ranks: list[dict]) -> list[str]:
                 )
     print(
         f"\n### Part 1: random Llama (hidden {HIDDEN}, {LAYERS} layers), r = {RANK} on 7 projections, FSDP2 on 2 "
-        f"processes (gloo, CPU), {BATCHES} batches of 8 x 64 tokens (4 x 64 per process)\n"
+        f"processes (gloo, CPU), {count} batches of 8 x 64 tokens (4 x 64 per process)\n"
     )
     print(markdown_table(head, rows, align="llrrlrrrl"))
     print("\n### Part 2, on paper: 256-row sketches of every projection's input, float32, 8 processes\n")
@@ -196,12 +198,15 @@ def report(one: dict, ranks: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = benchmark_parser(__doc__, json="also write the numbers here")
+    parser.add_argument("--batches", type=int, default=BATCHES, help=f"statistics batches per run (default {BATCHES})")
     args = parser.parse_args(argv)
+    if args.batches < 2:
+        parser.error(f"--batches must be at least 2 (a median of collectives needs them), got {args.batches}")
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    one = {kind: measure(KINDS[kind], True, slice(None), distributed=False) for kind in KINDS}
-    ranks = on_processes(_on_process, 2)
-    report(one, ranks)
+    one = {kind: measure(KINDS[kind], True, slice(None), distributed=False, count=args.batches) for kind in KINDS}
+    ranks = on_processes(_on_process, 2, args.batches)
+    report(one, ranks, args.batches)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         flat = [{f"{k} / {layout}": v for (k, layout), v in rank.items()} for rank in ranks]

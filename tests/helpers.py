@@ -128,6 +128,8 @@ def small_analytic_heads(data: dict, dim: int = TEST_HEAD_DIM) -> None:
     """Give every method of a job config that scores with the analytic head (by its ``head``, or ``ranpac``'s
     default) a projection of ``dim`` columns, in place."""
     for method in data.get("methods", []):
+        if not isinstance(method, dict):  # a multimodal job names its methods only
+            continue
         head = method.get("head", "analytic" if method["name"] == "ranpac" else None)
         if head == "analytic":
             method["head"] = {"name": "analytic", "dim": dim}

@@ -61,8 +61,12 @@ def test_every_shipped_job_in_miniature_reproduces_the_golden_runs(tmp_path):
 FAST = ["seq_lora", "splitlora", "pclr", "ncm"]
 
 
-def test_four_methods_of_the_quickstart_miniature_reproduce_their_golden_runs(tmp_path):
+def test_four_methods_of_the_quickstart_miniature_reproduce_their_golden_runs(tmp_path, request):
     from .golden import run_case, save_tiny_bert
+
+    full = test_every_shipped_job_in_miniature_reproduces_the_golden_runs.__name__
+    if any(item.name == full for item in request.session.items):
+        pytest.skip(f"{full} runs in this session and checks these four methods with every other one")
 
     golden = json.loads(GOLDEN.read_text())
     backbone = save_tiny_bert(tmp_path / "tiny-bert", num_layers=2, seed=0)
