@@ -63,8 +63,8 @@ def evaluate_heads(
     order = length_order(examples)  # each example is scored on its own: batches of similar lengths pad less
     right: list[bool] = []
     chunks = split_batches([examples[i] for i in order], batch_size)
-    for batch in tqdm(chunks, desc=desc, disable=not progress, leave=False):
-        chunk, batch = batch, to_device(collate(batch), device)
+    for chunk in tqdm(chunks, desc=desc, disable=not progress, leave=False):
+        batch = to_device(collate(chunk), device)
         if frozen_features is not None:  # a frozen backbone's features of this batch, once per job
             logits, features = None, frozen_features.features(model, chunk, batch)
         elif reads:

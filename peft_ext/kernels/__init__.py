@@ -23,7 +23,7 @@ from .rank_pool import (
     rank_pool_gather_masked,
     rank_pool_gather_shared,
 )
-from .rank_pool_stores import rank_pool_gather_stores
+from .rank_pool_stores import pool_of_stores, rank_pool_gather_stores
 from .retraction import batched_retraction, cholesky_qr2, choose_retraction, retract, stack_by_shape
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "choose_retraction",
     "kernel_mode",
     "load_rank_pool_kernel",
+    "pool_of_stores",
     "rank_pool_gather",
     "rank_pool_gather_indexed",
     "rank_pool_gather_loop",

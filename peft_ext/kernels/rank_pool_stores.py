@@ -26,7 +26,18 @@ from torch import Tensor
 from .dispatch import fast_rank_pool_kernel
 from .rank_pool import _check, choose_reference, rank_pool_gather
 
-__all__ = ["rank_pool_gather_stores"]
+__all__ = ["pool_of_stores", "rank_pool_gather_stores"]
+
+
+def pool_of_stores(frozen: tuple[Tensor, Tensor], trainable: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """The pool ``(A, B)`` ``[frozen..., trainable...]`` of two rank-major stores: one store read in place when the
+    other holds no rank (a full store's slice or a copy would cost a copy per call), else the two concatenated."""
+    (A_f, B_f), (A_t, B_t) = frozen, trainable
+    if A_t.shape[0] == 0:
+        return A_f, B_f
+    if A_f.shape[0] == 0:
+        return A_t, B_t
+    return torch.cat([A_f, A_t]), torch.cat([B_f, B_t])
 
 
 def _gather(
@@ -34,7 +45,7 @@ def _gather(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     # the indexed reference (rank_pool._indexed) over cat([frozen, trainable]): x is (batch, tokens, in), idx the
     # flattened (batch x K) int64 indices, gates (batch, 1, K) or None; returns y and what the backward needs
-    A, B = torch.cat([A_f, A_t]), torch.cat([B_f, B_t])
+    A, B = pool_of_stores((A_f, B_f), (A_t, B_t))
     a = A.index_select(0, idx).view(x.shape[0], k, A.shape[1])  # (batch, K, in)
     b = B.index_select(0, idx).view(x.shape[0], k, B.shape[1])  # (batch, K, out)
     h = torch.bmm(x, a.mT)  # (batch, tokens, K)
@@ -114,9 +125,7 @@ def rank_pool_gather_stores(
         or (gates is not None and gates.requires_grad)
         or choose_reference(tokens, n_ranks, k, x.shape[-1], B_t.shape[1]) != "indexed"
     ):
-        # a store without ranks is read in place (a full store's slice or a copy would cost a copy per call)
-        A = A_t if A_f.shape[0] == 0 else A_f if A_t.shape[0] == 0 else torch.cat([A_f, A_t])
-        B = B_t if B_f.shape[0] == 0 else B_f if B_t.shape[0] == 0 else torch.cat([B_f, B_t])
+        A, B = pool_of_stores(frozen, trainable)
         return rank_pool_gather(x, A.mT, B, indices, scale, gates, check_range=False)
     x3 = x.unsqueeze(1) if x.dim() == 2 else x
     idx = indices.reshape(-1).long()

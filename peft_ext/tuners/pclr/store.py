@@ -19,6 +19,7 @@ from peft.tuners._buffer_dict import BufferDict
 from torch import nn
 
 from ...distributed import full_tensor, write_full_
+from ...kernels import pool_of_stores
 
 __all__ = ["N_NEW", "N_PROTOS", "N_STATIC", "TASK", "RankPoolStore"]
 
@@ -101,12 +102,7 @@ class RankPoolStore:
     def pool(self, adapter_name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The active ranks ``(A, B)``: (N x in) and (N x out), static rows first; gradients reach the new ones.
         Read-only: a view of one store when the other holds no rank, else the two concatenated (a copy)."""
-        (A_s, B_s), (A_n, B_n) = self.static_ranks(adapter_name), self.new_ranks(adapter_name)
-        if A_n.shape[0] == 0:
-            return A_s, B_s
-        if A_s.shape[0] == 0:
-            return A_n, B_n
-        return torch.cat([A_s, A_n]), torch.cat([B_s, B_n])
+        return pool_of_stores(self.static_ranks(adapter_name), self.new_ranks(adapter_name))
 
     def keys(self, adapter_name: str) -> torch.Tensor:
         """The active keys (N x d) of this layer's group, static first."""
