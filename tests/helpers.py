@@ -247,3 +247,16 @@ def pclr_lm_step(net: nn.Module, model: nn.Module, ids: torch.Tensor, optimizer:
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
+
+
+def padded_batches(seed: int, count: int, shape: tuple[int, int], pad_from: int, vocab: int = 128) -> list[tuple]:
+    """``count`` random ``(input_ids, attention_mask)`` batches of ``shape`` (batch, tokens), the second sample padded
+    from position ``pad_from`` on: token batches with padding for the statistics tests."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, vocab, shape, generator=g)
+        mask = torch.ones(shape, dtype=torch.long)
+        mask[1, pad_from:] = 0
+        out.append((ids, mask))
+    return out

@@ -35,7 +35,7 @@ from peft_ext.tuners.splitlora.subspace import (
     split_objective,
 )
 
-from .helpers import QUERY_VALUE, lora_adapter, stack_collate, tiny_classifier, token_sequence
+from .helpers import QUERY_VALUE, lora_adapter, padded_batches, stack_collate, tiny_classifier, token_sequence
 from .tuner_contract import TunerCase, contract_test
 
 
@@ -772,13 +772,7 @@ def test_modules_fed_the_same_input_share_one_product():
         products.append(rows.shape)
         return original(cov_sum, rows)
 
-    g = _gen(0)
-    batches = []
-    for _ in range(3):
-        ids = torch.randint(0, 128, (2, 6), generator=g)
-        mask = torch.ones(2, 6, dtype=torch.long)
-        mask[1, 4:] = 0
-        batches.append((ids, mask))
+    batches = padded_batches(0, 3, (2, 6), pad_from=4)
     with patch.object(statistics_module, "accumulate_covariance_lower", spy), torch.no_grad():
         with model.collect_statistics():
             for ids, mask in batches:

@@ -19,6 +19,8 @@ from peft_ext.tuners.splitlora import SplitLoRALayer
 from peft_ext.tuners.splitlora import statistics as statistics_module
 from peft_ext.tuners.splitlora.sharing import _Group
 
+from .helpers import padded_batches
+
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 KINDS = {"dense": {"statistics": "dense"}, "sketch": {"statistics": "sketch", "sketch_rank": 8}}
 
@@ -33,14 +35,7 @@ def _layers(model: nn.Module) -> dict[str, SplitLoRALayer]:
 
 
 def _batches(task: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(task)
-    out = []
-    for _ in range(3):
-        ids = torch.randint(0, 128, (3, 7), generator=g)
-        mask = torch.ones(3, 7, dtype=torch.long)
-        mask[1, 5:] = 0
-        out.append((ids, mask))
-    return out
+    return padded_batches(task, 3, (3, 7), pad_from=5)
 
 
 def _llama_cycle(kind: dict) -> tuple[dict, list, list]:
