@@ -41,6 +41,7 @@ from peft_ext.continual.sharding import shard_model
 from peft_ext.distributed import count_collectives
 from peft_ext.models import tiny_llama
 from peft_ext.tuners.splitlora import SplitLoRALayer
+from peft_ext.tuners.splitlora.sharing import distinct_accumulators
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 HIDDEN, LAYERS, VOCAB, RANK, BATCHES = 256, 2, 512, 16, 6  # BATCHES: the default of --batches
@@ -65,8 +66,7 @@ def held_bytes(model: nn.Module) -> tuple[int, int]:
     in progress that modules fed the same input share is counted once."""
     layers = [m for m in model.modules() if isinstance(m, SplitLoRALayer)]
     running = sum(m.local_statistics("default").nbytes for m in layers)
-    accumulators = {id(p): p for m in layers if (p := m._splitlora_pending.get("default")) is not None}
-    pending = sum(t.nbytes for p in accumulators.values() for t in p.values())
+    pending = sum(t.nbytes for p in distinct_accumulators(layers, "default") for t in p.values())
     return running, pending
 
 

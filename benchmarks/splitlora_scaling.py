@@ -53,6 +53,7 @@ from benchmarks._lib.tables import fmt_mib, markdown_table
 from benchmarks._lib.timing import Interleaved, timed
 from peft_ext import SplitLoRAConfig
 from peft_ext.tuners.splitlora import SplitLoRALayer
+from peft_ext.tuners.splitlora.sharing import distinct_accumulators
 from peft_ext.tuners.splitlora.subspace import choose_split, covariance_spectrum, primary_dimension, sketch_spectrum
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -132,10 +133,8 @@ def measure_width(width: int, layers: int, batches: int, lora_steps: int) -> dic
             timer.round({"plain": partial(split, input_ids=ids), "stats": partial(stats, ids)})
     plain, collected = timer.times("plain"), timer.times("stats")
     # an accumulator that modules fed the same input share is counted once
-    layer_pending = {
-        id(p): p for m in split.modules() if (p := getattr(m, "_splitlora_pending", {}).get("default")) is not None
-    }
-    pending_bytes = _bytes(t for p in layer_pending.values() for t in p.values())
+    adapted = [m for m in split.modules() if isinstance(m, SplitLoRALayer)]
+    pending_bytes = _bytes(t for p in distinct_accumulators(adapted, "default") for t in p.values())
     adapter = [t for k, t in split.state_dict().items() if "splitlora_" in k]
     kinds = sorted({m.statistics_kind("default") for m in split.modules() if hasattr(m, "statistics_kind")})
 

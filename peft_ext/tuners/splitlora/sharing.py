@@ -27,9 +27,20 @@ import torch
 from .layer import SplitLoRALayer
 from .statistics import add_rows
 
-__all__ = ["SharedInputs"]
+__all__ = ["SharedInputs", "distinct_accumulators"]
 
 Accumulator = dict[str, torch.Tensor]
+
+
+def distinct_accumulators(layers: Iterable[SplitLoRALayer], adapter_name: str) -> list[Accumulator]:
+    """The accumulators of the task in progress's statistics that ``layers`` hold, each once (modules fed the same
+    input hold one between them), in the order of the first layer holding each."""
+    found: dict[int, Accumulator] = {}
+    for layer in layers:
+        pending = layer._splitlora_pending.get(adapter_name)
+        if pending is not None:
+            found.setdefault(id(pending), pending)
+    return list(found.values())
 
 
 class _Group:
