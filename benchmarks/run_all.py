@@ -3,14 +3,16 @@
 Each entry of ``benchmarks/sections.py`` is one benchmark module (``python -m benchmarks.NAME``) with the arguments of
 its small run. The script's stdout is kept in ``runs/benchmarks/<name>.log`` (written atomically when the run ends);
 the report quotes every markdown table and every "target ... met / NOT met" line the script printed, with the exact
-command, its wall time and the machine. Because the logs are kept, an interrupted report resumes where it stopped
-(``--reuse``), and one entry can be re-run alone (``--only``).
+command, its wall time, the commit of the code it ran and the machine. Because the logs are kept, an interrupted
+report resumes where it stopped (``--reuse``), and one entry can be re-run alone (``--only``); ``--stale`` names the
+sections whose code (the package, ``benchmarks/_lib`` or the entry's script) changed since they were run.
 
 Usage, from the repository root::
 
     python -m benchmarks.run_all                 # everything: the full protocol (see --list: about 7 hours)
     python -m benchmarks.run_all --quick         # every benchmark's --quick smoke run (about 10 minutes)
-    python -m benchmarks.run_all --list          # the entries, their commands and expected minutes
+    python -m benchmarks.run_all --list          # the entries, their commands, minutes and the code each measured
+    python -m benchmarks.run_all --stale         # the sections whose code changed since they were run
     python -m benchmarks.run_all --reuse         # keep the logs already there, run the missing entries
     python -m benchmarks.run_all --only kernels pclr_overhead --reuse
     python -m benchmarks.run_all --report-only   # rebuild docs/benchmarks.md from the logs
@@ -85,9 +87,48 @@ def run(entry: Entry) -> tuple[int, float]:
         if watchdog is not None:
             watchdog.cancel()
         seconds = time.perf_counter() - start
-        out.write(f"\n[run_all] exit {code}, {seconds:.0f} s wall\n")
+        out.write(f"\n[run_all] exit {code}, {seconds:.0f} s wall, {provenance(entry)}\n")
     os.replace(tmp, log)
     return code, seconds
+
+
+MEASURED = "code "  # the footer's provenance: "code <commit> (<date>)", " + uncommitted changes" when there were
+CODE = ("benchmarks/_lib",)  # what every entry measures, besides its own script and package paths
+FOOTER = re.compile(r"exit (-?\d+), (\d+) s wall(?:, code ([0-9a-f]+)( \+ uncommitted changes)?)?")
+
+
+def code_paths(entry: Entry) -> tuple[str, ...]:
+    """The files whose change makes ``entry``'s section older than its code: its package paths, the shared benchmark
+    library and its script."""
+    return (*entry.code, *CODE, entry.args[0].replace(".", "/") + ".py")
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def provenance(entry: Entry) -> str:
+    """``code <commit> (<UTC date>)`` of the checkout ``entry`` ran from, ``+ uncommitted changes`` when its code
+    paths had any; ``code unknown`` outside a git checkout."""
+    commit = _git("rev-parse", "--short=7", "HEAD")
+    if not commit:
+        return f"{MEASURED}unknown"
+    dirty = _git("status", "--porcelain", "--", *code_paths(entry))
+    date = f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d}"
+    return f"{MEASURED}{commit} ({date})" + (" + uncommitted changes" if dirty else "")
+
+
+def changed_since(entry: Entry, commit: str) -> list[str] | None:
+    """The files of ``entry``'s code paths that differ between ``commit`` and the working tree (``None``: unknown,
+    e.g. the commit is not in this clone)."""
+    if _git("cat-file", "-e", f"{commit}^{{commit}}") is None:
+        return None
+    out = _git("diff", "--name-only", commit, "--", *code_paths(entry))
+    return None if out is None else [line for line in out.splitlines() if line]
 
 
 def extract(text: str) -> tuple[list[str], list[str], str]:
@@ -150,6 +191,66 @@ def _earlier_section(entry: Entry, sections: dict[str, list[str]]) -> str | None
     return None
 
 
+def measured(entry: Entry, text: str) -> dict[str, object] | None:
+    """What report ``text`` says of ``entry``'s run: its wall ``seconds``, the ``commit`` of the code it ran (``None``
+    for runs before commits were recorded), ``dirty`` (uncommitted changes of its code) and ``kept`` (carried over
+    from an earlier report); ``None`` when the report has no run of it."""
+    sections, _ = earlier_report(text)
+    # its title, else its exact command (not its script alone: several entries run one script)
+    title = next((t for t, lines in sections.items() if t == entry.title or shown(entry) in lines), None)
+    if title is None:
+        return None
+    lines = sections[title]
+    run = next((line for line in lines if line.startswith("Run: ")), None)
+    found = FOOTER.search(run) if run else None
+    if found is None:
+        return None
+    return {
+        "seconds": int(found.group(2)),
+        "commit": found.group(3),
+        "dirty": bool(found.group(4)),
+        "kept": any(line.startswith("_Kept from the previous report") for line in lines),
+    }
+
+
+def listing(text: str | None, stale_only: bool = False) -> list[str]:
+    """``--list`` (every entry: its expected minutes on 2 idle cores, its last run's as the report says, whether that
+    run is current, and its command) or ``--stale`` (only the entries whose section is missing or older than their
+    code, with the files changed since). A last run that reused cached runs (``--resume``, ``--runs``) took less than
+    the whole would."""
+    out, stale = [], 0
+    for entry in ENTRIES:
+        run = measured(entry, text) if text else None
+        if run is None:
+            state, why = "not run", ""
+        elif run["commit"] is None:
+            state, why = "stale", "run before reports recorded their commit"
+        else:
+            changed = changed_since(entry, str(run["commit"]))
+            if changed is None:
+                state, why = "stale", f"commit {run['commit']} is not in this clone"
+            elif changed or run["dirty"]:
+                shown_files = ", ".join(changed[:4]) + (", ..." if len(changed) > 4 else "")
+                state = "stale"
+                why = f"{len(changed)} file(s) changed since {run['commit']}" + (f": {shown_files}" if changed else "")
+                why += " (it ran with uncommitted changes)" if run["dirty"] else ""
+            else:
+                state, why = "current", f"code {run['commit']}"
+        stale += state != "current"
+        if stale_only and state == "current":
+            continue
+        last = f"last {int(run['seconds']) / 60:.0f} min" if run else "never run"
+        out.append(f"{entry.name:<18} ~{entry.minutes:>4.0f} min  {last:<14} {state:<8} {why}".rstrip())
+        if not stale_only:
+            out.append(f"{'':<18} {shown(entry)}")
+    if stale_only:
+        out.append(f"{stale} of {len(ENTRIES)} section(s) to re-run" if stale else "every section is current")
+    else:
+        total = sum(e.minutes for e in ENTRIES)
+        out.append(f"{'total':<18} ~{total:>4.0f} min on 2 idle cores, one entry after another")
+    return out
+
+
 def report(entries: list[Entry], earlier: str | None = None) -> str:
     """The markdown report from the logs of ``entries``. An entry without a log keeps its section (and its verdict
     rows) from ``earlier``, the report being replaced, marked as such; otherwise it is listed as not run."""
@@ -159,7 +260,9 @@ def report(entries: list[Entry], earlier: str | None = None) -> str:
         "",
         "Written by `python -m benchmarks.run_all` (`make benchmarks`) from the logs in `runs/benchmarks/`; every "
         "table below is the benchmark script's own output, every target line its own verdict. Sizes are chosen so the "
-        "whole report fits a 2-core CPU machine; each method's docs page has the larger runs.",
+        "whole report fits a 2-core CPU machine; each method's docs page has the larger runs. Each section's Run "
+        "line names the commit of the code it ran; `python -m benchmarks.run_all --stale` lists the sections whose "
+        "code changed since, `--list` every entry with its minutes.",
         "",
         f"Machine: {machine.summary()}. Report written {_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC.",
         "",
@@ -204,7 +307,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", choices=names, help="run only these entries")
     parser.add_argument("--reuse", action="store_true", help="skip entries that already have a log")
     parser.add_argument("--report-only", action="store_true", help="rebuild the report from the logs")
-    parser.add_argument("--list", action="store_true", help="print the entries and exit")
+    parser.add_argument(
+        "--list", action="store_true", help="print the entries, their minutes and the code each measured, and exit"
+    )
+    parser.add_argument(
+        "--stale", action="store_true", help="print the sections missing or older than the code they measure, and exit"
+    )
     parser.add_argument("--out", type=Path, default=None, help="the report (default docs/benchmarks.md)")
     args = parser.parse_args(argv)
     global QUICK, LOGS
@@ -213,10 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         args.out = LOGS / "report.md" if args.quick else REPORT
     selected = [e for e in ENTRIES if not args.only or e.name in args.only]
-    if args.list:
-        for e in ENTRIES:
-            print(f"{e.name:<14} ~{e.minutes:>4.0f} min  {shown(e)}")
-        print(f"{'total':<14} ~{sum(e.minutes for e in ENTRIES):>4.0f} min")
+    if args.list or args.stale:
+        print("\n".join(listing(args.out.read_text() if args.out.is_file() else None, stale_only=args.stale)))
         return 0
     failed = []
     if not args.report_only:

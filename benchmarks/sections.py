@@ -24,6 +24,8 @@ class Entry:
         about: What the run compares and at what size, for the report.
         figure: A figure the run writes, relative to ``docs/`` (shown in the report under the tables), or ``""``.
         quick: The script has a ``--quick`` smoke run (``--quick`` runs it instead of ``args``).
+        code: The package paths (git pathspecs) whose change makes the section older than its code, besides the
+            script and ``benchmarks/_lib`` (``run_all --stale``).
     """
 
     name: str
@@ -33,6 +35,19 @@ class Entry:
     about: str
     figure: str = ""
     quick: bool = True
+    code: tuple[str, ...] = ("peft_ext",)
+
+
+SHARED_TUNER = ":(glob)peft_ext/tuners/*.py"  # the tuner base every adapter type builds on
+RIEMANNION = (
+    SHARED_TUNER,
+    "peft_ext/tuners/riemannion",
+    "peft_ext/optim",
+    "peft_ext/manifolds",
+    "peft_ext/kernels",
+    "peft_ext/models",
+)
+PCLR = (SHARED_TUNER, "peft_ext/tuners/pclr", "peft_ext/kernels", "peft_ext/models")
 
 
 ENTRIES: tuple[Entry, ...] = (
@@ -47,6 +62,7 @@ ENTRIES: tuple[Entry, ...] = (
         "class draw and order; seq_lora and joint are rerun at twice the epochs to check convergence. `--resume` "
         "reuses the runs already recorded in `runs/benchmark_continual_wordnet/checkpoint.json` with the same "
         "settings, so a rerun costs only what is missing (`--tasks 10` runs the 10 x 2 sequence).",
+        code=("peft_ext/continual", "peft_ext/tuners", "peft_ext/data", "peft_ext/models", "peft_ext/kernels"),
     ),
     Entry(
         "continual_fortunes",
@@ -82,6 +98,7 @@ ENTRIES: tuple[Entry, ...] = (
         "test per class, 64 tokens): seq_lora, InfLoRA-style, SplitLoRA, PCLR and joint training, each method's "
         "learning rate chosen on the validation split of seed 0, then the test split of 3 seeds (class draws and "
         "orders). The grid centres are the WordNet run's, so the two tables compare the same settings.",
+        code=("peft_ext/continual", "peft_ext/tuners", "peft_ext/data", "peft_ext/models", "peft_ext/kernels"),
     ),
     Entry(
         "riemannion",
@@ -93,13 +110,14 @@ ENTRIES: tuple[Entry, ...] = (
             "--runs",
             "runs/benchmarks/riemannion-runs.json",
         ),
-        58,
+        113,
         "All 44 supersenses in one task, rank 16, 330 steps of 16 (6 epochs), five methods (LoRA-GA with "
         "`--methods`): a 3-point lr grid per method (half a decade apart) tuned on the validation split with "
         "seed 0, test over seeds 0-4 with paired "
         "95 % intervals to LoRA + AdamW, accuracy vs steps (55 / 110 / 220 / 330), step time interleaved in one "
         "process, LOI cost in steps; the figure is validation accuracy vs learning rate.",
         "figures/riemannion_lr.png",
+        code=RIEMANNION + ("peft_ext/continual", "peft_ext/data"),
     ),
     Entry(
         "dct",
@@ -119,16 +137,18 @@ ENTRIES: tuple[Entry, ...] = (
         "validation (3-point grid) and 3 test seeds (90 runs of about 90 s; `--ranks 8` halves it), step time; the "
         "figure is validation accuracy vs learning rate per rank (seed 0).",
         "figures/dct_vs_galore_lr.png",
+        code=("peft_ext/continual", "peft_ext/optim", "peft_ext/data", "peft_ext/models"),
     ),
     Entry(
         "fsdp_state",
         "Optimizer state per rank under FSDP2 (2 ranks) and Riemannion's gather cost",
         ("benchmarks.fsdp_optimizer_state", "--json", "runs/benchmarks/fsdp_state.json"),
-        2,
+        1,
         "Full fine-tuning of a tiny Llama (hidden 256) sharded with fully_shard over 2 gloo processes on CPU: AdamW, "
         "DCT-AdamW and GaLore-AdamW state per rank against one process; Riemannion's optimizer step with its per-step "
         "gathers (docs/dct_adamw.md, docs/riemannion.md).",
         quick=False,
+        code=RIEMANNION + ("peft_ext/distributed", "peft_ext/continual/sharding.py"),
     ),
     Entry(
         "mora",
@@ -140,31 +160,40 @@ ENTRIES: tuple[Entry, ...] = (
             "--runs",
             "runs/benchmarks/mora-runs.json",
         ),
-        42,
+        62,
         "Each method's learning rate chosen on the emoji validation split (3-point grid, 70 % missing of both kinds, "
         "seed 0), then test accuracy over 5 seeds with complete pairs and at 70 % missing (text, image, both): MoRA "
         "vs LoRA (r = 4, and at MoRA's exact parameter count), frozen backbone and a missing-aware prompt baseline.",
+        code=(SHARED_TUNER, "peft_ext/tuners/mora", "peft_ext/multimodal", "peft_ext/data", "peft_ext/models"),
     ),
     Entry(
         "splitlora_scaling",
         "SplitLoRA at LLM scale: statistics, task boundary, memory and checkpoints against LoRA",
         ("benchmarks.splitlora_scaling", "--json", "runs/benchmarks/splitlora_scaling.json"),
-        15,
+        4,
         "Random Llama models of width 256-4096 (r = 16 on all seven projections, batches of 4 x 64 tokens, one "
         "thread): statistics pass against a plain forward, end_task in LoRA-step equivalents, memory and checkpoint "
         "sizes against LoRA; each Llama-3-8B / 70B projection shape measured alone and summed on paper per 1k tokens, "
         "per task boundary and per GPU under FSDP2 (docs/splitlora.md).",
+        code=(SHARED_TUNER, "peft_ext/tuners/splitlora", "peft_ext/models"),
     ),
     Entry(
         "splitlora_fsdp2",
         "SplitLoRA's statistics under FSDP2: sharded over the input features or whole on every process",
         ("benchmarks.splitlora_fsdp2", "--json", "runs/benchmarks/splitlora_fsdp2.json"),
-        2,
+        1,
         "A random Llama (hidden 256, 2 layers, r = 16 on all seven projections) sharded with fully_shard over 2 gloo "
         "processes on CPU: one task's statistics (dense, and 64-row sketches) with shard_statistics on and off, bytes "
         "per process against one process, the statistics pass against a plain forward, collectives, end_task and "
         "the splits; Llama-3-8B / 70B per-process bytes on 8 processes on paper (docs/distributed.md).",
         quick=False,
+        code=(
+            SHARED_TUNER,
+            "peft_ext/tuners/splitlora",
+            "peft_ext/distributed",
+            "peft_ext/continual/sharding.py",
+            "peft_ext/models",
+        ),
     ),
     Entry(
         "riemannion_step",
@@ -174,16 +203,18 @@ ENTRIES: tuple[Entry, ...] = (
         "MiniLM-L6 on WordNet (r = 16 on query and value, batches of 16): a training step of Riemannion (LOI and "
         "random start), LoRA + AdamW, LoRA with the Riemannian preconditioner and with Muon, interleaved in one "
         "process (40 rounds), and LOI's one-off cost as a share of the protocol's 330-step run (docs/riemannion.md).",
+        code=RIEMANNION + ("peft_ext/continual", "peft_ext/data"),
     ),
     Entry(
         "pclr_sequence",
         "PCLR's CPU over a 10-task sequence against sequential LoRA",
         ("benchmarks.pclr", "--sequence-cost", "--tasks", "10", "--cost-rounds", "2"),
-        9,
+        7,
         "The continual benchmark's pclr entry (contribution rule, task-routed distillation) and seq_lora on one "
         "seed's 10 x 2 WordNet sequence, each in its own thread, taking turns task by task on one core, each timed "
         "by its thread's CPU clock (docs/pclr.md, 'What a run costs').",
         quick=False,
+        code=PCLR + ("peft_ext/continual", "peft_ext/data"),
     ),
     Entry(
         "pclr_overhead",
@@ -192,16 +223,18 @@ ENTRIES: tuple[Entry, ...] = (
         1,
         "MiniLM-L6 eval forward, batch 32 x 32 tokens: base, LoRA r=16, PCLR pool 32 / top-16 per-sample routing.",
         quick=False,
+        code=PCLR,
     ),
     Entry(
         "pclr_step",
         "PCLR training step against LoRA",
         ("benchmarks.pclr", "--step", "--widths", "256", "1024", "2048", "--rounds", "20", "12", "8"),
-        25,
+        1,
         "Random Llama (2 layers, all 7 projections, batch 4 x 64 tokens, one thread): a training step (forward, "
         "backward, AdamW) of PCLR with its pool at the cap (64 ranks: 48 static of three finished 16-rank tasks, 16 "
         "new; top-16, query-key loss) against PEFT's LoRA r = 16, the two taking turns in one process.",
         quick=False,
+        code=PCLR,
     ),
     Entry(
         "kernels",
@@ -210,6 +243,7 @@ ENTRIES: tuple[Entry, ...] = (
         1,
         "On CPU only the reference paths run; GPU figures need benchmarks/gpu_check.sh on a CUDA machine.",
         quick=False,
+        code=("peft_ext/kernels", "peft_ext/manifolds"),
     ),
     Entry(
         "causal_lm_bf16",
@@ -221,7 +255,7 @@ ENTRIES: tuple[Entry, ...] = (
             "--json",
             "runs/benchmarks/causal_lm_bf16.json",
         ),
-        10,
+        2,
         "Model and adapters in bf16, all 7 projections at rank 8, a tiny Llama pretrained in the script on noun "
         "glosses and fine-tuned on verb glosses; lr per method from a 3-point grid on a validation split, 3 seeds, "
         "steps interleaved for timing. Optimizer state is exact; at this size the peak-memory delta is mostly "
@@ -231,6 +265,7 @@ ENTRIES: tuple[Entry, ...] = (
         "60 steps is a budget-matched comparison, not a converged one: the validation curves are still falling at the "
         "end (figure), and the three methods end within 0.013 nats / byte of each other.",
         "figures/causal_lm_bf16.png",
+        code=RIEMANNION + ("peft_ext/precision.py", "peft_ext/data"),
     ),
     Entry(
         "pretrain_llama",
@@ -244,7 +279,7 @@ ENTRIES: tuple[Entry, ...] = (
             "--runs",
             "runs/benchmarks/pretrain_llama-runs.json",
         ),
-        130,
+        100,
         "The DCT-AdamW paper's regime shrunk to a CPU: a 4.9 M-parameter Llama (hidden 256, 8 layers, byte "
         "vocabulary) trained from scratch on WordNet definitions and examples, 400 steps x 1,024 bytes for every "
         "optimizer; the 56 attention / MLP projections at rank 64, refreshed every 50 steps, for every low-rank "
@@ -252,5 +287,6 @@ ENTRIES: tuple[Entry, ...] = (
         "split (seed 0), then 3 test seeds; perplexity per byte; the optimizers trained side by side for the step "
         "times.",
         "figures/pretrain_llama_loss.png",
+        code=("peft_ext/optim", "peft_ext/data", "peft_ext/models"),
     ),
 )

@@ -63,6 +63,7 @@ def test_main_runs_the_selected_entries_keeps_logs_and_writes_the_report(run_all
     assert "- target: ours - theirs = +2.0 points (>= +1.0): met" in text
     assert "| good | target: step time 1.3x (<= 1.15x): NOT met |" in text  # the summary table
     assert "Run: exit 3" in text  # the failing entry's exit status is in its section
+    assert "s wall, code unknown." in text  # the code it ran (no git checkout here)
     assert "python -m fake_bench 0" in text  # the command as it ran
     missing = text.split("## Never run", 1)[1]
     assert "Not run yet." in missing
@@ -159,3 +160,61 @@ def test_every_entry_runs_a_benchmark_module_whose_quick_flag_is_right():
         path = ROOT / (module.replace(".", "/") + ".py")
         assert path.is_file(), entry.name
         assert ("quick=" in path.read_text() or "--quick" in path.read_text()) == entry.quick, entry.name
+
+
+def _git(root: Path, *args: str) -> str:
+    import subprocess
+
+    done = subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=root, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_each_run_records_its_commit_and_stale_names_the_sections_whose_code_changed_since(
+    run_all, tmp_path, monkeypatch
+):
+    """A section is current while nothing under its entry's code paths (its package paths, ``benchmarks/_lib``, its
+    script) changed since the commit its run recorded; ``--stale`` lists the others with the files that changed."""
+    (tmp_path / "peft_ext").mkdir()
+    (tmp_path / "peft_ext" / "core.py").write_text("x = 1\n")
+    (tmp_path / "README.md").write_text("readme\n")
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-q", "-m", "first")
+    good, broken, _ = run_all.ENTRIES
+    missing = run_all.Entry("missing", "Never run", ("fake_bench", "9"), 1, "Its own command, never run.")
+    monkeypatch.setattr(run_all, "ENTRIES", (good, broken, missing))
+    first = _git(tmp_path, "rev-parse", "--short=7", "HEAD")
+    assert run_all.provenance(good).startswith(f"code {first} (") and "uncommitted" not in run_all.provenance(good)
+    (tmp_path / "peft_ext" / "core.py").write_text("x = 2\n")
+    assert run_all.provenance(good).endswith(" + uncommitted changes")  # measured with code no commit holds
+    _git(tmp_path, "commit", "-q", "-am", "second")
+    report = (
+        "# Benchmarks\n\n"
+        "## A good benchmark\n\n```bash\npython -m fake_bench 0\n```\n\n"
+        f"Run: exit 0, 120 s wall, code {first} (2026-12-03).\n\n"
+        "## A failing benchmark\n\n```bash\npython -m fake_bench 3\n```\n\nRun: exit 3, 60 s wall.\n"
+    )
+    run = run_all.measured(good, report)
+    assert run == {"seconds": 120, "commit": first, "dirty": False, "kept": False}
+    lines = run_all.listing(report, stale_only=True)
+    assert lines[0].startswith("good") and "stale" in lines[0]
+    assert f"1 file(s) changed since {first}: peft_ext/core.py" in lines[0]
+    assert "run before reports recorded their commit" in lines[1]  # no commit: cannot be shown current
+    assert lines[2].startswith("missing") and "not run" in lines[2]
+    assert lines[-1] == "3 of 3 section(s) to re-run"
+    # a run at the current commit is current; a change outside its code paths leaves it current
+    second = _git(tmp_path, "rev-parse", "--short=7", "HEAD")
+    (tmp_path / "README.md").write_text("changed\n")
+    _git(tmp_path, "commit", "-q", "-am", "docs")
+    current = report.replace(f"code {first}", f"code {second}")
+    listed = run_all.listing(current)
+    assert listed[0].startswith("good") and "last 2 min" in listed[0] and f"current  code {second}" in listed[0]
+    assert listed[1].strip() == "python -m fake_bench 0"
+    assert "good" not in "\n".join(run_all.listing(current, stale_only=True))
+    assert listed[-1].startswith("total") and "~   3 min" in listed[-1]  # the entries' expected minutes
+    # a commit this clone does not have cannot vouch for the section either
+    unknown = report.replace(f"code {first}", "code abcdef1")
+    assert "commit abcdef1 is not in this clone" in run_all.listing(unknown, stale_only=True)[0]
