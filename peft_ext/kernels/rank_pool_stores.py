@@ -44,24 +44,17 @@ def _gather(
     x: Tensor, A_f: Tensor, B_f: Tensor, A_t: Tensor, B_t: Tensor, idx: Tensor, k: int, gates: Optional[Tensor], scale
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     # the indexed reference (rank_pool._indexed) over cat([frozen, trainable]): x is (batch, tokens, in), idx the
-    # flattened (batch x K) int64 indices, gates (batch, 1, K) or None; returns y and what the backward needs (h:
-    # the gated, scaled slot activations, so that B's gradient is h^T grad)
+    # flattened (batch x K) int64 indices, gates (batch, 1, K) or None; returns y and what the backward needs
     A, B = pool_of_stores((A_f, B_f), (A_t, B_t))
     a = A.index_select(0, idx).view(x.shape[0], k, A.shape[1])  # (batch, K, in)
     b = B.index_select(0, idx).view(x.shape[0], k, B.shape[1])  # (batch, K, out)
     h = torch.bmm(x, a.mT)  # (batch, tokens, K)
-    _scale_slots_(h, gates, scale)
-    return torch.bmm(h, b), a, b, h
-
-
-def _scale_slots_(h: Tensor, gates: Optional[Tensor], scale: float) -> None:
-    # the gates and the output scale multiply the K-wide slot activations (or their gradient) in place, rather than
-    # the out-wide output (and the out-wide incoming gradient in the backward): the same product, a pass over
-    # batch x tokens x K elements instead of two over batch x tokens x out
     if gates is not None:
-        h.mul_(gates if scale == 1.0 else gates * scale)
-    elif scale != 1.0:
-        h.mul_(scale)
+        h.mul_(gates)
+    y = torch.bmm(h, b)
+    if scale != 1.0:
+        y.mul_(scale)
+    return y, a, b, h
 
 
 class _StoresGather(torch.autograd.Function):
@@ -76,9 +69,12 @@ class _StoresGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        x, a, b, h, idx, gates = ctx.saved_tensors  # h: the slots already gated and scaled
+        x, a, b, h, idx, gates = ctx.saved_tensors
+        if ctx.scale != 1.0:
+            grad = grad * ctx.scale
         grad_h = torch.bmm(grad, b.mT)
-        _scale_slots_(grad_h, gates, ctx.scale)
+        if gates is not None:
+            grad_h.mul_(gates)
         grad_x = torch.bmm(grad_h, a) if ctx.needs_input_grad[0] else None
         grad_A = grad_B = None
         # each slot's rows summed into its rank (index_select's backward), then the trainable store's share
