@@ -329,10 +329,10 @@ def table_finetune(
     return "\n\n".join(parts), study
 
 
-#: ``--quick``: every code path at toy sizes
+#: ``--quick``: every code path at toy sizes (table 3: two steps of 24 per run; its cost is mostly setting up each run)
 QUICK = {"sizes": [256], "repeats": 1, "refresh_rank": 32, "step_rounds": 1, "energy_steps": [2], "epochs": 1}
 QUICK |= {"energy_ranks": [8, 32], "power_refreshes": 2, "train_per_class": 1, "val_per_class": 1, "test_per_class": 1}
-QUICK |= {"ranks": [8], "grid_points": 1, "test_seeds": [0], "batch_size": 8, "max_length": 16}
+QUICK |= {"ranks": [8], "grid_points": 1, "test_seeds": [0], "batch_size": 24, "max_length": 16}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
