@@ -5,7 +5,7 @@ its small run. The script's stdout is kept in ``runs/benchmarks/<name>.log`` (wr
 the report quotes every markdown table and every "target ... met / NOT met" line the script printed, with the exact
 command, its wall time, the commit of the code it ran and the machine. Because the logs are kept, an interrupted
 report resumes where it stopped (``--reuse``), and one entry can be re-run alone (``--only``); ``--stale`` names the
-sections whose code (the package, ``benchmarks/_lib`` or the entry's script) changed since they were run.
+sections whose code (the entry's package paths, ``benchmarks/_lib`` or its script) changed since they were run.
 
 Usage, from the repository root::
 
@@ -191,11 +191,10 @@ def _earlier_section(entry: Entry, sections: dict[str, list[str]]) -> str | None
     return None
 
 
-def measured(entry: Entry, text: str) -> dict[str, object] | None:
-    """What report ``text`` says of ``entry``'s run: its wall ``seconds``, the ``commit`` of the code it ran (``None``
-    for runs before commits were recorded), ``dirty`` (uncommitted changes of its code) and ``kept`` (carried over
-    from an earlier report); ``None`` when the report has no run of it."""
-    sections, _ = earlier_report(text)
+def measured(entry: Entry, sections: dict[str, list[str]]) -> dict[str, object] | None:
+    """What a report's ``sections`` (:func:`earlier_report`) say of ``entry``'s run: its wall ``seconds``, the
+    ``commit`` of the code it ran (``None`` for runs before commits were recorded), ``dirty`` (uncommitted changes of
+    its code) and ``kept`` (carried over from an earlier report); ``None`` when the report has no run of it."""
     # its title, else its exact command (not its script alone: several entries run one script)
     title = next((t for t, lines in sections.items() if t == entry.title or shown(entry) in lines), None)
     if title is None:
@@ -219,8 +218,9 @@ def listing(text: str | None, stale_only: bool = False) -> list[str]:
     code, with the files changed since). A last run that reused cached runs (``--resume``, ``--runs``) took less than
     the whole would."""
     out, stale = [], 0
+    sections = earlier_report(text)[0] if text else {}  # parsed once for every entry
     for entry in ENTRIES:
-        run = measured(entry, text) if text else None
+        run = measured(entry, sections)
         if run is None:
             state, why = "not run", ""
         elif run["commit"] is None:

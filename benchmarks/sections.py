@@ -47,6 +47,7 @@ RIEMANNION = (
     "peft_ext/kernels",
     "peft_ext/models",
 )
+CONTINUAL = ("peft_ext/continual", "peft_ext/tuners", "peft_ext/data", "peft_ext/models", "peft_ext/kernels")
 PCLR = (SHARED_TUNER, "peft_ext/tuners/pclr", "peft_ext/kernels", "peft_ext/models")
 
 
@@ -62,7 +63,7 @@ ENTRIES: tuple[Entry, ...] = (
         "class draw and order; seq_lora and joint are rerun at twice the epochs to check convergence. `--resume` "
         "reuses the runs already recorded in `runs/benchmark_continual_wordnet/checkpoint.json` with the same "
         "settings, so a rerun costs only what is missing (`--tasks 10` runs the 10 x 2 sequence).",
-        code=("peft_ext/continual", "peft_ext/tuners", "peft_ext/data", "peft_ext/models", "peft_ext/kernels"),
+        code=CONTINUAL,
     ),
     Entry(
         "continual_fortunes",
@@ -98,7 +99,7 @@ ENTRIES: tuple[Entry, ...] = (
         "test per class, 64 tokens): seq_lora, InfLoRA-style, SplitLoRA, PCLR and joint training, each method's "
         "learning rate chosen on the validation split of seed 0, then the test split of 3 seeds (class draws and "
         "orders). The grid centres are the WordNet run's, so the two tables compare the same settings.",
-        code=("peft_ext/continual", "peft_ext/tuners", "peft_ext/data", "peft_ext/models", "peft_ext/kernels"),
+        code=CONTINUAL,
     ),
     Entry(
         "riemannion",

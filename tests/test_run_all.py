@@ -197,7 +197,7 @@ def test_each_run_records_its_commit_and_stale_names_the_sections_whose_code_cha
         f"Run: exit 0, 120 s wall, code {first} (2026-12-03).\n\n"
         "## A failing benchmark\n\n```bash\npython -m fake_bench 3\n```\n\nRun: exit 3, 60 s wall.\n"
     )
-    run = run_all.measured(good, report)
+    run = run_all.measured(good, run_all.earlier_report(report)[0])
     assert run == {"seconds": 120, "commit": first, "dirty": False, "kept": False}
     lines = run_all.listing(report, stale_only=True)
     assert lines[0].startswith("good") and "stale" in lines[0]
