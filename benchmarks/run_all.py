@@ -5,7 +5,8 @@ its small run. The script's stdout is kept in ``runs/benchmarks/<name>.log`` (wr
 the report quotes every markdown table and every "target ... met / NOT met" line the script printed, with the exact
 command, its wall time, the commit of the code it ran and the machine. Because the logs are kept, an interrupted
 report resumes where it stopped (``--reuse``), and one entry can be re-run alone (``--only``); ``--stale`` names the
-sections whose code (the entry's package paths, ``benchmarks/_lib`` or its script) changed since they were run.
+sections whose code (the entry's package paths, its script or a benchmark module it imports) changed since they were
+run.
 
 Usage, from the repository root::
 
@@ -22,6 +23,7 @@ Usage, from the repository root::
 
 from __future__ import annotations
 
+import ast
 import datetime as _dt
 import os
 import re
@@ -93,14 +95,52 @@ def run(entry: Entry) -> tuple[int, float]:
 
 
 MEASURED = "code "  # the footer's provenance: "code <commit> (<date>)", " + uncommitted changes" when there were
-CODE = ("benchmarks/_lib",)  # what every entry measures, besides its own script and package paths
+# A section carried from the previous report (its log is not here): kept when its code changed since, carried when not
+KEPT = "_Kept from the previous report"
+KEPT_NOTE = f"{KEPT}: not re-run since, so its sizes and protocol may predate the script._"
+CARRIED = "_Carried from the previous report"
+CARRIED_NOTE = f"{CARRIED}: its code is unchanged since the run named below (`run_all --stale`)._"
 FOOTER = re.compile(r"exit (-?\d+), (\d+) s wall(?:, code ([0-9a-f]+)( \+ uncommitted changes)?)?")
 
 
+def _module_file(module: str, script: str) -> str | None:
+    """The file of ``module`` relative to the repository when it is the ``script`` or one of the benchmarks (``None``
+    otherwise)."""
+    if module not in (script, "benchmarks") and not module.startswith("benchmarks."):
+        return None
+    stem = module.replace(".", "/")
+    return next((f for f in (f"{stem}.py", f"{stem}/__init__.py") if (ROOT / f).is_file()), None)
+
+
+def imported_benchmark_files(module: str) -> list[str]:
+    """The files of benchmark ``module`` and of every benchmark module it imports, transitively, read from their
+    source (nothing is imported): the files whose change makes its section older than its code."""
+    seen: dict[str, None] = {}
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        path = _module_file(name, module)
+        if path is None or path in seen:
+            continue
+        seen[path] = None
+        package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+        todo.append(name.rpartition(".")[0])  # importing a module runs its package's __init__ first
+        for node in ast.walk(ast.parse((ROOT / path).read_text())):
+            if isinstance(node, ast.Import):
+                todo += [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: ``from .cache import RunCache`` in package ``benchmarks._lib``
+                    parents = package.split(".")
+                    base = ".".join(parents[: len(parents) - node.level + 1] + ([base] if base else []))
+                todo += [base, *(f"{base}.{alias.name}" for alias in node.names)]  # ``from package import module``
+    return list(seen)
+
+
 def code_paths(entry: Entry) -> tuple[str, ...]:
-    """The files whose change makes ``entry``'s section older than its code: its package paths, the shared benchmark
-    library and its script."""
-    return (*entry.code, *CODE, entry.args[0].replace(".", "/") + ".py")
+    """The files whose change makes ``entry``'s section older than its code: its package paths, its script and every
+    benchmark module the script imports (``benchmarks/_lib``'s shared pieces among them)."""
+    return (*entry.code, *imported_benchmark_files(entry.args[0]))
 
 
 def _git(*args: str) -> str | None:
@@ -158,7 +198,7 @@ def extract(text: str) -> tuple[list[str], list[str], str]:
 
 
 def earlier_report(text: str) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
-    """A report's sections by title (their lines after the heading) and its targets-at-a-glance rows by entry name,
+    """A report's sections by title (their lines after the heading) and its targets-at-a-glance verdicts by entry name,
     so a partial re-run keeps what it did not re-run."""
     sections: dict[str, list[str]] = {}
     glance: dict[str, list[str]] = {}
@@ -170,8 +210,7 @@ def earlier_report(text: str) -> tuple[dict[str, list[str]], dict[str, list[str]
         elif title == "Targets at a glance":
             cells = [c.strip() for c in line.strip().strip("|").split("|")]
             if line.startswith("| ") and len(cells) == 2 and cells[0] not in ("benchmark", "---"):
-                name = cells[0].removesuffix(" (kept)")
-                glance.setdefault(name, []).append(f"| {name} (kept) | {cells[1]} |")
+                glance.setdefault(cells[0].removesuffix(" (kept)"), []).append(cells[1])
         elif title is not None:
             sections[title].append(line)
     return sections, glance
@@ -199,7 +238,11 @@ def measured(entry: Entry, sections: dict[str, list[str]]) -> dict[str, object] 
     title = next((t for t, lines in sections.items() if t == entry.title or shown(entry) in lines), None)
     if title is None:
         return None
-    lines = sections[title]
+    return _run_of(sections[title])
+
+
+def _run_of(lines: list[str]) -> dict[str, object] | None:
+    """:func:`measured` of one section's lines."""
     run = next((line for line in lines if line.startswith("Run: ")), None)
     found = FOOTER.search(run) if run else None
     if found is None:
@@ -208,8 +251,24 @@ def measured(entry: Entry, sections: dict[str, list[str]]) -> dict[str, object] 
         "seconds": int(found.group(2)),
         "commit": found.group(3),
         "dirty": bool(found.group(4)),
-        "kept": any(line.startswith("_Kept from the previous report") for line in lines),
+        "kept": any(line.startswith((KEPT, CARRIED)) for line in lines),
     }
+
+
+def currency(entry: Entry, run: dict[str, object] | None) -> tuple[str, str]:
+    """Whether ``entry``'s last ``run`` (:func:`measured`) is ``current``, ``stale`` or ``not run``, and why."""
+    if run is None:
+        return "not run", ""
+    if run["commit"] is None:
+        return "stale", "run before reports recorded their commit"
+    changed = changed_since(entry, str(run["commit"]))
+    if changed is None:
+        return "stale", f"commit {run['commit']} is not in this clone"
+    if changed or run["dirty"]:
+        shown_files = ", ".join(changed[:4]) + (", ..." if len(changed) > 4 else "")
+        why = f"{len(changed)} file(s) changed since {run['commit']}" + (f": {shown_files}" if changed else "")
+        return "stale", why + (" (it ran with uncommitted changes)" if run["dirty"] else "")
+    return "current", f"code {run['commit']}"
 
 
 def listing(text: str | None, stale_only: bool = False) -> list[str]:
@@ -221,21 +280,7 @@ def listing(text: str | None, stale_only: bool = False) -> list[str]:
     sections = earlier_report(text)[0] if text else {}  # parsed once for every entry
     for entry in ENTRIES:
         run = measured(entry, sections)
-        if run is None:
-            state, why = "not run", ""
-        elif run["commit"] is None:
-            state, why = "stale", "run before reports recorded their commit"
-        else:
-            changed = changed_since(entry, str(run["commit"]))
-            if changed is None:
-                state, why = "stale", f"commit {run['commit']} is not in this clone"
-            elif changed or run["dirty"]:
-                shown_files = ", ".join(changed[:4]) + (", ..." if len(changed) > 4 else "")
-                state = "stale"
-                why = f"{len(changed)} file(s) changed since {run['commit']}" + (f": {shown_files}" if changed else "")
-                why += " (it ran with uncommitted changes)" if run["dirty"] else ""
-            else:
-                state, why = "current", f"code {run['commit']}"
+        state, why = currency(entry, run)
         stale += state != "current"
         if stale_only and state == "current":
             continue
@@ -275,12 +320,11 @@ def report(entries: list[Entry], earlier: str | None = None) -> str:
         log = LOGS / f"{entry.name}.log"
         earlier_title = _earlier_section(entry, sections) if not log.is_file() else None
         if earlier_title is not None:
-            note = (
-                "_Kept from the previous report: not re-run since, so its sizes and protocol may predate the script._"
-            )
-            body = "\n".join(line for line in sections.pop(earlier_title) if line != note).strip("\n")
-            out += [f"## {entry.title}", "", note, "", body, ""]
-            summary += glance.get(entry.name, [])
+            lines = [line for line in sections.pop(earlier_title) if not line.startswith((KEPT, CARRIED))]
+            current = currency(entry, _run_of(lines))[0] == "current"
+            body = "\n".join(lines).strip("\n")
+            out += [f"## {entry.title}", "", CARRIED_NOTE if current else KEPT_NOTE, "", body, ""]
+            summary += [f"| {entry.name}{'' if current else ' (kept)'} | {v} |" for v in glance.get(entry.name, [])]
             continue
         out += [f"## {entry.title}", "", entry.about, "", "```bash", shown(entry), "```", ""]
         if not log.is_file():

@@ -25,7 +25,7 @@ class Entry:
         figure: A figure the run writes, relative to ``docs/`` (shown in the report under the tables), or ``""``.
         quick: The script has a ``--quick`` smoke run (``--quick`` runs it instead of ``args``).
         code: The package paths (git pathspecs) whose change makes the section older than its code, besides the
-            script and ``benchmarks/_lib`` (``run_all --stale``).
+            script and the benchmark modules it imports (``run_all --stale``).
     """
 
     name: str

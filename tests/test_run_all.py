@@ -175,8 +175,9 @@ def _git(root: Path, *args: str) -> str:
 def test_each_run_records_its_commit_and_stale_names_the_sections_whose_code_changed_since(
     run_all, tmp_path, monkeypatch
 ):
-    """A section is current while nothing under its entry's code paths (its package paths, ``benchmarks/_lib``, its
-    script) changed since the commit its run recorded; ``--stale`` lists the others with the files that changed."""
+    """A section is current while nothing under its entry's code paths (its package paths, its script and the
+    benchmark modules it imports) changed since the commit its run recorded; ``--stale`` lists the others with the
+    files that changed."""
     (tmp_path / "peft_ext").mkdir()
     (tmp_path / "peft_ext" / "core.py").write_text("x = 1\n")
     (tmp_path / "README.md").write_text("readme\n")
@@ -218,3 +219,52 @@ def test_each_run_records_its_commit_and_stale_names_the_sections_whose_code_cha
     # a commit this clone does not have cannot vouch for the section either
     unknown = report.replace(f"code {first}", "code abcdef1")
     assert "commit abcdef1 is not in this clone" in run_all.listing(unknown, stale_only=True)[0]
+
+
+def test_a_section_follows_the_benchmark_modules_its_script_imports_and_says_when_it_is_carried_current(
+    run_all, tmp_path, monkeypatch
+):
+    """The benchmark modules a script imports, transitively (relative imports and packages too), are its code; a
+    module it does not import is not. A section carried from the previous report (no log here) says whether its code
+    is unchanged since its run: carried when it is (its verdicts as they were), kept when not (verdicts marked)."""
+    lib = tmp_path / "benchmarks" / "_lib"
+    lib.mkdir(parents=True)
+    (tmp_path / "benchmarks" / "__init__.py").write_text("")
+    (lib / "__init__.py").write_text("")
+    (lib / "shared.py").write_text("from .deep import helper\n")
+    (lib / "deep.py").write_text("import json\n\n\ndef helper():\n    return json\n")
+    (lib / "other.py").write_text("x = 1\n")
+    (tmp_path / "benchmarks" / "bench.py").write_text("import torch\nfrom benchmarks._lib import shared\n")
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-q", "-m", "first")
+    first = _git(tmp_path, "rev-parse", "--short=7", "HEAD")
+    entry = run_all.Entry("bench", "A bench", ("benchmarks.bench",), 1, "About.", code=())
+    monkeypatch.setattr(run_all, "ENTRIES", (entry,))
+    assert sorted(run_all.code_paths(entry)) == [
+        "benchmarks/__init__.py",
+        "benchmarks/_lib/__init__.py",
+        "benchmarks/_lib/deep.py",
+        "benchmarks/_lib/shared.py",
+        "benchmarks/bench.py",
+    ]
+    report = tmp_path / "benchmarks.md"
+    report.write_text(
+        "# Benchmarks\n\n## Targets at a glance\n\n| benchmark | verdict |\n|---|---|\n"
+        "| bench | target: speed (>= 1): met |\n\n## A bench\n\n```bash\npython -m benchmarks.bench\n```\n\n"
+        f"Run: exit 0, 60 s wall, code {first} (2026-12-04).\n\n| a | b |\n|---|---|\n| 1 | 2 |\n"
+    )
+    (lib / "other.py").write_text("x = 2\n")  # not imported by the script: the section stays current
+    _git(tmp_path, "commit", "-q", "-am", "other")
+    assert run_all.main(["--report-only", "--out", str(report)]) == 0
+    text = report.read_text()
+    assert run_all.CARRIED_NOTE in text and run_all.KEPT not in text and "| 1 | 2 |" in text
+    assert "| bench | target: speed (>= 1): met |" in text
+    assert run_all.listing(text, stale_only=True)[-1] == "every section is current"
+    (lib / "deep.py").write_text("def helper():\n    return 2\n")  # imported through shared.py: now stale
+    _git(tmp_path, "commit", "-q", "-am", "deep")
+    assert run_all.main(["--report-only", "--out", str(report)]) == 0
+    text = report.read_text()
+    assert text.count(run_all.KEPT) == 1 and run_all.CARRIED not in text
+    assert "| bench (kept) | target: speed (>= 1): met |" in text
+    assert "benchmarks/_lib/deep.py" in run_all.listing(text, stale_only=True)[0]
