@@ -18,11 +18,13 @@ Five tables:
    round, so load from other processes affects them alike.
 
 Cost: one full-size fine-tuning run (one optimizer, one lr, one seed: 42 classes x 40 train examples, 2 epochs of
-batch 32 = 106 steps, then the 840 test examples) took 191 s on the shared 2-core machine (load average 9, 1.7 s per
-step). The default runs 15 optimizers x (3 learning rates + 3 seeds) = 90 of them one after another; at 0.8 s per
-step on an idle core (one thread) that is about 90 s a run, 2.3 hours for table 3 on 2 idle cores, plus about 5
-minutes for tables 1, 2, 4 and 5. ``--ranks 8`` halves table 3, ``--methods LABEL ...`` runs a subset, ``--quick``
-is a smoke run of every code path (about a minute on idle cores).
+batch 32 = 106 steps, then the validation and the 840 test examples) took 191 s on the shared 2-core machine (load
+average 9, 1.7 s per step). One run serves both splits (the protocol's seed-0 test run at the chosen lr is the
+seed-0 validation run), so the default trains 15 optimizers x (3 learning rates + 2 more seeds) = 75 of them,
+``--jobs`` (default 2, one thread each) at a time; each run is single-threaded and deterministic, so the numbers are
+those of one process. At 0.8 s per step on an idle core that is about 90 s a run, about an hour for table 3 on 2
+idle cores, plus about 5 minutes for tables 1, 2, 4 and 5. ``--ranks 8`` halves table 3, ``--methods LABEL ...``
+runs a subset, ``--quick`` is a smoke run of every code path (about a minute on idle cores).
 
     .venv/bin/python -m benchmarks.dct_vs_galore --json runs/benchmarks/dct_vs_galore.json \
         --runs runs/benchmarks/dct_vs_galore-runs.json   # table 3's finished runs saved there, reused on restart
@@ -39,6 +41,8 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -59,9 +63,11 @@ from benchmarks._lib.dct_tables import (
     table_refresh,
     table_step_time,
 )
+from benchmarks._lib.jobs import in_workers, missing_runs
 from benchmarks._lib.protocol import Protocol, Study, log_grid, plot_lr_panels, single_task_train, tune_and_test
 from benchmarks._lib.tables import fmt_bytes, fmt_s, markdown_table
 from peft_ext.continual import run_sequence
+from peft_ext.continual.evaluation import evaluate_heads
 from peft_ext.continual.methods.full_ft import MAX_SHAPE, FullFineTune, is_projected, named_trainable
 from peft_ext.optim.dct import clear_dct_cache, dct_cache_bytes
 
@@ -206,10 +212,10 @@ class MeasuredFullFineTune(FullFineTune):
 # table 3: fine-tuning under the protocol
 
 
-def make_score(specs: dict[str, dict[str, Any]], data: dict[str, int], epochs: int, batch_size: int):
-    """``score(method, lr, seed, split)`` for ``tune_and_test``: one fine-tuning run from scratch."""
+def make_train(specs: dict[str, dict[str, Any]], data: dict[str, int], epochs: int, batch_size: int):
+    """``train(method, lr, seed)``: one fine-tuning run from scratch, scored on the validation and the test split (one
+    training serves both: the protocol's seed-0 test run at the chosen lr is its seed-0 validation run)."""
     sequence = wordnet_all_classes(data["train_per_class"], data["test_per_class"], data["val_per_class"])
-    splits = {"test": sequence, "validation": sequence.evaluated_on("validation")}
     base, collate = minilm(sequence.num_classes, data["max_length"])
     task = sequence.tasks[0]
     print(
@@ -218,33 +224,52 @@ def make_score(specs: dict[str, dict[str, Any]], data: dict[str, int], epochs: i
         flush=True,
     )
 
-    def score(method: str, lr: float, seed: int, split: str) -> tuple[float, dict[str, Any]]:
+    def train(method: str, lr: float, seed: int) -> dict[str, Any]:
         runner = MeasuredFullFineTune(optimizer="adamw", lr=lr, label=method)
         runner.spec = specs[method]
-        train = single_task_train(epochs, batch_size, seed)
+        config = single_task_train(epochs, batch_size, seed)
+        scored: dict[str, float] = {}
+
+        def on_validation(model: nn.Module, head: Any, result: Any) -> None:  # scored as the test split is
+            device = next(model.parameters()).device
+            heads = {"": head}
+            classes = sequence.classes_seen(0)
+            options = {"batch_size": config.eval_batch_size}
+            out = evaluate_heads(
+                model, task.validation, classes, sequence.num_classes, collate, device, heads, **options
+            )
+            scored["validation"] = out[""]
+
         clear_dct_cache()  # so the shared-matrix figure is what this run needs
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            result = run_sequence(splits[split], runner, base, collate, train)
-        steps = len(runner.step_seconds)
-        extras: dict[str, Any] = {
+            result = run_sequence(sequence, runner, base, collate, config, keep=on_validation)
+        opt, steps = runner.optimizer, len(runner.step_seconds)
+        ids = {id(p) for p in runner.projected}
+        return {
+            "validation": scored["validation"],
+            "test": result.accuracy_matrix[0][0],
             "train_loss": result.task_losses[0],
             "seconds_per_step": result.train_seconds / steps,
+            "steps": steps,
+            "optimizer_seconds_per_step": statistics.median(runner.step_seconds),
+            "state_bytes": tensor_bytes(dict(opt.state)),
+            "state_bytes_projected": sum(tensor_bytes(s) for p, s in opt.state.items() if id(p) in ids),
+            "shared_dct_matrix_bytes": dct_cache_bytes() if specs[method]["kind"] == "dct" else 0,
+            "weights_only_loadable": loads_weights_only(opt),
         }
-        if split == "test":  # the costs below do not depend on the split; measured once per reported run
-            opt = runner.optimizer
-            ids = {id(p) for p in runner.projected}
-            extras.update(
-                steps=steps,
-                optimizer_seconds_per_step=statistics.median(runner.step_seconds),
-                state_bytes=tensor_bytes(dict(opt.state)),
-                state_bytes_projected=sum(tensor_bytes(s) for p, s in opt.state.items() if id(p) in ids),
-                shared_dct_matrix_bytes=dct_cache_bytes() if specs[method]["kind"] == "dct" else 0,
-                weights_only_loadable=loads_weights_only(opt),
-            )
-        return result.accuracy_matrix[0][0], extras
 
-    return score
+    return train
+
+
+_WORKER: dict[str, Callable[[str, float, int], dict[str, Any]]] = {}
+
+
+def _train_in_worker(build: Callable[[], Callable], method: str, lr: float, seed: int) -> dict[str, Any]:
+    """One run in a worker process (its ``train``, with the data and the backbone, built once per process)."""
+    if "train" not in _WORKER:
+        _WORKER["train"] = build()
+    return _WORKER["train"](method, lr, seed)
 
 
 def cost_table(study: Study) -> str:
@@ -313,13 +338,36 @@ def table_finetune(
     epochs: int,
     batch_size: int,
     cache: RunCache | None = None,
+    jobs: int = 1,
+    threads: int = 1,
 ) -> tuple[str, Study]:
     """The protocol over every optimizer in ``specs``; one accuracy table and one cost table per rank (every
-    finished run recorded in ``cache`` and reused from it)."""
-    score = make_score(specs, data, epochs, batch_size)
-    if cache is not None:
-        score = cache.wrap(score)
+    finished run recorded in ``cache`` and reused from it). With ``jobs > 1`` the runs are trained by that many
+    processes of ``threads`` threads first, batch by batch (the validation grid, then the chosen lrs' test seeds):
+    the same numbers as one process, each run being single-threaded and deterministic."""
+    cache = RunCache(None, {}) if cache is None else cache
     grids = {m: log_grid(s["center"], grid_points) for m, s in specs.items()}
+    build = partial(make_train, specs, data, epochs, batch_size)
+    trainer: list[Callable[[str, float, int], dict[str, Any]]] = []  # built at the first run this process trains
+
+    def score(method: str, lr: float, seed: int, split: str) -> tuple[float, dict[str, Any]]:
+        key = (method, lr, seed)
+        if key not in cache:
+            trainer[:] = trainer or [build()]
+            cache.put(key, trainer[0](method, lr, seed))
+        run = cache[key]
+        return run[split], {k: v for k, v in run.items() if k not in ("validation", "test")}
+
+    if jobs > 1:
+
+        def known(key: tuple[str, float, int, str]) -> tuple[float, dict[str, Any]] | None:
+            return score(*key) if key[:3] in cache else None
+
+        while todo := missing_runs(grids, protocol, known):
+            runs = list(dict.fromkeys(key[:3] for key in todo))  # a run serves both splits
+            print(f"[table 3] {len(runs)} run(s), {jobs} at a time", flush=True)
+            train = partial(_train_in_worker, build)
+            in_workers(runs, train, jobs=jobs, threads=threads, done=lambda k, v: cache.put(k, v))
     study = tune_and_test(grids, score, protocol)
     parts = [protocol.describe()]
     for r in ranks:
@@ -384,7 +432,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--runs", type=Path, default=None, help="table 3: save every finished run here, reuse the ones already saved"
     )
+    parser.add_argument(
+        "--jobs", type=int, default=2, help="table 3: training processes, --threads each (default 2: one per core)"
+    )
     args = parse(parser, argv, quick=QUICK)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*kernels-community.*")
     command = ["python -m benchmarks.dct_vs_galore", *(sys.argv[1:] if argv is None else argv)]
@@ -445,7 +498,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.runs is not None:
             print(f"[table 3] {len(cache)} finished run(s) saved in {args.runs} will be reused", flush=True)
         text, study = table_finetune(
-            specs, args.ranks, protocol, args.grid_points, data, args.epochs, args.batch_size, cache
+            specs,
+            args.ranks,
+            protocol,
+            args.grid_points,
+            data,
+            args.epochs,
+            args.batch_size,
+            cache,
+            args.jobs,
+            args.threads,
         )
         results["finetune"] = study.to_dict()
         lines, best = finetune_verdicts(study, specs, args.ranks)

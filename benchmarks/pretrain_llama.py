@@ -39,8 +39,11 @@ DCT-AdamW ~ GaLore (the 95 % interval of the paired test-perplexity ratio inside
 peft-ext option (picked by validation) has perplexity <= min(GaLore, APOLLO) (upper end of the interval <= 1); its
 optimizer state <= GaLore's. Writes the validation loss curves (mean ± sd over test seeds) to ``--png``.
 
-Usage (the default is 5 rounds of the 7 optimizers side by side: 35 runs of 400 steps; with ``--runs`` every
-finished run is saved and a restarted job trains only the missing ones)::
+Usage (the default is 5 rounds of the 7 optimizers side by side: 35 runs of 400 steps, ``--jobs`` rounds at a time
+in worker processes, 2 by default: the 3 grid rounds, then the 2 further test seeds' rounds; every round is
+single-threaded and deterministic, so the numbers are those of one process, and the step times of a round are still
+measured side by side within it; with ``--runs`` every finished run is saved and a restarted job trains only the
+missing ones)::
 
     python -m benchmarks.pretrain_llama --png docs/figures/pretrain_llama_loss.png \\
         --json runs/benchmarks/pretrain_llama.json --runs runs/benchmarks/pretrain_llama-runs.json
@@ -49,15 +52,17 @@ finished run is saved and a restarted job trains only the missing ones)::
 Cost, measured on the shared 2-core machine (load average 5 to 8) with one torch thread: forward + backward of one
 step 0.49 s, the optimizer step 15 ms (AdamW) to 55 ms (channel variants), GaLore's first SVD refresh 0.54 s; one
 full-size run (``--optimizers dct_adamw --grid-points 1 --test-seeds 0``: one optimizer, one lr, one seed) took
-4.4 min wall (median step 562 ms). The default is 35 such runs: ~2.5 h on that machine, ~2 h on 2 idle cores at one
-thread, roughly 1.3 h there with ``--threads 2`` (extrapolated, not run). One thread is the default because two
-threads on the loaded machine stalled at OpenMP barriers (the same step took 1 s or 8 s).
+4.4 min wall (median step 562 ms). The default is 35 such runs in 5 rounds: 100 min on 2 idle cores one round after
+another (``--jobs 1``), about an hour with the default 2 jobs (3 rounds of grid, 2 at once, then 2 of test). One
+thread per process is the default because two threads on the loaded machine stalled at OpenMP barriers (the same
+step took 1 s or 8 s).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import math
 import statistics
 import time
@@ -78,6 +83,7 @@ from benchmarks._lib.data import (
     random_windows,
     tensor_bytes,
 )
+from benchmarks._lib.jobs import in_workers, missing_runs
 from benchmarks._lib.protocol import Protocol, Study, paired_interval, tune_and_test
 from benchmarks._lib.tables import markdown_table
 from benchmarks._lib.timing import Interleaved
@@ -210,6 +216,7 @@ def train_round(
             "curve": run["curve"],
             "times": timer.times(name),
             "state_bytes": tensor_bytes(run["optimizer"].state),
+            "shared_dct_bytes": dct_cache_bytes(),  # process-wide, after this round (the process may be a worker)
             "diverged": run["diverged"],
         }
         print(
@@ -238,7 +245,9 @@ def _step(run: dict[str, Any], ids: torch.Tensor, clip: float) -> float | None:
 
 def run_protocol(args: argparse.Namespace, data: dict[str, torch.Tensor], names: list[str]) -> Study:
     """``tune_and_test`` over ``names``, its runs served from rounds of every optimizer side by side: a
-    validation miss trains grid point ``i`` of every optimizer, a test miss every optimizer at its chosen lr."""
+    validation miss trains grid point ``i`` of every optimizer, a test miss every optimizer at its chosen lr. With
+    ``--jobs`` above 1 the rounds the protocol needs next are trained that many at a time in worker processes first
+    (the grid's rounds, then the test seeds'): the same numbers, each round being single-threaded and deterministic."""
     grids = {n: GRIDS[n][: args.grid_points] if args.grid_points < 3 else GRIDS[n] for n in names}
     protocol = Protocol(tune_seeds=tuple(args.tune_seeds), test_seeds=tuple(args.test_seeds))
     fixed = ("hidden", "layers", "rank", "gap", "batch", "seq", "steps", "warmup", "clip")
@@ -250,20 +259,44 @@ def run_protocol(args: argparse.Namespace, data: dict[str, torch.Tensor], names:
     def chosen(name: str) -> float:  # the protocol's rule: first maximum of the mean validation score
         return max(grids[name], key=lambda lr: statistics.mean(-cache[(name, lr, s)]["val"] for s in args.tune_seeds))
 
+    def round_of(name: str, lr: float, seed: int, split: str) -> tuple[dict[str, float], int]:
+        """The round that trains run ``(name, lr, seed)``: only its optimizers not saved yet (a resumed job)."""
+        if split == "validation":
+            point = grids[name].index(lr)
+            lrs = {n: g[point] for n, g in grids.items()}
+        else:
+            lrs = {n: chosen(n) for n in names}
+        return {n: lr_n for n, lr_n in lrs.items() if (n, lr_n, seed) not in cache}, seed
+
+    def save(round_: tuple[dict[str, float], int], results: dict[str, dict[str, Any]]) -> None:
+        lrs, seed = round_
+        for n, result in results.items():
+            cache.put((n, lrs[n], seed), result)
+
     def score(name: str, lr: float, seed: int, split: str) -> tuple[float, dict[str, Any]]:
         if (name, lr, seed) not in cache:
-            if split == "validation":
-                point = grids[name].index(lr)
-                lrs = {n: g[point] for n, g in grids.items()}
-            else:
-                lrs = {n: chosen(n) for n in names}
-            # a round trains only the optimizers whose run is not saved yet (a resumed job)
-            todo = {n: lr_n for n, lr_n in lrs.items() if (n, lr_n, seed) not in cache}
-            for n, result in train_round(args, data, todo, seed).items():
-                cache.put((n, lrs[n], seed), result)
+            lrs, seed_ = round_of(name, lr, seed, split)
+            save((lrs, seed_), train_round(args, data, lrs, seed_))
         result = cache[(name, lr, seed)]
         return -result["val" if split == "validation" else "test"], result
 
+    if args.jobs > 1:
+
+        def known(key: tuple[str, float, int, str]) -> tuple[float, dict[str, Any]] | None:
+            return score(*key) if key[:3] in cache else None
+
+        while todo := missing_runs(grids, protocol, known):
+            if any(split == "validation" for *_, split in todo):  # the test rounds' lrs need every grid run first
+                todo = [key for key in todo if key[3] == "validation"]
+            rounds = {json.dumps(r, sort_keys=True): r for r in (round_of(*key) for key in todo)}  # one per round
+            print(f"[pretrain_llama] {len(rounds)} round(s), {args.jobs} at a time", flush=True)
+            in_workers(
+                list(rounds.values()),
+                partial(train_round, args, data),
+                jobs=args.jobs,
+                threads=args.threads,
+                done=save,
+            )
     return tune_and_test(grids, score, protocol, echo=lambda line: print(line, flush=True))
 
 
@@ -362,7 +395,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tune-seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--test-seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--png", type=Path, default=None, help="write the validation loss curves here")
+    parser.add_argument("--jobs", type=int, default=2, help="rounds trained at once, --threads each (2: one per core)")
     args = parse(parser, argv, quick=QUICK)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.seq > 128:
         raise ValueError(f"--seq must be <= 128 (tiny_llama's max_position_embeddings), got {args.seq}")
     torch.set_num_threads(args.threads)
@@ -387,7 +423,8 @@ def main(argv: list[str] | None = None) -> None:
         f" = {tokens:,} tokens per run; {study.protocol.describe()} (perplexity per byte, mean ± sd)\n"
     )
     print(table(study))
-    print(f"\nshared DCT matrices (process-wide, every DCT-family optimizer): {dct_cache_bytes() / 1024:.0f} KiB")
+    shared = max((e.get("shared_dct_bytes", 0) for runs in study.extras.values() for e in runs), default=0)
+    print(f"\nshared DCT matrices (process-wide, every DCT-family optimizer): {shared / 1024:.0f} KiB")
     for line in verdicts(study):
         print(line)
     print(machine.wall_line(wall, args.threads))

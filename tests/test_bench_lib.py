@@ -268,3 +268,37 @@ def test_the_protocol_runs_on_either_shipped_data_set():
     sequence = bench.Runs(fortunes).sequence(0)
     assert len(sequence.tasks) == 4 and sequence.num_classes == 12
     assert set(sequence.class_names) <= set(bench.SHIPPED["fortunes"].names())
+
+
+def _toy_score(method: str, lr: float, seed: int, split: str) -> tuple[float, dict]:
+    """A deterministic run for the job tests (module level: worker processes import it)."""
+    best = {"a": 0.01, "b": 0.1}[method]
+    value = 1.0 - abs(math.log10(lr / best)) + 0.01 * seed + (0.001 if split == "test" else 0.0)
+    return value, {"split": split}
+
+
+@pytest.mark.slow  # spawns two worker processes (each imports this module: torch, transformers)
+def test_protocol_runs_trained_in_worker_processes_give_the_sequential_study():
+    """missing_runs asks for the validation grid first, then only the chosen lrs' test seeds; trained two at a time in
+    spawned processes, the runs make the study a sequential tune_and_test makes, and no run is trained twice."""
+    from benchmarks._lib.jobs import in_workers, missing_runs
+    from benchmarks._lib.protocol import tune_and_test
+
+    grids = {"a": [0.001, 0.01, 0.1], "b": [0.01, 0.1, 1.0]}
+    protocol = Protocol(tune_seeds=(0,), test_seeds=(0, 1))
+    sequential = tune_and_test(grids, _toy_score, protocol, echo=lambda line: None)
+    cache = RunCache(None, {})
+    known = lambda key: (cache[key][0], cache[key][1]) if key in cache else None  # noqa: E731
+    batches = []
+    while todo := missing_runs(grids, protocol, known):
+        batches.append(sorted(todo))
+        in_workers(todo, _toy_score, jobs=2, threads=1, done=lambda key, value: cache.put(key, value))
+    assert [len(b) for b in batches] == [6, 4]  # the grid (3 lrs x 2 methods), then 2 test seeds x 2 methods
+    assert all(split == "validation" for *_, split in batches[0])
+    assert sorted((m, lr) for m, lr, _, _ in batches[1]) == [("a", 0.01), ("a", 0.01), ("b", 0.1), ("b", 0.1)]
+    parallel = tune_and_test(grids, cache.wrap(_toy_score), protocol, echo=lambda line: None)
+    assert len(cache) == 10 and cache.reused == 10  # every run the study needed came from the workers
+    assert parallel.chosen == sequential.chosen == {"a": 0.01, "b": 0.1}
+    assert parallel.test == sequential.test and parallel.validation == sequential.validation
+    with pytest.raises(ValueError, match="jobs must be >= 1, got 0"):
+        in_workers([], _toy_score, jobs=0, threads=1, done=lambda key, value: None)
