@@ -10,7 +10,7 @@ run.
 
 Usage, from the repository root::
 
-    python -m benchmarks.run_all                 # everything: the full protocol (see --list: about 8 hours)
+    python -m benchmarks.run_all                 # everything: the full protocol (see --list: about 7 hours)
     python -m benchmarks.run_all --quick         # every benchmark's --quick smoke run (about 10 minutes)
     python -m benchmarks.run_all --list          # the entries, their commands, minutes and the code each measured
     python -m benchmarks.run_all --stale         # the sections whose code changed since they were run

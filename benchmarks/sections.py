@@ -111,7 +111,7 @@ ENTRIES: tuple[Entry, ...] = (
             "--runs",
             "runs/benchmarks/riemannion-runs.json",
         ),
-        113,
+        42,
         "All 44 supersenses in one task, rank 16, 330 steps of 16 (6 epochs), five methods (LoRA-GA with "
         "`--methods`): a 3-point lr grid per method (half a decade apart) tuned on the validation split with "
         "seed 0, test over seeds 0-4 with paired "
