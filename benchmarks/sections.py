@@ -132,7 +132,7 @@ ENTRIES: tuple[Entry, ...] = (
             "--png",
             "docs/figures/dct_vs_galore_lr.png",
         ),
-        65,
+        75,
         "Refresh time of every basis at 1024 and 4096, captured gradient energy of every basis on real MiniLM-L6 "
         "gradients, full fine-tuning of MiniLM-L6 on WordNet at ranks 8 and 64 with each optimizer's lr chosen on "
         "validation (3-point grid) and 3 test seeds (75 runs of about 90 s, each scored on both splits, two processes "
