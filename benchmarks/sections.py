@@ -281,7 +281,7 @@ ENTRIES: tuple[Entry, ...] = (
             "--runs",
             "runs/benchmarks/pretrain_llama-runs.json",
         ),
-        65,
+        74,
         "The DCT-AdamW paper's regime shrunk to a CPU: a 4.9 M-parameter Llama (hidden 256, 8 layers, byte "
         "vocabulary) trained from scratch on WordNet definitions and examples, 400 steps x 1,024 bytes for every "
         "optimizer; the 56 attention / MLP projections at rank 64, refreshed every 50 steps, for every low-rank "
