@@ -249,7 +249,7 @@ def test_bad_input_is_refused_before_training(seq, collate):
     with pytest.raises(ValueError, match="empty `answer`"):
         Instruction("reverse: abc", "")
     with pytest.raises(ValueError, match="supports \\['classification'\\].*methods that run generation"):
-        ContinualEngine(seq, get_continual_method("inflora")(), collate, TrainConfig(device="cpu"))
+        ContinualEngine(seq, get_continual_method("osf")(), collate, TrainConfig(device="cpu"))
     with pytest.raises(TypeError, match="CausalLMCollator"):
         ContinualEngine(seq, get_continual_method("seq_lora")(), TextCollator(object()), TrainConfig(device="cpu"))
     with pytest.raises(TypeError, match="Instruction"):

@@ -46,6 +46,11 @@ class ModelSection:
             must be a single token of the vocabulary that appears in no prompt.
         max_new_tokens: ``causal_lm``: tokens greedy generation may produce per answer when scored (default: the
             longest reference answer of the batch plus its end of sequence).
+        chat_template: ``causal_lm``: render each prompt as a chat's user turn with the tokenizer's chat template and
+            train the answer as the assistant's reply (what a chat model was tuned on); the separator is then the
+            token that opens the assistant's turn unless ``separator`` names one.
+        system_prompt: ``causal_lm`` with ``chat_template``: the system message before every prompt (default: the
+            template's own, if any).
     """
 
     backbone: str = "minilm"
@@ -56,6 +61,8 @@ class ModelSection:
     load_in_4bit: bool = False
     separator: str | None = None
     max_new_tokens: int | None = None
+    chat_template: bool = False
+    system_prompt: str | None = None
 
     def validate(self) -> None:
         if self.max_length < 2:
@@ -67,9 +74,18 @@ class ModelSection:
         if self.kind == "classifier":
             if self.max_new_tokens is not None:
                 raise ValueError("`max_new_tokens` is for `kind: causal_lm`")
-            for key, default in (("dtype", "float32"), ("load_in_4bit", False), ("separator", None)):
+            causal_only = (
+                ("dtype", "float32"),
+                ("load_in_4bit", False),
+                ("separator", None),
+                ("chat_template", False),
+                ("system_prompt", None),
+            )
+            for key, default in causal_only:
                 if getattr(self, key) != default:
                     raise ValueError(f"`{key}` is for `kind: causal_lm`; a classifier trains in float32")
+        if self.system_prompt is not None and not self.chat_template:
+            raise ValueError("`system_prompt` is a message of the chat template: set `chat_template: true` with it")
         check_local_model_path("backbone", self.backbone)
 
 

@@ -13,6 +13,7 @@ checkpoints).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
@@ -30,7 +31,7 @@ from .context import (
     model_logits,
 )
 from .evaluation import check_heads, evaluate_heads
-from .generation import generation_scores, next_token_loss, require_causal_collate
+from .generation import generation_scores, next_token_loss, require_causal_collate, text_perplexity
 from .heads import ContinualHead, build_head
 from .heads.base import learn_heads
 from .heads.frozen import FrozenFeatures
@@ -189,6 +190,25 @@ def training_loss(
     return loss, logits
 
 
+#: The base model's held-out perplexity, by (model, texts, collate): every method of a job starts from the same base.
+_BASE_PERPLEXITY: dict[tuple[int, int, int], tuple[nn.Module, float]] = {}
+
+
+def base_perplexity(base_model: nn.Module, texts: list[str], ctx: RunContext) -> float:
+    """:func:`~.generation.text_perplexity` of ``base_model`` on ``texts``, computed once per base model, texts and
+    collate of a process (the methods of a job share them)."""
+    key = (id(base_model), hash(tuple(texts)), id(ctx.collate))
+    cached = _BASE_PERPLEXITY.get(key)
+    if cached is not None and cached[0] is base_model:
+        return cached[1]
+    on_device = all(p.device == ctx.device for p in base_model.parameters())
+    model = base_model if on_device else copy.deepcopy(base_model).to(ctx.device)  # the job's base stays where it is
+    value = text_perplexity(model, texts, require_causal_collate(ctx.collate), ctx.device, ctx.train.eval_batch_size)
+    _BASE_PERPLEXITY.clear()  # one base at a time: the entry holds the model alive
+    _BASE_PERPLEXITY[key] = (base_model, value)
+    return value
+
+
 class ContinualEngine:
     """The phases of one method's run through a task sequence.
 
@@ -244,6 +264,8 @@ class ContinualEngine:
     def build(self, base_model: nn.Module) -> nn.Module:
         """The method's model, built from a deep copy of ``base_model`` under the run's seed, on the run's device (the
         head first shapes the copy's classifier, then the method builds on it)."""
+        if self.sequence.kind == "generation" and self.sequence.held_out_text:
+            self.base_perplexity = base_perplexity(base_model, self.sequence.held_out_text, self.ctx)
         torch.manual_seed(self.ctx.train.seed)
         model = self.head.attach(copy.deepcopy(base_model))
         model = self.method.build(model, self.ctx).to(self.ctx.device)
@@ -282,7 +304,8 @@ class ContinualEngine:
             )
             if sequence.kind == "generation":
                 scores = generation_scores(model, test, ctx.collate, ctx.device, **options)
-                score = scores.pop("exact_match")
+                score = scores[sequence.tasks[j].metric]
+                scores.pop("exact_match")
             else:
                 classes = ctx.eval_classes(row, j)
                 heads = {"": self.head, **{f"head:{name}": head for name, head in self.compared.items()}}
@@ -357,7 +380,10 @@ class ContinualEngine:
             if trains:
                 model = method.before_task(model, phase.task_id, phase.task, ctx)
                 self.head.before_task(model, phase.task_id, ctx)
-                loss = trainer.train(model, phase)
+                # what the method trains on: the task's data, or more (replay adds remembered examples)
+                train = method.training_examples(phase.task_id, phase.task, ctx)
+                trained = phase if train is phase.task.train else self._with_examples(phase, train)
+                loss = trainer.train(model, trained)
                 trainer.finish(model, phase)
                 model = method.after_task(model, phase.task_id, phase.task, ctx)
             head_start = time.perf_counter()
@@ -365,7 +391,11 @@ class ContinualEngine:
             record.head_seconds += time.perf_counter() - head_start
             record.train_seconds += time.perf_counter() - start
             start = time.perf_counter()
-            scores, extra = self.score_row(model, phase.row)
+            if self._model_unchanged(trains, record, phase.row):
+                # nothing trained and no head learns: the earlier tasks' scores are the previous row's
+                scores, extra = self._extend_row(model, record, phase.row)
+            else:
+                scores, extra = self.score_row(model, phase.row)
             record.accuracy_matrix[phase.row][: phase.row + 1] = scores
             for name, values in extra.items():
                 T = len(record.accuracy_matrix)
@@ -377,6 +407,38 @@ class ContinualEngine:
                 model = method.between_tasks(model, ctx)
             trainer.phase_done(model, phase, record)
         return model
+
+    @staticmethod
+    def _with_examples(phase: Phase, train: list) -> Phase:
+        """``phase`` training on ``train`` (its task's examples and others'), their classes added to the task's."""
+        extra = sorted({ex.label for ex in train} - set(phase.task.classes))
+        task = dataclasses.replace(phase.task, classes=[*phase.task.classes, *extra], train=list(train))
+        return dataclasses.replace(phase, task=task)
+
+    def _model_unchanged(self, trained: bool, record: RunRecord, row: int) -> bool:
+        """Whether the model and every head score as in row ``row - 1`` (nothing trained, no head learns from
+        features, the same classes scored: a generation sequence, whose scores do not depend on the row)."""
+        return (
+            not trained
+            and row > 0
+            and not self._feature_heads()
+            and self.sequence.kind == "generation"
+            and record.accuracy_matrix[row - 1][row - 1] is not None
+        )
+
+    def _extend_row(self, model: nn.Module, record: RunRecord, row: int) -> tuple[list[float], dict[str, list[float]]]:
+        """Row ``row`` of a model that did not change: the previous row's scores and task ``row``'s own."""
+        previous = record.accuracy_matrix[row - 1][:row]
+        extra = {name: list(matrix[row - 1][:row]) for name, matrix in record.scores.items()}
+        ctx, test = self.ctx, self.sequence.tasks[row].test
+        options = dict(batch_size=ctx.train.eval_batch_size, progress=ctx.train.progress)
+        scores = generation_scores(
+            model, test, ctx.collate, ctx.device, desc=f"{self.method.label} eval t{row}", **options
+        )
+        for name, value in scores.items():
+            if name != "exact_match":
+                extra.setdefault(name, [None] * row).append(value)
+        return [*previous, scores[self.sequence.tasks[row].metric]], extra
 
     def metrics(self, record: RunRecord) -> dict[str, Optional[float]]:
         """Final accuracy, accuracy right after learning each task, average incremental accuracy, backward transfer and
@@ -416,8 +478,20 @@ class ContinualEngine:
                 **self.head_extras(record),
                 **{f"{k}_matrix": v for k, v in record.scores.items() if not k.startswith("head:")},
                 **self._final_correct(),
+                **self._general_ability(model),
             },
         )
+
+    def _general_ability(self, model: nn.Module) -> dict[str, Any]:
+        """``{"held_out_perplexity": {"base", "final", "ratio"}}``: the per-token perplexity of the sequence's held-out
+        text under the base model and the final one (a generation sequence that has such text)."""
+        if getattr(self, "base_perplexity", None) is None:
+            return {}
+        final = text_perplexity(
+            model, self.sequence.held_out_text, self.ctx.collate, self.ctx.device, self.ctx.train.eval_batch_size
+        )
+        base = self.base_perplexity
+        return {"held_out_perplexity": {"base": base, "final": final, "ratio": final / base}}
 
     def _final_correct(self) -> dict[str, Any]:
         """``{"final_correct": [per task, "0"/"1" per test example]}`` of the final row, when every task's was

@@ -30,6 +30,7 @@ __all__ = [
     "next_token_loss",
     "prompt_query",
     "require_causal_collate",
+    "text_perplexity",
 ]
 
 
@@ -184,7 +185,8 @@ def evaluate_generation(
 
 def prompt_query(separator_id: int) -> QueryFn:
     """PCLR's query for instruction sequences: :func:`~peft_ext.tuners.pclr.default_query` over the prompt tokens
-    only, up to and including each row's first ``separator_id`` (all of the row if it has none).
+    only, up to and including each row's last ``separator_id`` (all of the row if it has none). The collate refuses
+    a separator in an answer, so the last one ends the prompt, also where a chat template writes it more than once.
 
     A training sequence holds prompt and answer, a generation prefill only the prompt; reading the prompt alone, the
     query (and so the ranks it selects) is the same in training, in the task's prototype, in distillation and at
@@ -201,12 +203,58 @@ def prompt_query(separator_id: int) -> QueryFn:
             ids = args[0]
         if ids is None or ids.dim() != 2:
             return default_query(model, args, kwargs)
-        is_sep = ids == separator_id
-        # positions before the first separator, and the separator itself
-        prompt = (is_sep.cumsum(1) - is_sep.long()) == 0
+        is_sep = (ids == separator_id).long()
+        # positions up to and including the last separator (a separator at or after them); none: the whole row
+        prompt = (is_sep.flip(1).cumsum(1).flip(1) > 0) | (is_sep.sum(1, keepdim=True) == 0)
         mask = kwargs.get("attention_mask")
         if mask is not None and mask.shape == ids.shape:
             prompt = prompt & mask.bool()
         return default_query(model, args, {**kwargs, "input_ids": ids, "attention_mask": prompt.long()})
 
     return query
+
+
+@torch.no_grad()
+def text_perplexity(
+    model: nn.Module,
+    texts: Sequence[str],
+    collate: CausalLMCollator,
+    device: torch.device,
+    batch_size: int = 32,
+) -> float:
+    """Per-token perplexity of ``model`` on plain ``texts`` (no prompt, no chat template): ``exp`` of the mean
+    next-token cross-entropy over every token after each text's first, its eos included.
+
+    What it measures on text no task trained on is the model's general language ability; compared before and after a
+    task sequence, what continual tuning cost it.
+
+    Args:
+        model: A causal LM (or a PeftModel of one).
+        texts: Non-empty texts.
+        collate: Encodes the texts (its tokenizer, eos and pad ids).
+        device: Where the model runs.
+        batch_size: Texts per forward pass.
+    """
+    if not texts:
+        raise ValueError("text_perplexity needs at least one text")
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    try:
+        for start in range(0, len(texts), batch_size):
+            rows = [collate.encode(t) + [collate.eos_token_id] for t in texts[start : start + batch_size]]
+            width = max(len(r) for r in rows)
+            ids = torch.full((len(rows), width), collate.pad_token_id, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, row in enumerate(rows):
+                ids[i, : len(row)] = torch.tensor(row)
+                mask[i, : len(row)] = 1
+            labels = ids.masked_fill(mask == 0, -100)
+            labels[:, 0] = -100  # the first token has nothing before it to be predicted from
+            batch = to_device({"input_ids": ids, "attention_mask": mask, "labels": labels}, device)
+            scores, targets = answer_logits(model_logits(model, batch), batch["labels"])
+            total += float(F.cross_entropy(scores.float(), targets, reduction="sum"))
+            count += targets.numel()
+    finally:
+        model.train(was_training)
+    return float(torch.tensor(total / max(count, 1)).exp())

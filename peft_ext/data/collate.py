@@ -82,24 +82,47 @@ class CausalLMCollator:
     answer only; labels are aligned with the inputs, as transformers' causal LMs take them). :meth:`prompts` builds
     the generation inputs, ``prompt ids + [separator]`` left-padded so that every row's next token is its first
     answer token. The separator marks where a prompt ends, which is what PCLR's prompt routing reads
-    (:func:`peft_ext.continual.generation.prompt_query`).
+    (:func:`peft_ext.continual.generation.prompt_query`: the tokens up to the row's last separator).
+
+    With ``chat_template=True`` a prompt is the user turn of a chat, rendered by the tokenizer's chat template with
+    the assistant's turn opened (``apply_chat_template(..., add_generation_prompt=True)``), and the answer follows as
+    the assistant's reply, ended by eos: the format a chat model was tuned on, so its zero-shot answers mean
+    something. No separator is appended then: the one the template writes where the assistant's turn opens (for
+    ChatML, ``<|im_start|>``) ends the prompt; it must occur in every rendered prompt and in no answer.
 
     Args:
         tokenizer: :class:`AsciiTokenizer`, or a transformers tokenizer (encoded without special tokens).
         max_length: Longest training sequence in tokens; a longer example is an error (truncating would cut the
             answer).
         separator_id: Token that ends every prompt and appears nowhere inside one (default: the tokenizer's
-            ``sep_token_id``; for a transformers tokenizer pick a special token, e.g. Qwen2.5's ``<|im_end|>``).
+            ``sep_token_id``; for a transformers tokenizer pick a special token, e.g. Qwen2.5's ``<|im_end|>``; with
+            ``chat_template``, default: the first token of the template's assistant-turn opening).
+        max_new_tokens: Generation budget per answer when scoring (default: the longest answer of the batch + eos).
+        chat_template: Render each prompt as a chat's user turn with the tokenizer's chat template (above).
+        system_prompt: With ``chat_template``: the system message put before every prompt (``None``: the
+            template's own default, if it has one).
     """
 
     def __init__(
-        self, tokenizer: Any, max_length: int = 64, separator_id: int | None = None, max_new_tokens: int | None = None
+        self,
+        tokenizer: Any,
+        max_length: int = 64,
+        separator_id: int | None = None,
+        max_new_tokens: int | None = None,
+        chat_template: bool = False,
+        system_prompt: str | None = None,
     ) -> None:
         if max_length < 3:
             raise ValueError(f"`max_length` must be >= 3 tokens (prompt, separator, eos), got {max_length}")
         if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or max_new_tokens < 1):
             raise ValueError(f"`max_new_tokens` must be a positive integer or None, got {max_new_tokens!r}")
         self.max_new_tokens = max_new_tokens
+        self.chat_template = bool(chat_template)
+        if system_prompt is not None and not self.chat_template:
+            raise ValueError("`system_prompt` is a message of the chat template: set `chat_template=True` with it")
+        self.system_prompt = system_prompt
+        if self.chat_template and separator_id is None:
+            separator_id = assistant_turn_token(tokenizer)
         separator_id = getattr(tokenizer, "sep_token_id", None) if separator_id is None else separator_id
         if separator_id is None:
             raise ValueError(f"{type(tokenizer).__name__} has no sep_token_id; pass `separator_id=` (a special token)")
@@ -116,6 +139,13 @@ class CausalLMCollator:
                 f"`separator_id` {self.separator_id} is the tokenizer's eos or pad id; pick a token that only ends "
                 "prompts (e.g. an unused special token)"
             )
+
+    def render(self, prompt: str) -> list[int]:
+        """The token ids of ``prompt`` as the model reads it: the chat template's rendering (``chat_template``), else
+        its ids followed by the separator."""
+        if not self.chat_template:
+            return self.encode(prompt) + [self.separator_id]
+        return chat_prompt_ids(self.tokenizer, prompt, self.system_prompt)
 
     def encode(self, text: str) -> list[int]:
         """``text``'s token ids, without special tokens."""
@@ -134,7 +164,7 @@ class CausalLMCollator:
 
     def length(self, example: Example) -> int:
         """Tokens ``example`` takes in a training row: prompt, separator, answer and eos (``max_length`` caps it)."""
-        return len(self.encode(example.inputs.prompt)) + len(self.encode(example.inputs.answer)) + 2
+        return len(self.render(example.inputs.prompt)) + len(self.encode(example.inputs.answer)) + 1
 
     def _parts(self, example: Example) -> tuple[list[int], list[int]]:
         if not isinstance(example.inputs, Instruction):
@@ -142,11 +172,19 @@ class CausalLMCollator:
                 f"CausalLMCollator needs Example(Instruction(prompt, answer), label), got inputs of type "
                 f"{type(example.inputs).__name__}"
             )
-        prompt = self.encode(example.inputs.prompt) + [self.separator_id]
+        prompt = self.render(example.inputs.prompt)
         answer = self.encode(example.inputs.answer)
         if not answer:
             raise ValueError(f"the answer {example.inputs.answer!r} encodes to no tokens; answers must be non-empty")
-        if self.separator_id in prompt[:-1]:
+        if self.separator_id in answer:
+            raise ValueError(f"answer {example.inputs.answer!r} contains the separator id {self.separator_id}")
+        if self.chat_template:
+            if self.separator_id not in prompt:
+                raise ValueError(
+                    f"the chat rendering of prompt {example.inputs.prompt!r} does not contain the separator id "
+                    f"{self.separator_id}; pass the id of the token that opens the assistant's turn"
+                )
+        elif self.separator_id in prompt[:-1]:
             raise ValueError(f"prompt {example.inputs.prompt!r} contains the separator id {self.separator_id}")
         if len(prompt) + len(answer) + 1 > self.max_length:
             raise ValueError(
@@ -186,3 +224,37 @@ class CausalLMCollator:
         if self.max_new_tokens is not None:
             return self.max_new_tokens
         return max(len(self._parts(ex)[1]) for ex in examples)
+
+
+def chat_prompt_ids(tokenizer: Any, prompt: str, system_prompt: str | None = None) -> list[int]:
+    """The ids of ``prompt`` as a chat's user turn, the assistant's turn opened (``tokenizer``'s chat template).
+
+    Raises:
+        ValueError: The tokenizer has no chat template.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"{type(tokenizer).__name__} has no chat template; use `chat_template=False` (prompt + separator)"
+        )
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+    messages.append({"role": "user", "content": prompt})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def assistant_turn_token(tokenizer: Any) -> int:
+    """The first token the chat template writes to open the assistant's turn (ChatML: ``<|im_start|>``): the
+    separator of a chat-rendered prompt.
+
+    Raises:
+        ValueError: The tokenizer has no chat template, or its generation prompt adds no token.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{type(tokenizer).__name__} has no chat template to find the assistant's turn in")
+    messages = [{"role": "user", "content": "x"}]
+    closed = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    opened = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if not opened.startswith(closed) or opened == closed:
+        raise ValueError("the chat template's generation prompt does not extend the conversation; pass `separator_id`")
+    ids = tokenizer(opened[len(closed) :], add_special_tokens=False)["input_ids"]
+    return int(ids[0])

@@ -17,6 +17,8 @@ from typing import Any, Literal
 PROTOCOLS = ("class-incremental", "task-incremental")
 Protocol = Literal["class-incremental", "task-incremental"]
 KINDS = ("classification", "generation")
+#: What a task's test examples can be scored by (:attr:`Task.metric`).
+TASK_METRICS = ("accuracy", "exact_match", "rouge_l")
 Kind = Literal["classification", "generation"]
 
 
@@ -61,6 +63,10 @@ class Task:
         train: Training examples (labels are global ids, all in ``classes``).
         test: Test examples (labels are global ids, all in ``classes``).
         validation: Held-out examples for choosing hyperparameters, disjoint from both (may be empty).
+        metric: What scores the task's test examples in the accuracy matrix: ``"accuracy"`` (classification), or for
+            a generation task ``"exact_match"`` (an answer that is a label or a word) or ``"rouge_l"`` (an answer that
+            is a sentence: ROUGE-L F1 of the greedy answer). Default: ``"accuracy"`` for classification examples,
+            ``"exact_match"`` for instructions.
     """
 
     name: str
@@ -68,8 +74,14 @@ class Task:
     train: list[Example]
     test: list[Example]
     validation: list[Example] = field(default_factory=list)
+    metric: str | None = None
 
     def __post_init__(self) -> None:
+        if self.metric is None:
+            first = next(iter(self.train + self.test + self.validation), None)
+            self.metric = "exact_match" if first is not None and isinstance(first.inputs, Instruction) else "accuracy"
+        if self.metric not in TASK_METRICS:
+            raise ValueError(f"Task {self.name!r}: `metric` must be one of {list(TASK_METRICS)}, got {self.metric!r}")
         allowed = set(self.classes)
         if len(allowed) != len(self.classes):
             raise ValueError(f"Task {self.name!r} lists a class twice: {self.classes}")
@@ -95,6 +107,8 @@ class TaskSequence:
         meta: Free-form provenance (data set, seed, caps) recorded in results.
         kind: ``"classification"`` (examples carry a class label, scored by accuracy) or ``"generation"`` (examples
             carry an :class:`Instruction`, scored by exact match of the generated answer).
+        held_out_text: ``generation``: plain text no task trains on; a run reports the model's per-token perplexity
+            on it before and after the sequence (what tuning cost its general ability). Empty: not measured.
     """
 
     name: str
@@ -103,6 +117,7 @@ class TaskSequence:
     protocol: Protocol = "class-incremental"
     meta: dict[str, Any] = field(default_factory=dict)
     kind: Kind = "classification"
+    held_out_text: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
@@ -156,9 +171,10 @@ class TaskSequence:
                 f"tasks {empty} of {self.name!r} have no validation examples; build the sequence with a validation "
                 "split (e.g. wordnet_task_sequence(val_per_class=...))"
             )
-        tasks = [Task(t.name, list(t.classes), list(t.train), list(t.validation), []) for t in self.tasks]
+        tasks = [Task(t.name, list(t.classes), list(t.train), list(t.validation), [], t.metric) for t in self.tasks]
         meta = {**self.meta, "evaluated_on": "validation"}
-        return TaskSequence(f"{self.name}-validation", list(self.class_names), tasks, self.protocol, meta, self.kind)
+        name = f"{self.name}-validation"
+        return TaskSequence(name, list(self.class_names), tasks, self.protocol, meta, self.kind, self.held_out_text)
 
     def classes_seen(self, upto: int) -> list[int]:
         """Global ids of the classes of tasks ``0..upto`` (inclusive)."""

@@ -48,7 +48,7 @@ from ..distributed import on_rank_zero, rank, rank_zero_first, world_size
 from .errors import JobFailed, one_line
 from .launch import check_world_size, launcher_sharding
 from .resume import _plain, config_hash, finished_results
-from .sequence import build_sequence, separator_id, sequence_summary
+from .sequence import build_sequence, causal_collate, sequence_summary
 
 __all__ = ["ConsoleLog", "ContinualJob", "JobCallback", "ResultsWriter", "effective_settings", "run_job"]
 
@@ -284,7 +284,7 @@ class ContinualJob:
 
     def build(self) -> None:
         """``sequence`` (tokenized once for your files), ``base`` (the backbone) and ``collate``."""
-        from ..data.collate import CausalLMCollator, TextCollator
+        from ..data.collate import TextCollator
         from ..models import load_causal_lm, load_text_classifier
 
         config = self.config
@@ -307,8 +307,7 @@ class ContinualJob:
             sequence = rank_zero_first(tokenize)
         self.sequence = sequence
         if causal:
-            separator = separator_id(tokenizer, config.model.separator)
-            self.collate = CausalLMCollator(tokenizer, config.model.max_length, separator, config.model.max_new_tokens)
+            self.collate = causal_collate(tokenizer, config.model)
         else:
             self.collate = TextCollator(tokenizer, config.model.max_length)
         # the methods that train nothing read the same backbone's features: computed once for the job

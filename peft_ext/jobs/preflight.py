@@ -313,11 +313,10 @@ def check_instruction_lengths(config: RunConfig, tokenizer: Any, sequence: Any) 
     """Raise ``ConfigError`` when the job's collate cannot be built on the tokenizer (no separator, no eos), or when
     an example needs more than ``model.max_length`` tokens: answers are never truncated (a cut answer would train
     and score the model on the wrong text), so such an example would fail its batch in the middle of training."""
-    from ..data.collate import CausalLMCollator
-    from .sequence import separator_id
+    from .sequence import causal_collate
 
     try:
-        collate = CausalLMCollator(tokenizer, config.model.max_length, separator_id(tokenizer, config.model.separator))
+        collate = causal_collate(tokenizer, config.model)
     except ValueError as err:
         raise ConfigError(f"`model` {config.model.backbone!r}: {err}") from None
     lengths = [

@@ -8,7 +8,7 @@ from ..continual.config import RunConfig
 from ..data import SHIPPED
 from ..data.tasks import TaskSequence
 
-__all__ = ["CLASS_SEQUENCE_KEYS", "build_sequence", "separator_id", "sequence_summary"]
+__all__ = ["CLASS_SEQUENCE_KEYS", "build_sequence", "causal_collate", "separator_id", "sequence_summary"]
 
 
 #: The ``data`` keys every class-incremental sequence (a shipped data set or your files) is built from.
@@ -101,3 +101,20 @@ def separator_id(tokenizer: Any, token: str | None) -> int:
     if not ids or ids[0] is None or (unk is not None and ids[0] == unk and token != tokenizer.unk_token):
         raise ValueError(f"`model.separator` {token!r} is not a token of the tokenizer's vocabulary")
     return int(ids[0])
+
+
+def causal_collate(tokenizer: Any, model: Any) -> Any:
+    """The :class:`~peft_ext.data.collate.CausalLMCollator` a ``causal_lm`` job's ``model`` section describes (its
+    separator, lengths and chat rendering)."""
+    from ..data.collate import CausalLMCollator
+
+    # a chat-rendered prompt's separator is the template's own unless the config names one
+    separator = None if model.chat_template and model.separator is None else separator_id(tokenizer, model.separator)
+    return CausalLMCollator(
+        tokenizer,
+        model.max_length,
+        separator,
+        model.max_new_tokens,
+        chat_template=model.chat_template,
+        system_prompt=model.system_prompt,
+    )

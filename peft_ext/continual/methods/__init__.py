@@ -4,8 +4,10 @@ Importing this package registers every method it ships:
 
 - references a continual method must beat: ``frozen_linear`` (frozen backbone, linear head), the training-free
   ``ncm`` (SimpleCIL), ``slda`` and ``ranpac``, and ``joint`` (LoRA on the union of all tasks, the upper bound);
-- ``seq_lora`` (LoRA task after task, nothing protected), ``full_ft`` (full fine-tuning with a choice of optimizer),
-  ``lora_opt`` (LoRA with other optimizers and inits);
+- ``seq_lora`` (LoRA task after task, nothing protected), ``full_ft`` (full fine-tuning with a choice of
+  optimizer), ``lora_opt`` (LoRA with other optimizers and inits);
+- for instruction sequences: ``replay`` (LoRA with a small memory of earlier tasks' examples) and ``zero_shot`` (the
+  pretrained model untouched);
 - the methods of this package: ``splitlora``, ``pclr``, ``riemannion``;
 - the subspace baselines SplitLoRA is compared with: ``inflora``, ``olora``, ``osf``.
 
@@ -26,10 +28,12 @@ from . import (  # noqa: F401  (each module registers its method)
     osf,
     pclr,
     ranpac,
+    replay,
     riemannion,
     seq_lora,
     slda,
     splitlora,
+    zero_shot,
 )
 from .base import (
     CONTINUAL_METHODS,

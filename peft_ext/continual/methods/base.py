@@ -26,7 +26,7 @@ from ..heads.base import HEADS, feature_heads, head_options
 from ..state_codec import decode_state, encode_state
 
 if TYPE_CHECKING:
-    from ...data.tasks import Task
+    from ...data.tasks import Example, Task
     from ..context import RunContext
 
 
@@ -319,6 +319,11 @@ class ContinualMethod:
         gets. End-of-task snapshots are taken of it, so it must have the structure :meth:`build` makes (a method
         that re-wraps the model per task folds its adapter here instead of in ``before_task``)."""
         return model
+
+    def training_examples(self, task_id: int, task: Task, ctx: RunContext) -> list[Example]:
+        """What task ``task_id`` trains on (default: ``task.train`` itself; replay adds remembered examples of earlier
+        tasks). Called after :meth:`before_task`."""
+        return task.train
 
     def trainable_parameters(self, model: nn.Module, ctx: RunContext) -> list[nn.Parameter]:
         """The parameters one task trains (default: every parameter that requires a gradient)."""

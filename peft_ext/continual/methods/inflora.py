@@ -112,6 +112,7 @@ class InfLoRAMethod(RewrapMethod):
 
     name = "inflora"
     options_cls = InfLoRAOptions
+    task_kinds = ("classification", "generation")
     rank_bounded_by_input_width = True
 
     def before_task(self, model: nn.Module, task_id: int, task: Task, ctx: RunContext) -> nn.Module:
@@ -123,7 +124,7 @@ class InfLoRAMethod(RewrapMethod):
         covariances = input_covariances(backbone, opts.target_modules, task.train, ctx)
         # lora_alpha = r makes PEFT's scale 1, as in InfLoRA (y = W x + B A x).
         config = LoraConfig(r=opts.r, lora_alpha=opts.r, target_modules=list(opts.target_modules))
-        model = self._wrap(backbone, config)
+        model = self._wrap(backbone, config, ctx)
         for name, module in backbone_of(model).named_modules():
             if name in covariances:
                 weight = module.lora_A["default"].weight

@@ -49,6 +49,7 @@ class OLoRAMethod(RewrapMethod):
 
     name = "olora"
     options_cls = OLoRAOptions
+    task_kinds = ("classification", "generation")
 
     def before_task(self, model: nn.Module, task_id: int, task: Task, ctx: RunContext) -> nn.Module:
         old: dict[str, list[torch.Tensor]] = self.state.setdefault("olora_A", {})
@@ -58,7 +59,7 @@ class OLoRAMethod(RewrapMethod):
                 f"O-LoRA holds the A of {sorted(finished)} finished tasks per layer but the runner starts task "
                 f"{task_id}; was a task's after_task skipped?"
             )
-        model = self._wrap(self._fold(model), self.options.adapter_config())
+        model = self._wrap(self._fold(model), self.options.adapter_config(), ctx)
         device = next(model.parameters()).device
         self._old = {name: torch.cat(mats).to(device) for name, mats in old.items()}
         return model

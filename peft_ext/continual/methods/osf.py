@@ -66,4 +66,4 @@ class OSFMethod(RewrapMethod):
 
         share = self.preserved_share(task_id, len(ctx.sequence))
         config = OSFConfig(effective_rank=share, target_modules=list(self.options.target_modules))
-        return self._wrap(self._fold(model), config)
+        return self._wrap(self._fold(model), config, ctx)

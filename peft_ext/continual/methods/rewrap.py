@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from .base import ContinualMethod, head_module_name
+from .base import ContinualMethod, saved_head
 from .covariance import backbone_of
 
 if TYPE_CHECKING:
@@ -34,10 +34,12 @@ class RewrapMethod(ContinualMethod):
         # of has the structure of a fresh build (the plain backbone), so a resumed run can load it.
         return self._fold(model)
 
-    def _wrap(self, backbone: nn.Module, config: Any) -> nn.Module:
+    def _wrap(self, backbone: nn.Module, config: Any, ctx: RunContext) -> nn.Module:
         from peft import get_peft_model
 
         model = get_peft_model(backbone, config)
-        # The head is trained in place across tasks (like modules_to_save would, without a wrapper to unload).
-        getattr(backbone_of(model), head_module_name(backbone_of(model))).requires_grad_(True)
+        # The head is trained in place across tasks (like modules_to_save would, without a wrapper to unload); a
+        # generation sequence keeps the pretrained LM head frozen (saved_head: none).
+        for name in saved_head(backbone_of(model), ctx) or ():
+            getattr(backbone_of(model), name).requires_grad_(True)
         return model
