@@ -49,7 +49,7 @@ def test_quickstart_values(data):
         (lambda d: d["data"].update(protocol="online"), r"`data.protocol` must be one of"),
         (
             lambda d: d["data"].update(dataset="imagenet"),
-            r"`data.dataset` must be one of \['wordnet', 'fortunes', 'files', 'instructions'\]",
+            r"`data.dataset` must be one of \['wordnet', 'fortunes', 'instruct', 'files', 'instructions'\]",
         ),
         (lambda d: d["data"].update(classes=["noun.animal"]), r"`data.classes` lists 1 names"),
         (lambda d: d["methods"][1].update(lr=-1), r"`methods\[1\].lr` must be > 0, got -1.0"),

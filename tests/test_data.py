@@ -327,7 +327,7 @@ def test_gloss_example_is_frozen():
 
 def test_registry_declares_each_shipped_data_set():
     assert list(SHIPPED) == ["wordnet", "fortunes"]
-    assert DATASETS == ("wordnet", "fortunes", "files", "instructions")
+    assert DATASETS == ("wordnet", "fortunes", "instruct", "files", "instructions")
     assert (WORDNET.source.package, WORDNET.source.version) == ("wordnet-base", "1:3.0-37")
     assert (FORTUNES.source.package, FORTUNES.source.version) == ("fortunes", "1:1.99.1-7.3")
     assert str(WORDNET.license) == "WordNet 3.0 license (peft_ext/data/files/WORDNET_LICENSE)"
@@ -403,7 +403,7 @@ def test_config_refuses_an_unknown_dataset_naming_the_valid_ones():
     with pytest.raises(ConfigError) as err:
         config_from_dict(config)
     assert str(err.value) == (
-        "`data.dataset` must be one of ['wordnet', 'fortunes', 'files', 'instructions'], got 'fortune' "
+        "`data.dataset` must be one of ['wordnet', 'fortunes', 'instruct', 'files', 'instructions'], got 'fortune' "
         "(did you mean 'fortunes'?)"
     )
     config["data"]["dataset"] = "fortunes"

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import yaml
 
-from ..data import SHIPPED, check_dataset
+from ..data import DATASETS, SHIPPED, SHIPPED_INSTRUCTIONS, check_dataset, is_instruction_dataset
 from ..data.tasks import PROTOCOLS
 from .config_schema import (  # noqa: F401 (re-exported: the config's error and builders)
     ConfigError,
@@ -39,7 +39,7 @@ class ModelSection:
         max_length: Truncation length in tokens (``causal_lm``: of prompt, separator, answer and end of sequence).
         dropout: Dropout before the classification head.
         kind: ``classifier`` (an encoder with a linear head, for classification data) or ``causal_lm`` (a causal LM
-            trained on instruction tasks, ``data.dataset: instructions``).
+            trained on instruction tasks, ``data.dataset: instruct`` or ``instructions``).
         dtype: ``causal_lm``: the weights' dtype (``float32``, ``bfloat16`` or ``float16``).
         load_in_4bit: ``causal_lm``: an NF4 base through bitsandbytes (compute in ``dtype``); adapters stay float32.
         separator: ``causal_lm``: the token that ends every prompt (default: the tokenizer's separator token); it
@@ -95,9 +95,10 @@ class DataSection:
 
     Args:
         dataset: ``wordnet`` (WordNet 3.0 gloss -> supersense, shipped), ``fortunes`` (Debian fortune -> topic file,
-            shipped: docs/own_data.md), ``files`` (your own classification data, read by Hugging Face ``datasets``:
-            docs/own_data.md) or ``instructions`` (instruction tasks in TRL's formats for a ``causal_lm``:
-            docs/continual_instruct.md).
+            shipped: docs/own_data.md), ``instruct`` (instruction tasks built from both, shipped, for a
+            ``causal_lm``: docs/continual_instruct.md), ``files`` (your own classification data, read by Hugging Face
+            ``datasets``: docs/own_data.md) or ``instructions`` (instruction tasks in TRL's formats for a
+            ``causal_lm``: docs/continual_instruct.md).
         n_tasks: Number of tasks (``files``: default all classes in tasks of ``classes_per_task``, or one per
             ``task_column`` value).
         classes_per_task: Classes each task introduces.
@@ -120,7 +121,12 @@ class DataSection:
         test_share: ``files``: share of ``train`` carved off as test when ``test`` is unset.
         validation_share: ``files``: share of ``train`` carved off as validation when ``validation`` is unset.
         tasks: ``instructions``: one file (or folder, hub id) per task, in order; relative paths are read from the
-            config file's folder.
+            config file's folder. ``instruct``: the instruction task families in task order (default all:
+            ``supersense``, ``gloss_to_word``, ``part_of_speech``, ``fortune_topic``, ``define``,
+            ``example_to_word``).
+        train_per_task: ``instruct``: training examples per task (default 64).
+        test_per_task: ``instruct``: test examples per task (default 32).
+        val_per_task: ``instruct``: validation examples per task, from the train split (default 16; 0: none).
     """
 
     dataset: str = "wordnet"
@@ -141,7 +147,21 @@ class DataSection:
     test_share: float = 0.2
     validation_share: float = 0.0
     tasks: list[str] | None = None
+    train_per_task: int | None = None
+    test_per_task: int | None = None
+    val_per_task: int | None = None
 
+    #: The keys of the shipped instruction tasks (``instruct``), unset for every other data set.
+    PER_TASK: typing.ClassVar[tuple[str, ...]] = ("train_per_task", "test_per_task", "val_per_task")
+    #: The keys of the classification data sets, which the shipped instruction tasks do not take.
+    PER_CLASS: typing.ClassVar[tuple[str, ...]] = (
+        "n_tasks",
+        "classes_per_task",
+        "train_per_class",
+        "test_per_class",
+        "val_per_class",
+        "classes",
+    )
     FILES_ONLY: typing.ClassVar[tuple[str, ...]] = (
         "train",
         "test",
@@ -156,6 +176,12 @@ class DataSection:
 
     def validate(self) -> None:
         check_dataset(self.dataset)
+        per_task = [key for key in self.PER_TASK if getattr(self, key) is not None]
+        if per_task and self.dataset not in SHIPPED_INSTRUCTIONS:
+            raise ValueError(
+                f"`{per_task[0]}` is for `dataset: {' / '.join(SHIPPED_INSTRUCTIONS)}` (the shipped instruction "
+                f"tasks), not `{self.dataset}`"
+            )
         shipped = SHIPPED.get(self.dataset)  # a data set that ships with the package: its defaults fill the caps
         if shipped is not None:
             for key, value in shipped.defaults.items():
@@ -165,6 +191,8 @@ class DataSection:
             given = [k for k in self.FILES_ONLY if getattr(self, k) != getattr(defaults, k)]
             if given:
                 raise ValueError(f"`{given[0]}` is for `dataset: files`, not `{self.dataset}`")
+        elif self.dataset in SHIPPED_INSTRUCTIONS:
+            self._validate_instruct()
         elif self.val_per_class is not None:
             raise ValueError(
                 f"`val_per_class` is for the shipped data sets (`dataset: {' / '.join(SHIPPED)}`); your own files "
@@ -196,6 +224,26 @@ class DataSection:
         for key in ("test_share", "validation_share"):
             if not 0 <= getattr(self, key) < 1:
                 raise ValueError(f"`{key}` must be in [0, 1), got {getattr(self, key)}")
+
+    def _validate_instruct(self) -> None:
+        """The shipped instruction tasks take the task families (``tasks``) and per-task sizes, nothing else."""
+        from ..data.instruct_tasks import check_families
+
+        defaults = DataSection()
+        given = [
+            k for k in (*self.PER_CLASS, *self.FILES_ONLY) if k != "tasks" and getattr(self, k) != getattr(defaults, k)
+        ]
+        if given:
+            raise ValueError(
+                f"`{given[0]}` is not a key of `dataset: {self.dataset}`: it takes `tasks` (the task families in "
+                f"order), `{'`, `'.join(self.PER_TASK)}` and `seed`"
+            )
+        if self.tasks is not None:
+            check_families(self.tasks)
+        for key in self.PER_TASK:
+            value, least = getattr(self, key), 0 if key == "val_per_task" else 1
+            if value is not None and (isinstance(value, bool) or value < least):
+                raise ValueError(f"`{key}` must be an integer >= {least}, got {value}")
 
 
 TUNE_PROTOCOLS = ("sequence", "first_task")
@@ -379,12 +427,16 @@ def config_from_dict(data: Any) -> RunConfig:
     if not isinstance(name, str) or not name:
         raise ConfigError(f"`name` must be a non-empty string, got {name!r}")
     built = {key: build_section(cls, data.get(key), f"{key}.") for key, cls in sections.items()}
-    generation = built["data"].dataset == "instructions"
-    if generation != (built["model"].kind == "causal_lm"):
+    dataset, kind = built["data"].dataset, built["model"].kind
+    if is_instruction_dataset(dataset) != (kind == "causal_lm"):
+        if is_instruction_dataset(dataset):
+            lead = f"`data.dataset: {dataset}` and `model.kind: causal_lm` go together"
+        else:
+            instruction_sets = " / ".join(name for name in DATASETS if is_instruction_dataset(name))
+            lead = f"`model.kind: causal_lm` and `data.dataset: {instruction_sets}` go together"
         raise ConfigError(
-            "`data.dataset: instructions` and `model.kind: causal_lm` go together (instruction tasks train a causal "
-            f"LM; classification data an encoder with a head), got dataset {built['data'].dataset!r} with kind "
-            f"{built['model'].kind!r}"
+            f"{lead} (instruction tasks train a causal LM; classification data an encoder with a head), got dataset "
+            f"{dataset!r} with kind {kind!r}"
         )
     methods = data.get("methods")
     if not isinstance(methods, list) or not methods:

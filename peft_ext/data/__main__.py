@@ -1,17 +1,21 @@
 """``python -m peft_ext.data``: the shipped data sets by name (:data:`~peft_ext.data.registry.SHIPPED`).
 
 ``list`` names them with their source and license, ``build NAME`` rebuilds one's committed file from its source,
-``stats NAME`` prints its per-class counts as a Markdown table, ``export NAME`` writes it as a ``text,label`` CSV.
+``stats NAME`` prints its per-class counts as a Markdown table, ``export NAME`` writes it as a ``text,label`` CSV, and
+``export-instructions FOLDER`` writes the shipped instruction tasks (:mod:`.instruct_tasks`) as JSONL files in TRL's
+prompt-completion format.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 from collections.abc import Sequence
 
 from .build import build_shipped, export_csv, installed_version
-from .registry import SHIPPED, shipped_dataset
+from .instruct_tasks import shipped_instruction_sequence, write_trl_files
+from .registry import SHIPPED, SHIPPED_INSTRUCTIONS, shipped_dataset
 
 
 def _name(value: str) -> str:
@@ -43,6 +47,17 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--classes", nargs="+", default=None, help="only these classes (default: all)")
     export.add_argument("--per-class", type=int, default=None, help="at most this many rows per class and split")
     export.add_argument("--seed", type=int, default=0, help="picks the capped subset")
+    instructions = sub.add_parser(
+        "export-instructions",
+        help="write the shipped instruction tasks as JSONL in TRL's prompt-completion format, <task>.<split>.jsonl",
+    )
+    instructions.add_argument("folder", metavar="FOLDER", help="where to write (files of the same names are replaced)")
+    instructions.add_argument("--tasks", nargs="+", default=None, help="the task families in order (default: all)")
+    instructions.add_argument("--seed", type=int, default=0, help="picks the examples")
+    sizes = inspect.signature(shipped_instruction_sequence).parameters  # one default per size: the API's
+    for split, key in (("train", "train_per_task"), ("test", "test_per_task"), ("validation", "val_per_task")):
+        option, default = "--" + key.replace("_", "-"), sizes[key].default
+        instructions.add_argument(option, type=int, help=f"{split} examples per task (default {default})")
     return parser
 
 
@@ -60,6 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 src = data.source
                 print(f"{data.name}: {data.describe}; files/{data.file}, {data.license}")
                 print(f"  source: Debian {src.package} {src.version} ({src.folder}), {src.upstream}")
+            for instruct in SHIPPED_INSTRUCTIONS.values():
+                print(f"{instruct.name}: {instruct.describe}")
+                print(f"  built from: {', '.join(data.name for data in instruct.sources)}")
         elif args.command == "build":
             data = SHIPPED[args.name]
             version = installed_version(data.source.package) if args.source_dir is None else None
@@ -73,6 +91,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"wrote {out} ({out.stat().st_size} bytes, {len(data.read(out))} {data.item_word})")
         elif args.command == "stats":
             print(SHIPPED[args.name].stats_markdown(args.path))
+        elif args.command == "export-instructions":
+            sizes = {k: getattr(args, k) for k in ("train_per_task", "test_per_task", "val_per_task")}
+            given = {k: v for k, v in sizes.items() if v is not None}
+            sequence = shipped_instruction_sequence(args.tasks, seed=args.seed, **given)
+            for path in write_trl_files(sequence, args.folder):
+                print(f"wrote {path}")
         else:
             split = None if args.split == "all" else args.split
             rows = export_csv(args.name, args.out, split, args.classes, args.per_class, args.seed)

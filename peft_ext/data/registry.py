@@ -1,6 +1,7 @@
 """Every data set a job's ``data.dataset`` can name: the shipped ones declared (:data:`SHIPPED`: source, license,
-file, columns, split rule, classes and the code that parses and builds them), and the kinds that read the user's own
-files (:data:`USER_DATASETS`).
+file, columns, split rule, classes and the code that parses and builds them), the instruction tasks built from them
+(:data:`SHIPPED_INSTRUCTIONS`), and the kinds that read the user's own files (:data:`USER_DATASETS`). Each declares
+what its task sequences hold (:func:`sequence_kind`): labelled texts for a classifier, or instructions for a causal LM.
 
 A new shipped data set is one more :class:`~.shipped.ShippedDataset` here, a record type with its row parser, a
 build function from its source files, its file and license in ``files/``; ``python -m peft_ext.data build NAME``
@@ -10,6 +11,7 @@ then rebuilds it, and the job, the config check and the benchmarks find it by na
 from __future__ import annotations
 
 import difflib
+from dataclasses import dataclass
 
 from .provenance import DebianSource, HashSplit, License
 from .shipped import ShippedDataset
@@ -17,10 +19,16 @@ from .shipped import ShippedDataset
 __all__ = [
     "DATASETS",
     "FORTUNES",
+    "INSTRUCT",
     "SHIPPED",
+    "SHIPPED_INSTRUCTIONS",
     "USER_DATASETS",
     "WORDNET",
+    "ShippedInstructions",
+    "UserDataset",
     "check_dataset",
+    "is_instruction_dataset",
+    "sequence_kind",
     "shipped_dataset",
 ]
 
@@ -150,14 +158,64 @@ FORTUNES = ShippedDataset(
 #: The data sets that ship with the package, by their ``data.dataset`` name.
 SHIPPED: dict[str, ShippedDataset] = {data.name: data for data in (WORDNET, FORTUNES)}
 
+
+@dataclass(frozen=True)
+class ShippedInstructions:
+    """Instruction tasks built from shipped data sets (no file of their own): a ``data.dataset`` name whose sequences
+    hold :class:`~.tasks.Instruction` examples, for a ``causal_lm``.
+
+    Args:
+        name: Its ``data.dataset`` name.
+        describe: One line for messages and docs.
+        sources: The shipped data sets its tasks read.
+    """
+
+    name: str
+    describe: str
+    sources: tuple[ShippedDataset, ...]
+
+    @property
+    def kind(self) -> str:
+        """What its task sequences hold: ``"generation"`` (instructions)."""
+        return "generation"
+
+
+#: Instruction tasks of real data: WordNet and fortune questions in plain English (:mod:`.instruct_tasks`).
+INSTRUCT = ShippedInstructions(
+    name="instruct",
+    describe="instruction tasks from WordNet 3.0 and the fortunes, for a `causal_lm` (docs/continual_instruct.md)",
+    sources=(WORDNET, FORTUNES),
+)
+
+#: The instruction task sets that ship with the package, by their ``data.dataset`` name.
+SHIPPED_INSTRUCTIONS: dict[str, ShippedInstructions] = {INSTRUCT.name: INSTRUCT}
+
+
+@dataclass(frozen=True)
+class UserDataset:
+    """A ``data.dataset`` kind that reads the user's own files.
+
+    Args:
+        describe: What it reads, and where it is documented.
+        kind: What its task sequences hold: ``"classification"`` (labelled texts) or ``"generation"`` (instructions).
+    """
+
+    describe: str
+    kind: str
+
+
 #: The ``data.dataset`` names that read the user's own files, and what they read.
-USER_DATASETS: dict[str, str] = {
-    "files": "your own classification data, read by Hugging Face `datasets` (docs/own_data.md)",
-    "instructions": "instruction tasks in TRL's formats for a `causal_lm` (docs/continual_instruct.md)",
+USER_DATASETS: dict[str, UserDataset] = {
+    "files": UserDataset(
+        "your own classification data, read by Hugging Face `datasets` (docs/own_data.md)", "classification"
+    ),
+    "instructions": UserDataset(
+        "instruction tasks in TRL's formats for a `causal_lm` (docs/continual_instruct.md)", "generation"
+    ),
 }
 
 #: Every name ``data.dataset`` takes.
-DATASETS: tuple[str, ...] = (*SHIPPED, *USER_DATASETS)
+DATASETS: tuple[str, ...] = (*SHIPPED, *SHIPPED_INSTRUCTIONS, *USER_DATASETS)
 
 
 def _did_you_mean(value: object, valid: tuple[str, ...] | list[str]) -> str:
@@ -171,6 +229,21 @@ def check_dataset(name: object) -> str:
     if name not in DATASETS:
         raise ValueError(f"`dataset` must be one of {list(DATASETS)}, got {name!r}{_did_you_mean(name, DATASETS)}")
     return name  # type: ignore[return-value]
+
+
+def sequence_kind(name: str) -> str:
+    """What the task sequences of ``data.dataset`` ``name`` hold, as its declaration says: ``"classification"``
+    (labelled texts, for a ``classifier``) or ``"generation"`` (instructions, for a ``causal_lm``); ``ValueError`` for
+    an unknown name (:func:`check_dataset`)."""
+    check_dataset(name)
+    if name in SHIPPED:
+        return "classification"  # a ShippedDataset is a file of labelled texts
+    return {**SHIPPED_INSTRUCTIONS, **USER_DATASETS}[name].kind
+
+
+def is_instruction_dataset(name: str) -> bool:
+    """Whether ``data.dataset`` ``name`` holds instruction tasks, which train a ``causal_lm`` (and only it)."""
+    return sequence_kind(name) == "generation"
 
 
 def shipped_dataset(name: str) -> ShippedDataset:

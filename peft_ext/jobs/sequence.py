@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..continual.config import RunConfig
-from ..data import SHIPPED
+from ..data import SHIPPED, SHIPPED_INSTRUCTIONS
 from ..data.tasks import TaskSequence
 
 __all__ = ["CLASS_SEQUENCE_KEYS", "build_sequence", "causal_collate", "separator_id", "sequence_summary"]
@@ -45,6 +45,11 @@ def build_sequence(config: RunConfig, tokenizer: Any = None) -> TaskSequence:
             seed=data.seed,
             name=config.name,
         )
+    if data.dataset in SHIPPED_INSTRUCTIONS:  # instruct: instruction tasks of the shipped files
+        from ..data.instruct_tasks import shipped_instruction_sequence
+
+        sizes = {key: getattr(data, key) for key in data.PER_TASK if getattr(data, key) is not None}
+        return shipped_instruction_sequence(data.tasks, seed=data.seed, **sizes)
     if data.dataset in SHIPPED:  # wordnet, fortunes: files that ship with the package
         return SHIPPED[data.dataset].task_sequence(
             **_keys(data, CLASS_SEQUENCE_KEYS), val_per_class=data.val_per_class or 0
@@ -67,11 +72,11 @@ def sequence_summary(name: str, sequence: TaskSequence) -> list[str]:
     """The lines that say what a job's task sequence is: tasks, classes, examples per split, then each task's name
     (``peft-ext run`` prints them when it starts, ``peft-ext check`` when the config is valid)."""
     count = {split: sum(len(getattr(t, split)) for t in sequence.tasks) for split in ("train", "validation", "test")}
-    how = (
-        "instruction tasks, scored by exact match of the generated answers"
-        if sequence.kind == "generation"
-        else sequence.protocol
-    )
+    how = sequence.protocol
+    if sequence.kind == "generation":
+        names = {"exact_match": "exact match", "rouge_l": "ROUGE-L"}  # a task's metric, as a reader says it
+        scored = " / ".join(said for metric, said in names.items() if any(t.metric == metric for t in sequence.tasks))
+        how = f"instruction tasks, scored by {scored} of the generated answers"
     head = (
         f"{name}: {sequence.name} ({how}), {len(sequence)} tasks, {sequence.num_classes} classes, "
         f"{count['train']} train / "
