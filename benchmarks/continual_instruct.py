@@ -14,7 +14,8 @@ Paired 95 % t-intervals over the orders judge the targets:
 - moonshot: the best continual method within 2 points of joint training on final average (lower end of the paired
   interval >= -2) with held-out perplexity up by at most 5 %.
 
-Learning rates are fixed per method (``METHODS``), not tuned on validation: the sizes are those of a 2-core CPU.
+Every setting comes from the shipped job, ``configs/instruct.yaml`` (``peft-ext run instruct`` is one order of this
+benchmark); learning rates are the config's, not tuned on validation: the sizes are those of a 2-core CPU.
 
 Usage::
 
@@ -26,6 +27,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -39,29 +41,23 @@ import torch
 from benchmarks._lib import machine
 from benchmarks._lib.cache import write_json_atomic
 from benchmarks._lib.tables import markdown_table
-from peft_ext.continual import TrainConfig, get_continual_method, run_sequence
+from peft_ext.continual import get_continual_method, run_sequence
 from peft_ext.continual.metrics import paired_interval
 from peft_ext.data.held_out import held_out_text
 
-TARGETS = ["q_proj", "v_proj"]
-LORA = dict(r=8, lora_alpha=16.0, target_modules=TARGETS)
-#: Every method's options (fixed learning rates: LoRA's usual 2e-3 for a few dozen steps per task; the methods that
-#: train B on a frozen A take a higher one, as in their own classification settings).
-METHODS: dict[str, dict[str, Any]] = {
-    "zero_shot": {},
-    "seq_lora": dict(lr=2e-3, adapter=LORA),
-    "replay": dict(lr=2e-3, memory_size=24, adapter=LORA),
-    "olora": dict(lr=2e-3, adapter=LORA),
-    "inflora": dict(lr=5e-3, r=8, target_modules=TARGETS),
-    "splitlora": dict(lr=5e-3, adapter=dict(r=8, target_modules=TARGETS)),
-    "pclr": dict(
-        lr=2e-3,
-        adapter=dict(pool_size=48, ranks_schedule=[8], top_k=16, alpha=16.0, target_modules=TARGETS),
-    ),
-    "joint": dict(lr=2e-3, adapter=LORA),
-}
-FAMILIES = ("supersense", "gloss_to_word", "part_of_speech", "fortune_topic", "define", "example_to_word")
-SYSTEM_PROMPT = "Answer briefly."
+#: The shipped job whose settings (model, data sizes, training, every method's options) each order runs.
+CONFIG = Path(__file__).resolve().parent.parent / "configs" / "instruct.yaml"
+
+
+def job_config() -> Any:
+    """The shipped ``configs/instruct.yaml`` (validated)."""
+    import warnings
+
+    from peft_ext.jobs import load_job_config
+
+    with warnings.catch_warnings():  # zero_shot's missing lr is expected: it trains nothing
+        warnings.simplefilter("ignore")
+        return load_job_config(str(CONFIG))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,26 +65,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--orders", type=int, default=3, help="task orders (seeded permutations; order 0 as listed)")
-    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
-    parser.add_argument("--train-per-task", type=int, default=48)
-    parser.add_argument("--test-per-task", type=int, default=24)
-    parser.add_argument("--val-per-task", type=int, default=16)
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--methods", default=None, help="comma-separated subset of the config's methods")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="runs/benchmark_continual_instruct", help="finished runs are kept here")
     parser.add_argument("--results", default="docs/results/continual_instruct.json", help="the results file")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 tasks, 8 train / 4 test, 1 order")
     args = parser.parse_args(argv)
-    unknown = [m for m in args.methods.split(",") if m not in METHODS]
+    config = job_config()
+    names = [m.name for m in config.methods]
+    args.methods = args.methods.split(",") if args.methods else names
+    unknown = [m for m in args.methods if m not in names]
     if unknown:
-        parser.error(f"unknown methods {unknown}; choose from {list(METHODS)}")
+        parser.error(f"unknown methods {unknown}; the config's: {names}")
+    data = config.data
+    args.train_per_task, args.test_per_task, args.val_per_task = (
+        data.train_per_task,
+        data.test_per_task,
+        data.val_per_task,
+    )
+    args.epochs, args.batch_size = config.train.epochs, config.train.batch_size
     if args.quick:
         args.orders, args.train_per_task, args.test_per_task, args.val_per_task, args.epochs = 1, 8, 4, 2, 1
     return args
 
 
-def task_order(order: int, families: tuple[str, ...] = FAMILIES) -> list[str]:
+def task_order(order: int, families: tuple[str, ...]) -> list[str]:
     """Order 0: ``families`` as listed; order k: a permutation seeded by k."""
     if order == 0:
         return list(families)
@@ -99,38 +100,40 @@ def task_order(order: int, families: tuple[str, ...] = FAMILIES) -> list[str]:
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
     """What a run depends on besides its method and order (a kept run with other settings is not reused)."""
+    config = job_config()
+    families = tuple(config.data.tasks)
     return {
-        "model": "smollm2-135m",
-        "system_prompt": SYSTEM_PROMPT,
+        "model": config.model.backbone,
+        "system_prompt": config.model.system_prompt,
         "train_per_task": args.train_per_task,
         "test_per_task": args.test_per_task,
         "val_per_task": args.val_per_task,
         "epochs": args.epochs,
         "batch_size": args.batch_size,
-        "families": list(FAMILIES[:2] if args.quick else FAMILIES),
+        "families": list(families[:2] if args.quick else families),
     }
 
 
 def run_one(method: str, order: int, args: argparse.Namespace, base: Any, tokenizer: Any) -> dict[str, Any]:
-    """One method through one task order; the result as a JSON-ready dict."""
-    from peft_ext.data.collate import CausalLMCollator
-    from peft_ext.data.instruct_tasks import shipped_instruction_sequence
+    """One method of the shipped config through one task order; the result as a JSON-ready dict."""
+    from peft_ext.jobs.sequence import build_sequence
 
+    config = job_config()
     families = settings(args)["families"]
-    sequence = shipped_instruction_sequence(
-        task_order(order, tuple(families)),
+    config.data = dataclasses.replace(
+        config.data,
+        tasks=task_order(order, tuple(families)),
         train_per_task=args.train_per_task,
         test_per_task=args.test_per_task,
         val_per_task=args.val_per_task,
-        seed=0,
     )
+    sequence = build_sequence(config)
     sequence.held_out_text = list(held_out_text(per_source=8 if args.quick else 100))
-    collate = CausalLMCollator(tokenizer, max_length=160, chat_template=True, system_prompt=SYSTEM_PROMPT)
-    train = TrainConfig(
-        epochs=args.epochs, batch_size=args.batch_size, eval_batch_size=32, seed=0, device="cpu", progress=False
-    )
+    collate = config.model.causal_collate(tokenizer)
+    train = dataclasses.replace(config.train, epochs=args.epochs, device="cpu", progress=False)
+    entry = next(m for m in config.methods if m.name == method)
     start = time.perf_counter()
-    result = run_sequence(sequence, get_continual_method(method)(**METHODS[method]), base, collate, train)
+    result = run_sequence(sequence, get_continual_method(method)(entry.options), base, collate, train)
     return {
         "method": method,
         "order": order,
@@ -232,11 +235,11 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     from peft_ext.models import load_causal_lm
 
-    methods = args.methods.split(",")
+    methods = args.methods
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     wall = time.perf_counter()
-    base, tokenizer = load_causal_lm("smollm2-135m")
+    base, tokenizer = load_causal_lm(job_config().model.backbone)
     base.requires_grad_(False)
     runs: list[dict[str, Any]] = []
     for order in range(args.orders):
@@ -263,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     results = {
         "settings": settings(args),
         "orders": args.orders,
-        "methods": {m: METHODS[m] for m in methods},
+        "config": str(CONFIG.relative_to(CONFIG.parent.parent)),
         "runs": runs,
         "verdicts": verdicts,
         "machine": machine.record(),

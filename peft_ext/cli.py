@@ -191,9 +191,14 @@ def _cmd_predict(args: argparse.Namespace) -> int:
         return 2
     if why:
         print(f"peft-ext: {why}", file=sys.stderr)
-    model = load_trained(folder)
-    for text, label in zip(texts, model.predict(texts)):
-        print(f"{label}\t{text}")
+    try:
+        model = load_trained(folder)
+        predictions = model.predict(texts)
+    except ValueError as err:  # e.g. a prompt longer than the model takes, with its length and the limit
+        print(f"peft-ext: predict error: {err}", file=sys.stderr)
+        return 2
+    for text, label in zip(texts, predictions):
+        print(f"{' '.join(label.split())}\t{text}")  # an answer on one line, whatever it holds
     return 0
 
 

@@ -226,7 +226,8 @@ def test_the_instruction_job_on_a_4bit_bfloat16_base(tmp_path, tiny_causal_lm, c
     printed = capsys.readouterr().out
     # it says what it scores: exact match of generated answers, not a classifier's accuracy
     assert "(instruction tasks, scored by exact match of the generated answers)" in printed
-    assert "| final exact match | exact match after learning |" in printed and "| final acc |" not in printed
+    assert "| final score | score after learning |" in printed and "| final acc |" not in printed
+    assert "held-out ppl / base" in printed  # what tuning cost the model on text no task trains on
     (row,) = json.loads((out / "results.json").read_text())["results"]
     assert all(row["accuracy_matrix"][i][j] is not None for i in range(3) for j in range(i + 1))
     # the shipped r = 16 on q_proj (32 -> 32) and v_proj (32 -> 16, two key-value heads) of both layers

@@ -88,6 +88,49 @@ class ModelSection:
             raise ValueError("`system_prompt` is a message of the chat template: set `chat_template: true` with it")
         check_local_model_path("backbone", self.backbone)
 
+    def causal_collate(self, tokenizer: Any) -> Any:
+        """The :class:`~peft_ext.data.collate.CausalLMCollator` this ``causal_lm`` section describes."""
+        return causal_collate(tokenizer, self)
+
+
+def separator_id(tokenizer: Any, token: str | None) -> int:
+    """The id of the token that ends every prompt of an instruction sequence: ``token`` (``model.separator``), else
+    the tokenizer's separator token.
+
+    Raises:
+        ValueError: ``token`` is not one token of the vocabulary, or neither is set.
+    """
+    if token is None:
+        if getattr(tokenizer, "sep_token_id", None) is None:
+            raise ValueError(
+                f"the tokenizer ({type(tokenizer).__name__}) has no separator token to end prompts with: set "
+                "`model.separator` to a special token of its vocabulary that no prompt contains (e.g. an unused "
+                "reserved token)"
+            )
+        return int(tokenizer.sep_token_id)
+    ids = tokenizer.convert_tokens_to_ids([token])
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if not ids or ids[0] is None or (unk is not None and ids[0] == unk and token != tokenizer.unk_token):
+        raise ValueError(f"`model.separator` {token!r} is not a token of the tokenizer's vocabulary")
+    return int(ids[0])
+
+
+def causal_collate(tokenizer: Any, model: Any) -> Any:
+    """The :class:`~peft_ext.data.collate.CausalLMCollator` a ``causal_lm`` job's ``model`` section describes (its
+    separator, lengths and chat rendering)."""
+    from ..data.collate import CausalLMCollator
+
+    # a chat-rendered prompt's separator is the template's own unless the config names one
+    separator = None if model.chat_template and model.separator is None else separator_id(tokenizer, model.separator)
+    return CausalLMCollator(
+        tokenizer,
+        model.max_length,
+        separator,
+        model.max_new_tokens,
+        chat_template=model.chat_template,
+        system_prompt=model.system_prompt,
+    )
+
 
 @dataclass
 class DataSection:

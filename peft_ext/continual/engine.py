@@ -487,10 +487,14 @@ class ContinualEngine:
         text under the base model and the final one (a generation sequence that has such text)."""
         if getattr(self, "base_perplexity", None) is None:
             return {}
-        final = text_perplexity(
-            model, self.sequence.held_out_text, self.ctx.collate, self.ctx.device, self.ctx.train.eval_batch_size
-        )
         base = self.base_perplexity
+        texts, ctx = self.sequence.held_out_text, self.ctx
+        # a method that trains nothing leaves the base model as it was
+        final = (
+            base
+            if not self.method.trains
+            else text_perplexity(model, texts, ctx.collate, ctx.device, ctx.train.eval_batch_size)
+        )
         return {"held_out_perplexity": {"base": base, "final": final, "ratio": final / base}}
 
     def _final_correct(self) -> dict[str, Any]:

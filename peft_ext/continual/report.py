@@ -54,17 +54,22 @@ def metrics_table(results: Sequence[MethodResult], timings: bool = True) -> str:
     simplecil = next((r.metrics.get("final_acc") for r in results if r.method == "ncm"), None)
     heads = [head_name(r) for r in results]
     with_heads = any(h != "linear" for h in heads)
-    # a generation sequence scores exact match of the generated answers, not a classifier's accuracy
+    # a generation sequence scores each task by its metric (exact match, ROUGE-L), not a classifier's accuracy
     generation = bool(results) and all("answer_loss_matrix" in r.extras for r in results)
-    titles = [t.replace("acc", "exact match") if generation else t for _, t in METRIC_COLUMNS]
+    titles = [t.replace("acc", "score") if generation else t for _, t in METRIC_COLUMNS]
+    # what the sequence cost the model's general ability: held-out perplexity after it / before it
+    ppl = [r.extras.get("held_out_perplexity") for r in results]
+    titles += ["held-out ppl / base"] if any(p is not None for p in ppl) else []
     columns = [*titles, *(["gap to joint"] if joint is not None else [])]
     columns += ["vs SimpleCIL"] if simplecil is not None else []
     head = ["method", *(["head"] if with_heads else []), *columns, "trainable params"]
     head += ["train s", "eval s"] if timings else []
     align = ["---"] * (2 if with_heads else 1)
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align + ["---:"] * (len(head) - len(align))) + "|"]
-    for r, head_used in zip(results, heads):
+    for r, head_used, held_out in zip(results, heads, ppl):
         cells = [r.label, *([head_used] if with_heads else []), *(_pct(_metric(r, key)) for key, _ in METRIC_COLUMNS)]
+        if len(titles) > len(METRIC_COLUMNS):
+            cells.append("—" if held_out is None else f"{held_out['ratio']:.3f}")
         final = r.metrics.get("final_acc")
         if joint is not None:
             cells.append("—" if _upper_bound(r) or final is None else _pct(joint - final))

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MODEL_FILE",
     "TrainedClassifier",
+    "TrainedGenerator",
     "load_trained",
     "read_texts",
     "save_trained",
@@ -75,6 +76,7 @@ def save_trained(
     head: Optional[ContinualHead],
     base: nn.Module,
     description: dict[str, Any],
+    merge: bool = False,
 ) -> Path:
     """Save one method's final model to ``directory`` (replaced whole, atomically: a crash leaves the old folder or
     none, never half of one).
@@ -86,6 +88,9 @@ def save_trained(
         base: The untouched base model (what ``load_trained`` rebuilds), to find the tensors a non-adapter run changed.
         description: What rebuilds the base model: ``backbone``, ``num_classes``, ``class_names``, ``dropout``,
             ``seed``, ``max_length`` (and anything else to record, e.g. ``method``, ``label``, ``final_acc``).
+        merge: Save the adapter merged into the base model's tensors (the tensors it changed), not as an adapter: for
+            a method that merged earlier tasks' adapters into the backbone (``rewraps_model``), whose last adapter
+            alone is not its model.
 
     Returns:
         ``directory``.
@@ -97,11 +102,14 @@ def save_trained(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     meta = dict(description, format=FORMAT, adapter=False, weights=None, head=None)
-    if _is_peft(model):
+    if _is_peft(model) and not merge:
         model.save_pretrained(str(tmp))
         meta["adapter"] = True
     else:
-        changed = changed_tensors(model, base)
+        import copy
+
+        merged = copy.deepcopy(model).merge_and_unload() if _is_peft(model) else model
+        changed = changed_tensors(merged, base)
         if changed:
             save_file(changed, str(tmp / WEIGHTS_FILE))
             meta["weights"] = WEIGHTS_FILE
@@ -174,13 +182,91 @@ class TrainedClassifier:
         return [self.class_names[i] for i in self.scores(texts, batch_size).argmax(-1).tolist()]
 
 
-def load_trained(directory: Union[str, Path]) -> TrainedClassifier:
+@dataclass
+class TrainedGenerator:
+    """A saved causal-LM method's model, ready to answer instructions (:func:`load_trained`).
+
+    Attributes:
+        model: The causal LM (base model with the adapter loaded, or the merged weights, in evaluation mode).
+        collate: Renders prompts as the run did (chat template, separator) and decodes answers.
+        meta: The saved description (``peft_ext_model.json``).
+    """
+
+    model: nn.Module
+    collate: Any
+    meta: dict[str, Any]
+
+    @torch.no_grad()
+    def answer(self, prompts: Sequence[str], batch_size: int = 16) -> list[str]:
+        """The greedy answer to each prompt (KV cache; at most ``model.max_new_tokens`` tokens each, default 64).
+
+        Raises:
+            ValueError: A prompt that needs more tokens than the run's ``max_length`` or the model's positions,
+                naming its length and the limit.
+        """
+        from ..data.tasks import Example, Instruction
+        from .generation import generate_answers
+
+        if isinstance(prompts, str):
+            raise TypeError("prompts must be a list of strings, got one string")
+        limit = self.collate.max_length
+        positions = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        budget = self.collate.max_new_tokens or 64
+        answers = []
+        for start in range(0, len(prompts), batch_size):
+            chunk = prompts[start : start + batch_size]
+            for prompt in chunk:
+                n = len(self.collate.render(prompt))
+                if n >= limit or (positions is not None and n + budget > positions):
+                    cap = limit if n >= limit else positions - budget
+                    raise ValueError(
+                        f"prompt {prompt[:40]!r} is {n} tokens long; the model answers prompts of at most {cap - 1} "
+                        f"tokens (max_length {limit}, {positions} positions, {budget} new tokens)"
+                    )
+            collate = self.collate
+            if collate.max_new_tokens is None:  # no reference answers to size the budget by
+                import copy
+
+                collate = copy.copy(collate)
+                collate.max_new_tokens = budget
+            examples = [Example(Instruction(p, "?"), 0) for p in chunk]
+            answers += generate_answers(self.model, examples, collate, next(self.model.parameters()).device)
+        return answers
+
+    def predict(self, texts: Sequence[str], batch_size: int = 16) -> list[str]:
+        """:meth:`answer` (what ``peft-ext predict`` calls for every saved method)."""
+        return self.answer(texts, batch_size)
+
+
+def _load_generator(directory: Path, meta: dict[str, Any]) -> TrainedGenerator:
+    from safetensors.torch import load_file
+
+    from ..models import load_causal_lm
+    from .config import ModelSection
+    from .generation import prompt_query
+
+    section = ModelSection(**meta["model"])
+    model, tokenizer = load_causal_lm(section.backbone, section.dtype, section.load_in_4bit)
+    collate = section.causal_collate(tokenizer)
+    if meta.get("adapter"):
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(directory))
+        if hasattr(model.base_model, "set_query_fn"):  # a PCLR pool routes each instruction by its prompt
+            model.base_model.set_query_fn(prompt_query(collate.separator_id))
+    if meta.get("weights"):
+        missing = model.load_state_dict(load_file(str(directory / meta["weights"])), strict=False)
+        if missing.unexpected_keys:
+            raise ValueError(f"{meta['weights']} holds tensors the model lacks: {missing.unexpected_keys[:5]}")
+    return TrainedGenerator(model.eval(), collate, meta)
+
+
+def load_trained(directory: Union[str, Path]) -> TrainedClassifier | TrainedGenerator:
     """Load a method's folder written by :func:`save_trained` (``peft-ext run`` writes one per method under
-    ``output.dir/adapters``).
+    ``output.dir/adapters``): a :class:`TrainedClassifier`, or for a causal-LM job a :class:`TrainedGenerator`.
 
     Raises:
-        ValueError: The folder holds no saved method (naming what it does hold), or a causal-LM method (load those
-            with ``PeftModel.from_pretrained`` on the backbone and generate).
+        ValueError: The folder holds no saved method (naming what it does hold).
     """
     from safetensors.torch import load_file
 
@@ -196,11 +282,13 @@ def load_trained(directory: Union[str, Path]) -> TrainedClassifier:
     meta = json.loads(path.read_text())
     if meta.get("format") != FORMAT:
         raise ValueError(f"{str(path)!r} has format {meta.get('format')!r}; this peft-ext reads format {FORMAT}")
-    if meta.get("kind", "classifier") != "classifier":
-        raise ValueError(
-            f"{str(directory)!r} holds a {meta.get('kind')} method: predict classifies texts; load its adapter with "
-            "PeftModel.from_pretrained on the backbone and generate"
-        )
+    if meta.get("kind", "classifier") == "causal_lm":
+        if "model" not in meta:
+            raise ValueError(
+                f"{str(directory)!r} holds a causal-LM method saved before its prompt settings were recorded: load "
+                "its adapter with PeftModel.from_pretrained on the backbone and generate, or run the job again"
+            )
+        return _load_generator(directory, meta)
     model, tokenizer = load_text_classifier(
         meta["backbone"], meta["num_classes"], meta.get("dropout", 0.0), seed=meta.get("seed", 0)
     )

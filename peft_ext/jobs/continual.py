@@ -38,7 +38,7 @@ import torch.distributed as dist
 from ..continual.config import MethodEntry, RunConfig
 from ..continual.engine import MethodResult
 from ..continual.heads.frozen import FrozenFeatures
-from ..continual.methods import ContinualMethod, get_continual_method
+from ..continual.methods import ContinualMethod, get_continual_method, method_capability
 from ..continual.progress import TaskProgress
 from ..continual.report import leader_line, matrix_table, metrics_table, noise_line, save_results
 from ..continual.runner import run_sequence
@@ -305,6 +305,11 @@ class ContinualJob:
                 tokenize_sequence, sequence, tokenizer, config.model.max_length, config.train.progress
             )
             sequence = rank_zero_first(tokenize)
+        if sequence.kind == "generation" and not sequence.held_out_text:
+            from ..data.held_out import held_out_text
+
+            # what the sequence costs the model's general ability: perplexity of text no task trains on
+            sequence.held_out_text = list(held_out_text())
         self.sequence = sequence
         if causal:
             self.collate = causal_collate(tokenizer, config.model)
@@ -427,7 +432,10 @@ class ContinualJob:
             "config": config.name,
         }
         folder = re.sub(r"[^\w.+-]", "_", label)
-        save_trained(Path(config.output.dir) / "adapters" / folder, model, head, self.base, description)
+        if config.model.kind == "causal_lm":
+            description["model"] = dataclasses.asdict(config.model)  # what rebuilds the prompts: chat, separator
+        merge = method_capability(method, "rewraps_model")  # earlier tasks live in the backbone, not the adapter
+        save_trained(Path(config.output.dir) / "adapters" / folder, model, head, self.base, description, merge=merge)
 
     def finish(self) -> None:
         """The closing report (callbacks), then :class:`JobFailed` when a method failed."""

@@ -309,7 +309,7 @@ def check_adapters(config: RunConfig, model_config: Any) -> None:
                 )
 
 
-def check_instruction_lengths(config: RunConfig, tokenizer: Any, sequence: Any) -> None:
+def check_instruction_lengths(config: RunConfig, tokenizer: Any, sequence: Any, model_config: Any = None) -> None:
     """Raise ``ConfigError`` when the job's collate cannot be built on the tokenizer (no separator, no eos), or when
     an example needs more than ``model.max_length`` tokens: answers are never truncated (a cut answer would train
     and score the model on the wrong text), so such an example would fail its batch in the middle of training."""
@@ -325,6 +325,17 @@ def check_instruction_lengths(config: RunConfig, tokenizer: Any, sequence: Any) 
         for split, examples in (("train", task.train), ("test", task.test), ("validation", task.validation))
         for ex in examples
     ]
+    positions = getattr(model_config, "max_position_embeddings", None)
+    if positions is not None and lengths:
+        budget = config.model.max_new_tokens or 0
+        longest = max(lengths)
+        if longest[0] + budget > positions:
+            raise ConfigError(
+                f"`model.backbone` {config.model.backbone!r} reads at most {positions} positions, but an example of "
+                f"task {longest[1]!r} ({longest[2]} split, prompt {longest[3][:40]!r}) needs {longest[0]} tokens"
+                + (f" plus {budget} generated" if budget else "")
+                + ": shorten the prompts or use a model with more positions"
+            )
     over = [entry for entry in lengths if entry[0] > config.model.max_length]
     if over:
         longest = max(over)
@@ -352,7 +363,7 @@ def preflight(config: Any) -> Any:
         tokenizer = check_tokenizer(config.model.backbone)
         sequence = check_data(config, tokenizer)
         if config.model.kind == "causal_lm":
-            check_instruction_lengths(config, tokenizer, sequence)
+            check_instruction_lengths(config, tokenizer, sequence, model_config)
         check_adapters(config, model_config)
         return sequence
     return None
