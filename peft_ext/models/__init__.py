@@ -1,7 +1,9 @@
-"""Model loaders: the offline MiniLM-L6 text classifier and tiny random transformers for tests."""
+"""Model loaders: the offline MiniLM-L6 text classifier, the offline SmolLM2-135M-Instruct causal LM and tiny random
+transformers for tests."""
 
 from __future__ import annotations
 
+from .smollm2 import SMOLLM2, smollm2_gguf, smollm2_path
 from .text import (
     SentenceClassifier,
     load_causal_lm,
@@ -13,12 +15,15 @@ from .text import (
 from .tiny import tiny_bert, tiny_clip, tiny_llama, tiny_qwen2, tiny_vit
 
 __all__ = [
+    "SMOLLM2",
     "SentenceClassifier",
     "load_pretrained_quietly",
     "load_causal_lm",
     "load_text_classifier",
     "minilm_path",
     "resolve_backbone",
+    "smollm2_gguf",
+    "smollm2_path",
     "tiny_bert",
     "tiny_clip",
     "tiny_llama",

