@@ -264,6 +264,9 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     print(machine.wall_line(wall, args.threads))
     results = {
+        "kind": "continual_instruct",  # what makes the claims pages quote (peft_ext.continual.published_instruct)
+        "command": "python -m benchmarks.continual_instruct"
+        + (f" --orders {args.orders}" if args.orders != 3 else ""),
         "settings": settings(args),
         "orders": args.orders,
         "config": str(CONFIG.relative_to(CONFIG.parent.parent)),

@@ -143,21 +143,13 @@ def code_paths(entry: Entry) -> tuple[str, ...]:
     return (*entry.code, *imported_benchmark_files(entry.args[0]))
 
 
-def _git(*args: str) -> str | None:
-    try:
-        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip() if done.returncode == 0 else None
-
-
 def provenance(entry: Entry) -> str:
     """``code <commit> (<UTC date>)`` of the checkout ``entry`` ran from, ``+ uncommitted changes`` when its code
     paths had any; ``code unknown`` outside a git checkout."""
-    commit = _git("rev-parse", "--short=7", "HEAD")
+    commit = machine.git("rev-parse", "--short=7", "HEAD", cwd=ROOT)
     if not commit:
         return f"{MEASURED}unknown"
-    dirty = _git("status", "--porcelain", "--", *code_paths(entry))
+    dirty = machine.git("status", "--porcelain", "--", *code_paths(entry), cwd=ROOT)
     date = f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d}"
     return f"{MEASURED}{commit} ({date})" + (" + uncommitted changes" if dirty else "")
 
@@ -165,9 +157,9 @@ def provenance(entry: Entry) -> str:
 def changed_since(entry: Entry, commit: str) -> list[str] | None:
     """The files of ``entry``'s code paths that differ between ``commit`` and the working tree (``None``: unknown,
     e.g. the commit is not in this clone)."""
-    if _git("cat-file", "-e", f"{commit}^{{commit}}") is None:
+    if machine.git("cat-file", "-e", f"{commit}^{{commit}}", cwd=ROOT) is None:
         return None
-    out = _git("diff", "--name-only", commit, "--", *code_paths(entry))
+    out = machine.git("diff", "--name-only", commit, "--", *code_paths(entry), cwd=ROOT)
     return None if out is None else [line for line in out.splitlines() if line]
 
 

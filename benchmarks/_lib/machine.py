@@ -8,7 +8,22 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cpu_name", "load_average", "record", "summary", "torch_platform"]
+__all__ = ["cpu_name", "git", "load_average", "record", "summary", "torch_platform"]
+
+#: The repository's root (the checkout the benchmarks run from).
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def git(*args: str, cwd: str | os.PathLike[str] | None = None) -> str | None:
+    """``git ARGS`` in ``cwd`` (default: this checkout), its output stripped; ``None`` outside a git checkout or when
+    it fails."""
+    import subprocess
+
+    try:
+        done = subprocess.run(["git", *args], cwd=cwd or ROOT, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
 
 
 def cpu_name() -> str:
@@ -75,5 +90,6 @@ def record(**extra: Any) -> dict[str, Any]:
         "gpu": _gpu(),
         "python": platform.python_version(),
         "argv": sys.argv[1:],
+        "commit": git("rev-parse", "HEAD"),
         **extra,
     }
