@@ -102,6 +102,18 @@ ENTRIES: tuple[Entry, ...] = (
         code=CONTINUAL,
     ),
     Entry(
+        "continual_instruct",
+        "Continual instruction tuning on a pretrained chat LM (SmolLM2-135M-Instruct, six shipped tasks)",
+        ("benchmarks.continual_instruct",),
+        110,
+        "The shipped `configs/instruct.yaml` (`peft-ext run instruct`) over 3 task orders: six instruction tasks of "
+        "WordNet and fortunes data (48 train / 24 test each, 2 epochs, chat-rendered), zero_shot, seq_lora, replay, "
+        "O-LoRA, InfLoRA-style, SplitLoRA, PCLR and joint training at the config's learning rates; final average, "
+        "forgetting, BWT and held-out perplexity after the sequence over the base model's; the targets judged by "
+        "paired 95 % intervals over the orders. Finished runs are kept in `runs/benchmark_continual_instruct/`.",
+        code=CONTINUAL + ("configs/instruct.yaml",),
+    ),
+    Entry(
         "riemannion",
         "Riemannion against LoRA optimizers (WordNet, MiniLM-L6, one task)",
         (
