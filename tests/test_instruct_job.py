@@ -124,7 +124,38 @@ def test_instruction_job_refuses_bad_input_before_any_work(tiny_chat_lm, tmp_pat
         main(["check", "instruct", *_sets(tiny_chat_lm, out, "model.system_prompt=hi", "model.chat_template=false")])
         == 2
     )
-    assert "`system_prompt` is a message of the chat template" in capsys.readouterr().err
+    assert "`model.system_prompt` is a message of the chat template" in capsys.readouterr().err
     assert main(["check", "instruct", *_sets(tiny_chat_lm, out, "methods.replay.memory_size=0")]) == 2
-    assert "`memory_size` must be a positive integer" in capsys.readouterr().err
+    assert "`methods[2].memory_size` must be a positive integer, got 0" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_replay_resumed_after_an_interruption_equals_an_uninterrupted_run(tiny_chat_lm, tmp_path, monkeypatch):
+    """The replay memory travels with the end-of-task snapshot: a run stopped after its second task and resumed
+    trains the third on the same remembered examples, so its results equal an uninterrupted run's."""
+    from peft_ext.continual.progress import TaskProgress
+    from peft_ext_cli import main
+
+    def results(out) -> dict:
+        (row,) = json.loads((out / "results.json").read_text())["results"]
+        return row
+
+    whole = tmp_path / "whole"
+    assert main(["run", "instruct", "--no-progress", "--only", "replay", *_sets(tiny_chat_lm, whole)]) == 0
+    original = TaskProgress.save
+
+    def save_then_stop(self, model, method_state, record):
+        original(self, model, method_state, record)
+        if record.completed == 2:
+            raise KeyboardInterrupt
+
+    cut = tmp_path / "cut"
+    with monkeypatch.context() as patch:
+        patch.setattr(TaskProgress, "save", save_then_stop)
+        assert main(["run", "instruct", "--no-progress", "--only", "replay", *_sets(tiny_chat_lm, cut)]) == 130
+    assert main(["run", "instruct", "--no-progress", "--only", "replay", "--resume", *_sets(tiny_chat_lm, cut)]) == 0
+    a, b = results(whole), results(cut)
+    assert a["accuracy_matrix"] == b["accuracy_matrix"]
+    flat = [[x for row in r["extras"]["answer_loss_matrix"] for x in row if x is not None] for r in (a, b)]
+    assert flat[0] == pytest.approx(flat[1], rel=1e-6) and len(flat[0]) == 6
+    assert b["extras"]["memory_per_task"] == [6, 6, 6]
