@@ -22,19 +22,11 @@ if TYPE_CHECKING:
     from ..context import RunContext
 
 
-class TrainingFree(ContinualMethod):
-    """A frozen backbone and a head that learns from its features (``lr`` and ``weight_decay`` are not used)."""
+class Untrained(ContinualMethod):
+    """A method that trains nothing: its model is the base model, frozen (``lr`` and ``weight_decay`` are not used)."""
 
     trains = False
     is_continual_adapter = False
-
-    @classmethod
-    def supported_heads(cls) -> tuple[str, ...]:
-        return tuple(feature_heads())
-
-    @classmethod
-    def unsupported_head_reason(cls) -> str:
-        return f"{cls.name!r} trains nothing, so its head must learn from features"
 
     def __init__(self, options: MethodOptions | None = None, **kwargs: Any) -> None:
         super().__init__(options, **kwargs)
@@ -43,3 +35,15 @@ class TrainingFree(ContinualMethod):
 
     def build(self, base_model: nn.Module, ctx: RunContext) -> nn.Module:
         return base_model.requires_grad_(False)
+
+
+class TrainingFree(Untrained):
+    """A frozen backbone and a head that learns from its features (``lr`` and ``weight_decay`` are not used)."""
+
+    @classmethod
+    def supported_heads(cls) -> tuple[str, ...]:
+        return tuple(feature_heads())
+
+    @classmethod
+    def unsupported_head_reason(cls) -> str:
+        return f"{cls.name!r} trains nothing, so its head must learn from features"
