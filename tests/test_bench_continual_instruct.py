@@ -67,3 +67,13 @@ def test_instruction_claims_follow_their_intervals(tmp_path):
     path.write_text(json.dumps({"kind": "something"}))
     with pytest.raises(ValueError, match="makes no claims"):
         published_claim(path, "command")
+
+
+def test_one_order_gives_a_difference_and_no_verb(tmp_path):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(_payload([0.5], [0.4], [0.1])))
+    assert published_claim(path, "final:pclr:seq_lora") == (
+        "is +10.0 points from seq_lora on final average (smollm2-135m, 3 instruction tasks, one task order: no "
+        "interval)"
+    )
+    assert "beats" not in published_claim(path, "forgetting:pclr")

@@ -27,7 +27,8 @@ def _per_order(payload: dict[str, Any], method: str, key: str) -> list[float]:
 
 def _where(payload: dict[str, Any], n: int) -> str:
     settings = payload["settings"]
-    return f"{settings['model']}, {len(settings['families'])} instruction tasks, {n} task orders"
+    orders = "one task order" if n == 1 else f"{n} task orders"
+    return f"{settings['model']}, {len(settings['families'])} instruction tasks, {orders}"
 
 
 def instruct_claim(payload: dict[str, Any], key: str) -> str:
@@ -49,11 +50,18 @@ def instruct_claim(payload: dict[str, Any], key: str) -> str:
         method, _, baseline = rest.partition(":")
         a, b = _per_order(payload, method, "final_acc"), _per_order(payload, baseline, "final_acc")
         d, lo, hi = (100 * x for x in paired_interval(a, b))
+        if len(a) < 2:  # no interval from one order: the difference, and no verb
+            return f"is {d:+.1f} points from {baseline} on final average ({_where(payload, 1)}: no interval)"
         interval = f"{d:+.1f} points [{lo:+.1f}, {hi:+.1f}]"
         return f"{verdict(lo, hi)} {baseline} on final average ({interval}, {_where(payload, len(a))})"
     if kind == "forgetting":
         a, b = _per_order(payload, rest, "forgetting"), _per_order(payload, "seq_lora", "forgetting")
         d, lo, hi = (100 * x for x in paired_interval(a, b))
+        if len(a) < 2:
+            return (
+                f"forgets {100 * a[0]:.1f} points against sequential LoRA's {100 * b[0]:.1f} ({_where(payload, 1)}: "
+                "no interval)"
+            )
         return (
             f"forgets {100 * statistics.mean(a):.1f} points against sequential LoRA's {100 * statistics.mean(b):.1f} "
             f"({d:+.1f} [{lo:+.1f}, {hi:+.1f}], {_where(payload, len(a))})"
