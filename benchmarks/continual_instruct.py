@@ -65,6 +65,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--orders", type=int, default=3, help="task orders (seeded permutations; order 0 as listed)")
+    parser.add_argument(
+        "--run-orders",
+        type=lambda text: [int(x) for x in text.split(",")],
+        default=None,
+        help="train only these orders (e.g. 1,2: a second process beside the first); the report covers every kept run",
+    )
     parser.add_argument("--methods", default=None, help="comma-separated subset of the config's methods")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="runs/benchmark_continual_instruct", help="finished runs are kept here")
@@ -242,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     base, tokenizer = load_causal_lm(job_config().model.backbone)
     base.requires_grad_(False)
     runs: list[dict[str, Any]] = []
-    for order in range(args.orders):
+    for order in args.run_orders if args.run_orders is not None else range(args.orders):
         for method in methods:
             path = out / f"order{order}-{method}.json"
             if path.is_file():
