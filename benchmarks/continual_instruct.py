@@ -40,9 +40,9 @@ import torch
 
 from benchmarks._lib import machine
 from benchmarks._lib.cache import write_json_atomic
-from benchmarks._lib.tables import markdown_table
 from peft_ext.continual import get_continual_method, run_sequence
 from peft_ext.continual.metrics import paired_interval
+from peft_ext.continual.published_instruct import instruct_table
 from peft_ext.data.held_out import held_out_text
 
 #: The shipped job whose settings (model, data sizes, training, every method's options) each order runs.
@@ -76,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default="runs/benchmark_continual_instruct", help="finished runs are kept here")
     parser.add_argument("--results", default="docs/results/continual_instruct.json", help="the results file")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 tasks, 8 train / 4 test, 1 order")
+    parser.add_argument(
+        "--report-only", action="store_true", help="train nothing: the report and results file of the kept runs"
+    )
     args = parser.parse_args(argv)
     config = job_config()
     names = [m.name for m in config.methods]
@@ -180,29 +183,13 @@ def _interval(diff: tuple[float, float, float], scale: float = 100.0) -> str:
     return f"{mean * scale:+.1f} [{low * scale:+.1f}, {high * scale:+.1f}]"
 
 
-def report(runs: list[dict[str, Any]], methods: list[str]) -> tuple[str, list[dict[str, Any]]]:
-    """The tables and the targets' verdicts (markdown) of ``runs``, and the verdicts as data."""
+def report(
+    runs: list[dict[str, Any]], methods: list[str], payload: dict[str, Any]
+) -> tuple[str, list[dict[str, Any]]]:
+    """The table (the one pages publish from the results file) and the targets' verdicts of ``runs``, and the
+    verdicts as data."""
     present = [m for m in methods if any(r["method"] == m for r in runs)]
-    rows = []
-    for m in present:
-        ratio = _ppl_ratio(runs, m)
-        seconds = [r["wall_seconds"] for r in runs if r["method"] == m]
-        rows.append(
-            [
-                m,
-                len(seconds),
-                _fmt(_values(runs, m, "final_acc")),
-                _fmt(_values(runs, m, "forgetting")),
-                _fmt(_values(runs, m, "bwt")),
-                f"{statistics.mean(ratio):.3f}" if ratio else "-",
-                f"{statistics.mean(seconds):.0f}",
-            ]
-        )
-    text = [
-        markdown_table(
-            ["method", "orders", "final average", "forgetting", "BWT", "held-out ppl / base", "s per run"], rows
-        )
-    ]
+    text = [instruct_table({**payload, "runs": [r for m in present for r in runs if r["method"] == m]})]
     verdicts: list[dict[str, Any]] = []
 
     def verdict(name: str, diff: tuple[float, float, float], met: bool, what: str) -> None:
@@ -236,6 +223,14 @@ def report(runs: list[dict[str, Any]], methods: list[str]) -> tuple[str, list[di
     return "\n".join(text), verdicts
 
 
+def kept_run(path: Path, args: argparse.Namespace) -> dict[str, Any] | None:
+    """The run kept in ``path`` when it was made with the current settings, else ``None``."""
+    if not path.is_file():
+        return None
+    kept = json.loads(path.read_text())
+    return kept["run"] if kept.get("settings") == settings(args) else None
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -245,45 +240,43 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     wall = time.perf_counter()
-    base, tokenizer = load_causal_lm(job_config().model.backbone)
-    base.requires_grad_(False)
+    base = tokenizer = None
     runs: list[dict[str, Any]] = []
-    for order in args.run_orders if args.run_orders is not None else range(args.orders):
+    orders = args.run_orders if args.run_orders is not None else range(args.orders)
+    for order in orders:
         for method in methods:
             path = out / f"order{order}-{method}.json"
-            if path.is_file():
-                kept = json.loads(path.read_text())
-                if kept.get("settings") == settings(args):
-                    runs.append(kept["run"])
-                    continue
-            start = time.perf_counter()
-            run = run_one(method, order, args, base, tokenizer)
-            write_json_atomic(path, {"settings": settings(args), "run": run})
+            run = kept_run(path, args)
+            if run is None and args.report_only:
+                continue
+            if run is None:
+                if base is None:
+                    base, tokenizer = load_causal_lm(job_config().model.backbone)
+                    base.requires_grad_(False)
+                start = time.perf_counter()
+                run = run_one(method, order, args, base, tokenizer)
+                write_json_atomic(path, {"settings": settings(args), "run": run})
+                print(
+                    f"order {order} {method}: final {run['metrics']['final_acc']:.3f} forgetting "
+                    f"{run['metrics']['forgetting']} ppl x{run['extras']['held_out_perplexity']['ratio']:.3f} "
+                    f"({time.perf_counter() - start:.0f} s)",
+                    flush=True,
+                )
             runs.append(run)
-            print(
-                f"order {order} {method}: final {run['metrics']['final_acc']:.3f} forgetting "
-                f"{run['metrics']['forgetting']} ppl x{run['extras']['held_out_perplexity']['ratio']:.3f} "
-                f"({time.perf_counter() - start:.0f} s)",
-                flush=True,
-            )
-    text, verdicts = report(runs, methods)
-    print(text)
-    print(machine.wall_line(wall, args.threads))
-    results = {
+    results: dict[str, Any] = {
         "kind": "continual_instruct",  # what makes the claims pages quote (peft_ext.continual.published_instruct)
         "command": "python -m benchmarks.continual_instruct"
         + (f" --orders {args.orders}" if args.orders != 3 else ""),
         "settings": settings(args),
-        "orders": args.orders,
+        "orders": sorted({r["order"] for r in runs}),
         "config": str(CONFIG.relative_to(CONFIG.parent.parent)),
-        "runs": runs,
-        "verdicts": verdicts,
         "machine": machine.record(),
     }
-    if not args.quick:
-        write_json_atomic(args.results, results)
-    else:
-        write_json_atomic(out / "results.json", results)
+    text, verdicts = report(runs, methods, {**results, "runs": runs})
+    print(text)
+    print(machine.wall_line(wall, args.threads))
+    results.update(runs=runs, verdicts=verdicts)
+    write_json_atomic(out / "results.json" if args.quick else Path(args.results), results)
 
 
 if __name__ == "__main__":

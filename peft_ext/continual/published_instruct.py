@@ -9,7 +9,7 @@ from typing import Any
 
 from .metrics import paired_interval, verdict
 
-__all__ = ["INSTRUCT_CLAIM_KINDS", "instruct_claim"]
+__all__ = ["INSTRUCT_CLAIM_KINDS", "instruct_claim", "instruct_table"]
 
 #: What the claims of an instruction benchmark can say (``KEY:METHOD[:BASELINE]``, and ``command``).
 INSTRUCT_CLAIM_KINDS = ("final", "forgetting", "held_out", "command")
@@ -69,3 +69,49 @@ def instruct_claim(payload: dict[str, Any], key: str) -> str:
     ratios = _per_order(payload, rest, "held_out")
     where = _where(payload, len(ratios))
     return f"leaves held-out perplexity at {statistics.mean(ratios):.3f}x the base model's ({where})"
+
+
+def _cell(values: list[float], scale: float = 100.0) -> str:
+    """Mean ± sd of ``values`` (times ``scale``), one value as it is, none as a dash."""
+    if not values:
+        return "—"
+    if len(values) == 1:
+        return f"{values[0] * scale:.1f}"
+    return f"{statistics.mean(values) * scale:.1f} ± {statistics.stdev(values) * scale:.1f}"
+
+
+def _final_by_family(run: dict[str, Any]) -> dict[str, float]:
+    """The final row of a run's score matrix by task family (task names are ``t<i>:<family>``)."""
+    last = run["accuracy_matrix"][-1]
+    return {name.split(":", 1)[1]: score for name, score in zip(run["tasks"], last)}
+
+
+def instruct_table(payload: dict[str, Any]) -> str:
+    """The table an instruction benchmark's results publish: per method the final average score, forgetting and BWT
+    (percent, mean ± sd over the task orders), the held-out perplexity after the sequence over the base model's, and
+    each task's final score (exact match, or ROUGE-L for a sentence answer), then the line saying how it was made."""
+    runs = payload["runs"]
+    methods = list(dict.fromkeys(r["method"] for r in runs))
+    families = list(payload["settings"]["families"])
+    head = ["method", "orders", "final average", "forgetting", "BWT", "held-out ppl / base", *families]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for method in methods:
+        mine = sorted((r for r in runs if r["method"] == method), key=lambda r: r["order"])
+
+        def metric(key: str, mine: list[dict[str, Any]] = mine) -> list[float]:
+            return [r["metrics"][key] for r in mine if r["metrics"].get(key) is not None]
+
+        ratio = [r["extras"]["held_out_perplexity"]["ratio"] for r in mine]
+        per_family = [_final_by_family(r) for r in mine]
+        cells = [method, str(len(mine)), _cell(metric("final_acc")), _cell(metric("forgetting")), _cell(metric("bwt"))]
+        cells.append(f"{statistics.mean(ratio):.3f}")
+        cells += [_cell([f[family] for f in per_family if f.get(family) is not None]) for family in families]
+        lines.append("| " + " | ".join(cells) + " |")
+    orders = sorted({r["order"] for r in runs})
+    lines += [
+        "",
+        f"(percent; {payload['settings']['model']}, task orders {orders}, {payload['settings']['train_per_task']} "
+        f"training / {payload['settings']['test_per_task']} test examples per task; `{payload['command']}`; "
+        f"commit {str(payload.get('machine', {}).get('commit') or '?')[:7]})",
+    ]
+    return "\n".join(lines) + "\n"
