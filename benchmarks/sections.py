@@ -303,4 +303,20 @@ ENTRIES: tuple[Entry, ...] = (
         "figures/pretrain_llama_loss.png",
         code=("peft_ext/optim", "peft_ext/data", "peft_ext/models"),
     ),
+    Entry(
+        "llm_finetune",
+        "Fine-tuning SmolLM2-135M-Instruct: Riemannion + LOI against LoRA + AdamW, DCT-AdamW and SubspaceAdamW "
+        "against GaLore and APOLLO",
+        ("benchmarks.llm_finetune", "--resume"),
+        82,
+        "The pretrained chat model (offline, 30 layers, hidden 576) fine-tuned on the union of the six shipped "
+        "instruction tasks (32 training examples each; 24 steps of 8 examples, one epoch). Adapter track: Riemannion "
+        "from LOI against LoRA + AdamW, r = 8 on q_proj and v_proj. Full track: DCT-AdamW and SubspaceAdamW against "
+        "GaLore and APOLLO on the 210 decoder projections at rank 144 (embedding and norms AdamW). Each optimizer's "
+        "lr from a 3-point grid by validation score (seed 0), then 3 test seeds with paired intervals against each "
+        "track's baseline; the score is the mean over tasks of exact match / ROUGE-L, beside the answers' next-token "
+        "loss; step times from the optimizers of a track trained side by side, two rounds at a time. "
+        "Results in docs/results/llm_finetune.json; `--resume` reuses the finished runs.",
+        code=RIEMANNION + ("peft_ext/continual", "peft_ext/data"),
+    ),
 )
