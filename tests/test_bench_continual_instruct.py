@@ -18,7 +18,10 @@ METHODS = "zero_shot,seq_lora,replay,splitlora,pclr,joint"
 def test_quick_run_prints_the_table_and_every_target_verdict(tmp_path):
     out = tmp_path / "quick"
     stdout = run_module("benchmarks.continual_instruct", "--quick", "--methods", METHODS, "--out", out).stdout
-    assert "| method | orders | final average | forgetting | BWT | held-out ppl / base | s per run |" in stdout
+    assert (
+        "| method | orders | final average | forgetting | BWT | held-out ppl / base | supersense | gloss_to_word |"
+        in stdout
+    )
     verdicts = [line for line in stdout.splitlines() if line.startswith("- ")]
     assert len(verdicts) == 4, verdicts  # PCLR's forgetting, SplitLoRA and PCLR over replay, the moonshot
     assert all(line.endswith(("-> met", "-> NOT met")) for line in verdicts)

@@ -202,9 +202,9 @@ def test_instruction_configs_are_checked_before_any_work(tmp_path, tiny_causal_l
     base += ["--set", "model.separator=null"]
     assert main(["check", "instructions_jsonl", *base, "--set", "model.kind=classifier"]) == 2
     assert "`data.dataset: instructions` and `model.kind: causal_lm` go together" in capsys.readouterr().err
-    inflora = "methods=[{name: inflora, r: 2, target_modules: [q_proj]}]"
-    assert main(["check", "instructions_jsonl", *base, "--set", inflora]) == 2
-    assert "`methods.inflora` runs ['classification'] sequences, not the generation tasks" in capsys.readouterr().err
+    osf = "methods=[{name: osf, target_modules: [q_proj]}]"  # (InfLoRA-style and O-LoRA run generation sequences)
+    assert main(["check", "instructions_jsonl", *base, "--set", osf]) == 2
+    assert "`methods.osf` runs ['classification'] sequences, not the generation tasks" in capsys.readouterr().err
     assert main(["check", "instructions_jsonl", *base, "--set", "model.max_length=8"]) == 2
     err = capsys.readouterr().err
     assert "`model.max_length` 8: " in err and "of 72 examples need more tokens" in err and "never truncated" in err
