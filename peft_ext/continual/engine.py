@@ -288,14 +288,14 @@ class ContinualEngine:
             for i, task in enumerate(sequence.tasks)
         ]
 
-    def score_row(self, model: nn.Module, row: int) -> tuple[list[float], dict[str, list[float]]]:
-        """Accuracy (exact match for a generation sequence) on the test sets of tasks ``0..row`` after training up to
-        phase row ``row``, and the further scores of the row by name (a generation sequence: ``rouge_l`` and
-        ``answer_loss`` of :func:`~.generation.generation_scores`; none for classification)."""
+    def score_row(self, model: nn.Module, row: int, first: int = 0) -> tuple[list[float], dict[str, list[float]]]:
+        """Accuracy (a generation sequence: each task's metric) on the test sets of tasks ``first..row`` after
+        training up to phase row ``row``, and the further scores of the row by name (a generation sequence: ``rouge_l``
+        and ``answer_loss`` of :func:`~.generation.generation_scores`; none for classification)."""
         ctx, sequence = self.ctx, self.sequence
         extra: dict[str, list[float]] = {}
         row_scores = []
-        for j in range(row + 1):
+        for j in range(first, row + 1):
             test = sequence.tasks[j].test
             options: dict[str, Any] = dict(
                 batch_size=ctx.train.eval_batch_size,
@@ -428,17 +428,9 @@ class ContinualEngine:
 
     def _extend_row(self, model: nn.Module, record: RunRecord, row: int) -> tuple[list[float], dict[str, list[float]]]:
         """Row ``row`` of a model that did not change: the previous row's scores and task ``row``'s own."""
-        previous = record.accuracy_matrix[row - 1][:row]
-        extra = {name: list(matrix[row - 1][:row]) for name, matrix in record.scores.items()}
-        ctx, test = self.ctx, self.sequence.tasks[row].test
-        options = dict(batch_size=ctx.train.eval_batch_size, progress=ctx.train.progress)
-        scores = generation_scores(
-            model, test, ctx.collate, ctx.device, desc=f"{self.method.label} eval t{row}", **options
-        )
-        for name, value in scores.items():
-            if name != "exact_match":
-                extra.setdefault(name, [None] * row).append(value)
-        return [*previous, scores[self.sequence.tasks[row].metric]], extra
+        own, own_extra = self.score_row(model, row, first=row)
+        extra = {name: [*matrix[row - 1][:row], *own_extra[name]] for name, matrix in record.scores.items()}
+        return [*record.accuracy_matrix[row - 1][:row], *own], extra
 
     def metrics(self, record: RunRecord) -> dict[str, Optional[float]]:
         """Final accuracy, accuracy right after learning each task, average incremental accuracy, backward transfer and

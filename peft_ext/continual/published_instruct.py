@@ -9,20 +9,26 @@ from typing import Any
 
 from .metrics import paired_interval, verdict
 
-__all__ = ["INSTRUCT_CLAIM_KINDS", "instruct_claim", "instruct_table"]
+__all__ = ["INSTRUCT_CLAIM_KINDS", "instruct_claim", "instruct_table", "per_order"]
 
 #: What the claims of an instruction benchmark can say (``KEY:METHOD[:BASELINE]``, and ``command``).
 INSTRUCT_CLAIM_KINDS = ("final", "forgetting", "held_out", "command")
 
 
-def _per_order(payload: dict[str, Any], method: str, key: str) -> list[float]:
-    runs = sorted((r for r in payload["runs"] if r["method"] == method), key=lambda r: r["order"])
-    if not runs:
-        methods = sorted({r["method"] for r in payload["runs"]})
+def per_order(runs: list[dict[str, Any]], method: str, key: str) -> list[float]:
+    """One figure of ``method``'s runs in task-order order: a metric (``final_acc``, ``forgetting``, ...) or
+    ``held_out`` (the held-out perplexity after the sequence over the base model's).
+
+    Raises:
+        ValueError: ``method`` has no runs.
+    """
+    mine = sorted((r for r in runs if r["method"] == method), key=lambda r: r["order"])
+    if not mine:
+        methods = sorted({r["method"] for r in runs})
         raise ValueError(f"no runs of {method!r} in the instruction results; methods there: {methods}")
     if key == "held_out":
-        return [r["extras"]["held_out_perplexity"]["ratio"] for r in runs]
-    return [r["metrics"][key] for r in runs]
+        return [r["extras"]["held_out_perplexity"]["ratio"] for r in mine]
+    return [r["metrics"][key] for r in mine]
 
 
 def _where(payload: dict[str, Any], n: int) -> str:
@@ -48,14 +54,14 @@ def instruct_claim(payload: dict[str, Any], key: str) -> str:
         return f"`{payload['command']}`"
     if kind == "final":
         method, _, baseline = rest.partition(":")
-        a, b = _per_order(payload, method, "final_acc"), _per_order(payload, baseline, "final_acc")
+        a, b = per_order(payload["runs"], method, "final_acc"), per_order(payload["runs"], baseline, "final_acc")
         d, lo, hi = (100 * x for x in paired_interval(a, b))
         if len(a) < 2:  # no interval from one order: the difference, and no verb
             return f"is {d:+.1f} points from {baseline} on final average ({_where(payload, 1)}: no interval)"
         interval = f"{d:+.1f} points [{lo:+.1f}, {hi:+.1f}]"
         return f"{verdict(lo, hi)} {baseline} on final average ({interval}, {_where(payload, len(a))})"
     if kind == "forgetting":
-        a, b = _per_order(payload, rest, "forgetting"), _per_order(payload, "seq_lora", "forgetting")
+        a, b = per_order(payload["runs"], rest, "forgetting"), per_order(payload["runs"], "seq_lora", "forgetting")
         d, lo, hi = (100 * x for x in paired_interval(a, b))
         if len(a) < 2:
             return (
@@ -66,7 +72,7 @@ def instruct_claim(payload: dict[str, Any], key: str) -> str:
             f"forgets {100 * statistics.mean(a):.1f} points against sequential LoRA's {100 * statistics.mean(b):.1f} "
             f"({d:+.1f} [{lo:+.1f}, {hi:+.1f}], {_where(payload, len(a))})"
         )
-    ratios = _per_order(payload, rest, "held_out")
+    ratios = per_order(payload["runs"], rest, "held_out")
     where = _where(payload, len(ratios))
     return f"leaves held-out perplexity at {statistics.mean(ratios):.3f}x the base model's ({where})"
 

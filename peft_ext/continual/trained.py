@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -106,8 +107,6 @@ def save_trained(
         model.save_pretrained(str(tmp))
         meta["adapter"] = True
     else:
-        import copy
-
         merged = copy.deepcopy(model).merge_and_unload() if _is_peft(model) else model
         changed = changed_tensors(merged, base)
         if changed:
@@ -212,6 +211,10 @@ class TrainedGenerator:
         limit = self.collate.max_length
         positions = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
         budget = self.collate.max_new_tokens or 64
+        collate = self.collate
+        if collate.max_new_tokens is None:  # no reference answers to size the budget by
+            collate = copy.copy(collate)
+            collate.max_new_tokens = budget
         answers = []
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start : start + batch_size]
@@ -223,12 +226,6 @@ class TrainedGenerator:
                         f"prompt {prompt[:40]!r} is {n} tokens long; the model answers prompts of at most {cap - 1} "
                         f"tokens (max_length {limit}, {positions} positions, {budget} new tokens)"
                     )
-            collate = self.collate
-            if collate.max_new_tokens is None:  # no reference answers to size the budget by
-                import copy
-
-                collate = copy.copy(collate)
-                collate.max_new_tokens = budget
             examples = [Example(Instruction(p, "?"), 0) for p in chunk]
             answers += generate_answers(self.model, examples, collate, next(self.model.parameters()).device)
         return answers
