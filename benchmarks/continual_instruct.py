@@ -40,6 +40,7 @@ import torch
 
 from benchmarks._lib import machine
 from benchmarks._lib.cache import write_json_atomic
+from benchmarks._lib.data import causal_lm
 from peft_ext.continual import get_continual_method, run_sequence
 from peft_ext.continual.methods import method_capability
 from peft_ext.continual.metrics import paired_interval
@@ -76,7 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="runs/benchmark_continual_instruct", help="finished runs are kept here")
     parser.add_argument("--results", default="docs/results/continual_instruct.json", help="the results file")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 2 tasks, 8 train / 4 test, 1 order")
+    parser.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers (smoke runs)")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: 2 tasks, 8 train / 4 test, 1 order, 2 decoder layers"
+    )
     parser.add_argument(
         "--report-only", action="store_true", help="train nothing: the report and results file of the kept runs"
     )
@@ -96,6 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.epochs, args.batch_size = config.train.epochs, config.train.batch_size
     if args.quick:
         args.orders, args.train_per_task, args.test_per_task, args.val_per_task, args.epochs = 1, 8, 4, 2, 1
+        args.layers = 2 if args.layers is None else args.layers
     return args
 
 
@@ -121,6 +126,7 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
         "epochs": args.epochs,
         "batch_size": args.batch_size,
         "families": list(families[:2] if args.quick else families),
+        **({} if args.layers is None else {"layers": args.layers}),  # the whole model unless told
     }
 
 
@@ -217,8 +223,6 @@ def kept_run(path: Path, args: argparse.Namespace) -> dict[str, Any] | None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    from peft_ext.models import load_causal_lm
-
     methods = args.methods
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -234,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             if run is None:
                 if base is None:
-                    base, tokenizer = load_causal_lm(job_config().model.backbone)
+                    base, tokenizer = causal_lm(job_config().model.backbone, args.layers)
                     base.requires_grad_(False)
                 start = time.perf_counter()
                 run = run_one(method, order, args, base, tokenizer)

@@ -82,7 +82,7 @@ from torch import nn
 from benchmarks._lib import machine
 from benchmarks._lib.cache import RunCache, without, write_json_atomic
 from benchmarks._lib.cli import benchmark_parser, int_options, parse
-from benchmarks._lib.data import tensor_bytes
+from benchmarks._lib.data import causal_lm, tensor_bytes
 from benchmarks._lib.jobs import in_workers, missing_runs
 from benchmarks._lib.protocol import Protocol, Study, paired_interval, tune_and_test
 from benchmarks._lib.tables import fmt_s, markdown_table, mean_sd
@@ -94,7 +94,6 @@ from peft_ext.continual.generation import generation_scores, next_token_loss
 from peft_ext.data.collate import CausalLMCollator
 from peft_ext.data.instruct_tasks import INSTRUCTION_TASKS, shipped_instruction_sequence
 from peft_ext.data.tasks import TaskSequence
-from peft_ext.models import load_causal_lm
 from peft_ext.optim import create_riemannion_optimizer
 from peft_ext.tuners.riemannion import initialize_loi
 
@@ -135,13 +134,7 @@ def instruction_data(args: argparse.Namespace) -> TaskSequence:
 def load_model(layers: int | None) -> tuple[nn.Module, Any]:
     """SmolLM2-135M-Instruct in float32 and its tokenizer; ``layers`` keeps only the first decoder layers (smoke
     runs)."""
-    model, tokenizer = load_causal_lm(MODEL)
-    if layers is not None:
-        total = len(model.model.layers)
-        if not 1 <= layers <= total:
-            raise ValueError(f"--layers must be in [1, {total}] (SmolLM2's decoder layers), got {layers}")
-        model.model.layers = model.model.layers[:layers]
-        model.config.num_hidden_layers = layers  # the KV cache is sized from the config
+    model, tokenizer = causal_lm(MODEL, layers)
     return model.train(), tokenizer
 
 

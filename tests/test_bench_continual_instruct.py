@@ -1,5 +1,6 @@
-"""benchmarks/continual_instruct.py: the smoke run end to end on the real SmolLM2 (2 tasks, 8 examples, 1 order),
-finished runs kept and reused; and the claims its results file makes, whose verb follows the paired interval."""
+"""benchmarks/continual_instruct.py: the smoke run end to end on the real SmolLM2's first 2 decoder layers (2 tasks, 8
+examples, 1 order), finished runs kept and reused; and the claims its results file makes, whose verb follows the
+paired interval."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from .helpers import run_module
 METHODS = "zero_shot,seq_lora,replay,splitlora,pclr,joint"
 
 
-@pytest.mark.slow  # the real 135 M model: about a minute of CPU
+@pytest.mark.slow  # 6 methods on 2 of SmolLM2's 30 decoder layers: about a minute of CPU
 def test_quick_run_prints_the_table_and_every_target_verdict(tmp_path):
     out = tmp_path / "quick"
     stdout = run_module("benchmarks.continual_instruct", "--quick", "--methods", METHODS, "--out", out).stdout
@@ -27,6 +28,7 @@ def test_quick_run_prints_the_table_and_every_target_verdict(tmp_path):
     assert all(line.endswith(("-> met", "-> NOT met")) for line in verdicts)
     assert "NOT met" in verdicts[0]  # one order: an interval cannot clear anything
     results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["layers"] == 2
     assert results["kind"] == "continual_instruct" and results["settings"]["families"] == [
         "supersense",
         "gloss_to_word",

@@ -7,7 +7,6 @@ the new ranks) fails here, not only in the benchmark.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from peft_ext.continual import TrainConfig, get_continual_method, run_sequence
 from peft_ext.data.instruct_tasks import shipped_instruction_sequence
@@ -46,7 +45,6 @@ def model_collate(tokenizer):
 @pytest.mark.parametrize("name", list(METHODS))
 def test_a_method_learns_a_task_the_base_model_does_not_answer(setting, name):
     model, sequence, collate, train, zero = setting
-    torch.set_num_threads(2)
     result = run_sequence(sequence, get_continual_method(name)(**METHODS[name]), model, collate, train)
     learnt, zero_shot = result.accuracy_matrix[0][0], zero.accuracy_matrix[0][0]
     loss, zero_loss = result.extras["answer_loss_matrix"][0][0], zero.extras["answer_loss_matrix"][0][0]

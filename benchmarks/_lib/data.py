@@ -48,6 +48,21 @@ def minilm(num_classes: int, max_length: int) -> tuple[nn.Module, Any]:
     return model, TextCollator(tokenizer, max_length)
 
 
+def causal_lm(name: str, layers: int | None = None) -> tuple[nn.Module, Any]:
+    """A packaged causal LM (``peft_ext.models.load_causal_lm``) and its tokenizer; ``layers`` keeps only the first
+    decoder layers (smoke runs: the real tokenizer, embeddings and chat template, a fraction of the compute)."""
+    from peft_ext.models import load_causal_lm
+
+    model, tokenizer = load_causal_lm(name)
+    if layers is not None:
+        total = len(model.model.layers)
+        if not 1 <= layers <= total:
+            raise ValueError(f"--layers must be in [1, {total}] ({name}'s decoder layers), got {layers}")
+        model.model.layers = model.model.layers[:layers]
+        model.config.num_hidden_layers = layers  # the KV cache is sized from the config
+    return model, tokenizer
+
+
 # -- byte-level causal LM (causal_lm_bf16, pretrain_llama) ------------------------------------------------------------
 
 

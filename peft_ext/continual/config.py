@@ -17,6 +17,7 @@ import yaml
 
 from ..data import DATASETS, SHIPPED, SHIPPED_INSTRUCTIONS, check_dataset, is_instruction_dataset
 from ..data.tasks import PROTOCOLS
+from ..fingerprint import FINGERPRINT, added_later, not_a_setting
 from .config_schema import (  # noqa: F401 (re-exported: the config's error and builders)
     ConfigError,
     build_adapter_section,
@@ -61,8 +62,8 @@ class ModelSection:
     load_in_4bit: bool = False
     separator: str | None = None
     max_new_tokens: int | None = None
-    chat_template: bool = False
-    system_prompt: str | None = None
+    chat_template: bool = added_later(False)
+    system_prompt: str | None = added_later(None)
 
     def validate(self) -> None:
         if self.max_length < 2:
@@ -177,7 +178,7 @@ class DataSection:
     classes_per_task: int | None = None
     train_per_class: int | None = None
     test_per_class: int | None = None
-    val_per_class: int | None = None
+    val_per_class: int | None = added_later(None)
     protocol: str = "class-incremental"
     seed: int = 0
     classes: list[str] | None = None
@@ -190,9 +191,9 @@ class DataSection:
     test_share: float = 0.2
     validation_share: float = 0.0
     tasks: list[str] | None = None
-    train_per_task: int | None = None
-    test_per_task: int | None = None
-    val_per_task: int | None = None
+    train_per_task: int | None = added_later(None)
+    test_per_task: int | None = added_later(None)
+    val_per_task: int | None = added_later(None)
 
     #: The keys of the shipped instruction tasks (``instruct``), unset for every other data set.
     PER_TASK: typing.ClassVar[tuple[str, ...]] = ("train_per_task", "test_per_task", "val_per_task")
@@ -350,7 +351,7 @@ class OutputSection:
     """
 
     dir: str = "runs/quickstart"
-    save_adapters: bool = True
+    save_adapters: bool = not_a_setting(True)
 
     def validate(self) -> None:
         path = Path(self.dir)
@@ -378,7 +379,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     output: OutputSection = field(default_factory=OutputSection)
     methods: list[MethodEntry] = field(default_factory=list)
-    tune: TuneSection = field(default_factory=TuneSection)
+    tune: TuneSection = field(default_factory=TuneSection, metadata={FINGERPRINT: lambda tune: not tune.enabled})
 
 
 def _build_method(data: Any, index: int) -> MethodEntry:

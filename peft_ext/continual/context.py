@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..data.tasks import Example, TaskSequence
+from ..fingerprint import added_later, not_a_setting
 
 __all__ = [
     "LR_SCHEDULES",
@@ -86,8 +87,8 @@ class TrainConfig:
     warmup_ratio: float = 0.0
     seed: int = 0
     device: str = "auto"
-    progress: bool = True
-    sharding: Literal["none", "fsdp2"] = "none"
+    progress: bool = not_a_setting(True)
+    sharding: Literal["none", "fsdp2"] = added_later("none")
 
     def validate(self) -> None:
         for key in ("epochs", "batch_size", "eval_batch_size"):

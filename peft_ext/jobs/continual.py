@@ -45,9 +45,10 @@ from ..continual.runner import run_sequence
 from ..continual.trained import save_trained, saved_methods
 from ..data.tasks import TaskSequence
 from ..distributed import on_rank_zero, rank, rank_zero_first, world_size
+from ..fingerprint import json_default
 from .errors import JobFailed, one_line
 from .launch import check_world_size, launcher_sharding
-from .resume import _plain, config_hash, finished_results
+from .resume import config_hash, finished_results
 from .sequence import build_sequence, causal_collate, sequence_summary
 
 __all__ = ["ConsoleLog", "ContinualJob", "JobCallback", "ResultsWriter", "effective_settings", "run_job"]
@@ -62,7 +63,7 @@ def effective_settings(options: Any, train: Any) -> dict[str, Any]:
     learning rate) and the training settings (the progress bars aside)."""
 
     def plain(value: Any) -> Any:
-        return json.loads(json.dumps(dataclasses.asdict(value), default=_plain))
+        return json.loads(json.dumps(dataclasses.asdict(value), default=json_default))
 
     settings = {"options": plain(options), "train": plain(train)}
     settings["train"].pop("progress", None)

@@ -15,8 +15,6 @@ A job refuses an ``output.dir`` that holds an earlier run unless told what to do
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -24,6 +22,7 @@ from typing import Any
 
 from ..continual.config import ConfigError, RunConfig
 from ..continual.engine import MethodResult
+from ..fingerprint import fingerprint
 
 __all__ = ["EARLIER_RUN_FILES", "claim_output_dir", "config_hash", "earlier_results", "finished_results"]
 
@@ -31,47 +30,11 @@ __all__ = ["EARLIER_RUN_FILES", "claim_output_dir", "config_hash", "earlier_resu
 EARLIER_RUN_FILES = ("results.json", "results.md", "accuracy_matrix.png", "progress", "tuning.json")
 
 
-def _plain(value: Any) -> Any:
-    # json.dumps fallback: sets (PEFT configs turn target_modules into a set) in a stable order, anything else as text.
-    return sorted(map(str, value)) if isinstance(value, (set, frozenset)) else str(value)
-
-
-#: Adapter options added after runs were fingerprinted, with their defaults (SplitLoRA's sharding under FSDP2).
-_ADAPTER_KEYS_ADDED = {"shard_statistics": True}
-
-
-#: Method options added later, at their defaults (the fingerprints of earlier runs stay).
-_METHOD_KEYS_ADDED: dict[str, Any] = {"head": None, "compare_heads": [], "adapt": "every_task"}
-
-
 def config_hash(config: Any) -> str:
-    """A fingerprint of everything that changes a job's results (the whole validated config dataclass of any job,
-    except whether progress bars show), 16 hex digits."""
-    data = dataclasses.asdict(config)
-    if isinstance(data.get("train"), dict):
-        data["train"].pop("progress", None)
-        if data["train"].get("sharding") == "none":  # the default: fingerprints of runs from before the key stay
-            data["train"].pop("sharding")
-    # keys added later, at their defaults, leave the fingerprints of earlier runs as they were
-    if isinstance(data.get("data"), dict) and data["data"].get("val_per_class") is None:
-        data["data"].pop("val_per_class", None)
-    if isinstance(data.get("output"), dict):  # where the trained models go changes no result
-        data["output"].pop("save_adapters", None)
-    if isinstance(data.get("tune"), dict) and not data["tune"].get("enabled"):
-        data.pop("tune")
-    for method in data.get("methods") or []:  # a note saved adapters carry; it changes no result
-        options = method.get("options", {}) if isinstance(method, dict) else {}
-        for key, default in _METHOD_KEYS_ADDED.items():
-            if key in options and options[key] == default:
-                options.pop(key)
-        adapter = options.get("adapter")
-        if isinstance(adapter, dict):
-            adapter.pop("loading_note", None)
-            for key, default in _ADAPTER_KEYS_ADDED.items():
-                if key in adapter and adapter[key] == default:
-                    adapter.pop(key)
-    text = json.dumps(data, sort_keys=True, default=_plain)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    """A fingerprint of everything that changes a job's results (the whole validated config dataclass of any job), 16
+    hex digits. What a setting that changes no result, or one added after runs were fingerprinted, leaves out is
+    declared by its own field (:mod:`peft_ext.fingerprint`)."""
+    return fingerprint(config)
 
 
 def earlier_results(out_dir: str, fingerprint: str) -> list[dict[str, Any]]:

@@ -7,6 +7,7 @@ from typing import Any, Optional, Union
 
 from peft.config import PeftConfig
 
+from ..fingerprint import not_a_setting
 from ._common import validate_target_selection
 
 #: Written into every saved peft-ext adapter's ``adapter_config.json`` (the ``loading_note`` field), for whoever opens
@@ -19,7 +20,7 @@ LOADING_NOTE = (
 
 def loading_note_field() -> Any:
     """The ``loading_note`` dataclass field every peft-ext config carries (the code never reads it)."""
-    return field(default=LOADING_NOTE, metadata={"help": "What loading this adapter needs; for readers, not read."})
+    return not_a_setting(LOADING_NOTE, metadata={"help": "What loading this adapter needs; for readers, not read."})
 
 
 @dataclass

@@ -22,6 +22,7 @@ import torch
 from peft import LoraConfig
 from torch import nn
 
+from ...fingerprint import added_later
 from ..heads.base import HEADS, feature_heads, head_options
 from ..state_codec import decode_state, encode_state
 
@@ -54,9 +55,9 @@ class MethodOptions:
     lr: float = 1e-3
     weight_decay: float = 0.0
     label: str | None = None
-    head: str | dict[str, Any] | None = None
-    compare_heads: list[str | dict[str, Any]] = field(default_factory=list)
-    adapt: str = "every_task"
+    head: str | dict[str, Any] | None = added_later(None)
+    compare_heads: list[str | dict[str, Any]] = added_later(default_factory=list)
+    adapt: str = added_later("every_task")
 
     def validate(self) -> None:
         if not self.lr > 0:

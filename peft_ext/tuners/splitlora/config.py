@@ -8,6 +8,7 @@ from typing import Literal
 
 from peft.utils import PeftType
 
+from ...fingerprint import added_later
 from .._common import require_positive_int
 from ..adapter_config import AdapterConfig
 
@@ -70,8 +71,8 @@ class SplitLoRAConfig(AdapterConfig):
     )
     seed: int = field(default=0, metadata={"help": "Seed of the frozen A draws."})
     init_weights: bool = field(default=True, metadata={"help": "Start B at zero (True) or random (False, for tests)."})
-    shard_statistics: bool = field(
-        default=True, metadata={"help": "Under FSDP2, keep each process's share of the input features' statistics."}
+    shard_statistics: bool = added_later(
+        True, metadata={"help": "Under FSDP2, keep each process's share of the input features' statistics."}
     )
 
     def __post_init__(self) -> None:
