@@ -197,3 +197,42 @@ def test_errors_name_the_value():
         rank_pool_gather(x, A, B, idx.float(), 1.0)
     with pytest.raises(ValueError, match="method"):
         rank_pool_gather(x, A, B, idx, 1.0, method="fast")
+
+
+# -- float64 gradcheck with the routing held fixed (indices and 0/1 gates are constants of the gather) ----------------
+
+
+@pytest.mark.parametrize("tokens,gated", [(6, False), (6, True), (None, True)], ids=["tokens", "gated", "rows"])
+def test_two_store_gather_backward_passes_gradcheck(tokens, gated):
+    # the hand-written backward of the one-node path (_StoresGather): x and the trainable store against finite
+    # differences in float64, repeats in the indices (a rank selected twice sums its two slots' gradients)
+    n_rank = 14 if tokens else 40  # one token per sample: the cost model takes the masked reference below ~30 ranks
+    x, A, B, idx = _inputs(3, tokens, 5, n_rank, 4, 5, dtype=torch.float64, seed=11, repeats=True)
+    assert choose_reference(tokens or 1, n_rank, 5, 5, 4) == "indexed"
+    gates = None
+    if gated:
+        gates = torch.ones(idx.shape, dtype=torch.float64)
+        gates[0, 1] = gates[2, 4] = 0.0
+    frozen = (A.mT[:6].contiguous(), B[:6].contiguous())
+    x_, A_t, B_t = (t.clone().requires_grad_(True) for t in (x, A.mT[6:].contiguous(), B[6:].contiguous()))
+    y = rank_pool_gather_stores(x_, frozen, (A_t, B_t), idx, 0.7, gates)
+    node = y.grad_fn if tokens else y.grad_fn.next_functions[0][0]  # (batch, in) inputs: squeezed after the node
+    assert type(node).__name__.startswith("_StoresGather"), node  # the hand-written node, not a recorded graph
+
+    def gather(x_, A_t, B_t):
+        return rank_pool_gather_stores(x_, frozen, (A_t, B_t), idx, 0.7, gates)
+
+    assert torch.autograd.gradcheck(gather, (x_, A_t, B_t), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["indexed", "masked"])
+@pytest.mark.parametrize("tokens", [4, None])
+def test_reference_gathers_pass_gradcheck(variant, tokens):
+    # the torch references (what every path but the one-node gather and the fused kernels runs), all three inputs
+    x, A, B, idx = _inputs(3, tokens, 5, 9, 4, 4, dtype=torch.float64, seed=12, repeats=True)
+    gates = torch.ones(idx.shape, dtype=torch.float64)
+    gates[1, 2] = 0.0
+    inputs = tuple(t.clone().requires_grad_(True) for t in (x, A, B))
+    assert torch.autograd.gradcheck(
+        lambda x_, A_, B_: VARIANTS[variant](x_, A_, B_, idx, 1.3, gates), inputs, eps=1e-6, atol=1e-7, rtol=1e-5
+    )

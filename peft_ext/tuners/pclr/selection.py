@@ -52,10 +52,12 @@ def _top_k(
 
 
 def _cosine_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    # (batch, N) cos(q_b, k_i) in float32; gradients reach the keys unless they are detached
+    # (batch, N) cos(q_b, k_i) in float32, or the keys' dtype where it is wider (float64: the keys' gradient exact);
+    # gradients reach the keys unless they are detached, never the query
     if keys.shape[0] == 0:
         raise ValueError("cannot route over an empty rank pool (0 active ranks)")
-    return F.normalize(query.detach().float(), dim=-1) @ F.normalize(keys.float(), dim=-1).mT
+    dtype = torch.promote_types(keys.dtype, torch.float32)
+    return F.normalize(query.detach().to(dtype), dim=-1) @ F.normalize(keys.to(dtype), dim=-1).mT
 
 
 def select_top_k(
