@@ -58,8 +58,14 @@ def query_source(model: nn.Module) -> Optional[QuerySource]:
     return None
 
 
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` detached, in float32 or its own dtype where wider (a float64 model's query is float64: its routing and
+    keys' gradient carry no float32 rounding)."""
+    return x.detach().to(torch.promote_types(x.dtype, torch.float32))
+
+
 def _masked_mean(embeds: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-    embeds = embeds.detach().float()
+    embeds = at_least_float32(embeds)
     if mask is not None and mask.dim() == 2 and mask.shape == embeds.shape[:2]:
         weights = mask.to(embeds.dtype).unsqueeze(-1)
         return (embeds * weights).sum(1) / weights.sum(1).clamp_min(1.0)
@@ -80,7 +86,7 @@ def _patch_query(model: nn.Module, pixels: torch.Tensor) -> Optional[torch.Tenso
             f"the patch embedding {type(embedding).__name__} returned shape {tuple(patches.shape)}; PCLR's default "
             "query needs (batch, patches, width) or (batch, width, h, w): pass query_fn="
         )
-    return F.normalize(patches.float().mean(1), dim=-1)
+    return F.normalize(at_least_float32(patches).mean(1), dim=-1)
 
 
 def default_query(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Optional[torch.Tensor]:
@@ -126,8 +132,9 @@ def default_query(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Opti
 
 def pooled_query(x: torch.Tensor) -> torch.Tensor:
     """The query a layer input gives a model without token or patch inputs: ``x`` (batch, ..., width) averaged over
-    every axis but the first and the last, L2-normalized, float32 and detached (an integer input is cast)."""
-    x = x.detach().float()
+    every axis but the first and the last, L2-normalized, float32 (float64 for a float64 input) and detached (an
+    integer input is cast)."""
+    x = at_least_float32(x)
     if x.dim() > 2:
         x = x.flatten(1, -2).mean(1)
     elif x.dim() < 2:

@@ -56,7 +56,7 @@ def _cosine_scores(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     # gradients reach the keys unless they are detached, never the query
     if keys.shape[0] == 0:
         raise ValueError("cannot route over an empty rank pool (0 active ranks)")
-    dtype = torch.promote_types(keys.dtype, torch.float32)
+    dtype = torch.promote_types(torch.promote_types(keys.dtype, query.dtype), torch.float32)
     return F.normalize(query.detach().to(dtype), dim=-1) @ F.normalize(keys.to(dtype), dim=-1).mT
 
 
