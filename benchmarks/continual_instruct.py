@@ -180,7 +180,7 @@ def report(
 
     def verdict(name: str, diff: tuple[float, float, float], met: bool, what: str) -> None:
         verdicts.append({"target": name, "mean": diff[0], "low": diff[1], "high": diff[2], "met": met})
-        text.append(f"- {name}: {what} {_interval(diff)} -> {'met' if met else 'NOT met'}")
+        text.append(f"- target: {name}: {what} {_interval(diff)} -> {'met' if met else 'NOT met'}")
 
     have = {m: per_order(runs, m, "final_acc") for m in present}
     n = min((len(v) for v in have.values()), default=0)
