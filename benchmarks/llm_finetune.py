@@ -113,6 +113,9 @@ OPTIMIZERS = tuple(name for names in TRACKS.values() for name in names)
 #: of all four (pretrain_llama's 1e-3-1e-2 are from-scratch rates; the AdamW part here moves a pretrained embedding).
 GRIDS = {"riemannion_loi": (3e-3, 1e-2, 3e-2), "lora_adamw": (1e-3, 3e-3, 1e-2)}
 GRIDS |= {name: (3e-5, 1e-4, 3e-4) for name in TRACKS["full"]}
+#: A grid whose best validation score lies at an end grows past it by up to this many points (the first full-size run
+#: chose the top of the grid for Riemannion and for all four full fine-tuning optimizers)
+EXTEND_EDGES = 2
 LOSS_RATIO = 1.05  # "DCT-AdamW within 1.05x GaLore's test answer loss", judged on the upper end of the interval
 ZERO_SHOT = "zero_shot"  # the untouched model's run-cache key
 
@@ -290,7 +293,7 @@ def run_protocol(args: argparse.Namespace, cache: RunCache) -> Study:
     seeds) are grouped into rounds, a grid point or a test seed per track, and trained ``--jobs`` at a time."""
     names = [n for n in OPTIMIZERS if n in args.optimizers]
     grids = {n: GRIDS[n][1:2] if args.grid_points == 1 else GRIDS[n] for n in names}
-    protocol = Protocol(tune_seeds=(0,), test_seeds=tuple(args.test_seeds))
+    protocol = Protocol(tune_seeds=(0,), test_seeds=tuple(args.test_seeds), extend_edges=EXTEND_EDGES)
 
     def known(key: tuple[str, float, int, str]) -> tuple[float, dict[str, Any]] | None:
         name, lr, seed, split = key
@@ -307,7 +310,10 @@ def run_protocol(args: argparse.Namespace, cache: RunCache) -> Study:
     while todo := missing_runs(grids, protocol, known):
         rounds: dict[tuple[str, str, int], dict[str, float]] = {}
         for name, lr, seed, split in todo:
-            point = f"lr{grids[name].index(lr)}" if split == "validation" else "chosen"
+            if split == "test":
+                point = "chosen"
+            else:  # a grid point by its index, a point past the grid's end (Protocol.extend_edges) by its value
+                point = f"lr{grids[name].index(lr)}" if lr in grids[name] else f"lr{lr:g}"
             rounds.setdefault((track_of(name), point, seed), {})[name] = lr
         # a round's runs are saved together and never trained again, so its track, point, seed and optimizers name
         # it uniquely, also across resumed jobs of other --optimizers (its step times pair only with each other)

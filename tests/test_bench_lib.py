@@ -302,3 +302,32 @@ def test_protocol_runs_trained_in_worker_processes_give_the_sequential_study():
     assert parallel.test == sequential.test and parallel.validation == sequential.validation
     with pytest.raises(ValueError, match="jobs must be >= 1, got 0"):
         in_workers([], _toy_score, jobs=0, threads=1, done=lambda key, value: None)
+
+
+def test_missing_runs_asks_for_a_point_past_the_grid_only_once_the_grid_is_known():
+    """With Protocol.extend_edges, the point past an end is asked for after the grid's own points are known (never
+    chosen from placeholders), then the chosen lr's test seeds; the rounds make the sequential study."""
+    from benchmarks._lib.jobs import missing_runs
+    from benchmarks._lib.protocol import tune_and_test
+
+    def score(method, lr, seed, split):  # best at 0.1 for "a": past its grid's top; "b" peaks inside
+        return 0.9 - 0.1 * abs(math.log10(lr / (0.1 if method == "a" else 0.01))) + 0.01 * seed
+
+    grids = {"a": [0.001, 0.003, 0.01], "b": [0.003, 0.01, 0.03]}
+    protocol = Protocol(tune_seeds=(0,), test_seeds=(0, 1), extend_edges=2)
+    cache = RunCache(None, {})
+    known = lambda key: (cache[key], {}) if key in cache else None  # noqa: E731
+    batches = []
+    while todo := missing_runs(grids, protocol, known):
+        batches.append(sorted(todo))
+        for key in todo:
+            cache.put(key, score(*key))
+    assert [(m, lr) for m, lr, _, _ in batches[0]] == [("a", 0.001), ("a", 0.003), ("a", 0.01)] + [
+        ("b", 0.003), ("b", 0.01), ("b", 0.03)]  # fmt: skip
+    assert [(m, lr, split) for m, lr, _, split in batches[1]] == [
+        ("a", 0.033, "validation"), ("b", 0.01, "test"), ("b", 0.01, "test")]  # fmt: skip
+    assert [(m, lr, split) for m, lr, _, split in batches[2]] == [("a", 0.11, "validation")]
+    assert [(m, lr) for m, lr, _, _ in batches[3]] == [("a", 0.11), ("a", 0.11)]
+    sequential = tune_and_test(grids, score, protocol, echo=lambda line: None)
+    assert sequential.chosen == {"a": 0.11, "b": 0.01}
+    assert tune_and_test(grids, lambda *key: known(key), protocol, echo=lambda line: None).test == sequential.test

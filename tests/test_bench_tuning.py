@@ -69,6 +69,39 @@ def test_tune_and_test_chooses_on_validation_never_on_test(tmp_path):
         protocol.tune_and_test({"a": [1e-3], "b": [1e-3, 1e-2]}, score, protocol.Protocol())
 
 
+def test_a_grid_grows_past_the_end_that_scores_best_until_the_best_is_inside():
+    """With extend_edges, a method whose best validation score is at an end of its grid gets one more point a grid
+    step beyond (3e-2 -> 9e-2 -> 0.27 here, half-decade steps), for every method alike; one whose best is inside
+    keeps its grid; the number of points added is capped."""
+    peak = {"up": 0.2, "down": 4e-4, "inside": 1e-2}
+
+    def score(method, lr, seed, split):
+        return 0.9 - 0.1 * abs(math.log10(lr / peak[method]))
+
+    grids = {m: [3e-3, 1e-2, 3e-2] for m in peak}
+    seen = []
+
+    def logged(*key):
+        seen.append(key)
+        return score(*key)
+
+    grown = protocol.Protocol(test_seeds=(0,), extend_edges=2)
+    study = protocol.tune_and_test(grids, logged, grown, echo=lambda line: None)
+    assert sorted(study.validation["up"]) == [3e-3, 1e-2, 3e-2, 9e-2, 0.27]  # 0.27 beats 9e-2: capped at 2 points
+    assert study.chosen["up"] == 0.27
+    assert sorted(study.validation["down"]) == [2.7e-4, 9e-4, 3e-3, 1e-2, 3e-2]
+    assert study.chosen["down"] == 2.7e-4
+    assert sorted(study.validation["inside"]) == [3e-3, 1e-2, 3e-2] and study.chosen["inside"] == 1e-2
+    assert sum(1 for key in seen if key[3] == "validation") == 13  # 3 x 3 + 2 + 2
+    plain = protocol.tune_and_test(grids, score, protocol.Protocol(test_seeds=(0,)), echo=lambda line: None)
+    assert plain.chosen == {"up": 3e-2, "down": 3e-3, "inside": 1e-2}
+    assert protocol.beyond_edge([1e-3, 1e-2], 1e-2) == pytest.approx(0.1)
+    assert protocol.beyond_edge([1e-3, 1e-2, 1e-1], 1e-2) is None and protocol.beyond_edge([1e-2], 1e-2) is None
+    assert "grows by up to 2" in protocol.Protocol(extend_edges=2).describe()
+    with pytest.raises(ValueError, match="extend_edges must be >= 0, got -1"):
+        protocol.Protocol(extend_edges=-1)
+
+
 def test_a_verdict_needs_the_interval_not_the_mean():
     study = protocol.Study(protocol.Protocol(test_seeds=(0, 1, 2, 3, 4)))
     study.test = {"ours": [0.62, 0.55, 0.66, 0.58, 0.64], "peer": [0.60, 0.58, 0.60, 0.58, 0.60]}

@@ -95,16 +95,34 @@ class Protocol:
     Args:
         tune_seeds: Seeds whose validation scores are averaged to pick each method's learning rate.
         test_seeds: Seeds of the reported test figures (at least 5 for the protocol; fewer in ``--quick`` runs).
+        extend_edges: How many points a method's grid may grow by where its best validation score lies at an end
+            of the grid: one step (the ratio of the end point to its neighbour) further out each time, until the best
+            point is inside. The same rule for every method; 0 keeps the grids as given.
     """
 
     tune_seeds: tuple[int, ...] = (0,)
     test_seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
+    extend_edges: int = 0
+
+    def __post_init__(self) -> None:
+        if self.extend_edges < 0:
+            raise ValueError(f"extend_edges must be >= 0, got {self.extend_edges}")
 
     def describe(self) -> str:
+        grown = f" (a grid grows by up to {self.extend_edges} point(s) past an end that scores best)"
         return (
-            f"learning rate chosen per method on the validation split (mean over seed(s) {list(self.tune_seeds)}), "
-            f"then test over seeds {list(self.test_seeds)}"
+            f"learning rate chosen per method on the validation split (mean over seed(s) {list(self.tune_seeds)})"
+            f"{grown if self.extend_edges else ''}, then test over seeds {list(self.test_seeds)}"
         )
+
+
+def beyond_edge(points: Sequence[float], best: float) -> float | None:
+    """The learning rate one grid step past ``best`` where it is an end of ``points`` (sorted, at least 2), rounded to
+    two significant digits; ``None`` where ``best`` lies inside."""
+    if len(points) < 2 or best not in (points[0], points[-1]):
+        return None
+    neighbour = points[1] if best == points[0] else points[-2]
+    return float(f"{best * best / neighbour:.2g}")
 
 
 @dataclass
@@ -243,11 +261,19 @@ def tune_and_test(
         return value, extra
 
     for method, grid in grids.items():
+        points = sorted(grid)
         study.validation[method] = {
-            lr: [run(method, lr, s, "validation")[0] for s in protocol.tune_seeds] for lr in grid
+            lr: [run(method, lr, s, "validation")[0] for s in protocol.tune_seeds] for lr in points
         }
+        for _ in range(protocol.extend_edges):
+            curve = study.curve(method)
+            new = beyond_edge(points, max(points, key=lambda lr: curve[lr]))
+            if new is None:
+                break
+            study.validation[method][new] = [run(method, new, s, "validation")[0] for s in protocol.tune_seeds]
+            points = sorted([*points, new])
         curve = study.curve(method)
-        study.chosen[method] = max(grid, key=lambda lr: curve[lr])  # first maximum: max keeps the first on ties
+        study.chosen[method] = max(points, key=lambda lr: curve[lr])  # first maximum: max keeps the first on ties
     for method, lr in study.chosen.items():
         runs = [run(method, lr, s, "test") for s in protocol.test_seeds]
         study.test[method] = [v for v, _ in runs]
