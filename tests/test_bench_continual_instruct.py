@@ -20,7 +20,7 @@ def test_quick_run_prints_the_table_and_every_target_verdict(tmp_path):
     out = tmp_path / "quick"
     stdout = run_module("benchmarks.continual_instruct", "--quick", "--methods", METHODS, "--out", out).stdout
     assert (
-        "| method | orders | final average | forgetting | BWT | held-out ppl / base | supersense | gloss_to_word |"
+        "| method | orders | final average | learned | forgetting | BWT | held-out ppl / base | supersense | gloss_to_word |"
         in stdout
     )
     verdicts = [line for line in stdout.splitlines() if line.startswith("- ")]
@@ -52,6 +52,23 @@ def _payload(pclr: list[float], seq: list[float], forgetting: list[float]) -> di
     settings = {"model": "smollm2-135m", "families": ["a", "b", "c"]}
     return {"kind": "continual_instruct", "command": "python -m benchmarks.continual_instruct", "settings": settings,
             "runs": runs}  # fmt: skip
+
+
+def test_the_table_separates_what_a_method_learned_from_what_it_forgot():
+    """'learned' is the mean of each task's score right after its training (learning_acc), beside the final average
+    and forgetting: a method that forgets nothing but learns little shows it."""
+    from peft_ext.continual.published_instruct import instruct_table
+
+    def run(order, learned, final):
+        metrics = {"final_acc": final, "learning_acc": learned, "forgetting": 0.0, "bwt": 0.0}
+        return {"method": "m", "order": order, "metrics": metrics, "tasks": ["t0:a"], "accuracy_matrix": [[final]],
+                "extras": {"held_out_perplexity": {"ratio": 1.0}}}  # fmt: skip
+
+    payload = {"command": "cmd", "settings": {"model": "x", "families": ["a"], "train_per_task": 4,
+               "test_per_task": 2}, "runs": [run(0, 0.30, 0.20), run(1, 0.40, 0.22)]}  # fmt: skip
+    table = instruct_table(payload)
+    assert "| method | orders | final average | learned | forgetting |" in table
+    assert "| m | 2 | 21.0 ± 1.4 | 35.0 ± 7.1 | 0.0 ± 0.0 |" in table
 
 
 def test_instruction_claims_follow_their_intervals(tmp_path):

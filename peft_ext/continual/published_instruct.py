@@ -93,13 +93,14 @@ def _final_by_family(run: dict[str, Any]) -> dict[str, float]:
 
 
 def instruct_table(payload: dict[str, Any]) -> str:
-    """The table an instruction benchmark's results publish: per method the final average score, forgetting and BWT
-    (percent, mean ± sd over the task orders), the held-out perplexity after the sequence over the base model's, and
+    """The table an instruction benchmark's results publish: per method the final average score, the score each task
+    had right after it was trained (``learned``: what the method could learn, before any forgetting), forgetting and
+    BWT (percent, mean ± sd over the task orders), the held-out perplexity after the sequence over the base model's, and
     each task's final score (exact match, or ROUGE-L for a sentence answer), then the line saying how it was made."""
     runs = payload["runs"]
     methods = list(dict.fromkeys(r["method"] for r in runs))
     families = list(payload["settings"]["families"])
-    head = ["method", "orders", "final average", "forgetting", "BWT", "held-out ppl / base", *families]
+    head = ["method", "orders", "final average", "learned", "forgetting", "BWT", "held-out ppl / base", *families]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for method in methods:
         mine = sorted((r for r in runs if r["method"] == method), key=lambda r: r["order"])
@@ -109,7 +110,8 @@ def instruct_table(payload: dict[str, Any]) -> str:
 
         ratio = [r["extras"]["held_out_perplexity"]["ratio"] for r in mine]
         per_family = [_final_by_family(r) for r in mine]
-        cells = [method, str(len(mine)), _cell(metric("final_acc")), _cell(metric("forgetting")), _cell(metric("bwt"))]
+        cells = [method, str(len(mine)), _cell(metric("final_acc")), _cell(metric("learning_acc"))]
+        cells += [_cell(metric("forgetting")), _cell(metric("bwt"))]
         cells.append(f"{statistics.mean(ratio):.3f}")
         cells += [_cell([f[family] for f in per_family if f.get(family) is not None]) for family in families]
         lines.append("| " + " | ".join(cells) + " |")
