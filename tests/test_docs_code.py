@@ -210,10 +210,11 @@ def test_not_run_blocks_compile():
 )
 def test_the_blocks_of_a_page_run(page, tmp_path, monkeypatch):
     from peft_ext.continual import CONTINUAL_METHODS
+    from peft_ext.continual.heads import HEADS
 
     monkeypatch.chdir(tmp_path)
     os.symlink(ROOT / "configs", tmp_path / "configs")  # pages name the shipped configs' files by relative path
-    registered = set(CONTINUAL_METHODS)
+    registered, heads = set(CONTINUAL_METHODS), set(HEADS)
     scope: dict = {}
     ran = 0
     try:
@@ -227,9 +228,11 @@ def test_the_blocks_of_a_page_run(page, tmp_path, monkeypatch):
                 if (page.name, i) in CLEANUP:
                     exec(CLEANUP[page.name, i], scope)
             ran += 1
-    finally:  # a page that registers a method (adding_a_continual_method.md) leaves the registry as it found it
+    finally:  # a page that registers a method or a head (adding_a_*.md) leaves the registries as it found them
         for name in set(CONTINUAL_METHODS) - registered:
             del CONTINUAL_METHODS[name]
+        for name in set(HEADS) - heads:
+            del HEADS[name]
     assert ran
 
 

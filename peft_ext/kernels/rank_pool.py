@@ -47,6 +47,7 @@ from torch import Tensor
 from .dispatch import fast_rank_pool_kernel
 
 __all__ = [
+    "check_gather_inputs",
     "choose_reference",
     "rank_pool_gather",
     "rank_pool_gather_indexed",
@@ -62,7 +63,7 @@ _METHODS = ("auto", "indexed", "masked", "loop")
 _COPY_COST = 4.0
 
 
-def _check(
+def check_gather_inputs(
     x: torch.Tensor,
     A_pool: torch.Tensor,
     B_pool: torch.Tensor,
@@ -70,6 +71,8 @@ def _check(
     gates: Optional[torch.Tensor],
     check_range: bool = True,
 ) -> None:
+    """Refuse inputs a rank-pool gather cannot take, naming the argument, its shape or dtype and what fits (shared by
+    the one-pool gather here and the two-store gather of :mod:`.rank_pool_stores`)."""
     for name, t in (("x", x), ("A_pool", A_pool), ("B_pool", B_pool), ("indices", indices)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
@@ -196,11 +199,11 @@ def rank_pool_gather(
     if method == "auto":
         fast = fast_rank_pool_kernel(x, indices, gates)
         if fast is not None:
-            _check(x, A_pool, B_pool, indices, gates, check_range)
+            check_gather_inputs(x, A_pool, B_pool, indices, gates, check_range)
             return fast.fn(x, A_pool, B_pool, indices, scale, gates)
         tokens = 1 if x.dim() == 2 else x.shape[1]
         method = choose_reference(tokens, A_pool.shape[1], indices.shape[1], A_pool.shape[0], B_pool.shape[1])
-    _check(x, A_pool, B_pool, indices, gates, check_range)
+    check_gather_inputs(x, A_pool, B_pool, indices, gates, check_range)
     return _REFERENCES[method](x, A_pool, B_pool, indices, scale, gates)
 
 
@@ -239,7 +242,7 @@ def rank_pool_gather_shared(
     if index.dim() != 1:
         raise ValueError(f"`index` must be (K,), one index set for every sample, got shape {tuple(index.shape)}")
     gates = None if gate is None else gate.reshape(1, -1).expand(x.shape[0], -1)
-    _check(x, A_pool, B_pool, index.reshape(1, -1).expand(x.shape[0], -1), gates, check_range=False)
+    check_gather_inputs(x, A_pool, B_pool, index.reshape(1, -1).expand(x.shape[0], -1), gates, check_range=False)
     idx = index.long()
     h = x @ A_pool.mT.index_select(0, idx).mT  # (..., K)
     if gate is not None:

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .dispatch import fast_rank_pool_kernel
-from .rank_pool import _check, choose_reference, rank_pool_gather
+from .rank_pool import check_gather_inputs, choose_reference, rank_pool_gather
 
 __all__ = ["pool_of_stores", "rank_pool_gather_stores"]
 
@@ -115,7 +115,7 @@ def rank_pool_gather_stores(
             f"the stores do not fit together: frozen A {tuple(A_f.shape)}, B {tuple(B_f.shape)}; trainable A "
             f"{tuple(A_t.shape)}, B {tuple(B_t.shape)}"
         )
-    _check(x, A_t.mT, B_t, indices, gates, check_range=False)
+    check_gather_inputs(x, A_t.mT, B_t, indices, gates, check_range=False)
     n_ranks, k = A_f.shape[0] + A_t.shape[0], indices.shape[1]
     tokens = 1 if x.dim() == 2 else x.shape[1]
     if (

@@ -7,16 +7,23 @@
 - ``analytic``: RanPAC's random ReLU projection and closed-form ridge regression;
 - ``aligned``: SLCA's classifier alignment on stored class means and covariances.
 
-docs/continual_heads.md says what each stores, costs and scores on the shipped sequences.
+docs/continual_heads.md says what each stores, costs and scores on the shipped sequences. A new head is one module
+here (every public module of this folder is imported, :mod:`peft_ext.plugins`) or in another package, declared as a
+``peft_ext.heads`` entry point: docs/adding_a_head.md.
 """
 
 from __future__ import annotations
 
+from ...plugins import ENTRY_POINT_GROUPS, import_modules, load_entry_points
 from .aligned import AlignedHead, AlignedOptions
 from .analytic import AnalyticHead, AnalyticOptions
 from .base import HEADS, ContinualHead, HeadOptions, build_head, classifier_module, head_spec, register_head
 from .means import LDAHead, LDAOptions, PrototypeHead
 from .trained import CosineClassifier, CosineHead, CosineOptions, LinearHead
+
+# every head module of this folder registers its head; then the ones other packages declare
+import_modules(__name__, __path__, skip=("base",))
+load_entry_points(ENTRY_POINT_GROUPS["heads"])
 
 __all__ = [
     "HEADS",

@@ -154,6 +154,10 @@ def head_spec(value: Any) -> tuple[str, dict[str, Any]]:
         raise ValueError(
             f"`head` must be a head name or a mapping with a `name`, got {value!r}; heads: {sorted(HEADS)}"
         )
+    if name not in HEADS:  # perhaps a head an installed package declares (peft_ext.plugins)
+        from ...plugins import ENTRY_POINT_GROUPS, load_entry_points
+
+        load_entry_points(ENTRY_POINT_GROUPS["heads"])
     if name not in HEADS:
         close = difflib.get_close_matches(name, list(HEADS), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""

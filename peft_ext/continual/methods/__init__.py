@@ -11,30 +11,14 @@ Importing this package registers every method it ships:
 - the methods of this package: ``splitlora``, ``pclr``, ``riemannion``;
 - the subspace baselines SplitLoRA is compared with: ``inflora``, ``olora``, ``osf``.
 
-A new method subclasses :class:`ContinualMethod`, declares its capabilities and registers with
-:func:`register_continual_method` (docs/continual_methods.md, "Adding a continual method").
+A new method is one module here (every public module of this folder is imported, :mod:`peft_ext.plugins`) or in
+another package, declared as a ``peft_ext.continual_methods`` entry point: it subclasses :class:`ContinualMethod`,
+declares its capabilities and registers with :func:`register_continual_method` (docs/adding_a_continual_method.md).
 """
 
 from __future__ import annotations
 
-from . import (  # noqa: F401  (each module registers its method)
-    frozen_linear,
-    full_ft,
-    inflora,
-    joint,
-    lora_opt,
-    ncm,
-    olora,
-    osf,
-    pclr,
-    ranpac,
-    replay,
-    riemannion,
-    seq_lora,
-    slda,
-    splitlora,
-    zero_shot,
-)
+from ...plugins import ENTRY_POINT_GROUPS, import_modules, load_entry_points
 from .base import (
     CONTINUAL_METHODS,
     PEFT_BOOKKEEPING,
@@ -49,6 +33,10 @@ from .base import (
     register_continual_method,
     saved_head,
 )
+
+# every method module of this folder registers its method; then the ones other packages declare
+import_modules(__name__, __path__, skip=("base",))
+load_entry_points(ENTRY_POINT_GROUPS["continual_methods"])
 
 __all__ = [
     "CONTINUAL_METHODS",

@@ -360,6 +360,16 @@ def register_continual_method(cls: type[ContinualMethod]) -> type[ContinualMetho
 
 
 def get_continual_method(name: str) -> type[ContinualMethod]:
+    """The method class registered as ``name``: shipped, registered in this process, or declared by an installed
+    package's ``peft_ext.continual_methods`` entry point (loaded on a miss too, for one installed since).
+
+    Raises:
+        ValueError: No such method, with the nearest registered name and the list.
+    """
+    if name not in CONTINUAL_METHODS:
+        from ...plugins import ENTRY_POINT_GROUPS, load_entry_points
+
+        load_entry_points(ENTRY_POINT_GROUPS["continual_methods"])
     try:
         return CONTINUAL_METHODS[name]
     except KeyError:
