@@ -3,6 +3,9 @@ reloaded method predicts what the run scored, exactly."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import dataclasses
 import json
 
@@ -44,12 +47,14 @@ def job(tmp_path_factory):
         data["methods"] = METHODS
 
     config = job_config(tmp, "quickstart", edit)
-    assert main(["run", str(config), "--no-progress"]) == 0
-    return config, tmp / "out"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["run", str(config), "--no-progress"]) == 0
+    return config, tmp / "out", printed.getvalue()
 
 
 def test_every_method_is_saved_and_reloads_to_the_predictions_the_run_scored(job):
-    config, out = job
+    config, out, _ = job
     results = {r.get("label") or r["method"]: r for r in json.loads((out / "results.json").read_text())["results"]}
     sequence = build_sequence(load_config(config), None)
     tests = [example for task in sequence.tasks for example in task.test]
@@ -75,13 +80,13 @@ def test_every_method_is_saved_and_reloads_to_the_predictions_the_run_scored(job
 def test_the_frozen_backbone_keeps_only_the_tensors_it_changed(job):
     from safetensors.torch import load_file
 
-    _, out = job
+    _, out, _ = job
     saved = load_file(str(out / "adapters" / "frozen_linear" / "weights.safetensors"))
     assert set(saved) == {"classifier.weight", "classifier.bias"}
 
 
 def test_predict_picks_the_best_continual_method_and_prints_one_line_per_text(job, tmp_path, capsys):
-    config, out = job
+    config, out, _ = job
     texts = tmp_path / "texts.txt"
     texts.write_text("a domestic animal\n\n  a tall plant with a trunk  \n")
     capsys.readouterr()
@@ -95,6 +100,9 @@ def test_predict_picks_the_best_continual_method_and_prints_one_line_per_text(jo
         if r["method"] != "joint"
     }
     best = max(finals, key=finals.get)
+    # the job's last line suggests the same method predict picks, by the job's folder
+    (advice,) = [line for line in job[2].splitlines() if "classify new texts" in line]
+    assert f"`peft-ext predict {out} TEXTS.txt` (it uses {best}, the best continual method" in advice
     assert f"predicting with {best} (final accuracy {100 * finals[best]:.1f} %" in captured.err
     folder, _ = trained_folder(out, "seq_lora")
     assert main(["predict", str(folder), str(texts)]) == 0
@@ -105,7 +113,7 @@ def test_predict_picks_the_best_continual_method_and_prints_one_line_per_text(jo
 
 
 def test_predict_errors_name_the_file_and_the_fix(job, tmp_path, capsys):
-    _, out = job
+    _, out, _ = job
     assert main(["predict", str(out), str(tmp_path / "t.txt"), "--method", "nope"]) == 2
     assert "no saved method 'nope'" in capsys.readouterr().err
     empty = tmp_path / "empty.txt"

@@ -171,10 +171,14 @@ class ResultsWriter(JobCallback):
         self.echo(f"\n[peft-ext] wrote {', '.join(str(p) for p in written)}")
         saved = saved_methods(job.config.output.dir)
         if saved and job.saves_trained:
-            folder = Path(job.config.output.dir) / "adapters"
+            from .saved import default_method
+
+            output = Path(job.config.output.dir)
+            best, _ = default_method(output, saved)
             self.echo(
-                f"[peft-ext] trained models of {', '.join(saved)} in {folder}/: classify new texts with "
-                f"`peft-ext predict {folder / saved[0]} TEXTS.txt` (docs/own_data.md)"
+                f"[peft-ext] trained models of {', '.join(saved)} in {output / 'adapters'}/: classify new texts with "
+                f"`peft-ext predict {output} TEXTS.txt` (it uses {best}, the best continual method of this run; "
+                "--method picks another; docs/own_data.md)"
             )
 
 

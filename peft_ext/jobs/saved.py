@@ -12,7 +12,7 @@ from ..continual.methods import method_capability
 from ..continual.trained import MODEL_FILE, saved_methods
 from . import load_job_config
 
-__all__ = ["trained_folder"]
+__all__ = ["default_method", "trained_folder"]
 
 
 def trained_folder(source: Union[str, Path], method: Optional[str] = None) -> tuple[Path, Optional[str]]:
@@ -48,15 +48,29 @@ def trained_folder(source: Union[str, Path], method: Optional[str] = None) -> tu
         if method not in saved:
             raise ValueError(f"no saved method {method!r} under {str(path / 'adapters')!r}; saved: {saved}")
         return path / "adapters" / method, None
+    best, line = default_method(path, saved)
+    return path / "adapters" / best, line
+
+
+def default_method(path: Union[str, Path], saved: Optional[list[str]] = None) -> tuple[str, str]:
+    """The saved method ``peft-ext predict`` uses for a job's folder when none is named: the continual method with
+    the best final accuracy (an upper bound, ``joint``, left out), else the first saved; and the line saying so.
+
+    Args:
+        path: The job's output folder (holding ``adapters/``).
+        saved: Its saved labels (default: read from the folder); at least one.
+    """
+    path = Path(path)
+    saved = saved_methods(path) if saved is None else saved
     scores = {}
     for label in saved:
         meta = json.loads((path / "adapters" / label / MODEL_FILE).read_text())
         if not method_capability(meta.get("method", ""), "is_upper_bound") and meta.get("final_acc") is not None:
             scores[label] = float(meta["final_acc"])
     if not scores:
-        return path / "adapters" / saved[0], f"predicting with {saved[0]} (pass --method to pick one of {saved})"
+        return saved[0], f"predicting with {saved[0]} (pass --method to pick one of {saved})"
     best = max(scores, key=scores.get)
-    return path / "adapters" / best, (
+    return best, (
         f"predicting with {best} (final accuracy {100 * scores[best]:.1f} %, the best of the {len(scores)} continual "
         f"methods saved; --method picks another of {saved})"
     )
