@@ -235,6 +235,11 @@ def test_projection_is_the_deprecated_name_of_basis():
     with pytest.warns(DeprecationWarning, match="`projection=` is deprecated; pass `basis=`"):
         opt = SubspaceAdamW(named, projection="coordinates")
     assert opt.defaults["basis"] == "coordinates" and "projection" not in opt.defaults
+    # the same rule inside a param group (it was refused there)
+    with pytest.warns(DeprecationWarning, match="`projection=` is deprecated; pass `basis=`"):
+        group = {"params": [nn.Parameter(torch.randn(6, 4))], "param_names": ["w"], "projection": "dct", "rank": 2}
+        opt.add_param_group(group)
+    assert opt.param_groups[-1]["basis"] == "dct" and "projection" not in opt.param_groups[-1]
 
 
 def test_a_state_saved_with_the_projection_key_loads_with_a_deprecation_warning():

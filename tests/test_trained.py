@@ -4,9 +4,8 @@ reloaded method predicts what the run scored, exactly."""
 from __future__ import annotations
 
 import contextlib
-import io
-
 import dataclasses
+import io
 import json
 
 import pytest

@@ -52,7 +52,8 @@ def installed(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
     pip = [sys.executable, "-m", "pip"]
-    _run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp / "dist", src], tmp, env)
+    build = _run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-v", "-w", tmp / "dist", src], tmp, env)
+    (tmp / "build.log").write_text(build.stdout + build.stderr)  # setuptools' warnings, read by a test below
     (wheel,) = (tmp / "dist").glob("peft_ext-*.whl")
 
     venv = tmp / "venv"
@@ -89,6 +90,10 @@ def test_wheel_carries_license_configs_and_every_package(installed):
     for init in (ROOT / "peft_ext").rglob("__init__.py"):
         assert init.relative_to(ROOT).as_posix() in names, f"{init.parent} is missing from pyproject's packages"
     assert "peft_ext_cli.py" in names
+    # every folder that ships is a declared package: setuptools warns of (and will refuse) importable data folders
+    # absent from `packages` (configs/data and its subfolders were)
+    log = (wheel.parent.parent / "build.log").read_text()
+    assert "wheel" in log and "absent from the `packages` configuration" not in log, log[-3000:]
     for shipped in (ROOT / "peft_ext" / "data" / "files").iterdir():  # every data file with its license
         assert f"peft_ext/data/files/{shipped.name}" in names, shipped.name
 

@@ -241,24 +241,31 @@ def check_group(group: dict[str, Any], owner: str = "SubspaceAdamW") -> None:
 # --- a group's basis and update rule ----------------------------------------------------------------------------
 
 
+def deprecated_projection(options: dict[str, Any], basis: Any) -> Any:
+    """The basis that ``options`` (constructor keywords or a param group, changed in place) ask for: ``projection``,
+    the basis's name before ``basis`` existed (used in released docs), is taken out and wins, with a
+    ``DeprecationWarning``; else ``basis``. One rule for the constructor and for param groups."""
+    if "projection" not in options:
+        return basis
+    warnings.warn(
+        "`projection=` is deprecated; pass `basis=` (the same names: 'dct', 'coordinates', 'power')",
+        DeprecationWarning,
+        stacklevel=caller_stacklevel(),
+    )
+    return options.pop("projection")
+
+
 def parts_from_options(basis: Any, update: Any, options: dict[str, Any], owner: str) -> tuple[Component, Component]:
     """The basis and update rule of a constructor call: objects as given, names built with the keyword ``options``
     that their classes declare (each option goes to the part that declares it; the basis first).
 
-    ``projection=`` (the basis's name before ``basis=`` existed, used in released docs) is accepted with a
-    ``DeprecationWarning``.
+    ``projection=`` is the deprecated name of ``basis=`` (:func:`deprecated_projection`).
 
     Raises:
         TypeError: For a keyword neither part declares (naming who does, or the closest valid keyword).
     """
     options = dict(options)
-    if "projection" in options:
-        warnings.warn(
-            "`projection=` is deprecated; pass `basis=` (the same names: 'dct', 'coordinates', 'power')",
-            DeprecationWarning,
-            stacklevel=caller_stacklevel(),
-        )
-        basis = options.pop("projection")
+    basis = deprecated_projection(options, basis)
     chosen: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}
     classes = {"basis": basis, "update": update}
     for kind, value in classes.items():
@@ -287,6 +294,8 @@ def resolve_group(group: Mapping[str, Any], defaults: Mapping[str, Any], owner: 
         TypeError: For an option of some registered part that this group's parts do not declare.
     """
     group = dict(group)
+    if "projection" in group:
+        group["basis"] = deprecated_projection(group, group.get("basis"))
     declared: set[str] = set()
     for kind in KINDS:
         value = group.get(kind, defaults[kind])
