@@ -96,7 +96,8 @@ def instruct_table(payload: dict[str, Any]) -> str:
     """The table an instruction benchmark's results publish: per method the final average score, the score each task
     had right after it was trained (``learned``: what the method could learn, before any forgetting), forgetting and
     BWT (percent, mean ± sd over the task orders), the held-out perplexity after the sequence over the base model's,
-    and each task's final score (exact match, or ROUGE-L for a sentence answer), then the line saying how it was made."""
+    and each task's final score (exact match, or ROUGE-L for a sentence answer), then the line saying how it was
+    made."""
     runs = payload["runs"]
     methods = list(dict.fromkeys(r["method"] for r in runs))
     families = list(payload["settings"]["families"])
