@@ -7,6 +7,8 @@ import contextlib
 import dataclasses
 import io
 import json
+import re
+import shutil
 
 import pytest
 import torch
@@ -157,3 +159,20 @@ def test_save_adapters_false_keeps_nothing_and_does_not_change_the_fingerprint(t
     data["output"]["save_adapters"] = "yes"
     config.write_text(yaml.safe_dump(data))
     assert main(["check", str(config)]) == 2
+
+
+def test_a_saved_method_whose_config_says_lora_is_refused_by_verify_and_load_trained(job, tmp_path, capsys):
+    """PEFT loads SplitLoRA tensors under ``"peft_type": "LORA"`` as an untrained LoRA (a warning about missing
+    keys); ``peft-ext verify`` names the mismatch and ``load_trained`` refuses the folder before building anything."""
+    _, out, _ = job
+    folder = tmp_path / "splitlora"
+    shutil.copytree(out / "adapters" / "splitlora", folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config["peft_type"] = "LORA"
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    mismatch = r"is a SPLITLORA tensor \(name starts with 'splitlora_'\), but the config says peft_type 'LORA'"
+    with pytest.raises(ValueError, match=mismatch):
+        load_trained(folder)
+    assert main(["verify", str(folder)]) != 0
+    assert re.search(mismatch, capsys.readouterr().err)
+    load_trained(out / "adapters" / "splitlora")  # the untouched folder still loads

@@ -246,9 +246,7 @@ def _load_generator(directory: Path, meta: dict[str, Any]) -> TrainedGenerator:
     model, tokenizer = load_causal_lm(section.backbone, section.dtype, section.load_in_4bit)
     collate = section.causal_collate(tokenizer)
     if meta.get("adapter"):
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, str(directory))
+        model = _with_adapter(model, directory)
         if hasattr(model.base_model, "set_query_fn"):  # a PCLR pool routes each instruction by its prompt
             model.base_model.set_query_fn(prompt_query(collate.separator_id))
     if meta.get("weights"):
@@ -256,6 +254,18 @@ def _load_generator(directory: Path, meta: dict[str, Any]) -> TrainedGenerator:
         if missing.unexpected_keys:
             raise ValueError(f"{meta['weights']} holds tensors the model lacks: {missing.unexpected_keys[:5]}")
     return TrainedGenerator(model.eval(), collate, meta)
+
+
+def _with_adapter(model: nn.Module, directory: Path) -> nn.Module:
+    """``model`` with the saved adapter of ``directory``, after :func:`~peft_ext.checkpoint.verify_checkpoint`: an
+    ``adapter_config.json`` that does not fit its weights (e.g. ``"peft_type": "LORA"`` over SplitLoRA tensors, which
+    PEFT would load as an untrained LoRA with a warning) is refused with what does not fit."""
+    from peft import PeftModel  # peft_ext's adapter types are registered: importing this package did it
+
+    from ..checkpoint import verify_checkpoint
+
+    verify_checkpoint(directory)
+    return PeftModel.from_pretrained(model, str(directory))
 
 
 def load_trained(directory: Union[str, Path]) -> TrainedClassifier | TrainedGenerator:
@@ -295,9 +305,7 @@ def load_trained(directory: Union[str, Path]) -> TrainedClassifier | TrainedGene
         head.load_state_dict(torch.load(directory / HEAD_FILE, weights_only=True))
         model = head.attach(model)  # a head that replaces the classifier module (cosine) does so before the adapter
     if meta.get("adapter"):
-        from peft import PeftModel  # peft_ext's adapter types are registered: importing this package did it
-
-        model = PeftModel.from_pretrained(model, str(directory))
+        model = _with_adapter(model, directory)
     if meta.get("weights"):
         missing = model.load_state_dict(load_file(str(directory / meta["weights"])), strict=False)
         if missing.unexpected_keys:
