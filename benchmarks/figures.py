@@ -65,6 +65,7 @@ DATA_SET = {
     "dct": "WordNet",
     "mora": "emoji pairs",
     "pretrain_llama": "WordNet bytes",
+    "llm_finetune": "SmolLM2-135M-Instruct, 6 instruction tasks",
 }
 #: How a figure names a method the report calls by its code name.
 NAMES = {
@@ -73,6 +74,7 @@ NAMES = {
     "inflora": "InfLoRA-style",
     "seq_lora": "sequential LoRA",
     "riemannion_loi": "Riemannion + LOI",
+    "galore": "GaLore",
 }
 
 
