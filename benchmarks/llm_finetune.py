@@ -59,7 +59,7 @@ loaded machine) it would be about 110 min; on idle cores less than 82.
 
 Usage::
 
-    python -m benchmarks.llm_finetune --resume   # docs/results/llm_finetune.json; runs in runs/benchmarks/
+    python -m benchmarks.llm_finetune --resume   # docs/results/llm_finetune.json; its runs kept in docs/results/llm_finetune_runs.json
     python -m benchmarks.llm_finetune --quick    # every code path at toy size (2 tasks, 2 decoder layers), ~1 min
 """
 
@@ -99,7 +99,7 @@ from peft_ext.tuners.riemannion import initialize_loi
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results" / "llm_finetune.json"
-RUNS = ROOT / "runs" / "benchmarks" / "llm_finetune-runs.json"
+RUNS = ROOT / "docs" / "results" / "llm_finetune_runs.json"  # kept with the results: --resume on a fresh clone
 MODEL = "smollm2-135m"
 FAMILIES = tuple(INSTRUCTION_TASKS)
 MAX_LENGTH, SYSTEM_PROMPT = 160, "Answer briefly."  # configs/instruct.yaml's rendering
