@@ -100,7 +100,8 @@ def check_heads(sequence: TaskSequence, method: ContinualMethod, heads: Optional
     if heads is None:
         specs = [method.head, *method.options.compare_heads]
         heads = [build_head(spec, sequence.num_classes) for spec in specs]
-    if sequence.kind == "generation" and any(h.name != "linear" for h in heads):
+    # generated answers are scored as text: no head may read features or replace the model's output layer
+    if sequence.kind == "generation" and any(h.reads_features or h.shapes_training for h in heads):
         raise ValueError(
             f"a generation sequence ({sequence.name!r}) scores generated answers, not classes: method "
             f"{method.label!r} takes no `head` or `compare_heads` there"

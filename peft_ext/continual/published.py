@@ -78,7 +78,7 @@ def heads_claim(summary: dict[str, Any], key: str) -> str:
     if kind == "vs_simplecil_head":
         method, _, row = method.partition(":")
         rows = summary["methods"].get(method, {}).get("heads", {})
-        ncm = summary["methods"].get("ncm", {}).get("heads", {}).get("prototype")
+        ncm = _reference_row(summary)
         if row not in rows or ncm is None:
             raise ValueError(
                 f"claim {key!r}: no row {row!r} of {method!r} beside SimpleCIL here; rows: {sorted(rows)}"
@@ -107,6 +107,16 @@ def heads_claim(summary: dict[str, Any], key: str) -> str:
         return f"`{summary['command']}`"
     valid = [k + ":METHOD" for k in CLAIM_KINDS[:2]] + ["vs_simplecil_head:METHOD:ROW", "winners", "command"]
     raise ValueError(f"unknown claim {key!r}: one of {valid}")
+
+
+def _reference_row(summary: dict[str, Any]) -> dict[str, Any] | None:
+    """The reference's row of a heads summary (the method whose ``reference_name`` is set, ``ncm``: SimpleCIL) with
+    its own default head, or ``None`` when the summary has none. The summary names methods by their labels, which are
+    the registered names in the heads protocol."""
+    for label, m in summary["methods"].items():
+        if method_capability(label, "reference_name", None):
+            return m.get("heads", {}).get(method_capability(label, "default_head", None))
+    return None
 
 
 def published_claim(path: str | Path, key: str) -> str:
@@ -221,7 +231,7 @@ def heads_verdict(summary: dict[str, Any]) -> str:
     outcome: dict[str, list[str]] = {"beat it": [], "tie": [], "trail it": []}
     for label, m in summary["methods"].items():
         vs = m.get("vs_ncm")
-        if vs is None or label == "joint":
+        if vs is None or method_capability(label, "is_upper_bound"):
             continue
         key = "beat it" if vs[1] > 0 else "trail it" if vs[2] < 0 else "tie"
         outcome[key].append(f"{label} ({_short_head(m['best_head'])}, {vs[0]:+.1f})")

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from ..fileperm import atomic_write
 from .engine import MethodResult
-from .methods import method_capability
+from .methods import ContinualMethod, method_capability
 
 METRIC_COLUMNS = (
     ("final_acc", "final acc"),
@@ -51,9 +51,11 @@ def metrics_table(results: Sequence[MethodResult], timings: bool = True) -> str:
     appears when some method scores with a head other than its linear classifier.
     """
     joint = next((r.metrics.get("final_acc") for r in results if _upper_bound(r)), None)
-    simplecil = next((r.metrics.get("final_acc") for r in results if r.method == "ncm"), None)
+    # the reference every method is compared with (ncm: SimpleCIL), by its method's capability
+    reference = next((r for r in results if method_capability(r.method, "reference_name", None)), None)
+    simplecil = None if reference is None else reference.metrics.get("final_acc")
     heads = [head_name(r) for r in results]
-    with_heads = any(h != "linear" for h in heads)
+    with_heads = any(h != _default_head(r) for h, r in zip(heads, results))
     # a generation sequence scores each task by its metric (exact match, ROUGE-L), not a classifier's accuracy
     generation = bool(results) and all("answer_loss_matrix" in r.extras for r in results)
     titles = [t.replace("acc", "score") if generation else t for _, t in METRIC_COLUMNS]
@@ -61,7 +63,8 @@ def metrics_table(results: Sequence[MethodResult], timings: bool = True) -> str:
     ppl = [r.extras.get("held_out_perplexity") for r in results]
     titles += ["held-out ppl / base"] if any(p is not None for p in ppl) else []
     columns = [*titles, *(["gap to joint"] if joint is not None else [])]
-    columns += ["vs SimpleCIL"] if simplecil is not None else []
+    if simplecil is not None:
+        columns.append(f"vs {method_capability(reference.method, 'reference_name', None)}")
     head = ["method", *(["head"] if with_heads else []), *columns, "trainable params"]
     head += ["train s", "eval s"] if timings else []
     align = ["---"] * (2 if with_heads else 1)
@@ -74,17 +77,22 @@ def metrics_table(results: Sequence[MethodResult], timings: bool = True) -> str:
         if joint is not None:
             cells.append("—" if _upper_bound(r) or final is None else _pct(joint - final))
         if simplecil is not None:
-            cells.append("—" if r.method == "ncm" or final is None else f"{100 * (final - simplecil):+.1f}")
+            cells.append("—" if r is reference or final is None else f"{100 * (final - simplecil):+.1f}")
         cells.append(f"{r.trainable_params:,}")
         cells += [f"{r.train_seconds:.1f}", f"{r.eval_seconds:.1f}"] if timings else []
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
+def _default_head(result: MethodResult) -> str:
+    return method_capability(result.method, "default_head", ContinualMethod.default_head)
+
+
 def head_name(result: MethodResult) -> str:
-    """The head that scored ``result``'s accuracy matrix (``linear`` for results from before heads existed)."""
+    """The head that scored ``result``'s accuracy matrix (its method's default head for results from before heads
+    were recorded)."""
     head = result.extras.get("head")
-    return head.get("name", "linear") if isinstance(head, dict) else "linear"
+    return head.get("name", _default_head(result)) if isinstance(head, dict) else _default_head(result)
 
 
 def heads_table(results: Sequence[MethodResult]) -> str:

@@ -84,9 +84,9 @@ class MethodOptions:
                     f"`compare_heads` {name!r} changes what the model trains, so it cannot be scored on another "
                     f"head's run: give it its own method entry with `head: {name}`"
                 )
-            if name == "linear" and head is not None and HEADS[head].shapes_training:
+            if not HEADS[name].reads_features and head is not None and HEADS[head].shapes_training:
                 raise ValueError(
-                    f"`compare_heads` 'linear' reads the model's own classifier, which the {head!r} head replaces"
+                    f"`compare_heads` {name!r} reads the model's own classifier, which the {head!r} head replaces"
                 )
             names.append(name)
         if len(set(names)) != len(names):
@@ -236,6 +236,9 @@ class ContinualMethod:
     rewraps_model: ClassVar[bool] = False
     #: The head used when the options name none.
     default_head: ClassVar[str] = "linear"
+    #: The name under which the report compares every method with this one (``"SimpleCIL"`` for ``ncm``: a "vs
+    #: SimpleCIL" column of final-accuracy differences); ``None``: not a reference.
+    reference_name: ClassVar[str | None] = None
 
     def __init__(self, options: MethodOptions | None = None, **kwargs: Any) -> None:
         if options is None:

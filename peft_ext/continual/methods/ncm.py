@@ -12,3 +12,4 @@ class NearestClassMean(TrainingFree):
 
     name = "ncm"
     default_head = "prototype"
+    reference_name = "SimpleCIL"
