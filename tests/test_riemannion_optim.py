@@ -169,13 +169,17 @@ def test_every_step_keeps_a_orthonormal_and_rank_exactly_r(variant):
     assert all((a - b).norm() > 1e-3 for a, b in zip(before, _deltas(model))), "the adapters did not move"
 
 
-def test_training_reduces_the_loss():
-    model = _model()
-    optimizer = create_riemannion_optimizer(model, lr=0.05, aux_lr=1e-2)
+@pytest.mark.parametrize("lr, learns", [(0.05, True), (1e-12, False)], ids=["adapter", "dead_adapter"])
+def test_the_adapters_alone_reduce_the_loss(lr, learns):
+    """No trainable head (the base's head stays frozen): only the adapters can lower the loss. With their step made
+    negligible (``dead_adapter``) the same assertion fails, so this test catches an adapter that stopped learning."""
+    model = _model(head=False)
+    assert all("riemannion_" in n for n, p in model.named_parameters() if p.requires_grad)
+    optimizer = create_riemannion_optimizer(model, lr=lr)
     batch = _batches(1)[0]
     first = _loss(model, batch).item()
     _train(model, optimizer, [batch] * 30)
-    assert _loss(model, batch).item() < 0.7 * first
+    assert (_loss(model, batch).item() < 0.7 * first) is learns
 
 
 def test_zero_gradient_and_zero_weight_decay_leave_x_unchanged():
