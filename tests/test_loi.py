@@ -202,7 +202,8 @@ def test_loi_then_riemannion_training_works_and_saves_like_any_adapter(tmp_path)
             optimizer.zero_grad()
             model(**batch)["loss"].backward()
             optimizer.step()
-    assert model(**batches[0])["loss"].item() < loss0
+    # only the adapters train (no modules_to_save): measured x0.88 in these 4 epochs, a frozen adapter stays at x1.00
+    assert model(**batches[0])["loss"].item() < 0.95 * loss0
     model.eval()
     x = batches[0]["x"]
     with torch.no_grad():

@@ -562,7 +562,8 @@ def test_riemannion_steps_stay_on_the_fixed_rank_manifold(driver, tmp_path, monk
 
     on_every_step(monkeypatch, RiemannionMethod, remember, check)
     run_single_task(driver, "riemannion", tmp_path)
-    assert checks["steps"] > 0 and checks["moved"] > 0, checks
+    # every step moves every adapter's point (a dead adapter, or one whose step is lost, moves none)
+    assert checks["steps"] > 0 and checks["moved"] == checks["steps"] * len(points), (checks, len(points))
 
 
 @pytest.mark.parametrize("driver", ["loop", "trainer"])
