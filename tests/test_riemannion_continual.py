@@ -37,18 +37,31 @@ def _run(seq, name, **opts):
     return result
 
 
+#: With the head frozen (``head_lr`` negligible) the adapter alone must lift the tasks' accuracy right after training
+#: above this mean; a frozen adapter scores 0.73 here (the random head's own: 0.58 and 0.88 on the two tasks)
+ADAPTER_ALONE = 0.85
+FROZEN = 1e-12
+
+
+def _adapter_alone(result) -> float:
+    return sum(result.accuracy_matrix[i][i] for i in range(len(result.accuracy_matrix))) / len(result.accuracy_matrix)
+
+
 @pytest.mark.parametrize(
-    "opts",
+    "opts, learns",
     [
-        {"init": "loi", "variant": "muon", "lr": 0.05, "head_lr": 1e-2},
-        {"init": "random", "variant": "muon", "lr": 0.05, "head_lr": 1e-2, "nesterov": True},
-        {"init": "loi", "variant": "sgd", "lr": 0.5, "head_lr": 1e-2},
+        ({"init": "loi", "variant": "muon", "lr": 0.05}, True),
+        ({"init": "random", "variant": "muon", "lr": 0.05, "nesterov": True}, True),
+        ({"init": "loi", "variant": "sgd", "lr": 0.5}, True),
+        ({"init": "loi", "variant": "sgd", "lr": FROZEN}, False),
     ],
-    ids=["loi-muon", "random-muon-nesterov", "loi-sgd"],
+    ids=["loi-muon", "random-muon-nesterov", "loi-sgd", "dead-adapter"],
 )
-def test_riemannion_learns_every_task(seq, opts):
-    result = _run(seq, "riemannion", loi_batches=2, adapter={"r": 4, "target_modules": QUERY_VALUE}, **opts)
-    assert min(result.accuracy_matrix[i][i] for i in range(len(seq))) > 0.8
+def test_riemannion_learns_every_task_through_its_adapter(seq, opts, learns):
+    """The head frozen, so what is learned is the adapter's; the dead-adapter case shows the bound would catch one."""
+    result = _run(seq, "riemannion", loi_batches=2, adapter={"r": 4, "target_modules": QUERY_VALUE}, head_lr=FROZEN,
+                  **opts)  # fmt: skip
+    assert (_adapter_alone(result) > ADAPTER_ALONE) is learns, result.accuracy_matrix
     assert result.trainable_params < result.total_params / 4
 
 
@@ -79,18 +92,21 @@ def test_riemannion_builds_the_optimizer_and_loi_keeps_the_output(seq):
 
 
 @pytest.mark.parametrize(
-    "opts",
+    "opts, learns",
     [
-        {"optimizer": "adamw"},
-        {"optimizer": "riemannian_precond"},
-        {"optimizer": "muon"},
-        {"optimizer": "adamw", "init": "lora_ga", "init_batches": 2},
+        ({"optimizer": "adamw", "lr": 5e-3}, True),
+        ({"optimizer": "riemannian_precond", "lr": 5e-3}, True),
+        # Muon's orthogonalized step (lr matched to AdamW's RMS) does not move this LoRA enough at 5e-3 in 4 epochs
+        # (the frozen adapter's 0.73); at 5e-2 it learns both tasks
+        ({"optimizer": "muon", "lr": 5e-2}, True),
+        ({"optimizer": "adamw", "init": "lora_ga", "init_batches": 2, "lr": 5e-3}, True),
+        ({"optimizer": "adamw", "lr": FROZEN}, False),
     ],
-    ids=["adamw", "riemannian_precond", "muon", "lora_ga"],
+    ids=["adamw", "riemannian_precond", "muon", "lora_ga", "dead-adapter"],
 )
-def test_lora_peers_learn_every_task(seq, opts):
-    result = _run(seq, "lora_opt", lr=5e-3, head_lr=1e-2, adapter=lora_adapter(4), **opts)
-    assert min(result.accuracy_matrix[i][i] for i in range(len(seq))) > 0.8
+def test_lora_peers_learn_every_task_through_the_adapter(seq, opts, learns):
+    result = _run(seq, "lora_opt", head_lr=FROZEN, adapter=lora_adapter(4), **opts)
+    assert (_adapter_alone(result) > ADAPTER_ALONE) is learns, result.accuracy_matrix
 
 
 def test_lora_peer_optimizers_keep_the_head_on_adamw(seq):
