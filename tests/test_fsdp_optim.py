@@ -48,8 +48,10 @@ def test_riemannion_two_shards_equal_one_process(ranks, single):
             torch.testing.assert_close(rank["riemannion"]["points"][layer], X, **TOL, msg=layer)
         # the points agree to 1e-6; two decoder layers on top of them round further
         torch.testing.assert_close(rank["riemannion"]["logits"], one["logits"], rtol=1e-5, atol=1e-5)
-    # each rank steps, and keeps the momentum of, the adapters it owns (every other one of the group): half each
-    assert ranks[0]["riemannion"]["state_bytes"] == ranks[1]["riemannion"]["state_bytes"] == one["state_bytes"] // 2
+    # each rank steps, and keeps the momentum of, the adapters it owns (whole groups of same-shaped adapters): the
+    # two hold one process's momentum between them, each a share of it
+    held = [rank["riemannion"]["state_bytes"] for rank in ranks]
+    assert sum(held) == one["state_bytes"] and all(0 < h < one["state_bytes"] for h in held), (held, one)
 
 
 @pytest.mark.parametrize("case", ["lora_dct", "full_dct", "full_power_channel"])

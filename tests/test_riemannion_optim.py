@@ -648,3 +648,39 @@ def test_a_momentum_split_over_other_processes_is_refused_before_the_step():
         assert saved["momentum_processes"] == 2
     # no momentum yet (a fresh optimizer that loaded nothing): nothing to refuse
     check_momentum_split({"momentum_processes": 2}, 1, has_momentum=False)
+
+
+def test_owners_by_group_gives_whole_groups_to_the_least_loaded_process():
+    from peft_ext.distributed import owners_by_group
+
+    # a Llama block's shapes: q/o (4 of them over 2 layers), k/v (4), gate/up (4), down (2); each group fits a share
+    keys = ["qo", "kv", "qo", "kv", "gu", "gu", "down"] * 2
+    costs = {"qo": 1.0, "kv": 0.6, "gu": 1.8, "down": 1.8}
+    owners = owners_by_group(keys, [costs[k] for k in keys], call_cost=3.0, world=2)
+    for key in costs:  # whole groups: one process makes each batched call
+        assert len({o for o, k in zip(owners, keys) if k == key}) == 1, key
+    load = [sum(costs[k] for o, k in zip(owners, keys) if o == r) for r in (0, 1)]
+    assert set(owners) == {0, 1} and max(load) / sum(load) < 0.7, (owners, load)
+    # one group bigger than a share (every adapter of one shape) is dealt out adapter by adapter
+    assert owners_by_group(["same"] * 6, [1.0] * 6, call_cost=3.0, world=2) == [0, 1, 0, 1, 0, 1]
+    assert owners_by_group(["a", "b"], [1.0, 1.0], call_cost=3.0, world=1) == [0, 0]
+    # deterministic: every process computes the same
+    assert owners == owners_by_group(keys, [costs[k] for k in keys], call_cost=3.0, world=2)
+
+
+def test_a_state_saved_with_every_other_adapter_owned_keeps_that_rule():
+    """States saved before the shape-group rule (no ``momentum_owners`` in the group, momentum split over processes)
+    keep every ``world``-th adapter per process, so each process's saved momentum stays with its adapters."""
+    from peft_ext.optim.riemannion import _owners
+
+    A, B = torch.zeros(8, 2), torch.zeros(6, 2)
+    group = {"params": [A, B, torch.zeros(2, 2)] * 4, "momentum_processes": 2}
+    split = (None, 2, 1)
+    assert _owners(dict(group), [0, 1, 2, 3], split, has_momentum=True) == ([0, 1, 0, 1], [1, 3])
+    legacy = dict(group)
+    _owners(legacy, [0, 1, 2, 3], split, has_momentum=True)
+    assert legacy["momentum_owners"] == "slots"
+    fresh = dict(group)
+    owners, _ = _owners(fresh, [0, 1, 2, 3], split, has_momentum=False)  # new momentum: the group rule
+    assert fresh["momentum_owners"] == "groups" and owners == [0, 1, 0, 1]  # one shape bigger than a share: dealt
+    assert _owners({"params": group["params"]}, [0, 2], None, has_momentum=True) == ([0, 0], [0, 1])

@@ -14,7 +14,15 @@ when ``torch.distributed`` is not initialized or has one process. docs/distribut
 
 from __future__ import annotations
 
-from .buckets import all_gather_owned, count_collectives, full_tensors, owned_by, row_split, write_full_tensors_
+from .buckets import (
+    all_gather_owned,
+    count_collectives,
+    full_tensors,
+    owned_by,
+    owners_by_group,
+    row_split,
+    write_full_tensors_,
+)
 from .core import is_dtensor, rank, world_size
 from .processes import (
     all_reduce_,
@@ -59,6 +67,7 @@ __all__ = [
     "local_part",
     "on_rank_zero",
     "owned_by",
+    "owners_by_group",
     "raise_shared",
     "rank",
     "rank_zero_first",

@@ -198,6 +198,42 @@ def owned_by(slots: Sequence[int], split: Optional[tuple[Any, int, int]]) -> tup
     return owners, [i for i, owner in enumerate(owners) if owner == me]
 
 
+def owners_by_group(keys: Sequence[Any], costs: Sequence[float], call_cost: float, world: int) -> list[int]:
+    """The owning process of each item when items of one key are worked on in one batched call: whole groups go to
+    the least-loaded process, so each process makes about ``1 / world`` of the calls, not every call on a smaller
+    batch; a group costing more than a process's fair share is dealt out item by item instead.
+
+    Deterministic from its arguments (every process computes the same owners). Groups are placed largest first (ties
+    in order of first appearance), each on the process with the least load so far (the lowest rank on ties).
+
+    Args:
+        keys: Each item's group (items of one key share a batched call).
+        costs: Each item's own cost.
+        call_cost: The fixed cost of one batched call, in the units of ``costs``.
+        world: Number of processes.
+    """
+    groups: dict[Any, list[int]] = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    cost = {key: call_cost + sum(costs[i] for i in items) for key, items in groups.items()}
+    share = sum(cost.values()) / world
+    load, owners = [0.0] * world, [0] * len(keys)
+    for key in sorted(groups, key=lambda k: -cost[k]):  # sorted is stable: first appearance breaks ties
+        items = groups[key]
+        if cost[key] <= share or len(items) < world:
+            rank = min(range(world), key=lambda r: load[r])
+            for i in items:
+                owners[i] = rank
+            load[rank] += cost[key]
+            continue
+        order = sorted(range(world), key=lambda r: load[r])  # dealt round-robin from the least-loaded process
+        for n, i in enumerate(items):
+            owners[i] = order[n % world]
+        for n in range(min(world, len(items))):
+            load[order[n]] += call_cost + sum(costs[i] for i in items[n::world])
+    return owners
+
+
 def all_gather_owned(
     owned: dict[int, Sequence[torch.Tensor]],
     owners: Sequence[int],
