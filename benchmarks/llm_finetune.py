@@ -59,7 +59,7 @@ loaded machine) it would be about 110 min; on idle cores less than 82.
 
 Usage::
 
-    python -m benchmarks.llm_finetune --resume   # docs/results/llm_finetune.json; its runs kept in docs/results/llm_finetune_runs.json
+    python -m benchmarks.llm_finetune --resume   # docs/results/llm_finetune.json (runs: llm_finetune_runs.json)
     python -m benchmarks.llm_finetune --quick    # every code path at toy size (2 tasks, 2 decoder layers), ~1 min
 """
 
