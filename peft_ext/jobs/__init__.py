@@ -10,15 +10,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Union
 
-from ..continual.config import RunConfig, config_from_dict, read_config, unknown_value
+from ..continual.config import RunConfig, read_config
 from .errors import JobFailed
-from .multimodal import MissingModalityConfig, missing_modality_config_from_dict
+from .kinds import DEFAULT_JOB, JOB_KINDS, get_job_kind, job_kind_of
+from .multimodal import MissingModalityConfig
 from .preflight import check_finite
 from .resume import claim_output_dir
 
 __all__ = ["JOBS", "JobFailed", "load_job_config", "run_job_config", "select_methods"]
 
-JOBS = ("continual", "missing_modality")
+#: The job kinds' names (:mod:`.kinds`: each owns its config, checks and run).
+JOBS = tuple(JOB_KINDS)
 
 
 def resolve_data_paths(data: Any, folder: Path) -> None:
@@ -94,12 +96,8 @@ def load_job_config(
     if only is not None:
         select_methods(data, only)
     check_finite(data)
-    job = data.pop("job", "continual") if isinstance(data, dict) else "continual"
-    if job not in JOBS:
-        raise unknown_value("job", job, list(JOBS))
-    if job == "missing_modality":
-        return missing_modality_config_from_dict(data)
-    return config_from_dict(data)
+    job = data.pop("job", DEFAULT_JOB) if isinstance(data, dict) else DEFAULT_JOB
+    return get_job_kind(job).from_dict(data)
 
 
 def run_job_config(
@@ -122,13 +120,6 @@ def run_job_config(
         JobFailed: Some methods failed (the others' results are on disk).
         ConfigError: ``output.dir`` holds an earlier run and neither ``resume`` nor ``overwrite`` says what to do.
     """
+    kind = job_kind_of(config)
     claim_output_dir(config.output.dir, resume, overwrite)
-    if isinstance(config, MissingModalityConfig):
-        from .multimodal import run_missing_modality_job
-
-        return run_missing_modality_job(config, debug=debug, resume=resume)
-    from .continual import run_job
-
-    if not progress:
-        config.train.progress = False
-    return run_job(config, debug=debug, resume=resume)
+    return kind.run(config, progress=progress, debug=debug, resume=resume)

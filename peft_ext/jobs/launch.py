@@ -45,10 +45,13 @@ def job_processes(config: Any) -> Iterator[None]:
     if world == 1 or (dist.is_available() and dist.is_initialized()):
         yield
         return
-    if not isinstance(config, RunConfig):
+    from .kinds import JOB_KINDS, job_kind_of
+
+    if not job_kind_of(config).data_parallel:
+        parallel = [f"`job: {name}`" for name, kind in JOB_KINDS.items() if kind.data_parallel]
         raise ConfigError(
-            f"this job runs on one process, but WORLD_SIZE={world}: only `job: continual` runs data-parallel under "
-            "torchrun / accelerate launch; start it with plain `peft-ext run`"
+            f"this job runs on one process, but WORLD_SIZE={world}: only {' and '.join(parallel)} runs data-parallel "
+            "under torchrun / accelerate launch; start it with plain `peft-ext run`"
         )
     if config.train.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(

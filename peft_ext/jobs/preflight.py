@@ -357,13 +357,20 @@ def preflight(config: Any) -> Any:
     Returns:
         The task sequence a continual job would run (``None`` for other jobs).
     """
+    from .kinds import job_kind_of
+
     check_output_dir(config.output.dir)
-    if isinstance(config, RunConfig):
-        model_config = check_backbone(config.model.backbone)
-        tokenizer = check_tokenizer(config.model.backbone)
-        sequence = check_data(config, tokenizer)
-        if config.model.kind == "causal_lm":
-            check_instruction_lengths(config, tokenizer, sequence, model_config)
-        check_adapters(config, model_config)
-        return sequence
-    return None
+    check = job_kind_of(config).preflight
+    return None if check is None else check(config)
+
+
+def preflight_continual(config: RunConfig) -> Any:
+    """A continual job's checks: the backbone, its tokenizer, the data and each method's adapter against the
+    backbone's structure (and, for a causal LM, every instruction's length); returns the task sequence."""
+    model_config = check_backbone(config.model.backbone)
+    tokenizer = check_tokenizer(config.model.backbone)
+    sequence = check_data(config, tokenizer)
+    if config.model.kind == "causal_lm":
+        check_instruction_lengths(config, tokenizer, sequence, model_config)
+    check_adapters(config, model_config)
+    return sequence
