@@ -64,3 +64,13 @@ def test_the_shipped_kinds_and_an_unknown_one():
         job_kind_of(object())
     with pytest.raises(ValueError, match="already registered"):
         register_job_kind(JobKind("continual", dict, dict, print))
+
+
+def test_a_kind_that_is_not_data_parallel_is_refused_under_a_launcher(echo_kind, monkeypatch):
+    from peft_ext.jobs.launch import job_processes
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    config = EchoConfig(["x"])
+    with pytest.raises(ConfigError, match=r"WORLD_SIZE=2: only `job: continual` runs data-parallel"):
+        with job_processes(config):
+            pass
