@@ -78,11 +78,23 @@ def test_a_claim_says_beats_only_when_the_interval_clears():
     assert "(-0.4 points [-3.0, +2.2], trained with the cosine head, lda head, 3 class draws)" in heads_claim(
         summary, "vs_simplecil:inflora"
     )
-    winners = heads_claim(summary, "winners")
-    assert (
-        winners
-        == "on WordNet these beat SimpleCIL: splitlora (analytic head, +4.3 points [+2.6, +6.0]) (3 class draws)"
+    winners = heads_claim(summary, "winners")  # a summary without a best training-free baseline: SimpleCIL
+    assert winners == (
+        "on WordNet these beat SimpleCIL, the strongest training-free baseline: splitlora (analytic head, +4.3 points "
+        "[+2.6, +6.0]) (3 class draws)"
     )
+    # against the strongest baseline of the draws when the summary names one (slda here): only who clears it
+    summary["best_training_free"] = "slda"
+    summary["methods"]["splitlora"]["vs_best_free"] = [2.0, 0.5, 3.5]
+    summary["methods"]["inflora"]["vs_best_free"] = [4.0, -0.1, 8.1]
+    assert heads_claim(summary, "winners") == (
+        "on WordNet these beat streaming LDA (slda), the strongest training-free baseline: splitlora (analytic head, "
+        "+2.0 points [+0.5, +3.5]) (3 class draws)"
+    )
+    assert heads_claim(summary, "vs_best_free:inflora").startswith(
+        "ties streaming LDA (slda), the strongest training-free baseline on WordNet (+4.0 points [-0.1, +8.1]"
+    )
+    del summary["best_training_free"]
     summary["config"] = "fortunes"
     summary["methods"]["splitlora"]["vs_ncm"] = [1.0, -0.5, 2.5]
     assert heads_claim(summary, "winners").startswith("on fortunes no adapter method here beats SimpleCIL")

@@ -36,7 +36,9 @@ _CLAIM = re.compile(r"<!-- claim (?P<source>\S+) (?P<key>\S+) -->(?P<body>.*?)<!
 #: The data set a shipped config draws its sequence from, as a claim names it.
 DATASET_OF = {"quickstart": "WordNet", "fortunes": "fortunes"}
 #: What the claims of a heads protocol summary can say (``KEY:METHOD`` for the first two).
-CLAIM_KINDS = ("vs_simplecil", "vs_simplecil_every_task", "vs_simplecil_head", "winners", "command")
+CLAIM_KINDS = ("vs_simplecil", "vs_simplecil_every_task", "vs_simplecil_head", "vs_best_free", "winners", "command")
+#: How a claim names the training-free baselines (the heads protocol's ``best_training_free``).
+BASELINE_NAMES = {"ncm": "SimpleCIL", "slda": "streaming LDA (slda)", "ranpac": "RanPAC"}
 
 
 def _head_words(head: str) -> str:
@@ -66,8 +68,9 @@ def heads_claim(summary: dict[str, Any], key: str) -> str:
 
     Keys: ``vs_simplecil:METHOD`` (the method with its best head against SimpleCIL), ``vs_simplecil_every_task:METHOD``
     (its best head when it trains on every task), ``vs_simplecil_head:METHOD:ROW`` (one row of the method's, such as
-    ``analytic`` or ``first_task+lda``), ``winners`` (which adapter methods beat SimpleCIL), ``command`` (the command
-    that wrote the summary).
+    ``analytic`` or ``first_task+lda``), ``vs_best_free:METHOD`` (its best head against the strongest training-free
+    baseline of the same draws, named), ``winners`` (which adapter methods beat the strongest training-free
+    baseline), ``command`` (the command that wrote the summary).
 
     Raises:
         ValueError: An unknown key or a method the summary does not compare with SimpleCIL.
@@ -85,6 +88,17 @@ def heads_claim(summary: dict[str, Any], key: str) -> str:
             )
         d, lo, hi = (100 * x for x in paired_interval(rows[row]["values"], ncm["values"]))
         return _versus_simplecil(dataset, d, lo, hi, row, n)
+    if kind == "vs_best_free":
+        vs, free = summary["methods"].get(method, {}).get("vs_best_free"), summary.get("best_training_free")
+        if vs is None or free is None:
+            valid = [k for k, v in summary["methods"].items() if v.get("vs_best_free")]
+            raise ValueError(f"claim {key!r}: {method!r} is not compared with the best baseline here; one of {valid}")
+        name = BASELINE_NAMES.get(free, free)
+        d, lo, hi = vs
+        return (
+            f"{verdict(lo, hi)} {name}, the strongest training-free baseline on {dataset} ({d:+.1f} points "
+            f"[{lo:+.1f}, {hi:+.1f}], {_head_words(summary['methods'][method]['best_head'])}, {n} class draws)"
+        )
     if kind in ("vs_simplecil", "vs_simplecil_every_task"):
         every = kind.endswith("every_task")
         m = summary["methods"].get(method, {})
@@ -94,18 +108,27 @@ def heads_claim(summary: dict[str, Any], key: str) -> str:
             raise ValueError(f"claim {key!r}: {method!r} is not compared with SimpleCIL here; one of {valid}")
         return _versus_simplecil(dataset, *vs, m["best_every_task_head" if every else "best_head"], n)
     if kind == "winners" and not method:
+        # against the strongest training-free baseline of the same draws (by mean), not the weakest (SimpleCIL)
+        free = summary.get("best_training_free") or "ncm"
+        name = BASELINE_NAMES.get(free, free)
+        vs_key = "vs_best_free" if summary.get("best_training_free") else "vs_ncm"
         beat = [
-            f"{label} ({_head_words(m['best_head'])}, {m['vs_ncm'][0]:+.1f} points [{m['vs_ncm'][1]:+.1f}, "
-            f"{m['vs_ncm'][2]:+.1f}])"
+            f"{label} ({_head_words(m['best_head'])}, {m[vs_key][0]:+.1f} points [{m[vs_key][1]:+.1f}, "
+            f"{m[vs_key][2]:+.1f}])"
             for label, m in summary["methods"].items()
-            if method_capability(label, "is_continual_adapter", True) and m.get("vs_ncm") and m["vs_ncm"][1] > 0
+            if method_capability(label, "is_continual_adapter", True) and m.get(vs_key) and m[vs_key][1] > 0
         ]
         if not beat:
-            return f"on {dataset} no adapter method here beats SimpleCIL, whatever the head ({n} class draws)"
-        return f"on {dataset} these beat SimpleCIL: {', '.join(beat)} ({n} class draws)"
+            return (
+                f"on {dataset} no adapter method here beats {name}, the strongest training-free baseline, whatever "
+                f"the head ({n} class draws)"
+            )
+        listed = ", ".join(beat)
+        return f"on {dataset} these beat {name}, the strongest training-free baseline: {listed} ({n} class draws)"
     if kind == "command" and not method:
         return f"`{summary['command']}`"
-    valid = [k + ":METHOD" for k in CLAIM_KINDS[:2]] + ["vs_simplecil_head:METHOD:ROW", "winners", "command"]
+    valid = [k + ":METHOD" for k in CLAIM_KINDS[:2]] + ["vs_simplecil_head:METHOD:ROW", "vs_best_free:METHOD"]
+    valid += ["winners", "command"]
     raise ValueError(f"unknown claim {key!r}: one of {valid}")
 
 
