@@ -314,8 +314,12 @@ def test_the_committed_files_are_what_the_code_builds_now(tmp_path, default_sequ
     readme = (COMMITTED / "README.md").read_text()
     assert "python -m peft_ext.data export-instructions configs/data/instruct" in readme
     assert all(f"`{family}`" in readme for family in INSTRUCTION_TASKS)
-    package_data = (ROOT / "pyproject.toml").read_text()
-    assert '"data/instruct/*.jsonl"' in package_data and '"data/instruct/*.md"' in package_data
+    import tomllib
+
+    # they ship in the wheel: the folder is a data package (tests/test_wheel.py checks the built wheel itself)
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "peft_ext.configs.data.instruct" in setuptools["packages"]
+    assert {"*.jsonl", "*.md"} <= set(setuptools["package-data"]["peft_ext.configs.data.instruct"])
 
 
 def test_export_instructions_command(tmp_path, capsys):
