@@ -54,6 +54,7 @@ def metrics_table(results: Sequence[MethodResult], timings: bool = True) -> str:
     # the reference every method is compared with (ncm: SimpleCIL), by its method's capability
     reference = next((r for r in results if method_capability(r.method, "reference_name", None)), None)
     simplecil = None if reference is None else reference.metrics.get("final_acc")
+    reference_name = None if reference is None else method_capability(reference.method, "reference_name", None)
     heads = [head_name(r) for r in results]
     with_heads = any(h != _default_head(r) for h, r in zip(heads, results))
     # a generation sequence scores each task by its metric (exact match, ROUGE-L), not a classifier's accuracy
@@ -64,7 +65,7 @@ def metrics_table(results: Sequence[MethodResult], timings: bool = True) -> str:
     titles += ["held-out ppl / base"] if any(p is not None for p in ppl) else []
     columns = [*titles, *(["gap to joint"] if joint is not None else [])]
     if simplecil is not None:
-        columns.append(f"vs {method_capability(reference.method, 'reference_name', None)}")
+        columns.append(f"vs {reference_name}")
     head = ["method", *(["head"] if with_heads else []), *columns, "trainable params"]
     head += ["train s", "eval s"] if timings else []
     align = ["---"] * (2 if with_heads else 1)

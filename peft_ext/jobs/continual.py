@@ -49,6 +49,7 @@ from ..fingerprint import json_default
 from .errors import JobFailed, one_line
 from .launch import check_world_size, launcher_sharding
 from .resume import config_hash, finished_results
+from .saved import default_method
 from .sequence import build_sequence, causal_collate, sequence_summary
 
 __all__ = ["ConsoleLog", "ContinualJob", "JobCallback", "ResultsWriter", "effective_settings", "run_job"]
@@ -171,8 +172,6 @@ class ResultsWriter(JobCallback):
         self.echo(f"\n[peft-ext] wrote {', '.join(str(p) for p in written)}")
         saved = saved_methods(job.config.output.dir)
         if saved and job.saves_trained:
-            from .saved import default_method
-
             output = Path(job.config.output.dir)
             best, _ = default_method(output, saved)
             self.echo(

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..continual.config import RunConfig, config_from_dict, unknown_value
 from .multimodal import MissingModalityConfig, missing_modality_config_from_dict
+from .preflight import preflight_continual
 
 __all__ = ["DEFAULT_JOB", "JOB_KINDS", "JobKind", "get_job_kind", "job_kind_of", "register_job_kind"]
 
@@ -85,12 +86,6 @@ def _run_continual(config: RunConfig, *, progress: bool, debug: bool, resume: bo
     return run_job(config, debug=debug, resume=resume)
 
 
-def _preflight_continual(config: RunConfig) -> Any:
-    from .preflight import preflight_continual
-
-    return preflight_continual(config)
-
-
 def _run_missing_modality(config: MissingModalityConfig, *, progress: bool, debug: bool, resume: bool) -> Any:
     from .multimodal import run_missing_modality_job
 
@@ -98,7 +93,7 @@ def _run_missing_modality(config: MissingModalityConfig, *, progress: bool, debu
 
 
 register_job_kind(
-    JobKind("continual", RunConfig, config_from_dict, _run_continual, _preflight_continual, data_parallel=True)
+    JobKind("continual", RunConfig, config_from_dict, _run_continual, preflight_continual, data_parallel=True)
 )
 register_job_kind(
     JobKind("missing_modality", MissingModalityConfig, missing_modality_config_from_dict, _run_missing_modality)
