@@ -71,7 +71,10 @@ def test_quick_run(tmp_path):
     assert "Riemannion + LOI >= LoRA + AdamW" in targets[0]
     assert "DCT-AdamW test answer loss within 1.05x GaLore's" in targets[1]
     assert "DCT-AdamW step time <= GaLore's" in targets[2]
-    assert all(line.endswith("NOT met") for line in targets)  # one seed: no interval clears anything
+    # one seed: no interval over seeds clears anything; the step-time verdict pairs steps, so it depends on the
+    # machine's timing and is only checked for its form (no test may depend on timing)
+    assert all(line.endswith("NOT met") for line in targets[:2])
+    assert targets[2].endswith((": met", ": NOT met"))
 
     assert set(result["chosen"]) == set(NAMES)
     assert result["targets"] == targets
