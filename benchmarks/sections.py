@@ -181,6 +181,28 @@ ENTRIES: tuple[Entry, ...] = (
         code=(SHARED_TUNER, "peft_ext/tuners/mora", "peft_ext/multimodal", "peft_ext/data", "peft_ext/models"),
     ),
     Entry(
+        "head_cost",
+        "What a continual head costs against its task's training (MiniLM-L6, the first task of `make run`)",
+        ("benchmarks.head_cost",),
+        2,
+        "The first WordNet task of `make run` (4 supersenses x 40 glosses, real MiniLM-L6) trained as the config "
+        "trains seq_lora (3 epochs); then the heads' one pass over the task's training data (shared by the heads) and "
+        "each head's solve, timed apart; training and the heads take turns 3 times, medians. Memory: each head's "
+        "saved state at width 4096 for 4 and 8 classes.",
+        quick=False,
+        code=CONTINUAL,
+    ),
+    Entry(
+        "make_run",
+        "`make run`: where the quickstart job's time goes",
+        ("benchmarks.make_run",),
+        8,
+        "`peft-ext run configs/quickstart.yaml` in a fresh interpreter, every method on the shipped data (5 tasks x "
+        "4 supersenses, 40 glosses per class): training, the heads and evaluation per method, and the job's own "
+        "phases (model and data, saving adapters, writing results), from the run's results file.",
+        code=CONTINUAL + ("peft_ext/jobs", "configs/quickstart.yaml"),
+    ),
+    Entry(
         "splitlora_scaling",
         "SplitLoRA at LLM scale: statistics, task boundary, memory and checkpoints against LoRA",
         ("benchmarks.splitlora_scaling", "--json", "runs/benchmarks/splitlora_scaling.json"),

@@ -45,6 +45,13 @@ def test_run_end_to_end_writes_results(tmp_path, tiny_backbone, capsys):
     assert results["meta"]["sequence_meta"]["n_tasks"] == 2
     assert len(results["results"][1]["accuracy_matrix"]) == 2
     assert (tmp_path / "out" / "accuracy_matrix.png").stat().st_size > 1000
+    # where the time went: the job's own phases beside the methods' sums, all within the job's wall time
+    phases = results["meta"]["phase_seconds"]
+    assert set(phases) == {"model and data", "saving adapters", "writing results"}
+    assert phases["model and data"] > 0 and phases["saving adapters"] > 0 and phases["writing results"] > 0
+    spent = sum(r["train_seconds"] + r["eval_seconds"] for r in results["results"]) + sum(phases.values())
+    assert spent <= results["meta"]["wall_seconds"] + 0.5
+    assert "[peft-ext] where the " in out and " s went: training " in out and "saving adapters" in out
 
 
 def test_config_errors_exit_2_with_one_clear_line(tmp_path, tiny_backbone, capsys):

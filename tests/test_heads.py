@@ -8,7 +8,7 @@ from torch import nn
 
 from peft_ext.continual import ContinualEngine, RunRecord, TrainConfig, get_continual_method, run_sequence
 from peft_ext.continual.heads import AlignedHead, AnalyticHead, CosineClassifier, build_head
-from peft_ext.continual.heads.analytic import AnalyticOptions
+from peft_ext.continual.heads.analytic import AnalyticOptions, Tridiagonal, gcv_ridge
 from peft_ext.continual.progress import TaskProgress
 from peft_ext.continual.runner import LoopTrainer
 from peft_ext.data.tasks import TaskSequence
@@ -110,6 +110,66 @@ def test_analytic_head_gives_the_same_weights_for_any_task_order_and_batch_split
     lam = reference.chosen[-1] * torch.linalg.eigvalsh(h.T @ h).clamp_min(0).mean()
     solved = torch.linalg.solve(h.T @ h + lam * torch.eye(32, dtype=torch.float64), h.T @ y)
     torch.testing.assert_close(reference.weight.double(), solved, rtol=1e-3, atol=1e-4)
+
+
+def _eigen_gcv(gram, targets, lam, n):
+    """The reference: generalized cross-validation from ``G``'s full eigendecomposition."""
+    s, u = torch.linalg.eigh(gram)
+    s = s.clamp_min(0)
+    p2 = ((u.T @ targets) ** 2).sum(-1)
+    shrink = 1 / (s + lam)
+    rss = n - 2 * (p2 * shrink).sum() + (p2 * s * shrink * shrink).sum()
+    dof = (s * shrink).sum()
+    return float(n * rss.clamp_min(0) / (n - dof) ** 2) if dof < n else float("inf")
+
+
+@pytest.mark.parametrize(("samples", "dim"), [(40, 64), (200, 64), (5, 1), (3, 2)])
+def test_analytic_tridiagonal_solve_is_the_eigendecomposition_s(samples, dim):
+    """The ridge weights and the GCV error of every grid point, through the tridiagonal reduction, equal those of
+    the eigendecomposition to float64 rounding: rank-deficient (fewer samples than ``dim``) and full rank."""
+    gen = torch.Generator().manual_seed(samples + dim)
+    h = torch.relu(torch.randn(samples, dim, generator=gen, dtype=torch.float64) + 0.3)
+    y = torch.arange(samples) % 3
+    gram, targets = h.T @ h, h.T @ nn.functional.one_hot(y, 3).double()
+    system = Tridiagonal(gram, targets)
+    torch.testing.assert_close(
+        system.eigenvalues.sort().values, torch.linalg.eigvalsh(gram).clamp_min(0), rtol=0, atol=1e-10 * gram.trace()
+    )
+    unit = float(gram.trace()) / dim
+    grid = [unit * 10.0**k for k in range(-6, 3)]
+    for lam in grid:
+        solved = torch.linalg.solve(gram + lam * torch.eye(dim, dtype=torch.float64), targets)
+        condition = float((system.eigenvalues.max() + lam) / lam)  # both solutions are exact to ~eps x this
+        error = float((system.weight(lam) - solved).norm() / solved.norm())
+        assert error <= 1e-14 * condition, (lam, error, condition)
+        reference = _eigen_gcv(gram, targets, lam, float(samples))
+        if reference == float("inf"):
+            assert system.gcv(lam, samples, samples) == float("inf")
+        else:
+            # RSS is a difference of O(n) terms divided by (n - dof)^2: rounding grows as the fit interpolates
+            dof = float((system.eigenvalues / (system.eigenvalues + lam)).sum())
+            rel = 1e-12 * (samples / (samples - dof)) ** 2
+            assert system.gcv(lam, samples, samples) == pytest.approx(reference, rel=rel)
+    scores = [_eigen_gcv(gram, targets, lam, float(samples)) for lam in grid]
+    finite = [i for i, v in enumerate(scores) if v != float("inf")]
+    expected = grid[min(finite, key=lambda i: (scores[i], -i))] if finite else grid[-1]
+    assert gcv_ridge(system, samples, samples, grid) == expected
+
+
+def test_analytic_gcv_picks_a_small_ridge_for_clean_labels_and_a_large_one_for_noise():
+    """GCV does its job: labels that are a function of the features want little shrinkage, random labels much."""
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(300, 20, generator=gen, dtype=torch.float64)
+    clean = (h[:, :3].argmax(-1)).long()
+    noise = torch.randint(0, 3, (300,), generator=gen)
+    gram = h.T @ h
+    unit = float(gram.trace()) / 20
+    grid = [unit * 10.0**k for k in range(-6, 3)]
+    chosen = {
+        name: gcv_ridge(Tridiagonal(gram, h.T @ nn.functional.one_hot(y, 3).double()), 300.0, 300.0, grid)
+        for name, y in (("clean", clean), ("noise", noise))
+    }
+    assert chosen["clean"] < chosen["noise"]
 
 
 def test_aligned_head_retrains_from_stored_statistics_only(seq, monkeypatch):

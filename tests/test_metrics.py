@@ -92,3 +92,18 @@ def test_the_table_shows_learning_accuracy_and_the_gap_to_joint():
     assert "| seq_lora | 50.0 | 85.0 | — | — | — | 30.0 | 10 |" in table
     assert "| joint | 80.0 | — | — | — | — | — | 10 |" in table
     assert "gap to joint" not in metrics_table([seq], timings=False)  # no joint run: no column
+
+
+def test_the_timing_columns_split_the_heads_from_training_and_the_time_line_adds_up():
+    from peft_ext.continual.engine import MethodResult
+    from peft_ext.continual.report import metrics_table, time_line
+
+    a = MethodResult("seq_lora", "seq_lora", [[0.9]], {"final_acc": 0.9}, 10, 100, 10.0, 3.0, [1.0], head_seconds=2.5)
+    b = MethodResult("ncm", "ncm", [[0.5]], {"final_acc": 0.5}, 0, 100, 1.0, 1.0, [None], head_seconds=1.0)
+    table = metrics_table([a, b])
+    assert table.splitlines()[0].endswith("| trainable params | train s | heads s | eval s |")
+    assert "| 10 | 7.5 | 2.5 | 3.0 |" in table  # training without the heads' 2.5 s
+    assert "| 0 | 0.0 | 1.0 | 1.0 |" in table
+    line = time_line([a, b], {"model and data": 4.0, "saving adapters": 2.0}, wall=30.0)
+    assert "where the 30 s went: training 8 s, heads 4 s, evaluation 4 s" in line
+    assert "model and data 4 s, saving adapters 2 s; the rest 9 s" in line  # 30 - 7.5 - 3.5 - 4 - 6

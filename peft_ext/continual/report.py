@@ -39,7 +39,8 @@ def _metric(r: MethodResult, key: str) -> Optional[float]:
 
 
 def metrics_table(results: Sequence[MethodResult], timings: bool = True) -> str:
-    """A markdown table, one row per method: metrics in percent, trainable parameters and (``timings``) wall time.
+    """A markdown table, one row per method: metrics in percent, trainable parameters and (``timings``) wall time
+    by phase: training (without the heads), the heads' pass and solves, evaluation.
 
     Beside final accuracy and forgetting, the mean accuracy on each task right after learning it (the diagonal of the
     accuracy matrix: how well a method learns) and, when an upper bound (``joint``: a method whose
@@ -67,7 +68,7 @@ def metrics_table(results: Sequence[MethodResult], timings: bool = True) -> str:
     if simplecil is not None:
         columns.append(f"vs {reference_name}")
     head = ["method", *(["head"] if with_heads else []), *columns, "trainable params"]
-    head += ["train s", "eval s"] if timings else []
+    head += ["train s", "heads s", "eval s"] if timings else []
     align = ["---"] * (2 if with_heads else 1)
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align + ["---:"] * (len(head) - len(align))) + "|"]
     for r, head_used, held_out in zip(results, heads, ppl):
@@ -80,7 +81,8 @@ def metrics_table(results: Sequence[MethodResult], timings: bool = True) -> str:
         if simplecil is not None:
             cells.append("—" if r is reference or final is None else f"{100 * (final - simplecil):+.1f}")
         cells.append(f"{r.trainable_params:,}")
-        cells += [f"{r.train_seconds:.1f}", f"{r.eval_seconds:.1f}"] if timings else []
+        if timings:
+            cells += [f"{r.train_seconds - r.head_seconds:.1f}", f"{r.head_seconds:.1f}", f"{r.eval_seconds:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -220,6 +222,22 @@ def noise_line(results: Sequence[MethodResult], test_examples: Sequence[int]) ->
         f"Test examples: {per_task} per task, {total} in all (one example is {100 / min(test_examples):.1f} points of "
         f"its task). Two methods' final accuracies on this one run differ by chance by up to about ±{half:.1f} points "
         "(binomial 95 %): smaller differences are ties; the benchmarks compare methods over several class draws."
+    )
+
+
+def time_line(results: Sequence[MethodResult], phases: dict[str, float], wall: float) -> str:
+    """Where a job's ``wall`` seconds went: the methods' training, heads and evaluation (the sums of the table's
+    columns), the job's own ``phases`` (loading the model and data, saving adapters, writing results) and the rest,
+    which is each method's model being built (a copy of the backbone wrapped in its adapter) and the callbacks."""
+    train = sum(r.train_seconds - r.head_seconds for r in results)
+    heads = sum(r.head_seconds for r in results)
+    evaluation = sum(r.eval_seconds for r in results)
+    rest = wall - train - heads - evaluation - sum(phases.values())
+    parts = [f"training {train:.0f} s", f"heads {heads:.0f} s", f"evaluation {evaluation:.0f} s"]
+    own = [f"{name} {seconds:.0f} s" for name, seconds in phases.items()]
+    return (
+        f"[peft-ext] where the {wall:.0f} s went: {', '.join(parts)} (the methods' sums); {', '.join(own)}; "
+        f"the rest {rest:.0f} s (building each method's model, progress output)"
     )
 
 

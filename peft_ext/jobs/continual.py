@@ -20,6 +20,7 @@ snapshots. Under ``torchrun`` every process runs the job (:mod:`.launch`); rank 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -28,7 +29,7 @@ import re
 import shutil
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -40,7 +41,7 @@ from ..continual.engine import MethodResult
 from ..continual.heads.frozen import FrozenFeatures
 from ..continual.methods import ContinualMethod, get_continual_method, method_capability
 from ..continual.progress import TaskProgress
-from ..continual.report import leader_line, matrix_table, metrics_table, noise_line, save_results
+from ..continual.report import leader_line, matrix_table, metrics_table, noise_line, save_results, time_line
 from ..continual.runner import run_sequence
 from ..continual.trained import save_trained, saved_methods
 from ..data.tasks import TaskSequence
@@ -129,6 +130,7 @@ class ConsoleLog(JobCallback):
     def on_end(self, job: ContinualJob) -> None:
         self.echo(f"\n[peft-ext] metrics (percent), {len(job.sequence)} tasks, wall time {job.wall_seconds():.0f} s\n")
         self.echo(metrics_table(job.results))
+        self.echo("\n" + time_line(job.results, job.phase_seconds, job.wall_seconds()))
         for line in (noise_line(job.results, job.meta["test_examples"]), leader_line(job.results)):
             if line:
                 self.echo("\n" + line)
@@ -146,6 +148,7 @@ class ResultsWriter(JobCallback):
 
     def _write(self, job: ContinualJob, results: Sequence[MethodResult], finished: Optional[TaskProgress]) -> None:
         job.meta["wall_seconds"] = round(job.wall_seconds(), 1)
+        job.meta["phase_seconds"] = {name: round(seconds, 1) for name, seconds in job.phase_seconds.items()}
 
         def write() -> dict[str, Path]:
             paths = save_results(results, job.config.output.dir, job.meta, job.task_names, job.failures)
@@ -153,7 +156,8 @@ class ResultsWriter(JobCallback):
                 shutil.rmtree(finished.directory, ignore_errors=True)
             return paths
 
-        self.paths = on_rank_zero(write)
+        with job.timed("writing results"):
+            self.paths = on_rank_zero(write)
 
     def on_start(self, job: ContinualJob) -> None:
         self._write(job, list(job.done.values()), None)
@@ -219,6 +223,8 @@ class ContinualJob:
         self.meta: dict[str, Any] = {}
         self.results: list[MethodResult] = []
         self.failures: list[dict[str, str]] = []
+        #: Seconds of the job's own phases, outside the methods' training and evaluation (the closing report).
+        self.phase_seconds = {"model and data": 0.0, "saving adapters": 0.0, "writing results": 0.0}
 
     # --- what the steps share ---------------------------------------------------------------------------------------
 
@@ -232,6 +238,15 @@ class ContinualJob:
 
     def wall_seconds(self) -> float:
         return time.perf_counter() - self.start
+
+    @contextlib.contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """Add the block's wall time to ``phase_seconds[phase]``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + time.perf_counter() - start
 
     @property
     def task_names(self) -> list[str]:
@@ -258,7 +273,8 @@ class ContinualJob:
                 ``output.dir``.
         """
         self.prepare()
-        self.build()
+        with self.timed("model and data"):
+            self.build()
         self.preflight()
         self.emit("on_start")
         self.announce()
@@ -439,7 +455,10 @@ class ContinualJob:
         if config.model.kind == "causal_lm":
             description["model"] = dataclasses.asdict(config.model)  # what rebuilds the prompts: chat, separator
         merge = method_capability(method, "rewraps_model")  # earlier tasks live in the backbone, not the adapter
-        save_trained(Path(config.output.dir) / "adapters" / folder, model, head, self.base, description, merge=merge)
+        with self.timed("saving adapters"):
+            save_trained(
+                Path(config.output.dir) / "adapters" / folder, model, head, self.base, description, merge=merge
+            )
 
     def finish(self) -> None:
         """The closing report (callbacks), then :class:`JobFailed` when a method failed."""

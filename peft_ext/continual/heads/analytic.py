@@ -7,9 +7,14 @@ same for any task order and any batch split (to float64 rounding), and no exampl
 
 The ridge ``lambda`` is chosen per task: on the validation split when the run has one, otherwise by generalized
 cross-validation, which needs nothing but ``G``, ``Q`` and the count (the residual and the effective degrees of
-freedom follow from ``G``'s eigendecomposition). Both grids are relative to ``G``'s mean eigenvalue, so the choice
-does not depend on the features' scale. That eigendecomposition is the head's main cost (about 4 s per task at
-``dim`` 2048 on one CPU thread, float64); a fixed ``ridge`` needs one Cholesky solve instead.
+freedom follow from ``G``'s eigenvalues). Both grids are relative to ``G``'s mean eigenvalue, so the choice does not
+depend on the features' scale.
+
+No eigenvector of ``G`` is formed: ``G`` is reduced once per task to a tridiagonal ``T = Z^T G Z`` (LAPACK's
+``sytrd``, ``Z`` kept as its Householder reflectors), and every ridge of the grid costs a tridiagonal solve
+``(T + lambda I) W' = Z^T Q``, ``W = Z W'``; the degrees of freedom need only ``T``'s eigenvalues. The result is the
+eigendecomposition's to float64 rounding, at a third of its cost (0.3 s against 0.9 s at ``dim`` 2048 on 2 cores).
+A fixed ``ridge`` needs one Cholesky solve instead.
 """
 
 from __future__ import annotations
@@ -56,26 +61,85 @@ class AnalyticOptions(HeadOptions):
             raise ValueError(f"`head.ridge` must be a number > 0, 'auto' or 'validation', got {r!r}")
 
 
-def gcv_ridge(eigenvalues: torch.Tensor, projected: torch.Tensor, yy: float, n: float, grid: list[float]) -> float:
-    """The ridge of ``grid`` with the least generalized cross-validation error ``n * RSS / (n - dof)^2``.
+class Tridiagonal:
+    """A symmetric positive semi-definite ``G`` as ``Z T Z^T`` (``T`` tridiagonal, ``Z`` orthogonal), with the
+    ridge solutions ``(G + lambda I)^-1 Q`` and the generalized cross-validation error of each ``lambda`` computed
+    through ``T``: ``O(dim * C)`` per ridge after the one ``O(dim^3)`` reduction.
 
     Args:
-        eigenvalues: ``(dim,)`` eigenvalues ``s`` of ``G``.
-        projected: ``U^T Q`` (``dim x C``), ``U`` the eigenvectors.
-        yy: ``sum |y|^2`` (the count, for one-hot labels).
-        n: Number of samples.
-        grid: Candidate ridges (absolute).
+        gram: ``(dim, dim)`` float64, symmetric.
+        targets: ``(dim, C)`` float64 right-hand sides ``Q``.
     """
-    p2 = (projected * projected).sum(-1)
+
+    def __init__(self, gram: torch.Tensor, targets: torch.Tensor) -> None:
+        from scipy.linalg import eigvalsh_tridiagonal, lapack
+
+        dim = gram.shape[0]
+        if dim > 1:
+            lwork, _ = lapack.dsytrd_lwork(dim, lower=1)
+            packed, diagonal, off, tau, info = lapack.dsytrd(gram.numpy(), lower=1, lwork=int(lwork))
+            if info != 0:
+                raise RuntimeError(f"LAPACK dsytrd failed (info {info}) on the analytic head's Gram matrix")
+            # below the subdiagonal, column i holds the Householder vector of Z's i-th reflector (unit first entry
+            # on the subdiagonal): the layout of a QR factorization of the trailing (dim - 1) rows
+            self._reflectors = torch.from_numpy(packed)[1:, : dim - 1]
+            self._tau = torch.from_numpy(tau)
+            self.eigenvalues = torch.from_numpy(eigvalsh_tridiagonal(diagonal, off, lapack_driver="sterf"))
+        else:
+            diagonal, off = gram.reshape(1).numpy().copy(), gram.new_zeros(0).numpy()
+            self.eigenvalues = gram.reshape(1).clone()
+        self._diagonal, self._off = diagonal, off
+        self.eigenvalues = self.eigenvalues.clamp_min(0)
+        self._rotated = self._apply_z(targets, transpose=True)  # Z^T Q
+
+    def _apply_z(self, x: torch.Tensor, transpose: bool) -> torch.Tensor:
+        if x.shape[0] == 1:
+            return x.clone()
+        out = x.clone()
+        out[1:] = torch.ormqr(self._reflectors, self._tau, x[1:].contiguous(), left=True, transpose=transpose)
+        return out
+
+    def _solve_t(self, lam: float) -> torch.Tensor:
+        """``W' = (T + lambda I)^-1 Z^T Q`` (positive definite for ``lambda > 0``: LAPACK's ``ptsv``)."""
+        from scipy.linalg import lapack
+
+        if len(self._diagonal) == 1:
+            return self._rotated / (float(self._diagonal[0]) + lam)
+        *_, solution, info = lapack.dptsv(self._diagonal + lam, self._off, self._rotated.numpy())
+        if info != 0:
+            raise RuntimeError(f"LAPACK dptsv failed (info {info}) at ridge {lam:.3g}")
+        return torch.from_numpy(solution)
+
+    def _times_t(self, x: torch.Tensor) -> torch.Tensor:
+        d, e = torch.from_numpy(self._diagonal)[:, None], torch.from_numpy(self._off)[:, None]
+        out = d * x
+        out[:-1] += e * x[1:]
+        out[1:] += e * x[:-1]
+        return out
+
+    def weight(self, lam: float) -> torch.Tensor:
+        """``(G + lambda I)^-1 Q``, float64."""
+        return self._apply_z(self._solve_t(lam), transpose=False)
+
+    def gcv(self, lam: float, yy: float, n: float) -> float:
+        """Generalized cross-validation error ``n * RSS / (n - dof)^2`` of ridge ``lam`` (``inf`` where the
+        effective degrees of freedom reach ``n``); ``yy`` is ``sum |y|^2``, ``n`` the number of samples."""
+        dof = float((self.eigenvalues / (self.eigenvalues + lam)).sum())
+        if dof >= n:
+            return float("inf")
+        w = self._solve_t(lam)
+        # RSS = |Y - H W|^2 = yy - 2 tr(Q^T W) + tr(W^T G W), in the rotated frame
+        rss = yy - 2 * float((self._rotated * w).sum()) + float((w * self._times_t(w)).sum())
+        return n * max(rss, 0.0) / (n - dof) ** 2
+
+
+def gcv_ridge(system: Tridiagonal, yy: float, n: float, grid: list[float]) -> float:
+    """The ridge of ``grid`` with the least generalized cross-validation error (the later one on a tie; the last
+    where every ridge leaves no residual degree of freedom)."""
     best, best_score = grid[-1], float("inf")
     for lam in grid:
-        shrink = 1.0 / (eigenvalues + lam)
-        rss = yy - 2 * float((p2 * shrink).sum()) + float((p2 * eigenvalues * shrink * shrink).sum())
-        dof = float((eigenvalues * shrink).sum())
-        if dof >= n:
-            continue
-        score = n * max(rss, 0.0) / (n - dof) ** 2
-        if score <= best_score:
+        score = system.gcv(lam, yy, n)
+        if score <= best_score and score != float("inf"):
             best, best_score = lam, score
     return best
 
@@ -142,23 +206,17 @@ class AnalyticHead(ContinualHead):
             self.chosen.append(float(option))
             self.weight = torch.cholesky_solve(self.targets, factor).float()
             return
-        eigenvalues, vectors = torch.linalg.eigh(self.gram)
-        eigenvalues = eigenvalues.clamp_min(0)
-        projected = vectors.T @ self.targets
+        system = Tridiagonal(self.gram, self.targets)
         grid = [g * unit for g in RIDGE_GRID]
-
-        def weight(lam: float) -> torch.Tensor:
-            return (vectors @ (projected / (eigenvalues + lam)[:, None])).float()
-
         validation = validation_examples(ctx, self.counts > 0)
         if validation:
-            candidates = {lam: weight(lam) for lam in grid}
+            candidates = {lam: system.weight(lam).float() for lam in grid}
             lam = best_on_validation(model, validation, ctx, lambda f, lam: self._scores(f, candidates[lam]), grid)
         else:
             n = float(self.counts.sum())
-            lam = gcv_ridge(eigenvalues, projected, n, n, grid)
+            lam = gcv_ridge(system, n, n, grid)
         self.chosen.append(lam / unit)
-        self.weight = weight(lam)
+        self.weight = system.weight(lam).float()
 
     def _scores(self, features: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return masked_scores(self._project(features) @ weight.to(features.device), self.counts > 0)
