@@ -163,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(rows)}; {machine.torch_platform()})\n"
     )
     print(markdown_table(["head", "pass s (shared)", "solve s", "head / training", "<= 5 %"], table))
+    shares = ", ".join(f"{row[0]} {row[3]}" for row in table)
+    verdict = "met" if all(row[4] == "met" for row in table) else "NOT met"
+    print(f"\n- target: every head <= 5 % of the task's training (pass + solve): {shares}: {verdict}")
     mem = memory()
     print("\nMemory at width 4096 (saved state):\n")
     print(markdown_table(["head", "KiB per class (measured)", "KiB per class (bytes_per_class)", "fixed MiB"], mem))

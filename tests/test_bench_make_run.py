@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -45,5 +46,10 @@ def test_head_cost_smoke_run_prints_each_head_against_the_target(tmp_path):
     for head in ("prototype", "lda", "analytic", "aligned"):
         assert f"| {head} |" in proc.stdout
     assert "<= 5 %" in proc.stdout
+    assert re.search(
+        r"- target: every head <= 5 % of the task's training .*prototype \d+\.\d %.*: (met|NOT met)$",
+        proc.stdout,
+        re.M,
+    )
     med = json.loads(out.read_text())["median"]
     assert med["train"] > med["pass"] > 0 and med["analytic"] > 0

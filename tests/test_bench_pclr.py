@@ -24,4 +24,14 @@ def test_sequence_cost_prints_cpu_seconds_per_run_and_task_the_ratio_and_its_ver
     for cells in [row[2:5] for row in runs] + [row[1:] for row in tasks]:
         assert all(float(cell.rstrip("x")) > 0 for cell in cells)  # CPU seconds and their ratio
     assert re.search(r"pclr / seq_lora CPU s per run: median of 2 round\(s\) \d+\.\d\dx, geometric mean", out)
+    # where the time goes: PCLR's start of task (the query prototype's pass) and end of task (compression and
+    # distillation after the fourth task) cost CPU that sequential LoRA's do not; the phases add up to the run
+    assert "| phase | seq_lora CPU s | pclr CPU s | pclr - seq_lora |" in out
+    phases = {line.split(" | ")[0].strip("| "): line.strip("| ").split(" | ")[1:] for line in out.splitlines()}
+    start, end, rest, whole = (
+        [float(c) for c in phases[k]] for k in ("start of task", "end of task", "training and evaluation", "whole run")
+    )
+    assert start[1] > start[0] and end[1] > end[0]
+    for column in (0, 1):
+        assert start[column] + end[column] + rest[column] == pytest.approx(whole[column], abs=0.2)
     assert re.search(r"target: pclr CPU s per run <= 1\.50x seq_lora's .*: (met|NOT met)$", out, re.MULTILINE)

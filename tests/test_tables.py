@@ -150,7 +150,18 @@ def test_table_prints_and_rewrites_only_the_generated_block(tmp_path, capsys):
     printed = capsys.readouterr().out
     # "acc after learning" (85.0) comes from the matrix's diagonal: results saved before the metric existed
     assert "| seq_lora | 65.0 | 85.0 | 80.0 | -40.0 | 40.0 | 1,234 |" in printed
-    assert "10 s training + 2 s evaluation" in printed
+    assert "10 s training + 2 s evaluation in all, 13 s for the job" in printed  # no heads time recorded
+    # the job's own phases, where the results file has them; the heads' time comes out of training
+    data = json.loads(results.read_text())
+    data["results"][0]["head_seconds"] = 3.0
+    data["meta"]["phase_seconds"] = {"model and data": 1.0, "saving adapters": 0.4}
+    results.write_text(json.dumps(data))
+    assert main(["table", str(results)]) == 0
+    printed = capsys.readouterr().out
+    assert (
+        "7 s training + 3 s heads + 2 s evaluation in all, model and data 1.0 s, saving adapters 0.4 s, 13 s"
+        in printed
+    )
 
     page = tmp_path / "page.md"
     stale = GENERATED_OPEN.format(source="r.json") + "\n| old |\n" + GENERATED_CLOSE

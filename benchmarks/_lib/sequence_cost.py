@@ -19,7 +19,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -32,21 +32,36 @@ from .timing import Ratio
 __all__ = ["SequenceCost", "TakeTurns", "cost_report", "sequence_cost"]
 
 
+#: The phases of a task that :class:`TakeTurns` times apart (the rest of a turn is training and evaluation).
+PHASES = ("start of task", "end of task")
+
+
 class _TurnAtEachTask:
     """A method plugin that hands the turn on before every task but the first (the previous task is then trained,
-    integrated and evaluated)."""
+    integrated and evaluated), and adds its ``before_task`` / ``after_task`` CPU seconds to ``phases``."""
 
-    def __init__(self, method: Any, hand_on: Callable[[], None]) -> None:
+    def __init__(self, method: Any, hand_on: Callable[[], None], phases: dict[str, float]) -> None:
         self.method = method
         self.hand_on = hand_on
+        self.phases = phases
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.method, name)
 
+    def _timed(self, phase: str, call: Callable[..., Any], *args: Any) -> Any:
+        start = time.thread_time()
+        try:
+            return call(*args)
+        finally:
+            self.phases[phase] += time.thread_time() - start
+
     def before_task(self, model: Any, task_id: int, task: Any, ctx: Any) -> Any:
         if task_id > 0:
             self.hand_on()
-        return self.method.before_task(model, task_id, task, ctx)
+        return self._timed("start of task", self.method.before_task, model, task_id, task, ctx)
+
+    def after_task(self, model: Any, task_id: int, task: Any, ctx: Any) -> Any:
+        return self._timed("end of task", self.method.after_task, model, task_id, task, ctx)
 
 
 class TakeTurns:
@@ -61,6 +76,8 @@ class TakeTurns:
     def __init__(self, names: Sequence[str]) -> None:
         self.names = list(names)
         self.cpu: dict[str, list[float]] = {name: [] for name in self.names}
+        #: Per run, the CPU seconds of its methods' ``before_task`` and ``after_task`` (:data:`PHASES`) over the run.
+        self.phases: dict[str, dict[str, float]] = {name: dict.fromkeys(PHASES, 0.0) for name in self.names}
         self._turn = self.names[0]
         self._done: set[str] = set()
         self._cond = threading.Condition()
@@ -70,7 +87,7 @@ class TakeTurns:
 
     def wrap(self, name: str) -> Callable[[Any], Any]:
         """``wrap(plugin)`` for :meth:`~.continual.Runs.train`: the run ``name`` hands the turn on at each task."""
-        return partial(_TurnAtEachTask, hand_on=partial(self._hand_on, name))
+        return partial(_TurnAtEachTask, hand_on=partial(self._hand_on, name), phases=self.phases[name])
 
     def _wait(self, name: str) -> None:
         with self._cond:
@@ -125,6 +142,7 @@ class SequenceCost:
         method: The method whose cost is judged.
         baseline: The method it is compared with.
         rounds: Per round, the order the runs took turns in and :attr:`TakeTurns.cpu`.
+        phases: Per round, :attr:`TakeTurns.phases`.
         records: Per method, each round's run record (:meth:`~.continual.Runs.train`).
         describe: The runs' setting in words.
     """
@@ -134,6 +152,7 @@ class SequenceCost:
     rounds: list[tuple[list[str], dict[str, list[float]]]]
     records: dict[str, list[dict[str, Any]]]
     describe: str
+    phases: list[dict[str, dict[str, float]]] = field(default_factory=list)
 
     def totals(self, name: str) -> list[float]:
         """CPU seconds of each round's run of ``name``."""
@@ -166,7 +185,7 @@ def sequence_cost(
     runs.base(seed)  # loads the sequence and the backbone
     epochs, options = runs.args.epochs, runs.args.options
     records: dict[str, list[dict[str, Any]]] = {baseline: [], method: []}
-    timed = []
+    timed, phases = [], []
     for i in range(rounds):
         order = [baseline, method] if i % 2 == 0 else [method, baseline]
         turns = TakeTurns(order)
@@ -177,12 +196,13 @@ def sequence_cost(
         for name, record in turns.run(calls).items():
             records[name].append(record)
         timed.append((order, turns.cpu))
+        phases.append(turns.phases)
     a = runs.args
     describe = (
         f"WordNet supersenses, {a.tasks} tasks x {a.classes_per_task} classes, {a.train_per_class} train / "
         f"{a.test_per_class} {split} glosses per class, {epochs} epochs, batch {a.batch_size}, MiniLM-L6, seed {seed}"
     )
-    return SequenceCost(method, baseline, timed, records, describe)
+    return SequenceCost(method, baseline, timed, records, describe, phases)
 
 
 def cost_report(cost: SequenceCost, target: float) -> list[str]:
@@ -210,6 +230,8 @@ def cost_report(cost: SequenceCost, target: float) -> list[str]:
     lines.append(
         markdown_table(["task", f"{baseline} CPU s", f"{method} CPU s", f"{method} / {baseline}"], task_cells)
     )
+    if cost.phases:
+        lines += phase_report(cost)
     ratio = cost.ratio()
     summary = f"\n{method} / {baseline} CPU s per run: median of {len(ratio.per_round)} round(s) {ratio.median:.2f}x"
     if len(ratio.per_round) > 1:
@@ -221,3 +243,34 @@ def cost_report(cost: SequenceCost, target: float) -> list[str]:
         f"{'met' if ratio.median <= target else 'NOT met'}"
     )
     return lines
+
+
+def phase_report(cost: SequenceCost) -> list[str]:
+    """Where each run's CPU seconds go (mean over the rounds): its method's start of task, end of task, and the rest
+    of each turn (the training steps and the evaluation of the tasks seen), with the method's excess over the
+    baseline in each."""
+    rows, excess = [], {}
+    per = {}
+    for name in (cost.baseline, cost.method):
+        spent = {phase: statistics.fmean(p[name][phase] for p in cost.phases) for phase in PHASES}
+        spent["training and evaluation"] = statistics.fmean(cost.totals(name)) - sum(spent.values())
+        per[name] = spent
+    for phase in per[cost.method]:
+        excess[phase] = per[cost.method][phase] - per[cost.baseline][phase]
+        rows.append(
+            [phase, f"{per[cost.baseline][phase]:.1f}", f"{per[cost.method][phase]:.1f}", f"{excess[phase]:+.1f}"]
+        )
+    total = sum(excess.values())
+    rows.append(
+        [
+            "whole run",
+            *(f"{statistics.fmean(cost.totals(n)):.1f}" for n in (cost.baseline, cost.method)),
+            f"{total:+.1f}",
+        ]
+    )
+    head = ["phase", f"{cost.baseline} CPU s", f"{cost.method} CPU s", f"{cost.method} - {cost.baseline}"]
+    return [
+        f"\nWhere the CPU seconds go (mean over {len(cost.phases)} round(s); start / end of task: the methods' "
+        "before_task / after_task, the rest of each turn its training steps and evaluation):\n",
+        markdown_table(head, rows),
+    ]

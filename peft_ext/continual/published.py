@@ -346,12 +346,15 @@ def published_table(path: str | Path) -> str:
         )
     meta, results = load_results(path)
     lines = [metrics_table(results, timings=False)]
-    train = sum(r.train_seconds for r in results)
+    heads = sum(r.head_seconds for r in results)
+    train = sum(r.train_seconds for r in results) - heads
     evaluation = sum(r.eval_seconds for r in results)
     where = f"torch {meta.get('torch', '?')}, {meta.get('threads', '?')} threads, {meta.get('machine', '?')}"
+    phases = "".join(f", {name} {seconds:.1f} s" for name, seconds in meta.get("phase_seconds", {}).items())
+    spent = f"{train:.0f} s training + " + (f"{heads:.0f} s heads + " if heads else "")  # older files: no heads time
     lines += [
         "",
-        f"(percent; {len(results)} methods, {train:.0f} s training + {evaluation:.0f} s evaluation in all, "
+        f"(percent; {len(results)} methods, {spent}{evaluation:.0f} s evaluation in all{phases}, "
         f"{meta.get('wall_seconds', 0):.0f} s for the job; {where})",
     ]
     if tuning_table(results):

@@ -301,8 +301,10 @@ def save_results(
     meta: dict[str, Any],
     task_names: Sequence[str],
     failures: Sequence[dict[str, str]] = (),
+    plot: bool = True,
 ) -> dict[str, Path]:
-    """Write ``results.json``, ``results.md`` and ``accuracy_matrix.png`` into ``out_dir``; return their paths.
+    """Write ``results.json``, ``results.md`` and (``plot``) ``accuracy_matrix.png`` into ``out_dir``; return their
+    paths.
 
     Args:
         results: The finished methods (the heatmap is written only when there is at least one).
@@ -311,6 +313,7 @@ def save_results(
         task_names: The tasks, in order (row labels).
         failures: Methods that failed, each ``{"method", "label", "error"}``: stored under ``failed`` in the JSON
             and listed in the markdown, so a failed method is recorded next to the finished ones.
+        plot: Draw the heatmap too (a second or two with a dozen methods; a job draws it once, at its end).
     """
     out = Path(out_dir)
     payload = {"meta": meta, "tasks": list(task_names), "results": [r.to_dict() for r in results]}
@@ -343,7 +346,7 @@ def save_results(
 
     atomic_write(paths["json"], write_json)
     atomic_write(paths["markdown"], write_md)
-    if results:
+    if results and plot:
         plot_accuracy_matrices(results, paths["png"], title=str(meta.get("name", "")))
     return paths
 

@@ -137,21 +137,24 @@ class ConsoleLog(JobCallback):
 
 
 class ResultsWriter(JobCallback):
-    """``results.json``, ``results.md`` and ``accuracy_matrix.png`` in ``output.dir``: written before the first method
-    (with the config's fingerprint, so an interruption during the first method is resumable) and after every one;
-    then a finished method's snapshots are dropped (its result is on disk). Under several processes every process
-    calls it and rank 0 writes while the others wait (:func:`~peft_ext.distributed.on_rank_zero`)."""
+    """``results.json`` and ``results.md`` in ``output.dir``: written before the first method (with the config's
+    fingerprint, so an interruption during the first method is resumable) and after every one; then a finished
+    method's snapshots are dropped (its result is on disk). ``accuracy_matrix.png`` is drawn once, when every method
+    ran (``peft-ext table`` and the results file have everything it shows before that). Under several processes every
+    process calls it and rank 0 writes while the others wait (:func:`~peft_ext.distributed.on_rank_zero`)."""
 
     def __init__(self, echo: Callable[[str], Any] = print) -> None:
         self.echo = echo
         self.paths: Optional[dict[str, Path]] = None
 
-    def _write(self, job: ContinualJob, results: Sequence[MethodResult], finished: Optional[TaskProgress]) -> None:
+    def _write(
+        self, job: ContinualJob, results: Sequence[MethodResult], finished: Optional[TaskProgress], plot: bool = False
+    ) -> None:
         job.meta["wall_seconds"] = round(job.wall_seconds(), 1)
         job.meta["phase_seconds"] = {name: round(seconds, 1) for name, seconds in job.phase_seconds.items()}
 
         def write() -> dict[str, Path]:
-            paths = save_results(results, job.config.output.dir, job.meta, job.task_names, job.failures)
+            paths = save_results(results, job.config.output.dir, job.meta, job.task_names, job.failures, plot=plot)
             if finished is not None:
                 shutil.rmtree(finished.directory, ignore_errors=True)
             return paths
@@ -168,6 +171,7 @@ class ResultsWriter(JobCallback):
         self._write(job, job.results, progress)
 
     def on_end(self, job: ContinualJob) -> None:
+        self._write(job, job.results, None, plot=True)  # the heatmap, and the final wall time
         folder = Path(job.config.output.dir) / "progress"
         on_rank_zero(lambda: folder.rmdir() if folder.is_dir() and not any(folder.iterdir()) else None)
         if self.paths is None:  # not rank 0
