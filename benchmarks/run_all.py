@@ -182,7 +182,7 @@ def extract(text: str) -> tuple[list[str], list[str], str]:
             i = j
             continue
         if TARGET.search(line) and ("target" in line.lower() or "PASS" in line or "FAIL" in line):
-            targets.append(line.strip())
+            targets.append(line.strip().removeprefix("- "))  # the report adds its own list marker
         if line.startswith("[run_all] exit"):
             footer = line.removeprefix("[run_all] ").strip()
         i += 1

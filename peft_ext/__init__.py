@@ -6,23 +6,9 @@ and ``PeftModel.from_pretrained`` work for them like for PEFT's own types.
 
 from __future__ import annotations
 
-import logging
+from peft_ext_autoload import quiet_kernel_notices
 
-
-class _DropOptionalKernelNotice(logging.Filter):
-    """On CPUs with AVX512-BF16, importing bitsandbytes looks for an optional 4-bit kernel on the Hugging Face Hub
-    (through the ``kernels`` package, which recent transformers install). Offline or without that package it logs
-    why it could not load it (and ``kernels`` logs that it skipped the publisher check). Neither is actionable for
-    peft-ext users (CPU 4-bit layers work without it), so those messages are dropped; every other one passes."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "kernels-community" not in record.getMessage()
-
-
-# Installed before anything imports peft (and with it bitsandbytes, which imports kernels).
-for _name in ("bitsandbytes.backends.cpu.ops", "kernels._internals.hf_hub"):
-    logging.getLogger(_name).addFilter(_DropOptionalKernelNotice())
-del _name
+quiet_kernel_notices()  # before anything imports peft (and with it bitsandbytes)
 
 from .checkpoint import save_pretrained_atomic, verify_checkpoint  # noqa: E402
 from .continual.trained import load_trained  # noqa: E402

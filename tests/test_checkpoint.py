@@ -217,20 +217,42 @@ model = PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretra
 print("with import: loaded", type(model.peft_config["default"]).__name__)
 """
 
+#: What ``peft_ext_autoload.pth`` does at start-up (the wheel installs it: tests/test_wheel.py), then PEFT alone.
+AUTOLOAD_SCRIPT = """
+import importlib.util, sys
+import peft_ext_autoload
+peft_ext_autoload.install()
+assert importlib.util.find_spec("peft") is not None and "peft_ext" not in sys.modules  # a probe imports nothing
+from peft import PeftModel
+from transformers import AutoModelForSequenceClassification
+
+base, ckpt = sys.argv[1:]
+model = PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(base), ckpt)
+finders = [type(f).__name__ for f in sys.meta_path]
+print("autoload: loaded", type(model.peft_config["default"]).__name__, "_AfterPeft" in finders)
+"""
+
 
 @pytest.mark.slow
-def test_loading_in_a_fresh_process_needs_import_peft_ext(tmp_path):
-    """PEFT's own behaviour without the import (documented in the README's troubleshooting section), then the fix."""
+def test_loading_in_a_fresh_process_needs_peft_ext_registered(tmp_path):
+    """PEFT's own behaviour where nothing registers the types (the autoload turned off), ``import peft_ext`` as the
+    fix, and the autoload hook doing it alone (README's troubleshooting section)."""
     base = tmp_path / "base"
     tiny_bert().save_pretrained(base)
     save_pretrained_atomic(get_peft_model(tiny_bert(), ADAPTER_CONFIGS["splitlora"]()), tmp_path / "ckpt")
+    off = {**offline_env(), "PEFT_EXT_NO_AUTOLOAD": "1"}
     cmd = [sys.executable, "-c", LOAD_SCRIPT, str(base), str(tmp_path / "ckpt")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=offline_env(), timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=off, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-2:] == [
         "without import: KeyError('SPLITLORA')",
         "with import: loaded SplitLoRAConfig",
     ]
+    cmd = [sys.executable, "-c", AUTOLOAD_SCRIPT, str(base), str(tmp_path / "ckpt")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=offline_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "autoload: loaded SplitLoRAConfig False"  # and the finder is gone
+    assert "kernels-community" not in proc.stderr  # the notices are dropped before peft imports bitsandbytes
 
 
 def test_cli_verify_reports_and_says_how_to_load(tmp_path, capsys):

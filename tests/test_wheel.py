@@ -18,7 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # What the build reads (pyproject.toml names the rest); copied so the build leaves nothing in the checkout.
-SOURCES = ("pyproject.toml", "README.md", "LICENSE", "peft_ext_cli.py", "peft_ext", "configs")
+SOURCES = ("pyproject.toml", "setup.py", "README.md", "LICENSE", "peft_ext_cli.py", "peft_ext_autoload.py")
+SOURCES += ("peft_ext_autoload.pth", "peft_ext", "configs")
 TINY = [
     "--no-progress",
     "--set", "data.n_tasks=2",
@@ -96,6 +97,23 @@ def test_wheel_carries_license_configs_and_every_package(installed):
     assert "wheel" in log and "absent from the `packages` configuration" not in log, log[-3000:]
     for shipped in (ROOT / "peft_ext" / "data" / "files").iterdir():  # every data file with its license
         assert f"peft_ext/data/files/{shipped.name}" in names, shipped.name
+
+
+@pytest.mark.slow  # three interpreters that import peft: about 30 s
+def test_installed_wheel_registers_the_types_when_peft_is_imported(installed):
+    """The wheel's peft_ext_autoload.pth: PEFT alone knows peft-ext's types once peft is imported, peft_ext is not
+    imported by an interpreter that never imports peft, and PEFT_EXT_NO_AUTOLOAD turns it off."""
+    wheel, venv, env, user = installed
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "peft_ext_autoload.pth" in names and "peft_ext_autoload.py" in names  # at the root of site-packages
+    python = venv / "bin" / "python"
+    probe = "import sys; print(*(m in sys.modules for m in ('peft', 'peft_ext', 'peft_ext_autoload')))"
+    assert _run([python, "-c", probe], user, env).stdout.split() == ["False", "False", "True"]
+    check = "import sys; from peft.utils import PeftType as T; "
+    check += "print('SPLITLORA' in T.__members__, 'peft_ext' in sys.modules)"
+    assert _run([python, "-c", check], user, env).stdout.split()[-2:] == ["True", "True"]
+    off = {**env, "PEFT_EXT_NO_AUTOLOAD": "1"}
+    assert _run([python, "-c", check], user, off).stdout.split()[-2:] == ["False", "False"]
 
 
 @pytest.mark.slow  # about 25-55 s on 2 cores: the run imports torch, peft and transformers and loads MiniLM

@@ -13,8 +13,9 @@ from ._common import validate_target_selection
 #: Written into every saved peft-ext adapter's ``adapter_config.json`` (the ``loading_note`` field), for whoever opens
 #: the folder: PEFT alone cannot load these types.
 LOADING_NOTE = (
-    "a peft-ext adapter type: `pip install peft-ext`, then `import peft_ext` before PeftModel.from_pretrained "
-    "(without the import PEFT raises KeyError with the type's name)"
+    "a peft-ext adapter type: `pip install peft-ext` (installed, it registers its types whenever peft is imported); "
+    "where that is off (PEFT_EXT_NO_AUTOLOAD=1, an editable install), `import peft_ext` before "
+    "PeftModel.from_pretrained (without it PEFT raises KeyError with the type's name)"
 )
 
 
