@@ -158,27 +158,19 @@ def loading_hint(peft_types: Iterable[str]) -> str | None:
     )
 
 
-# Per adapter type: (tensor name, dimension, config field): that dimension of every saved tensor so named must equal
-# the config value. Only sizes the config fixes for the whole life of the adapter are listed: SplitLoRA's folded
-# factors and PCLR's trainable ranks grow task by task, so their sizes are not checked against the config.
-RANK_DIMS: dict[str, tuple[tuple[str, int, str], ...]] = {
-    "RIEMANNION": tuple((f"riemannion_{n}", -1, "r") for n in ("A", "B", "X0_A", "X0_B", "Z")),
-    "SPLITLORA": (("splitlora_A", 0, "r"), ("splitlora_B", 1, "r")),
-    "PCLR": (
-        ("pclr_A_static", 0, "pool_size"),
-        ("pclr_B_static", 0, "pool_size"),
-        ("pclr_keys_static", 0, "pool_size"),
-        ("pclr_shared_A", 0, "shared_r"),
-        ("pclr_shared_B", 1, "shared_r"),
-    ),
-    "MORA": (
-        ("mora_spec_A", 0, "r"),
-        ("mora_spec_B", 1, "r"),
-        ("mora_shared_text", -1, "r"),
-        ("mora_shared_vision", -1, "r"),
-    ),
-    "LORA": (("lora_A", 0, "r"), ("lora_B", 1, "r")),
-}
+#: PEFT's own LoRA, whose config declares nothing: (tensor name, dimension, config field). peft-ext's adapter types
+#: declare theirs as their config class's ``saved_sizes`` (only sizes the config fixes for the adapter's whole life).
+PEFT_SAVED_SIZES: dict[str, tuple[tuple[str, int, str], ...]] = {"LORA": (("lora_A", 0, "r"), ("lora_B", 1, "r"))}
+
+
+def saved_sizes(peft_type: str) -> tuple[tuple[str, int, str], ...]:
+    """``(tensor name, dimension, config field)`` of ``peft_type``: its registered config class's ``saved_sizes``,
+    or :data:`PEFT_SAVED_SIZES` for PEFT's own types (empty for a type that fixes none)."""
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+
+    configs = {str(getattr(t, "value", t)): c for t, c in PEFT_TYPE_TO_CONFIG_MAPPING.items()}
+    declared = getattr(configs.get(peft_type), "saved_sizes", None)
+    return tuple(declared) if declared is not None else PEFT_SAVED_SIZES.get(peft_type, ())
 
 
 def check_tensors_against_config(
@@ -188,7 +180,7 @@ def check_tensors_against_config(
 
     Without building a model: every tensor named after an adapter type (its PEFT prefix, e.g. ``splitlora_``) must
     belong to the config's ``peft_type``, at least one must, and the dimensions the config fixes (ranks, pool sizes;
-    :data:`RANK_DIMS`) must equal the config's values. Catches a config whose ``peft_type`` or ``r`` was edited or
+    :func:`saved_sizes`) must equal the config's values. Catches a config whose ``peft_type`` or ``r`` was edited or
     that belongs to other weights.
 
     Args:
@@ -206,6 +198,7 @@ def check_tensors_against_config(
         owners.setdefault(p, []).append(t)
     # Longest prefix first, so that e.g. "lora_" never claims a tensor of a type whose prefix ends in "lora_".
     by_length = sorted(owners, key=len, reverse=True)
+    sizes = saved_sizes(peft_type)
     matched = 0
     for key, shape in sorted(shapes.items()):
         parts = key.split(".")
@@ -220,7 +213,7 @@ def check_tensors_against_config(
                 f"peft_type {peft_type!r} (tensors named {own!r}...): the config does not belong to these weights"
             )
         matched += 1
-        for name, dim, field in RANK_DIMS.get(peft_type, ()):
+        for name, dim, field in sizes:
             value = config.get(field)
             if name not in parts or not isinstance(value, int) or len(shape) <= abs(dim) - (dim < 0):
                 continue

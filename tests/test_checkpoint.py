@@ -351,3 +351,21 @@ def test_a_saved_adapter_says_what_loading_it_needs(kind, tmp_path):
     assert "pip install peft-ext" in note and "`import peft_ext`" in note and "KeyError" in note
     loaded = PeftModel.from_pretrained(make(), tmp_path)
     assert loaded.peft_config["default"].loading_note == note
+
+
+def test_the_sizes_checked_are_declared_by_each_config_class():
+    """verify_checkpoint reads the sizes a type fixes from its registered config class (a new adapter type declares
+    them where it is defined); PEFT's LoRA from the checkpoint module's own table; a type that fixes none: none."""
+    from peft_ext.checkpoint import PEFT_SAVED_SIZES, saved_sizes
+
+    for name, cls in (
+        ("RIEMANNION", RiemannionConfig),
+        ("SPLITLORA", SplitLoRAConfig),
+        ("PCLR", PCLRConfig),
+        ("MORA", MoRAConfig),
+    ):
+        assert saved_sizes(name) == cls.saved_sizes and cls.saved_sizes
+        assert all(field in cls.__dataclass_fields__ for _, _, field in cls.saved_sizes), name
+    assert saved_sizes("LORA") == PEFT_SAVED_SIZES["LORA"]
+    assert saved_sizes("IA3") == () and saved_sizes("NOT_A_TYPE") == ()
+    assert "saved_sizes" not in SplitLoRAConfig(r=2, target_modules=["query"]).to_dict()  # a class fact, not saved

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import ClassVar, Optional, Union
 
 from peft.config import PeftConfig
 from peft.utils import PeftType
@@ -57,6 +57,15 @@ class MoRAConfig(PeftConfig):
         modules_to_save: Modules besides the adapters to train and save (e.g. a classification head).
         loading_note: What loading a saved MoRA adapter needs, kept in ``adapter_config.json``; never read.
     """
+
+    #: (tensor name, dimension, config field): that dimension of every saved tensor so named equals the config value
+    #: (checked by :func:`peft_ext.verify_checkpoint` without building a model)
+    saved_sizes: ClassVar[tuple[tuple[str, int, str], ...]] = (
+        ("mora_spec_A", 0, "r"),
+        ("mora_spec_B", 1, "r"),
+        ("mora_shared_text", -1, "r"),
+        ("mora_shared_vision", -1, "r"),
+    )
 
     r: int = field(default=4, metadata={"help": "Rank of the shared and specific factors (paper default 4)."})
     alpha: float = field(default=4.0, metadata={"help": "Deltas are scaled by alpha / r."})

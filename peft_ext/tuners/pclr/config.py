@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional
 
 from peft.utils import PeftType
 
@@ -71,6 +71,16 @@ class PCLRConfig(AdapterConfig):
             random ``b_i`` too (tests of merge and switching).
         max_tasks: Capacity of the stored task prototypes.
     """
+
+    #: (tensor name, dimension, config field): that dimension of every saved tensor so named equals the config value
+    #: (checked by :func:`peft_ext.verify_checkpoint` without building a model; the trainable ranks grow: not listed)
+    saved_sizes: ClassVar[tuple[tuple[str, int, str], ...]] = (
+        ("pclr_A_static", 0, "pool_size"),
+        ("pclr_B_static", 0, "pool_size"),
+        ("pclr_keys_static", 0, "pool_size"),
+        ("pclr_shared_A", 0, "shared_r"),
+        ("pclr_shared_B", 1, "shared_r"),
+    )
 
     pool_size: int = field(default=256, metadata={"help": "Cap on ranks (static + new) per linear."})
     ranks_schedule: list[int] = field(

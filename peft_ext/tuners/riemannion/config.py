@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional
 
 from peft.utils import PeftType
 
@@ -33,6 +33,12 @@ class RiemannionConfig(AdapterConfig):
             of magnitude docs/methods.md (Riemannion) gives for the paper's LOI scale.
         riemannion_dropout: Dropout on the adapter's input.
     """
+
+    #: (tensor name, dimension, config field): that dimension of every saved tensor so named equals the config value
+    #: (checked by :func:`peft_ext.verify_checkpoint` without building a model)
+    saved_sizes: ClassVar[tuple[tuple[str, int, str], ...]] = tuple(
+        (f"riemannion_{n}", -1, "r") for n in ("A", "B", "X0_A", "X0_B", "Z")
+    )
 
     r: int = field(default=16, metadata={"help": "Rank of the adapter (exact rank of X)."})
     init_weights: bool = field(

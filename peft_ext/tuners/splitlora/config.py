@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from peft.utils import PeftType
 
@@ -52,6 +52,10 @@ class SplitLoRAConfig(AdapterConfig):
             ``False`` keeps them whole on every process and reduces the task's increment at ``end_task``, as under
             DDP. docs/distributed.md compares the two.
     """
+
+    #: (tensor name, dimension, config field): that dimension of every saved tensor so named equals the config value
+    #: (checked by :func:`peft_ext.verify_checkpoint` without building a model; the folded factors grow: not listed)
+    saved_sizes: ClassVar[tuple[tuple[str, int, str], ...]] = (("splitlora_A", 0, "r"), ("splitlora_B", 1, "r"))
 
     r: int = field(default=10, metadata={"help": "Rank of each task's adapter (the paper uses 10)."})
     trade_off: float = field(
