@@ -333,3 +333,15 @@ def test_the_per_example_outcomes_follow_the_examples_order_not_the_length_sorte
     accuracy = evaluate_heads(Parity(), examples, [0, 1], 2, collate, torch.device("cpu"), {"": None}, 3, hits=hits)
     assert hits == [n % 2 == 0 for n in lengths]
     assert accuracy[""] == pytest.approx(sum(hits) / len(hits))
+
+
+def test_protocol_columns_come_from_the_summary_grouped_by_what_each_head_does():
+    """No hand-kept list of heads: every plain head a summary scored is a column (a head another package registers
+    too), the model's own output layer first, the training-shaping cosine head next, then the feature readers."""
+    from peft_ext.continual.published import protocol_columns
+
+    methods = {
+        "a": {"heads": {"analytic": {}, "cosine": {}, "first_task+lda": {}, "linear": {}, "my_head": {}}},
+        "b": {"heads": {"prototype": {}, "cosine+lda": {}, "lda": {}}},
+    }
+    assert protocol_columns(methods) == ["linear", "cosine", "analytic", "prototype", "lda", "my_head"]

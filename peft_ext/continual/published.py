@@ -183,8 +183,19 @@ def load_results(path: str | Path) -> tuple[dict[str, Any], list[MethodResult]]:
         raise ValueError(f"{str(path)!r} is not a results.json of a continual job ({what})") from None
 
 
-#: The heads of the protocol table's columns, in order (a method's own training with each of them).
-PROTOCOL_HEADS = ("linear", "prototype", "lda", "analytic", "aligned")
+def protocol_columns(methods: dict[str, Any]) -> list[str]:
+    """The heads a protocol summary scored some method with on its own training (``first_task+`` and ``cosine+``
+    variants are other columns): those that score with the model's own output layer first, the one that reshapes
+    training (``cosine``) next, then those that read features, each group in the order the summary lists them."""
+    from .heads import HEADS
+
+    seen = dict.fromkeys(h for m in methods.values() for h in m["heads"] if "+" not in h)
+
+    def group(name: str) -> tuple[bool, bool]:
+        head = HEADS.get(name)
+        return (True, True) if head is None else (head.reads_features, head.shapes_training)
+
+    return sorted(seen, key=group)  # stable: the summary's order within a group
 
 
 def _interval(cell: dict[str, Any] | None) -> str:
@@ -199,9 +210,7 @@ def heads_protocol_table(summary: dict[str, Any]) -> str:
     each head on its own training, with the best head after first-task adaptation, the best of all and its paired
     difference to SimpleCIL (``ncm``), each a mean ± the half-width of its 95 % interval over the class draws."""
     methods = summary["methods"]
-    # the cosine head (SEQ*) is its own training run: a column only when the summary has it
-    columns = [*PROTOCOL_HEADS[:1], "cosine", *PROTOCOL_HEADS[1:]]
-    columns = [h for h in columns if h != "cosine" or any("cosine" in m["heads"] for m in methods.values())]
+    columns = protocol_columns(methods)
     head = ["method", *columns, "first task only, best head", "best (head)", "best − SimpleCIL [95 % CI]"]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for label, m in methods.items():
