@@ -37,8 +37,11 @@ _CLAIM = re.compile(r"<!-- claim (?P<source>\S+) (?P<key>\S+) -->(?P<body>.*?)<!
 DATASET_OF = {"quickstart": "WordNet", "fortunes": "fortunes"}
 #: What the claims of a heads protocol summary can say (``KEY:METHOD`` for the first two).
 CLAIM_KINDS = ("vs_simplecil", "vs_simplecil_every_task", "vs_simplecil_head", "vs_best_free", "winners", "command")
-#: How a claim names the training-free baselines (the heads protocol's ``best_training_free``).
-BASELINE_NAMES = {"ncm": "SimpleCIL", "slda": "streaming LDA (slda)", "ranpac": "RanPAC"}
+
+
+def known_as(method: str) -> str:
+    """How a sentence names ``method`` (its ``known_as`` capability, else its registered name)."""
+    return method_capability(method, "known_as", None) or method
 
 
 def _head_words(head: str) -> str:
@@ -93,7 +96,7 @@ def heads_claim(summary: dict[str, Any], key: str) -> str:
         if vs is None or free is None:
             valid = [k for k, v in summary["methods"].items() if v.get("vs_best_free")]
             raise ValueError(f"claim {key!r}: {method!r} is not compared with the best baseline here; one of {valid}")
-        name = BASELINE_NAMES.get(free, free)
+        name = known_as(free)
         d, lo, hi = vs
         return (
             f"{verdict(lo, hi)} {name}, the strongest training-free baseline on {dataset} ({d:+.1f} points "
@@ -110,7 +113,7 @@ def heads_claim(summary: dict[str, Any], key: str) -> str:
     if kind == "winners" and not method:
         # against the strongest training-free baseline of the same draws (by mean), not the weakest (SimpleCIL)
         free = summary.get("best_training_free") or "ncm"
-        name = BASELINE_NAMES.get(free, free)
+        name = known_as(free)
         vs_key = "vs_best_free" if summary.get("best_training_free") else "vs_ncm"
         beat = [
             f"{label} ({_head_words(m['best_head'])}, {m[vs_key][0]:+.1f} points [{m[vs_key][1]:+.1f}, "

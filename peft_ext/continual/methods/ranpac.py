@@ -12,4 +12,5 @@ class RanPAC(TrainingFree):
     """RanPAC without its first-session adaptation: the frozen backbone, a random ReLU projection, a ridge head."""
 
     name = "ranpac"
+    known_as = "RanPAC"
     default_head = "analytic"

@@ -12,4 +12,5 @@ class StreamingLDA(TrainingFree):
     """The frozen backbone with linear discriminant analysis on a shared, shrunk covariance."""
 
     name = "slda"
+    known_as = "streaming LDA (slda)"
     default_head = "lda"
