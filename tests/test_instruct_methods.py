@@ -137,11 +137,11 @@ def test_a_task_is_scored_by_its_own_metric(tokenizer, collate, sequence):
 
 
 def test_zero_shot_scores_each_task_once_and_the_rows_agree(tokenizer, collate, sequence, monkeypatch):
-    from peft_ext.continual import engine
+    from peft_ext.continual import task_kinds
 
     calls = []
-    real = engine.generation_scores
-    monkeypatch.setattr(engine, "generation_scores", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = task_kinds.generation_scores
+    monkeypatch.setattr(task_kinds, "generation_scores", lambda *a, **k: calls.append(1) or real(*a, **k))
     result = run_sequence(sequence, get_continual_method("zero_shot")(), _tiny(tokenizer), collate, _train())
     assert len(calls) == 3  # not 6: rows 1 and 2 reuse the earlier tasks' scores
     R = result.accuracy_matrix

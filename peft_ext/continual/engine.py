@@ -30,13 +30,13 @@ from .context import (
     masked_cross_entropy,
     model_logits,
 )
-from .evaluation import check_heads, evaluate_heads
-from .generation import generation_scores, next_token_loss, require_causal_collate, text_perplexity
+from .generation import next_token_loss, require_causal_collate, text_perplexity
 from .heads import ContinualHead, build_head
 from .heads.base import learn_heads
 from .heads.frozen import FrozenFeatures
 from .methods import CONTINUAL_METHODS, ContinualMethod
 from .metrics import summarize
+from .task_kinds import check_heads, task_kind
 
 __all__ = [
     "ContinualEngine",
@@ -241,8 +241,9 @@ class ContinualEngine:
                 f"method {method.name!r} supports {list(method.task_kinds)} task sequences, not {sequence.kind!r} "
                 f"({sequence.name!r}); methods that run {sequence.kind} sequences: {supported}"
             )
-        if sequence.kind == "generation":
-            require_causal_collate(collate)
+        #: What differs for this sequence's kind (classification, generation): :mod:`.task_kinds`.
+        self.kind = task_kind(sequence)
+        self.kind.check_collate(collate)
         self.sequence = sequence
         self.method = method
         method.load_state_dict({})  # a fresh run: nothing kept from an earlier one
@@ -264,7 +265,7 @@ class ContinualEngine:
     def build(self, base_model: nn.Module) -> nn.Module:
         """The method's model, built from a deep copy of ``base_model`` under the run's seed, on the run's device (the
         head first shapes the copy's classifier, then the method builds on it)."""
-        if self.sequence.kind == "generation" and self.sequence.held_out_text:
+        if self.kind.measures_held_out_text and self.sequence.held_out_text:
             self.base_perplexity = base_perplexity(base_model, self.sequence.held_out_text, self.ctx)
         torch.manual_seed(self.ctx.train.seed)
         model = self.head.attach(copy.deepcopy(base_model))
@@ -276,15 +277,14 @@ class ContinualEngine:
     def phases(self) -> list[Phase]:
         """The phases in order: one per task, or one over the union of all tasks for a joint method."""
         sequence, label = self.sequence, self.method.label
-        # a generation loss ranges over the vocabulary: no class mask
-        generation = sequence.kind == "generation"
+        masks = self.kind.masks_classes  # a generation loss ranges over the vocabulary: no class mask
         if self.method.trains_on_union:
             T = len(sequence)
             union = Task("joint", sequence.classes_seen(T - 1), [ex for t in sequence.tasks for ex in t.train], [])
-            allowed = None if generation or self.ctx.train.train_logit_mask == "all" else union.classes
+            allowed = union.classes if masks and self.ctx.train.train_logit_mask != "all" else None
             return [Phase(0, union, allowed, T - 1, f"{label} joint")]
         return [
-            Phase(i, task, None if generation else self.ctx.training_classes(i), i, f"{label} {task.name}")
+            Phase(i, task, self.ctx.training_classes(i) if masks else None, i, f"{label} {task.name}")
             for i, task in enumerate(sequence.tasks)
         ]
 
@@ -292,40 +292,16 @@ class ContinualEngine:
         """Accuracy (a generation sequence: each task's metric) on the test sets of tasks ``first..row`` after
         training up to phase row ``row``, and the further scores of the row by name (a generation sequence: ``rouge_l``
         and ``answer_loss`` of :func:`~.generation.generation_scores`; none for classification)."""
-        ctx, sequence = self.ctx, self.sequence
+        ctx = self.ctx
         extra: dict[str, list[float]] = {}
         row_scores = []
         for j in range(first, row + 1):
-            test = sequence.tasks[j].test
             options: dict[str, Any] = dict(
                 batch_size=ctx.train.eval_batch_size,
                 progress=ctx.train.progress,
                 desc=f"{self.method.label} eval t{j}",
             )
-            if sequence.kind == "generation":
-                scores = generation_scores(model, test, ctx.collate, ctx.device, **options)
-                score = scores[sequence.tasks[j].metric]
-                scores.pop("exact_match")
-            else:
-                classes = ctx.eval_classes(row, j)
-                heads = {"": self.head, **{f"head:{name}": head for name, head in self.compared.items()}}
-                final = row == len(sequence) - 1  # the final row records which test examples the method gets right
-                hits: Optional[list[bool]] = [] if final else None
-                scores = evaluate_heads(
-                    model,
-                    test,
-                    classes,
-                    sequence.num_classes,
-                    ctx.collate,
-                    ctx.device,
-                    heads,
-                    hits=hits,
-                    frozen_features=ctx.frozen_features,
-                    **options,
-                )
-                score = scores.pop("")
-                if hits is not None:
-                    self.final_hits[j] = "".join("1" if h else "0" for h in hits)
+            score, scores = self.kind.score_task(self, model, row, j, options)
             for name, value in scores.items():
                 extra.setdefault(name, []).append(value)
             row_scores.append(score)
@@ -422,7 +398,7 @@ class ContinualEngine:
             not trained
             and row > 0
             and not self._feature_heads()
-            and self.sequence.kind == "generation"
+            and self.kind.row_independent_scores
             and record.accuracy_matrix[row - 1][row - 1] is not None
         )
 
@@ -492,14 +468,14 @@ class ContinualEngine:
     def _final_correct(self) -> dict[str, Any]:
         """``{"final_correct": [per task, "0"/"1" per test example]}`` of the final row, when every task's was
         recorded (a run resumed after its last task has none)."""
-        if self.sequence.kind != "classification" or len(self.final_hits) != len(self.sequence):
+        if not self.kind.records_hits or len(self.final_hits) != len(self.sequence):
             return {}
         return {"final_correct": [self.final_hits[j] for j in sorted(self.final_hits)]}
 
     def head_extras(self, record: RunRecord) -> dict[str, Any]:
         """The result's figures of the heads: which one scored the matrix and each compared head's matrix and metrics
         (classification sequences only)."""
-        if self.sequence.kind != "classification":
+        if not self.kind.takes_heads:
             return {}
         extras: dict[str, Any] = {"head": {"name": self.head.name, **self.head.describe()}}
         if self.compared:

@@ -10,14 +10,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..data.tasks import Example, TaskSequence
+from ..data.tasks import Example
 from .context import Collate, class_mask, length_order, model_logits, split_batches, to_device
-from .heads import ContinualHead, build_head
+from .heads import ContinualHead
 from .heads.base import forward_with_features
 from .heads.frozen import FrozenFeatures
-from .methods import ContinualMethod
 
-__all__ = ["check_heads", "evaluate", "evaluate_heads"]
+__all__ = ["evaluate", "evaluate_heads"]
 
 
 def evaluate(model: nn.Module, examples: Sequence[Example], *args: Any, **options: Any) -> float:
@@ -83,33 +82,3 @@ def evaluate_heads(
         for position, value in zip(order, right):
             hits[position] = value
     return {name: n / len(examples) for name, n in correct.items()}
-
-
-def check_heads(sequence: TaskSequence, method: ContinualMethod, heads: Optional[list[ContinualHead]] = None) -> None:
-    """Refuse heads that ``sequence`` cannot serve, before any work: a generation sequence takes none, and a head
-    that chooses on a validation split needs one.
-
-    Args:
-        sequence: The task sequence.
-        method: The method, whose ``head`` and ``compare_heads`` options are checked.
-        heads: The heads already built from them (default: built here).
-
-    Raises:
-        ValueError: One line naming the method, the head and the key that would fix it.
-    """
-    if heads is None:
-        specs = [method.head, *method.options.compare_heads]
-        heads = [build_head(spec, sequence.num_classes) for spec in specs]
-    # generated answers are scored as text: no head may read features or replace the model's output layer
-    if sequence.kind == "generation" and any(h.reads_features or h.shapes_training for h in heads):
-        raise ValueError(
-            f"a generation sequence ({sequence.name!r}) scores generated answers, not classes: method "
-            f"{method.label!r} takes no `head` or `compare_heads` there"
-        )
-    needs = method.needs_validation()
-    if needs and not any(task.validation for task in sequence.tasks):
-        raise ValueError(
-            f"method {method.label!r} chooses on a validation split ({needs}), and {sequence.name!r} has none: set "
-            "`data.val_per_class` (shipped data sets) or `data.validation` / `data.validation_share` (your files), "
-            "or give the head a fixed value"
-        )

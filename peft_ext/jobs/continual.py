@@ -43,6 +43,7 @@ from ..continual.methods import ContinualMethod, get_continual_method, method_ca
 from ..continual.progress import TaskProgress
 from ..continual.report import leader_line, matrix_table, metrics_table, noise_line, save_results, time_line
 from ..continual.runner import run_sequence
+from ..continual.task_kinds import task_kind
 from ..continual.trained import save_trained, saved_methods
 from ..data.tasks import TaskSequence
 from ..distributed import on_rank_zero, rank, rank_zero_first, world_size
@@ -329,7 +330,7 @@ class ContinualJob:
                 tokenize_sequence, sequence, tokenizer, config.model.max_length, config.train.progress
             )
             sequence = rank_zero_first(tokenize)
-        if sequence.kind == "generation" and not sequence.held_out_text:
+        if task_kind(sequence).measures_held_out_text and not sequence.held_out_text:
             from ..data.held_out import held_out_text
 
             # what the sequence costs the model's general ability: perplexity of text no task trains on

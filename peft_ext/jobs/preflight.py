@@ -97,7 +97,7 @@ def check_data(config: RunConfig, tokenizer: Any = None) -> Any:
         raise ConfigError(
             f"`data` (n_tasks={data.n_tasks}, classes_per_task={data.classes_per_task}): {err}"
         ) from None
-    from ..continual.evaluation import check_heads
+    from ..continual.task_kinds import check_heads
 
     if config.tune.enabled:  # what `run --tune` refuses, `check --tune` refuses too
         from .tuning import validation_sequence

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..continual.config import RunConfig, causal_collate, separator_id  # noqa: F401 (re-exported)
+from ..continual.task_kinds import task_kind
 from ..data import SHIPPED, SHIPPED_INSTRUCTIONS
 from ..data.tasks import TaskSequence
 
@@ -72,11 +73,7 @@ def sequence_summary(name: str, sequence: TaskSequence) -> list[str]:
     """The lines that say what a job's task sequence is: tasks, classes, examples per split, then each task's name
     (``peft-ext run`` prints them when it starts, ``peft-ext check`` when the config is valid)."""
     count = {split: sum(len(getattr(t, split)) for t in sequence.tasks) for split in ("train", "validation", "test")}
-    how = sequence.protocol
-    if sequence.kind == "generation":
-        names = {"exact_match": "exact match", "rouge_l": "ROUGE-L"}  # a task's metric, as a reader says it
-        scored = " / ".join(said for metric, said in names.items() if any(t.metric == metric for t in sequence.tasks))
-        how = f"instruction tasks, scored by {scored} of the generated answers"
+    how = task_kind(sequence).describe(sequence)
     head = (
         f"{name}: {sequence.name} ({how}), {len(sequence)} tasks, {sequence.num_classes} classes, "
         f"{count['train']} train / "

@@ -25,6 +25,7 @@ from torch import nn
 from ...fingerprint import added_later
 from ..heads.base import HEADS, feature_heads, head_options
 from ..state_codec import decode_state, encode_state
+from ..task_kinds import task_kind
 
 if TYPE_CHECKING:
     from ...data.tasks import Example, Task
@@ -417,6 +418,6 @@ def saved_head(base_model: nn.Module, ctx: RunContext | None) -> list[str] | Non
         base_model: The model the adapter wraps.
         ctx: The run context (``None``: a classification run).
     """
-    if ctx is not None and ctx.sequence.kind == "generation":
+    if ctx is not None and not task_kind(ctx.sequence).trains_output_head:
         return None
     return [head_module_name(base_model)]

@@ -23,6 +23,7 @@ from torch import nn
 
 from ...tuners.pclr import PCLRConfig, PCLRCycleConfig
 from ..generation import answer_logits, prompt_query, require_causal_collate
+from ..task_kinds import task_kind
 from .base import AdapterOptions, ContinualMethod, nest_into_section, register_continual_method, saved_head
 
 if TYPE_CHECKING:
@@ -84,7 +85,7 @@ class PCLRMethod(ContinualMethod):
         from peft import get_peft_model
 
         model = get_peft_model(base_model, self.options.adapter_config(modules_to_save=saved_head(base_model, ctx)))
-        if ctx.sequence.kind == "generation":
+        if task_kind(ctx.sequence).causal:
             model.base_model.set_query_fn(prompt_query(require_causal_collate(ctx.collate).separator_id))
         self.state["pclr_pool"] = []
         self.state["pclr_adapter_params"] = []
@@ -125,7 +126,7 @@ class PCLRMethod(ContinualMethod):
         opts = self.options
         mask: torch.Tensor | None = torch.zeros(ctx.sequence.num_classes, dtype=torch.bool, device=ctx.device)
         forward = None
-        if ctx.sequence.kind == "generation":
+        if task_kind(ctx.sequence).causal:
             # distill the next-token distributions where the task is scored (the answer tokens), over the vocabulary
             mask, forward = None, _answer_forward
         elif opts.cycle.integrate_routing == "tasks":
