@@ -37,7 +37,7 @@ def quiet_kernel_notices() -> None:
 
 def _register() -> None:
     try:
-        import peft_ext  # noqa: F401  (importing it registers every adapter type it ships)
+        import peft_ext.tuners  # noqa: F401  (runs peft_ext/__init__, which registers every adapter type with PEFT)
     except Exception as err:  # noqa: BLE001 - peft itself imported fine: say why ours did not, do not break it
         import warnings
 

@@ -31,7 +31,7 @@ def test_sequence_cost_prints_cpu_seconds_per_run_and_task_the_ratio_and_its_ver
     start, end, rest, whole = (
         [float(c) for c in phases[k]] for k in ("start of task", "end of task", "training and evaluation", "whole run")
     )
-    assert start[1] > start[0] and end[1] > end[0]
+    assert start[1] >= start[0] and end[1] >= end[0]  # tenths of a second: at this toy size both may read 0.0
     for column in (0, 1):
         assert start[column] + end[column] + rest[column] == pytest.approx(whole[column], abs=0.2)
     assert re.search(r"target: pclr CPU s per run <= 1\.50x seq_lora's .*: (met|NOT met)$", out, re.MULTILINE)

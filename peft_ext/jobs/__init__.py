@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from ..continual.config import RunConfig, read_config
+from . import shipped_kinds  # noqa: F401  (registers the shipped job kinds)
 from .errors import JobFailed
 from .kinds import DEFAULT_JOB, JOB_KINDS, get_job_kind, job_kind_of
 from .multimodal import MissingModalityConfig

@@ -3,7 +3,8 @@ it is read, what is checked before any training, whether it runs data-parallel, 
 
 ``peft-ext run``, ``peft-ext check`` and the launcher ask the kind of a config (:func:`job_kind_of`) instead of
 testing its class or name. The shipped kinds are ``continual`` (the default; :mod:`peft_ext.jobs.continual`) and
-``missing_modality`` (:mod:`peft_ext.jobs.multimodal`); :func:`register_job_kind` adds another.
+``missing_modality`` (:mod:`peft_ext.jobs.multimodal`), registered by :mod:`.shipped_kinds` when the package is
+imported; :func:`register_job_kind` adds another. This module imports no job, so every job module may ask it.
 """
 
 from __future__ import annotations
@@ -12,9 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..continual.config import RunConfig, config_from_dict, unknown_value
-from .multimodal import MissingModalityConfig, missing_modality_config_from_dict
-from .preflight import preflight_continual
+from ..continual.config import unknown_value
 
 __all__ = ["DEFAULT_JOB", "JOB_KINDS", "JobKind", "get_job_kind", "job_kind_of", "register_job_kind"]
 
@@ -76,25 +75,3 @@ def job_kind_of(config: Any) -> JobKind:
         if isinstance(config, kind.config_cls):
             return kind
     raise TypeError(f"{type(config).__name__} is the config of no registered job kind ({', '.join(JOB_KINDS)})")
-
-
-def _run_continual(config: RunConfig, *, progress: bool, debug: bool, resume: bool) -> Any:
-    from .continual import run_job
-
-    if not progress:
-        config.train.progress = False
-    return run_job(config, debug=debug, resume=resume)
-
-
-def _run_missing_modality(config: MissingModalityConfig, *, progress: bool, debug: bool, resume: bool) -> Any:
-    from .multimodal import run_missing_modality_job
-
-    return run_missing_modality_job(config, debug=debug, resume=resume)
-
-
-register_job_kind(
-    JobKind("continual", RunConfig, config_from_dict, _run_continual, preflight_continual, data_parallel=True)
-)
-register_job_kind(
-    JobKind("missing_modality", MissingModalityConfig, missing_modality_config_from_dict, _run_missing_modality)
-)

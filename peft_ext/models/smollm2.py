@@ -32,6 +32,7 @@ from importlib import metadata
 from pathlib import Path
 
 from ..fileperm import follow_umask
+from .loading import load_pretrained_quietly
 
 __all__ = [
     "SMOLLM2",
@@ -129,8 +130,6 @@ def convert_gguf(gguf_file: str | os.PathLike[str], out_dir: str | os.PathLike[s
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .text import load_pretrained_quietly  # text.py imports this module: import here, not at the top
 
     gguf_file, out_dir = Path(gguf_file), Path(out_dir)
     kwargs = {"gguf_file": gguf_file.name, "dtype": torch.float32}
