@@ -118,6 +118,32 @@ def run_recording_state(seq: TaskSequence, method, epochs: int = 2, batch_size: 
     return run_sequence(seq, method, tiny_classifier(seq.num_classes), stack_collate, config), recorded
 
 
+def training_only(method, *, head: bool = True, adapter: bool = True, adapter_markers: tuple[str, ...] = ()):
+    """``method`` with part of what it trains left frozen: the head (``head=False``: the parameters of its saved
+    classifier, ``modules_to_save``) and / or the adapter (``adapter=False``: parameters whose names contain one of
+    ``adapter_markers``, e.g. ``("pclr_A", "pclr_B")``: a dead adapter). On the tests' separable token data a trained
+    head learns a task alone, so a check that the adapter learns freezes the head, and a check of that check kills the
+    adapter too.
+    """
+    chosen = method.trainable_parameters
+
+    def trainable_parameters(model, ctx):
+        names = {id(p): n for n, p in model.named_parameters()}
+        kept = []
+        for p in chosen(model, ctx):
+            name = names[id(p)]
+            drop = (not head and "modules_to_save" in name) or (
+                not adapter and any(m in name for m in adapter_markers)
+            )
+            p.requires_grad_(not drop)
+            if not drop:
+                kept.append(p)
+        return kept
+
+    method.trainable_parameters = trainable_parameters
+    return method
+
+
 #: The analytic head's random projection in the jobs tests build on tiny backbones: RanPAC's 2048 columns make its
 #: per-task eigendecomposition of a 2048 x 2048 Gram matrix most of such a job's time (108 of 145 s in the resume
 #: test's job, profiled), and nothing those tests check depends on the width.
