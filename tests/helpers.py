@@ -119,8 +119,8 @@ def run_recording_state(seq: TaskSequence, method, epochs: int = 2, batch_size: 
 
 
 def training_only(method, *, head: bool = True, adapter: bool = True, adapter_markers: tuple[str, ...] = ()):
-    """``method`` with part of what it trains left frozen: the head (``head=False``: the parameters of its saved
-    classifier, ``modules_to_save``) and / or the adapter (``adapter=False``: parameters whose names contain one of
+    """``method`` with part of what it trains left frozen: the head (``head=False``: the ``classifier`` module, or its
+    copy in ``modules_to_save``) and / or the adapter (``adapter=False``: parameters whose names contain one of
     ``adapter_markers``, e.g. ``("pclr_A", "pclr_B")``: a dead adapter). On the tests' separable token data a trained
     head learns a task alone, so a check that the adapter learns freezes the head, and a check of that check kills the
     adapter too.
@@ -132,9 +132,8 @@ def training_only(method, *, head: bool = True, adapter: bool = True, adapter_ma
         kept = []
         for p in chosen(model, ctx):
             name = names[id(p)]
-            drop = (not head and "modules_to_save" in name) or (
-                not adapter and any(m in name for m in adapter_markers)
-            )
+            in_head = "modules_to_save" in name or "classifier" in name.split(".")  # the runner's head module
+            drop = (not head and in_head) or (not adapter and any(m in name for m in adapter_markers))
             p.requires_grad_(not drop)
             if not drop:
                 kept.append(p)
