@@ -225,13 +225,17 @@ def noise_line(results: Sequence[MethodResult], test_examples: Sequence[int]) ->
     )
 
 
+def phase_totals(results: Sequence[MethodResult]) -> tuple[float, float, float]:
+    """The methods' seconds summed by phase: training (without the heads), the heads, evaluation."""
+    heads = sum(r.head_seconds for r in results)
+    return sum(r.train_seconds for r in results) - heads, heads, sum(r.eval_seconds for r in results)
+
+
 def time_line(results: Sequence[MethodResult], phases: dict[str, float], wall: float) -> str:
     """Where a job's ``wall`` seconds went: the methods' training, heads and evaluation (the sums of the table's
     columns), the job's own ``phases`` (loading the model and data, saving adapters, writing results) and the rest,
     which is each method's model being built (a copy of the backbone wrapped in its adapter) and the callbacks."""
-    train = sum(r.train_seconds - r.head_seconds for r in results)
-    heads = sum(r.head_seconds for r in results)
-    evaluation = sum(r.eval_seconds for r in results)
+    train, heads, evaluation = phase_totals(results)
     rest = wall - train - heads - evaluation - sum(phases.values())
     parts = [f"training {train:.0f} s", f"heads {heads:.0f} s", f"evaluation {evaluation:.0f} s"]
     own = [f"{name} {seconds:.0f} s" for name, seconds in phases.items()]

@@ -13,7 +13,8 @@ depend on the features' scale.
 No eigenvector of ``G`` is formed: ``G`` is reduced once per task to a tridiagonal ``T = Z^T G Z`` (LAPACK's
 ``sytrd``, ``Z`` kept as its Householder reflectors), and every ridge of the grid costs a tridiagonal solve
 ``(T + lambda I) W' = Z^T Q``, ``W = Z W'``; the degrees of freedom need only ``T``'s eigenvalues. The result is the
-eigendecomposition's to float64 rounding, at a third of its cost (0.3 s against 0.9 s at ``dim`` 2048 on 2 cores).
+eigendecomposition's to float64 rounding, at about half its cost (0.4 s against 0.8 s per task at ``dim`` 2048 on
+2 cores: ``python -m benchmarks.head_cost``).
 A fixed ``ridge`` needs one Cholesky solve instead.
 """
 
@@ -212,11 +213,12 @@ class AnalyticHead(ContinualHead):
         if validation:
             candidates = {lam: system.weight(lam).float() for lam in grid}
             lam = best_on_validation(model, validation, ctx, lambda f, lam: self._scores(f, candidates[lam]), grid)
+            self.weight = candidates[lam]
         else:
             n = float(self.counts.sum())
             lam = gcv_ridge(system, n, n, grid)
+            self.weight = system.weight(lam).float()
         self.chosen.append(lam / unit)
-        self.weight = system.weight(lam).float()
 
     def _scores(self, features: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return masked_scores(self._project(features) @ weight.to(features.device), self.counts > 0)

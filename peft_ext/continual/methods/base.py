@@ -240,7 +240,8 @@ class ContinualMethod:
     #: The name under which the report compares every method with this one (``"SimpleCIL"`` for ``ncm``: a "vs
     #: SimpleCIL" column of final-accuracy differences); ``None``: not a reference.
     reference_name: ClassVar[str | None] = None
-    #: How published sentences name the method in words (``"RanPAC"`` for ``ranpac``); ``None``: its registered name.
+    #: How published sentences name the method in words (``"RanPAC"`` for ``ranpac``); ``None``: its
+    #: ``reference_name``, else its registered name.
     known_as: ClassVar[str | None] = None
 
     def __init__(self, options: MethodOptions | None = None, **kwargs: Any) -> None:

@@ -11,6 +11,5 @@ class NearestClassMean(TrainingFree):
     """SimpleCIL: the frozen backbone's class means, cosine scores."""
 
     name = "ncm"
-    known_as = "SimpleCIL"
     default_head = "prototype"
     reference_name = "SimpleCIL"
