@@ -36,7 +36,7 @@ def test_the_quick_run_times_a_real_job_and_prints_the_verdict(tmp_path):
     assert "- target: make run <= 4 minutes on 2 idle cores: " in proc.stdout
     saved = json.loads(out.read_text())
     assert saved["wall_seconds"] > saved["results"]["meta"]["wall_seconds"] > 0
-    assert saved["results"]["meta"]["phase_seconds"]["model and data"] > 0
+    assert saved["results"]["meta"]["phase_seconds"]["model and data"] >= 0  # to 0.1 s: not a timing test
 
 
 @pytest.mark.slow

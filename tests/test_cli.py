@@ -48,7 +48,8 @@ def test_run_end_to_end_writes_results(tmp_path, tiny_backbone, capsys):
     # where the time went: the job's own phases beside the methods' sums, all within the job's wall time
     phases = results["meta"]["phase_seconds"]
     assert set(phases) == {"model and data", "saving adapters", "writing results"}
-    assert phases["model and data"] > 0 and phases["saving adapters"] > 0 and phases["writing results"] > 0
+    # recorded to 0.1 s: a tiny job's writes can round to 0.0, so their sizes are not asserted (no test on timing)
+    assert all(isinstance(v, float) and v >= 0 for v in phases.values()), phases
     spent = sum(r["train_seconds"] + r["eval_seconds"] for r in results["results"]) + sum(phases.values())
     assert spent <= results["meta"]["wall_seconds"] + 0.5
     assert "[peft-ext] where the " in out and " s went: training " in out and "saving adapters" in out
