@@ -248,7 +248,10 @@ def run_launcher(cmd: list[str], timeout: float = 150, ok: bool = True) -> tuple
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a worker that left the group still holds the pipes: fail, do not hang
+            stderr = "(a worker outlived the launcher and kept its output open)"
         pytest.fail(f"the 2-process run did not finish in {timeout} s:\n{stderr[-4000:]}")
     assert (proc.returncode == 0) == ok, f"{' '.join(cmd)}: exit status {proc.returncode}:\n{stderr[-4000:]}"
     return stdout, stderr
