@@ -54,9 +54,11 @@ from benchmarks._lib.cache import RunCache
 from benchmarks._lib.cli import benchmark_parser, int_options, parse
 from benchmarks._lib.data import minilm, tensor_bytes, wordnet_all_classes
 from benchmarks._lib.dct_tables import (
+    MAX_SHAPE,
     RANK_SCALE_RULES,
     TARGETS,
     add_rank_variants,
+    is_projected,
     refresh_verdicts,
     table_column_bias,
     table_energy,
@@ -68,7 +70,7 @@ from benchmarks._lib.protocol import Protocol, Study, log_grid, plot_lr_panels, 
 from benchmarks._lib.tables import fmt_bytes, fmt_s, markdown_table
 from peft_ext.continual import run_sequence
 from peft_ext.continual.evaluation import evaluate_heads
-from peft_ext.continual.methods.full_ft import MAX_SHAPE, FullFineTune, is_projected, named_trainable
+from peft_ext.continual.methods.full_ft import FullFineTune, named_trainable
 from peft_ext.optim.dct import clear_dct_cache, dct_cache_bytes
 
 

@@ -31,6 +31,11 @@ def _cmd_list(args: argparse.Namespace) -> int:
         print(f"  {name:<14} {cls.__module__}.{cls.__qualname__}")
     if not OPTIMIZERS:
         print("  (none registered yet)")
+    from peft_ext.optim.choices import OPTIMIZER_CHOICES
+
+    print("optimizers of a method's `optimizer:` section (what they step):")
+    for name, choice in sorted(OPTIMIZER_CHOICES.items()):
+        print(f"  {name:<18} {choice.steps:<20} {choice.summary}")
     print("continual methods (for configs):")
     for name, cls in sorted(CONTINUAL_METHODS.items()):
         doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""

@@ -48,7 +48,8 @@ SHRINK: dict[str, dict[str, Any]] = {
         "train": {"epochs": 2, "batch_size": 4},
         # 30x the shipped lr: at 1e-4 a dozen steps hardly move a random tiny model, and the three optimizers'
         # losses would differ by less than the tolerance
-        "full_ft": {"rank": 2, "lr": 3e-3},
+        "full_ft": {"lr": 3e-3},
+        "optimizer": {"rank": 2},  # into every method's optimizer section that has options
     },
 }
 
@@ -67,6 +68,8 @@ def shrunk_config(name: str, backbone: Path, out_dir: Path) -> dict[str, Any]:
             method["adapter"].update(edits["adapter"])
         if method["name"] in edits and method["name"] != "pclr":
             method.update(edits[method["name"]])
+        if isinstance(method.get("optimizer"), dict) and "optimizer" in edits:
+            method["optimizer"].update(edits["optimizer"])
     data["output"]["dir"] = str(out_dir)
     return data
 

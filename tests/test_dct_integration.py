@@ -13,7 +13,8 @@ from transformers import BertConfig, BertModel, Trainer, TrainingArguments
 
 from peft_ext.continual import TrainConfig, get_continual_method, run_sequence
 from peft_ext.continual.config import ConfigError, config_from_dict, load_config
-from peft_ext.continual.methods.full_ft import FullFineTune, is_projected
+from peft_ext.continual.methods.full_ft import FullFineTune
+from peft_ext.jobs.resume import config_hash
 from peft_ext.models import SentenceClassifier
 from peft_ext.optim import DCTAdamW
 
@@ -191,7 +192,11 @@ def test_peft_wrapped_model_with_trainer(tmp_path):
 @pytest.mark.parametrize("optimizer", ["adamw", "galore_adamw", "dct_adamw"])
 def test_full_ft_learns_each_task_with_every_optimizer(optimizer):
     seq = token_sequence()
-    method = get_continual_method("full_ft")(optimizer=optimizer, lr=3e-3, rank=4, scale=1.0)
+    targets = ["query", "key", "value", "dense"]
+    spec = (
+        optimizer if optimizer == "adamw" else {"name": optimizer, "rank": 4, "scale": 1.0, "target_modules": targets}
+    )
+    method = get_continual_method("full_ft")(optimizer=spec, lr=3e-3)
     result = run_sequence(
         seq,
         method,
@@ -209,35 +214,59 @@ def test_full_ft_builds_the_optimizer_it_names():
 
     model = tiny_classifier(4)
     params = list(model.parameters())
+    targets = ["query", "key", "value", "dense"]
     adamw = FullFineTune(optimizer="adamw", lr=1e-3).make_optimizer(model, params, None)
     assert type(adamw) is torch.optim.AdamW
-    dct = FullFineTune(optimizer="dct_adamw", lr=1e-3, rank=4, moments_8bit=True).make_optimizer(model, params, None)
-    assert isinstance(dct, DCTAdamW) and dct.param_groups[0]["update_proj_gap"] == 1
+    dct_spec = {"name": "dct_adamw", "rank": 4, "moments_8bit": True, "target_modules": targets}
+    dct = FullFineTune(optimizer=dct_spec, lr=1e-3).make_optimizer(model, params, None)
+    assert isinstance(dct, DCTAdamW) and dct.param_groups[0]["update_proj_gap"] == 1  # DCT-AdamW's own default
     assert dct.param_groups[0]["moments_8bit"]
-    galore = FullFineTune(optimizer="galore_adamw", lr=1e-3, rank=4).make_optimizer(model, params, None)
+    galore_spec = {"name": "galore_adamw", "rank": 4, "target_modules": targets}
+    galore = FullFineTune(optimizer=galore_spec, lr=1e-3).make_optimizer(model, params, None)
     assert isinstance(galore, GaLoreAdamW)
     projected_group = next(g for g in galore.param_groups if "rank" in g)
-    assert projected_group["update_proj_gap"] == 200 and projected_group["rank"] == 4
-    # both low-rank optimizers project exactly the same matrices
+    assert projected_group["update_proj_gap"] == 200 and projected_group["rank"] == 4  # GaLore's own gap
+    # both low-rank optimizers project exactly the same matrices: the 2-D weights of the targets
     galore_ids = {id(p) for p in projected_group["params"]}
     dct_projected = {n for n, _, r in dct.projection_plan() if r is not None}
     names = {id(p): n for n, p in model.named_parameters()}
     assert {names[i] for i in galore_ids} == dct_projected
-    assert dct_projected and all(
-        is_projected(n, dict(model.named_parameters())[n], ["query", "key", "value", "dense"]) for n in dct_projected
-    )
+    expected = {n for n, p in model.named_parameters() if p.ndim == 2 and n.split(".")[-2] in targets}
+    assert dct_projected == expected and expected
+
+
+def test_full_ft_takes_the_old_flat_optimizer_keys_with_a_warning():
+    with pytest.warns(DeprecationWarning, match=r"optimizer: \{name: 'dct_adamw', rank: 4, scale: 2.0\}"):
+        method = FullFineTune(optimizer="dct_adamw", lr=1e-3, rank=4, scale=2.0)
+    assert method.options.optimizer["rank"] == 4 and method.options.optimizer["scale"] == 2.0
+    with pytest.warns(DeprecationWarning):
+        config = config_from_dict({"methods": [{"name": "full_ft", "optimizer": "dct_adamw", "rank": 4}]})
+    assert config.methods[0].options.optimizer == method.options.optimizer | {"scale": 1.0}
+
+
+def test_one_optimizer_spelt_two_ways_is_one_setting():
+    """The fingerprint guarding `--resume` holds the effective settings: a name and its defaults written out agree."""
+
+    def config(optimizer):
+        return config_from_dict({"methods": [{"name": "full_ft", "lr": 1e-3, "optimizer": optimizer}]})
+
+    short, spelt = config("dct_adamw"), config({"name": "dct_adamw", "rank": 128})
+    assert config_hash(short) == config_hash(spelt) != config_hash(config({"name": "dct_adamw", "rank": 64}))
 
 
 @pytest.mark.parametrize(
     ("options", "message"),
     [
         ({"optimizer": "sgd"}, r"`methods\[0\].optimizer` must be one of"),
-        ({"optimizer": "dct_adamw", "rank": 0}, r"`methods\[0\].rank` must be a positive integer, got 0"),
-        ({"optimizer": "dct_adamw", "update_proj_gap": 0}, r"`methods\[0\].update_proj_gap` must be a positive"),
-        ({"optimizer": "galore_adamw", "scale": 0}, r"`methods\[0\].scale` must be > 0"),
-        ({"optimizer": "dct_adamw", "target_modules": []}, r"`methods\[0\].target_modules` must name at least one"),
-        ({"optimizer": "dct_adamw", "betas": [0.9]}, r"`methods\[0\].betas` must be two numbers"),
-        ({"optimizer": "dct_adamw", "dct_method": "svd"}, r"`methods\[0\].dct_method` must be one of"),
+        ({"optimizer": {"name": "dct_adamw", "rank": 0}}, r"`methods\[0\].optimizer` 'dct_adamw': `rank` must be a "),
+        ({"optimizer": {"name": "dct_adamw", "update_proj_gap": 0}}, r"`update_proj_gap` must be a positive"),
+        ({"optimizer": {"name": "galore_adamw", "scale": 0}}, r"'galore_adamw': `scale` must be > 0"),
+        ({"optimizer": {"name": "galore_adamw", "target_modules": []}}, r"`target_modules` must name at least one"),
+        ({"optimizer": {"name": "dct_adamw", "betas": [0.9]}}, r"'dct_adamw': `betas`"),
+        ({"optimizer": {"name": "dct_adamw", "dct_method": "svd"}}, r"`dct_method` must be one of"),
+        ({"optimizer": {"name": "dct_adamw", "ranks": 8}}, r"`methods\[0\].optimizer.ranks` is not an option of"),
+        ({"optimizer": "muon"}, r"'muon' steps lora factors, which this method does not offer; it can train with"),
+        ({"optimizer": {"rank": 8}}, r"`methods\[0\].optimizer` must be a name or a mapping with a `name`"),
     ],
 )
 def test_full_ft_options_are_validated_in_configs(options, message):
@@ -254,8 +283,12 @@ def test_shipped_config_uses_every_eligible_class():
         c for c in class_counts().values() if c["train"] >= data.train_per_class and c["test"] >= data.test_per_class
     ]
     assert data.n_tasks == 1 and data.classes_per_task == len(eligible)
-    assert [m.options.optimizer for m in cfg.methods] == ["adamw", "galore_adamw", "dct_adamw"]
-    assert cfg.methods[1].options.rank == cfg.methods[2].options.rank
+    galore, dct = (cfg.methods[i].options.optimizer for i in (1, 2))
+    assert [m.options.optimizer["name"] for m in cfg.methods] == ["adamw", "galore_adamw", "dct_adamw"]
+    # the comparison isolates the projection: the same matrices, rank, multiplier and Adam settings
+    same = ("rank", "scale", "target_modules", "max_shape", "eps", "betas")
+    assert {k: galore[k] for k in same} == {k: dct[k] for k in same}
+    assert cfg.methods[0].options.optimizer["eps"] == dct["eps"]
 
 
 @pytest.mark.slow

@@ -517,8 +517,8 @@ def on_every_step(monkeypatch, cls: type, before_step: Callable, after_step: Cal
 
 SINGLE_TASK = {
     "riemannion": {"lr": 3e-2, "head_lr": 1e-2, "loi_batches": 2, "adapter": {"r": R, "target_modules": QUERY_VALUE}},
-    "full_ft_dct": {"lr": 3e-3, "optimizer": "dct_adamw", "rank": R, "target_modules": QUERY_VALUE},
-    "full_ft_galore": {"lr": 3e-3, "optimizer": "galore_adamw", "rank": R, "target_modules": QUERY_VALUE},
+    "full_ft_dct": {"lr": 3e-3, "optimizer": {"name": "dct_adamw", "rank": R, "target_modules": QUERY_VALUE}},
+    "full_ft_galore": {"lr": 3e-3, "optimizer": {"name": "galore_adamw", "rank": R, "target_modules": QUERY_VALUE}},
 }
 
 

@@ -50,10 +50,10 @@ def _adapter_alone(result) -> float:
 @pytest.mark.parametrize(
     "opts, learns",
     [
-        ({"init": "loi", "variant": "muon", "lr": 0.05}, True),
-        ({"init": "random", "variant": "muon", "lr": 0.05, "nesterov": True}, True),
-        ({"init": "loi", "variant": "sgd", "lr": 0.5}, True),
-        ({"init": "loi", "variant": "sgd", "lr": FROZEN}, False),
+        ({"init": "loi", "optimizer": "riemannion", "lr": 0.05}, True),
+        ({"init": "random", "optimizer": {"name": "riemannion", "nesterov": True}, "lr": 0.05}, True),
+        ({"init": "loi", "optimizer": "riemannlora", "lr": 0.5}, True),
+        ({"init": "loi", "optimizer": "riemannlora", "lr": FROZEN}, False),
     ],
     ids=["loi-muon", "random-muon-nesterov", "loi-sgd", "dead-adapter"],
 )
@@ -67,7 +67,7 @@ def test_riemannion_learns_every_task_through_its_adapter(seq, opts, learns):
 
 def test_riemannion_builds_the_optimizer_and_loi_keeps_the_output(seq):
     method = get_continual_method("riemannion")(
-        lr=0.05, head_lr=1e-3, variant="sgd", loi_batches=2, adapter={"r": 4, "target_modules": QUERY_VALUE}
+        lr=0.05, head_lr=1e-3, optimizer="riemannlora", loi_batches=2, adapter={"r": 4, "target_modules": QUERY_VALUE}
     )
     base = tiny_classifier(seq.num_classes)
     ctx = RunContext(sequence=seq, train=FAST, collate=stack_collate, device=torch.device("cpu"))
@@ -142,7 +142,11 @@ def test_lora_ga_rewrites_the_base_but_keeps_the_output(seq):
     [
         ({"init": "pissa"}, "`init` must be 'loi' or 'random', got 'pissa'"),
         ({"variant": "adam"}, "`variant` must be 'muon' or 'sgd', got 'adam'"),
-        ({"momentum": 1.0}, r"`momentum` must be in \[0, 1\), got 1.0"),
+        (
+            {"optimizer": "adamw"},
+            "'adamw' steps parameters, which this method does not offer; it can train with riemannion",
+        ),
+        ({"optimizer": {"name": "riemannion", "momentum": 1.0}}, r"`momentum` must be in \[0, 1\), got 1.0"),
         ({"loi_batches": 0}, "`loi_batches` must be a positive integer, got 0"),
         ({"head_lr": 0.0}, r"`head_lr` must be > 0 \(or unset\), got 0.0"),
     ],
@@ -158,7 +162,7 @@ def test_the_shipped_config_is_valid_and_compares_all_six_methods():
     assert labels == ["riemannion_loi", "riemannion_random", "lora_adamw", "lora_rprec", "lora_ga", "lora_muon"]
     assert config.data.n_tasks == 1 and config.train.train_logit_mask == "all"
     riemannion = config.methods[0].options
-    assert riemannion.adapter.r == 16 and riemannion.init == "loi" and riemannion.variant == "muon"
+    assert riemannion.adapter.r == 16 and riemannion.init == "loi" and riemannion.optimizer["name"] == "riemannion"
     assert {m.options.adapter.r for m in config.methods} == {16}
     assert len({m.options.head_lr for m in config.methods}) == 1, "every method must train the head the same way"
     with pytest.raises(ConfigError, match="methods"):

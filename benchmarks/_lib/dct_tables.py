@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from peft_ext.continual.methods.full_ft import is_projected
+from peft_ext.optim.choices import GaLoreAdamWChoice
 from peft_ext.optim.dct import dct2, dct_matrix, dct_select, projection_side
 from peft_ext.optim.subspace import coordinate_select, power_refresh
 
@@ -32,6 +32,13 @@ from .tables import fmt_s, markdown_table
 from .timing import Interleaved, median_time, timed
 
 TARGETS = ["query", "key", "value", "dense"]
+#: Matrices with a dimension at least this large (embeddings, LM heads) are never projected, by any optimizer.
+MAX_SHAPE = 32_000
+
+
+def is_projected(name: str, p: torch.Tensor, targets: list[str]) -> bool:
+    """Whether every low-rank optimizer here projects ``name``: a 2-D weight below :data:`MAX_SHAPE` in ``targets``."""
+    return GaLoreAdamWChoice.projects(name, p, {"max_shape": MAX_SHAPE, "target_modules": targets})
 
 
 # ----------------------------------------------------------------------------------------------------------------

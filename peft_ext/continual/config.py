@@ -15,9 +15,10 @@ from typing import Any, Literal
 
 import yaml
 
-from ..data import DATASETS, SHIPPED, SHIPPED_INSTRUCTIONS, check_dataset, is_instruction_dataset
+from ..data import DATASETS, SHIPPED, SHIPPED_INSTRUCTIONS, check_dataset, sequence_kind
 from ..data.tasks import PROTOCOLS
 from ..fingerprint import FINGERPRINT, added_later, not_a_setting
+from ..models.kinds import MODEL_KINDS, model_kind
 from .config_schema import (  # noqa: F401 (re-exported: the config's error and builders)
     ConfigError,
     build_adapter_section,
@@ -28,7 +29,7 @@ from .config_schema import (  # noqa: F401 (re-exported: the config's error and 
     unknown_value,
 )
 from .context import TrainConfig
-from .methods import AdapterOptions, MethodOptions, get_continual_method
+from .methods import MethodOptions, get_continual_method
 
 
 @dataclass
@@ -72,19 +73,7 @@ class ModelSection:
             raise ValueError(f"`dropout` must be in [0, 1), got {self.dropout}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"`max_new_tokens` must be a positive integer, got {self.max_new_tokens}")
-        if self.kind == "classifier":
-            if self.max_new_tokens is not None:
-                raise ValueError("`max_new_tokens` is for `kind: causal_lm`")
-            causal_only = (
-                ("dtype", "float32"),
-                ("load_in_4bit", False),
-                ("separator", None),
-                ("chat_template", False),
-                ("system_prompt", None),
-            )
-            for key, default in causal_only:
-                if getattr(self, key) != default:
-                    raise ValueError(f"`{key}` is for `kind: causal_lm`; a classifier trains in float32")
+        model_kind(self.kind).check_options(self)  # the options of another kind are refused
         if self.system_prompt is not None and not self.chat_template:
             raise ValueError("`system_prompt` is a message of the chat template: set `chat_template: true` with it")
         check_local_model_path("backbone", self.backbone)
@@ -390,8 +379,7 @@ def _build_method(data: Any, index: int) -> MethodEntry:
         cls = get_continual_method(data["name"])
     except ValueError as err:
         raise ConfigError(f"`{prefix}name`: {err}") from None
-    if issubclass(cls.options_cls, AdapterOptions):
-        data = cls.options_cls.nest_flat_keys(data, prefix)
+    data = cls.options_cls.nest_flat_keys(data, prefix)
     options = build_section(cls.options_cls, data, prefix, skip=("name",))
     if cls.trains and "lr" not in data and hasattr(options, "lr"):
         warnings.warn(
@@ -406,14 +394,15 @@ def _build_method(data: Any, index: int) -> MethodEntry:
 def get_setting(options: Any, key: str) -> Any:
     """The value of the dotted ``key`` (``adapter.trade_off``) in ``options``, as :func:`with_setting` reads it."""
     for part in key.split("."):
-        options = getattr(options, part)
+        options = options[part] if isinstance(options, dict) else getattr(options, part)
     return options
 
 
 def with_setting(options: Any, key: str, value: Any, prefix: str = "") -> Any:
-    """A copy of ``options`` with the dotted ``key`` (``adapter.trade_off``) set to ``value``; nested dataclasses
-    (an adapter config) are copied with :func:`dataclasses.replace`, so their own checks run, and the method's
-    options are validated again.
+    """A copy of ``options`` with the dotted ``key`` (``adapter.trade_off``, ``optimizer.rank``) set to ``value``;
+    nested dataclasses (an adapter config) are copied with :func:`dataclasses.replace`, so their own checks run, a
+    section held as a mapping (``optimizer``) is copied with the key set, and the method's options are validated
+    again.
 
     Raises:
         ConfigError: ``key`` names no option (with the valid ones), or ``value`` is not valid for it.
@@ -423,10 +412,12 @@ def with_setting(options: Any, key: str, value: Any, prefix: str = "") -> Any:
     if head not in names:
         raise unknown_key(head, prefix, names)
     current = getattr(options, head)
-    if rest and not dataclasses.is_dataclass(current):
+    if rest and isinstance(current, dict) and "." not in rest:  # a section held as a mapping (`optimizer.rank`)
+        inner = {**current, rest: value}
+    elif rest and not dataclasses.is_dataclass(current):
         raise ConfigError(f"`{prefix}{head}` is a {type(current).__name__}, not a section with a `{rest}`")
-    # a ConfigError from below names its whole key
-    inner = with_setting(current, rest, value, f"{prefix}{head}.") if rest else value
+    else:  # a ConfigError from below names its whole key
+        inner = with_setting(current, rest, value, f"{prefix}{head}.") if rest else value
     try:
         new = dataclasses.replace(options, **{head: inner})
         if hasattr(new, "validate"):
@@ -452,6 +443,22 @@ def _check_tuned_settings(tune: TuneSection, entries: list[MethodEntry]) -> None
                     raise ConfigError(f"`tune.settings.{method}`: {err}") from None
 
 
+def _check_model_fits_data(model: ModelSection, dataset: str) -> None:
+    """The model kind learns the kind of task sequence the data set holds (a classifier classification data, a causal
+    LM instruction tasks)."""
+    kind, holds = model_kind(model.kind), sequence_kind(dataset)
+    if holds == kind.sequence_kind:
+        return
+    if kind is model_kind(ModelSection.kind):  # the default kind: the data set is what asks for another
+        fitting = " / ".join(k.name for k in MODEL_KINDS.values() if k.sequence_kind == holds)
+        lead = f"`data.dataset: {dataset}` and `model.kind: {fitting}` go together"
+    else:
+        fitting = " / ".join(name for name in DATASETS if sequence_kind(name) == kind.sequence_kind)
+        lead = f"`model.kind: {kind.name}` and `data.dataset: {fitting}` go together"
+    said = "; ".join(f"{k.name}: {k.summary}" for k in MODEL_KINDS.values())
+    raise ConfigError(f"{lead} ({said}), got dataset {dataset!r} with kind {model.kind!r}")
+
+
 def config_from_dict(data: Any) -> RunConfig:
     """Validate a parsed YAML document and build a :class:`RunConfig`."""
     if not isinstance(data, dict):
@@ -471,17 +478,7 @@ def config_from_dict(data: Any) -> RunConfig:
     if not isinstance(name, str) or not name:
         raise ConfigError(f"`name` must be a non-empty string, got {name!r}")
     built = {key: build_section(cls, data.get(key), f"{key}.") for key, cls in sections.items()}
-    dataset, kind = built["data"].dataset, built["model"].kind
-    if is_instruction_dataset(dataset) != (kind == "causal_lm"):
-        if is_instruction_dataset(dataset):
-            lead = f"`data.dataset: {dataset}` and `model.kind: causal_lm` go together"
-        else:
-            instruction_sets = " / ".join(name for name in DATASETS if is_instruction_dataset(name))
-            lead = f"`model.kind: causal_lm` and `data.dataset: {instruction_sets}` go together"
-        raise ConfigError(
-            f"{lead} (instruction tasks train a causal LM; classification data an encoder with a head), got dataset "
-            f"{dataset!r} with kind {kind!r}"
-        )
+    _check_model_fits_data(built["model"], built["data"].dataset)
     methods = data.get("methods")
     if not isinstance(methods, list) or not methods:
         raise ConfigError(f"`methods` must be a non-empty list of methods, got {methods!r}")

@@ -41,6 +41,8 @@ __all__ = [
     "MODEL_FILE",
     "TrainedClassifier",
     "TrainedGenerator",
+    "load_classifier",
+    "load_generator",
     "load_trained",
     "read_texts",
     "save_trained",
@@ -235,7 +237,8 @@ class TrainedGenerator:
         return self.answer(texts, batch_size)
 
 
-def _load_generator(directory: Path, meta: dict[str, Any]) -> TrainedGenerator:
+def load_generator(directory: Path, meta: dict[str, Any]) -> TrainedGenerator:
+    """The causal-LM method saved in ``directory`` (its description ``meta`` records the ``model`` section)."""
     from safetensors.torch import load_file
 
     from ..models import load_causal_lm
@@ -270,15 +273,14 @@ def _with_adapter(model: nn.Module, directory: Path) -> nn.Module:
 
 def load_trained(directory: Union[str, Path]) -> TrainedClassifier | TrainedGenerator:
     """Load a method's folder written by :func:`save_trained` (``peft-ext run`` writes one per method under
-    ``output.dir/adapters``): a :class:`TrainedClassifier`, or for a causal-LM job a :class:`TrainedGenerator`.
+    ``output.dir/adapters``): a :class:`TrainedClassifier`, or for a causal-LM job a :class:`TrainedGenerator`, as
+    the model kind its description records loads it (:mod:`peft_ext.models.kinds`).
 
     Raises:
-        ValueError: The folder holds no saved method (naming what it does hold).
+        ValueError: The folder holds no saved method (naming what it does hold), or one of a model kind this
+            peft-ext does not know.
     """
-    from safetensors.torch import load_file
-
-    from ..models import load_text_classifier
-    from .heads.base import build_head
+    from ..models.kinds import Classifier, model_kind
 
     directory = Path(directory)
     path = directory / MODEL_FILE
@@ -289,13 +291,17 @@ def load_trained(directory: Union[str, Path]) -> TrainedClassifier | TrainedGene
     meta = json.loads(path.read_text())
     if meta.get("format") != FORMAT:
         raise ValueError(f"{str(path)!r} has format {meta.get('format')!r}; this peft-ext reads format {FORMAT}")
-    if meta.get("kind", "classifier") == "causal_lm":
-        if "model" not in meta:
-            raise ValueError(
-                f"{str(directory)!r} holds a causal-LM method saved before its prompt settings were recorded: load "
-                "its adapter with PeftModel.from_pretrained on the backbone and generate, or run the job again"
-            )
-        return _load_generator(directory, meta)
+    # a description without "kind" was saved before causal LMs were: a classifier
+    return model_kind(meta.get("kind", Classifier.name)).load_trained(directory, meta)
+
+
+def load_classifier(directory: Path, meta: dict[str, Any]) -> TrainedClassifier:
+    """The classification method saved in ``directory``, whose description is ``meta``."""
+    from safetensors.torch import load_file
+
+    from ..models import load_text_classifier
+    from .heads.base import build_head
+
     model, tokenizer = load_text_classifier(
         meta["backbone"], meta["num_classes"], meta.get("dropout", 0.0), seed=meta.get("seed", 0)
     )

@@ -444,7 +444,7 @@ def write_trl_files(sequence: TaskSequence, folder: str | Path) -> list[Path]:
     Returns:
         The files written, task by task, in the order train, validation, test.
     """
-    if sequence.kind != "generation":
+    if not sequence.holds_instructions:
         raise ValueError(f"`sequence` {sequence.name!r} holds {sequence.kind} tasks; TRL files hold instructions")
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from .provenance import DebianSource, HashSplit, License
 from .shipped import ShippedDataset
+from .tasks import SEQUENCE_KINDS
 
 __all__ = [
     "DATASETS",
@@ -243,7 +244,7 @@ def sequence_kind(name: str) -> str:
 
 def is_instruction_dataset(name: str) -> bool:
     """Whether ``data.dataset`` ``name`` holds instruction tasks, which train a ``causal_lm`` (and only it)."""
-    return sequence_kind(name) == "generation"
+    return SEQUENCE_KINDS[sequence_kind(name)].holds_instructions
 
 
 def shipped_dataset(name: str) -> ShippedDataset:

@@ -16,10 +16,31 @@ from typing import Any, Literal
 
 PROTOCOLS = ("class-incremental", "task-incremental")
 Protocol = Literal["class-incremental", "task-incremental"]
-KINDS = ("classification", "generation")
 #: What a task's test examples can be scored by (:attr:`Task.metric`).
 TASK_METRICS = ("accuracy", "exact_match", "rouge_l")
 Kind = Literal["classification", "generation"]
+
+
+@dataclass(frozen=True)
+class SequenceKind:
+    """What the examples of one kind of task sequence are: the data's side of a kind (what a run does with it is
+    :mod:`peft_ext.continual.task_kinds`' side).
+
+    Args:
+        name: The kind's name (:attr:`TaskSequence.kind`).
+        holds_instructions: Its examples carry an :class:`Instruction` (prompt and answer, for a causal LM) instead
+            of an input with a class label.
+    """
+
+    name: str
+    holds_instructions: bool
+
+
+#: The kinds of task sequence by name.
+SEQUENCE_KINDS: dict[str, SequenceKind] = {
+    kind.name: kind for kind in (SequenceKind("classification", False), SequenceKind("generation", True))
+}
+KINDS = tuple(SEQUENCE_KINDS)
 
 
 @dataclass(frozen=True)
@@ -124,7 +145,7 @@ class TaskSequence:
             raise ValueError(f"`protocol` must be one of {PROTOCOLS}, got {self.protocol!r}")
         if self.kind not in KINDS:
             raise ValueError(f"`kind` must be one of {KINDS}, got {self.kind!r}")
-        if self.kind == "generation":
+        if self.holds_instructions:
             for task in self.tasks:
                 bad = next(
                     (ex for ex in task.train + task.test + task.validation if not isinstance(ex.inputs, Instruction)),
@@ -148,6 +169,11 @@ class TaskSequence:
 
     def __len__(self) -> int:
         return len(self.tasks)
+
+    @property
+    def holds_instructions(self) -> bool:
+        """Its examples carry an :class:`Instruction` (its kind's :attr:`SequenceKind.holds_instructions`)."""
+        return SEQUENCE_KINDS[self.kind].holds_instructions
 
     @property
     def num_classes(self) -> int:

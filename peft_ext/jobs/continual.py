@@ -48,11 +48,12 @@ from ..continual.trained import save_trained, saved_methods
 from ..data.tasks import TaskSequence
 from ..distributed import on_rank_zero, rank, rank_zero_first, world_size
 from ..fingerprint import json_default
+from ..models.kinds import model_kind
 from .errors import JobFailed, one_line
 from .launch import check_world_size, launcher_sharding
 from .resume import config_hash, finished_results
 from .saved import default_method
-from .sequence import build_sequence, causal_collate, sequence_summary
+from .sequence import build_sequence, sequence_summary
 
 __all__ = ["ConsoleLog", "ContinualJob", "JobCallback", "ResultsWriter", "effective_settings", "run_job"]
 
@@ -309,20 +310,15 @@ class ContinualJob:
 
     def build(self) -> None:
         """``sequence`` (tokenized once for your files), ``base`` (the backbone) and ``collate``."""
-        from ..data.collate import TextCollator
-        from ..models import load_causal_lm, load_text_classifier
-
         config = self.config
-        causal = config.model.kind == "causal_lm"
-        tokenizer = None
-        if causal:  # the tokenizer renders conversational rows, so it comes first
-            self.base, tokenizer = load_causal_lm(config.model.backbone, config.model.dtype, config.model.load_in_4bit)
-        # reading user files fills the `datasets` cache, which the other processes then only read
-        sequence = rank_zero_first(lambda: build_sequence(config, tokenizer))
-        if not causal:
-            self.base, tokenizer = load_text_classifier(
-                config.model.backbone, sequence.num_classes, config.model.dropout, seed=config.train.seed
-            )
+        kind = model_kind(config.model.kind)
+        # the kind loads the backbone before or after the sequence (a causal LM's tokenizer renders conversational
+        # rows); reading user files fills the `datasets` cache, which the other processes then only read
+        self.base, tokenizer, sequence = kind.load_for_job(
+            config.model,
+            lambda tokenizer: rank_zero_first(lambda: build_sequence(config, tokenizer)),
+            seed=config.train.seed,
+        )
         if config.data.dataset == "files":  # tokenized once (cached by `datasets`), not by every method's collate
             from ..data.user_data import tokenize_sequence
 
@@ -336,10 +332,7 @@ class ContinualJob:
             # what the sequence costs the model's general ability: perplexity of text no task trains on
             sequence.held_out_text = list(held_out_text())
         self.sequence = sequence
-        if causal:
-            self.collate = causal_collate(tokenizer, config.model)
-        else:
-            self.collate = TextCollator(tokenizer, config.model.max_length)
+        self.collate = kind.collate(config.model, tokenizer)
         # the methods that train nothing read the same backbone's features: computed once for the job
         self.frozen_features = FrozenFeatures()
 
@@ -443,8 +436,9 @@ class ContinualJob:
         if rank() != 0:
             return
         config, sequence = self.config, self.sequence
+        kind = model_kind(config.model.kind)
         description = {
-            "kind": "causal_lm" if config.model.kind == "causal_lm" else "classifier",
+            "kind": kind.name,
             "method": method,
             "label": label,
             "backbone": config.model.backbone,
@@ -455,10 +449,9 @@ class ContinualJob:
             "max_length": config.model.max_length,
             "final_acc": result.metrics.get("final_acc"),
             "config": config.name,
+            **kind.saved_settings(config.model),  # a causal LM's prompt settings
         }
         folder = re.sub(r"[^\w.+-]", "_", label)
-        if config.model.kind == "causal_lm":
-            description["model"] = dataclasses.asdict(config.model)  # what rebuilds the prompts: chat, separator
         merge = method_capability(method, "rewraps_model")  # earlier tasks live in the backbone, not the adapter
         with self.timed("saving adapters"):
             save_trained(

@@ -19,6 +19,7 @@ from typing import Any
 
 from ..continual.config import ConfigError, RunConfig, unknown_value
 from ..continual.methods import get_continual_method
+from ..models.kinds import model_kind
 from ..tuners import matches_targets
 
 __all__ = [
@@ -251,31 +252,14 @@ def check_adapters(config: RunConfig, model_config: Any) -> None:
     """Raise ``ConfigError`` when a method's ``target_modules`` match no linear layer of the backbone, or (a method
     whose ``rank_bounded_by_input_width``) its ``r`` is above a matched layer's input width.
 
-    The backbone is built on the meta device from ``model_config``: no weights are read or allocated.
+    The backbone is built on the meta device from ``model_config``, as the model kind names its layers
+    (:meth:`~peft_ext.models.kinds.ModelKind.linear_layers`): no weights are read or allocated.
 
     Args:
         config: The validated run config.
         model_config: The backbone's ``transformers`` config (:func:`check_backbone`).
     """
-    import torch
-    from torch import nn
-    from transformers import AutoModel
-
-    causal = config.model.kind == "causal_lm"
-    with torch.device("meta"):
-        if causal:
-            from transformers import AutoModelForCausalLM
-
-            model = AutoModelForCausalLM.from_config(model_config)
-        else:
-            model = AutoModel.from_config(model_config)
-    # A classifier wraps the encoder as ``SentenceClassifier.encoder``; a causal LM's LM head is no target
-    prefix = "" if causal else "encoder."
-    linears = {
-        f"{prefix}{n}": m
-        for n, m in model.named_modules()
-        if isinstance(m, nn.Linear) and not (causal and n.endswith("lm_head"))
-    }
+    linears = model_kind(config.model.kind).linear_layers(model_config)
     for entry in config.methods:
         targets, r = _targets_and_rank(entry.options)
         if not targets or targets == "all-linear":
@@ -366,11 +350,11 @@ def preflight(config: Any) -> Any:
 
 def preflight_continual(config: RunConfig) -> Any:
     """A continual job's checks: the backbone, its tokenizer, the data and each method's adapter against the
-    backbone's structure (and, for a causal LM, every instruction's length); returns the task sequence."""
+    backbone's structure, and the model kind's own checks (a causal LM's: every instruction's length); returns the
+    task sequence."""
     model_config = check_backbone(config.model.backbone)
     tokenizer = check_tokenizer(config.model.backbone)
     sequence = check_data(config, tokenizer)
-    if config.model.kind == "causal_lm":
-        check_instruction_lengths(config, tokenizer, sequence, model_config)
+    model_kind(config.model.kind).preflight(config, tokenizer, sequence, model_config)
     check_adapters(config, model_config)
     return sequence

@@ -23,6 +23,7 @@ from peft import LoraConfig
 from torch import nn
 
 from ...fingerprint import added_later
+from ...optim.choices import optimizer_spec
 from ..heads.base import HEADS, feature_heads, head_options
 from ..state_codec import decode_state, encode_state
 from ..task_kinds import task_kind
@@ -53,12 +54,34 @@ class MethodOptions:
             head must be one that learns from features).
     """
 
+    #: Old flat option names that became keys of the method's ``optimizer`` section (``rank`` -> ``rank``), on
+    #: methods whose options have one.
+    legacy_optimizer_keys: ClassVar[dict[str, str]] = {}
+
     lr: float = 1e-3
     weight_decay: float = 0.0
     label: str | None = None
     head: str | dict[str, Any] | None = added_later(None)
     compare_heads: list[str | dict[str, Any]] = added_later(default_factory=list)
     adapt: str = added_later("every_task")
+
+    @classmethod
+    def nest_flat_keys(cls, data: dict[str, Any], where: str = "") -> dict[str, Any]:
+        """Move old flat keys of ``data`` into the sections that now hold them (here: ``optimizer``), with a
+        ``DeprecationWarning`` showing the new form.
+
+        Args:
+            data: Option values by name.
+            where: Key prefix for the warning (``methods[2].``).
+        """
+        moved = {old: new for old, new in cls.legacy_optimizer_keys.items() if old in data}
+        if not moved:
+            return data
+        data = dict(data)
+        default = next(f.default for f in dataclasses.fields(cls) if f.name == "optimizer")
+        name = data.get("optimizer", default)
+        data["optimizer"] = {"name": name} if isinstance(name, str) else name
+        return nest_into_section(data, moved, "optimizer", where)
 
     def validate(self) -> None:
         if not self.lr > 0:
@@ -116,7 +139,7 @@ def nest_into_section(data: dict[str, Any], moved: dict[str, str], section: str,
     for old, new in moved.items():
         nested[new] = data.pop(old)
     data[section] = nested
-    shown = ", ".join(f"{new}: {nested[new]!r}" for new in moved.values())
+    shown = ", ".join(f"{key}: {value!r}" for key, value in nested.items())
     warnings.warn(
         f"`{where}{next(iter(moved))}` and the other {section} fields moved into the {section} section: write "
         f"`{section}: {{{shown}}}` (flat {section} keys will stop working)",
@@ -163,6 +186,7 @@ class AdapterOptions(MethodOptions):
             data: Option values by name.
             where: Key prefix for the warning (``methods[2].``).
         """
+        data = super().nest_flat_keys(data, where)
         own = {f.name for f in dataclasses.fields(cls)}
         adapter_keys = set(cls.adapter_keys())
         moved = {k: cls.legacy_names.get(k, k) for k in data if k not in own}
@@ -246,8 +270,7 @@ class ContinualMethod:
 
     def __init__(self, options: MethodOptions | None = None, **kwargs: Any) -> None:
         if options is None:
-            if issubclass(self.options_cls, AdapterOptions):
-                kwargs = self.options_cls.nest_flat_keys(kwargs)
+            kwargs = self.options_cls.nest_flat_keys(kwargs)
             options = self.options_cls(**kwargs)
         elif kwargs:
             raise TypeError("pass either an options object or keyword options, not both")
@@ -300,7 +323,10 @@ class ContinualMethod:
     def needs_whole_parameters(self) -> str | None:
         """Why the method cannot train on FSDP2 shards (``train.sharding: fsdp2``), or ``None`` when it can; such a
         method trains data-parallel with whole parameters on every process."""
-        return "it re-wraps its model every task" if self.rewraps_model else None
+        if self.rewraps_model:
+            return "it re-wraps its model every task"
+        optimizer = getattr(self.options, "optimizer", None)
+        return None if optimizer is None else optimizer_spec(optimizer)[0].whole_parameters
 
     def state_dict(self) -> dict[str, Any]:
         """:attr:`state` as data ``torch.load(weights_only=True)`` reads back (generators as their state tensor)."""

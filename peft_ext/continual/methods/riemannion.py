@@ -1,18 +1,20 @@
-"""``riemannion``: the Riemannion adapter trained by :class:`~peft_ext.optim.Riemannion` (``variant: muon``) or
-:class:`~peft_ext.optim.RiemannLoRA` (``variant: sgd``), started at a random point or at the LOI point (``init: loi``,
-computed on the first task's data before it is trained). The classification head is a ``modules_to_save`` copy
-trained by AdamW at ``head_lr`` (default ``lr``), as in ``lora_opt``, so a comparison isolates the adapters."""
+"""``riemannion``: the Riemannion adapter trained by :class:`~peft_ext.optim.Riemannion` (``optimizer: riemannion``)
+or :class:`~peft_ext.optim.RiemannLoRA` (``optimizer: riemannlora``), started at a random point or at the LOI point
+(``init: loi``, computed on the first task's data before it is trained). The classification head is a
+``modules_to_save`` copy trained by AdamW at ``head_lr`` (default ``lr``), as in ``lora_opt``, so a comparison
+isolates the adapters."""
 
 from __future__ import annotations
 
 import random
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
-from ...optim.riemannion import create_riemannion_optimizer
+from ...optim.choices import OptimizerRequest, check_optimizer, optimizer_spec
 from ...tuners.riemannion import RiemannionConfig, initialize_loi
 from .base import AdapterOptions, ContinualMethod, head_module_name, register_continual_method
 
@@ -32,10 +34,9 @@ class RiemannionOptions(AdapterOptions):
             ``riemannion_dropout``, ...); YAML ``adapter: {r: 16, target_modules: [query, value]}``. The method sets
             ``modules_to_save`` (the head).
         init: ``loi`` (gradient-informed, on the first task) or ``random``.
-        variant: ``muon`` (Riemannion: orthogonalized steps, ``lr`` in spectral-norm units) or ``sgd``
-            (RiemannLoRA: Riemannian gradient steps, ``lr`` in Frobenius units).
-        momentum: Momentum coefficient.
-        nesterov: Nesterov momentum.
+        optimizer: ``riemannion`` (orthogonalized steps, ``lr`` in spectral-norm units) or ``riemannlora``
+            (Riemannian gradient steps, ``lr`` in Frobenius units), by name or as a mapping with options
+            (``{name: riemannion, momentum: 0.9, nesterov: true}``).
         head_lr: AdamW learning rate of the head (default ``lr``).
         loi_batches: Calibration batches (of ``train.batch_size``) for LOI.
         loi_oversampling: LOI's extra random probes.
@@ -43,25 +44,42 @@ class RiemannionOptions(AdapterOptions):
     """
 
     legacy_names: ClassVar[dict[str, str]] = {"dropout": "riemannion_dropout"}
+    #: What the method hands its optimizer: the model's fixed-rank adapters (the head trains by AdamW beside them).
+    optimizer_steps: ClassVar[tuple[str, ...]] = ("fixed_rank_adapters",)
+    legacy_optimizer_keys: ClassVar[dict[str, str]] = {"momentum": "momentum", "nesterov": "nesterov"}
+    #: The old ``variant`` option's values, now optimizer names.
+    legacy_variants: ClassVar[dict[str, str]] = {"muon": "riemannion", "sgd": "riemannlora"}
 
     adapter: RiemannionConfig = field(default_factory=RiemannionConfig)
     init: Literal["loi", "random"] = "loi"
-    variant: Literal["muon", "sgd"] = "muon"
-    momentum: float = 0.9
-    nesterov: bool = False
+    optimizer: str | dict[str, Any] = "riemannion"
     head_lr: float | None = None
     loi_batches: int = 4
     loi_oversampling: int = 16
     loi_power_iters: int = 1
 
+    @classmethod
+    def nest_flat_keys(cls, data: dict[str, Any], where: str = "") -> dict[str, Any]:
+        if "variant" in data:  # the old `variant: muon | sgd` names the optimizer
+            data = dict(data)
+            variant = data.pop("variant")
+            if variant not in cls.legacy_variants:
+                raise ValueError(f"`{where}variant` must be 'muon' or 'sgd', got {variant!r}")
+            name = cls.legacy_variants[variant]
+            given = data.get("optimizer")
+            data["optimizer"] = name if given is None else given
+            warnings.warn(
+                f"`{where}variant: {variant}` is now `{where}optimizer: {name}` (`variant` will stop working)",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+        return super().nest_flat_keys(data, where)
+
     def validate(self) -> None:
         super().validate()
+        self.optimizer = check_optimizer(self.optimizer, self.optimizer_steps)  # its effective settings
         if self.init not in ("loi", "random"):
             raise ValueError(f"`init` must be 'loi' or 'random', got {self.init!r}")
-        if self.variant not in ("muon", "sgd"):
-            raise ValueError(f"`variant` must be 'muon' or 'sgd', got {self.variant!r}")
-        if not 0 <= self.momentum < 1:
-            raise ValueError(f"`momentum` must be in [0, 1), got {self.momentum}")
         if self.head_lr is not None and not self.head_lr > 0:
             raise ValueError(f"`head_lr` must be > 0 (or unset), got {self.head_lr}")
         for key in ("loi_batches",):
@@ -113,13 +131,8 @@ class RiemannionMethod(ContinualMethod):
 
     def make_optimizer(self, model: nn.Module, params: list[nn.Parameter], ctx: RunContext) -> torch.optim.Optimizer:
         opts = self.options
-        return create_riemannion_optimizer(
-            model,
-            lr=opts.lr,
-            variant=opts.variant,
-            momentum=opts.momentum,
-            nesterov=opts.nesterov,
-            weight_decay=opts.weight_decay,
-            aux_lr=opts.head_lr if opts.head_lr is not None else opts.lr,
-            aux_weight_decay=opts.weight_decay,
-        )
+        choice, options = optimizer_spec(opts.optimizer)
+        head_lr = opts.head_lr if opts.head_lr is not None else opts.lr
+        # the optimizer finds the adapters in the model; every other trainable parameter (the head) gets its AdamW
+        request = OptimizerRequest(model, [], opts.lr, opts.weight_decay, others_lr=head_lr)
+        return choice.build(request, options)
