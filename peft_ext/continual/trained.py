@@ -239,6 +239,11 @@ class TrainedGenerator:
 
 def load_generator(directory: Path, meta: dict[str, Any]) -> TrainedGenerator:
     """The causal-LM method saved in ``directory`` (its description ``meta`` records the ``model`` section)."""
+    if "model" not in meta:
+        raise ValueError(
+            f"{str(directory)!r} holds a causal-LM method saved before its prompt settings were recorded: load "
+            "its adapter with PeftModel.from_pretrained on the backbone and generate, or run the job again"
+        )
     from safetensors.torch import load_file
 
     from ..models import load_causal_lm
@@ -292,7 +297,8 @@ def load_trained(directory: Union[str, Path]) -> TrainedClassifier | TrainedGene
     if meta.get("format") != FORMAT:
         raise ValueError(f"{str(path)!r} has format {meta.get('format')!r}; this peft-ext reads format {FORMAT}")
     # a description without "kind" was saved before causal LMs were: a classifier
-    return model_kind(meta.get("kind", Classifier.name)).load_trained(directory, meta)
+    kind = model_kind(meta.get("kind", Classifier.name))
+    return load_generator(directory, meta) if kind.generates else load_classifier(directory, meta)
 
 
 def load_classifier(directory: Path, meta: dict[str, Any]) -> TrainedClassifier:

@@ -355,6 +355,7 @@ def preflight_continual(config: RunConfig) -> Any:
     model_config = check_backbone(config.model.backbone)
     tokenizer = check_tokenizer(config.model.backbone)
     sequence = check_data(config, tokenizer)
-    model_kind(config.model.kind).preflight(config, tokenizer, sequence, model_config)
+    if model_kind(config.model.kind).generates:
+        check_instruction_lengths(config, tokenizer, sequence, model_config)
     check_adapters(config, model_config)
     return sequence

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -55,6 +54,9 @@ class ModelKind:
     module_prefix: ClassVar[str] = ""
     #: Linear layers whose names end in one of these are no adapter target (an output head that stays frozen).
     untargeted: ClassVar[tuple[str, ...]] = ()
+    #: It answers instructions by generating text: preflight checks every instruction's length against
+    #: ``model.max_length``, and a saved method loads back as a generator (``False``: it classifies).
+    generates: ClassVar[bool] = False
 
     def check_options(self, section: Any) -> None:
         """Refuse an option of another kind set away from its default.
@@ -103,21 +105,10 @@ class ModelKind:
             if isinstance(module, nn.Linear) and not name.endswith(self.untargeted)
         }
 
-    def preflight(self, config: Any, tokenizer: Any, sequence: TaskSequence, model_config: Any) -> None:
-        """The checks before training that only this kind needs (nothing by default).
-
-        Raises:
-            ConfigError: Naming the key and the value.
-        """
-
     def saved_settings(self, section: Any) -> dict[str, Any]:
-        """What a saved method's description records beyond the common keys, for :meth:`load_trained` (nothing by
-        default)."""
+        """What a saved method's description records beyond the common keys, for :func:`~peft_ext.load_trained`
+        (nothing by default)."""
         return {}
-
-    def load_trained(self, directory: Path, meta: dict[str, Any]) -> Any:
-        """The method saved in ``directory``, whose description is ``meta``, ready for new inputs."""
-        raise NotImplementedError
 
 
 class Classifier(ModelKind):
@@ -146,11 +137,6 @@ class Classifier(ModelKind):
 
         return AutoModel.from_config(model_config)
 
-    def load_trained(self, directory: Path, meta: dict[str, Any]) -> Any:
-        from ..continual.trained import load_classifier
-
-        return load_classifier(directory, meta)
-
 
 class CausalLM(ModelKind):
     name = "causal_lm"
@@ -158,6 +144,7 @@ class CausalLM(ModelKind):
     summary = "a causal LM trained on instruction tasks"
     own_options = ("max_new_tokens", "dtype", "load_in_4bit", "separator", "chat_template", "system_prompt")
     untargeted = ("lm_head",)  # the LM head stays as pretrained
+    generates = True
 
     def load_for_job(
         self, section: Any, build_sequence: Callable[[Any], TaskSequence], seed: int
@@ -176,23 +163,8 @@ class CausalLM(ModelKind):
 
         return AutoModelForCausalLM.from_config(model_config)
 
-    def preflight(self, config: Any, tokenizer: Any, sequence: TaskSequence, model_config: Any) -> None:
-        from ..jobs.preflight import check_instruction_lengths
-
-        check_instruction_lengths(config, tokenizer, sequence, model_config)
-
     def saved_settings(self, section: Any) -> dict[str, Any]:
         return {"model": dataclasses.asdict(section)}  # what rebuilds the prompts: chat, separator
-
-    def load_trained(self, directory: Path, meta: dict[str, Any]) -> Any:
-        from ..continual.trained import load_generator
-
-        if "model" not in meta:
-            raise ValueError(
-                f"{str(directory)!r} holds a causal-LM method saved before its prompt settings were recorded: load "
-                "its adapter with PeftModel.from_pretrained on the backbone and generate, or run the job again"
-            )
-        return load_generator(directory, meta)
 
 
 #: The kinds by name.
