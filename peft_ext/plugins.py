@@ -24,7 +24,7 @@ import warnings
 from importlib import metadata
 from typing import Any
 
-__all__ = ["ENTRY_POINT_GROUPS", "import_modules", "load_entry_points"]
+__all__ = ["ENTRY_POINT_GROUPS", "import_modules", "load_entry_points", "load_plugins"]
 
 #: The entry-point groups this package reads, by what they add.
 ENTRY_POINT_GROUPS = {"continual_methods": "peft_ext.continual_methods", "heads": "peft_ext.heads"}
@@ -74,6 +74,20 @@ def load_entry_points(group: str) -> list[str]:
             continue
         loaded.append(entry.name)
     return loaded
+
+
+def load_plugins(package: str, path: list[str], kind: str) -> None:
+    """Register every plug-in of one kind: the modules of its package folder but ``base`` (:func:`import_modules`),
+    then the entry points other packages declare (:func:`load_entry_points`). What the ``__init__`` of
+    ``peft_ext/continual/methods/`` and of ``peft_ext/continual/heads/`` runs.
+
+    Args:
+        package: The folder's dotted name (``__name__`` of its ``__init__``).
+        path: Its ``__path__``.
+        kind: A key of :data:`ENTRY_POINT_GROUPS` (``"continual_methods"`` or ``"heads"``).
+    """
+    import_modules(package, path, skip=("base",))
+    load_entry_points(ENTRY_POINT_GROUPS[kind])
 
 
 def _entry_points(group: str) -> list[Any]:

@@ -71,7 +71,16 @@ def _causal(config_cls: Any, model_cls: Any, **extra: Any) -> Callable[[], nn.Mo
     return build
 
 
-_DECODER = dict(hidden_size=WIDTH, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+def _both_stacks(**sizes: int) -> dict[str, int]:
+    """An encoder-decoder config's settings of each stack: every one of ``sizes`` for both (``layers=1``:
+    ``encoder_layers=1`` and ``decoder_layers=1``)."""
+    return {f"{stack}_{key}": value for stack in ("encoder", "decoder") for key, value in sizes.items()}
+
+
+# the sizes the architectures here share, in the names most configs use; with the MLP width, those of the decoders,
+# BERT and ViT
+_LAYERS = dict(hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=4)
+_DECODER = dict(intermediate_size=64, **_LAYERS)
 
 ARCHS = [
     Arch(
@@ -112,7 +121,7 @@ ARCHS = [
     ),
     Arch(
         "falcon",
-        _causal(tf.FalconConfig, tf.FalconForCausalLM, hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=4),
+        _causal(tf.FalconConfig, tf.FalconForCausalLM, **_LAYERS),
         "causal",
         "fused query_key_value, multi-query",
     ),
@@ -127,28 +136,17 @@ ARCHS = [
         _causal(
             tf.OPTConfig,
             tf.OPTForCausalLM,
-            hidden_size=WIDTH,
             ffn_dim=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
             word_embed_proj_dim=WIDTH,
             max_position_embeddings=64,
+            **_LAYERS,
         ),
         "causal",
         "MLP on flattened tokens (batch x seq, d)",
     ),
     Arch(
         "bert",
-        lambda: tf.BertForSequenceClassification(
-            tf.BertConfig(
-                vocab_size=VOCAB,
-                hidden_size=WIDTH,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                intermediate_size=64,
-                num_labels=3,
-            )
-        ),
+        lambda: tf.BertForSequenceClassification(tf.BertConfig(vocab_size=VOCAB, num_labels=3, **_DECODER)),
         "classifier",
         "encoder with a 3-class head",
     ),
@@ -164,30 +162,15 @@ ARCHS = [
             tf.BartConfig,
             tf.BartForConditionalGeneration,
             d_model=WIDTH,
-            encoder_layers=1,
-            decoder_layers=1,
-            encoder_attention_heads=4,
-            decoder_attention_heads=4,
-            encoder_ffn_dim=64,
-            decoder_ffn_dim=64,
             max_position_embeddings=64,
+            **_both_stacks(layers=1, attention_heads=4, ffn_dim=64),
         ),
         "seq2seq",
         "encoder-decoder with learned positions",
     ),
     Arch(
         "vit",
-        lambda: tf.ViTForImageClassification(
-            tf.ViTConfig(
-                image_size=16,
-                patch_size=4,
-                hidden_size=WIDTH,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                intermediate_size=64,
-                num_labels=3,
-            )
-        ),
+        lambda: tf.ViTForImageClassification(tf.ViTConfig(image_size=16, patch_size=4, num_labels=3, **_DECODER)),
         "vision",
         "vision encoder, no token embeddings, 3-class head",
     ),

@@ -76,9 +76,12 @@ def test_prompt_gradients_reach_only_the_selected_patterns_and_layer():
 
 # -- the dual encoder -------------------------------------------------------------------------------------------------
 
+# the tiny ViT and joint space of every dual encoder here (the text tower is the tiny BERT's)
+TINY_TOWERS = {"vision_width": 24, "vision_layers": 2, "vision_heads": 2, "embed_dim": 8}
+
 
 def _dual(tiny_text: Path):
-    return build_dual_encoder(str(tiny_text), vision_width=24, vision_layers=2, vision_heads=2, embed_dim=8)
+    return build_dual_encoder(str(tiny_text), **TINY_TOWERS)
 
 
 def test_dual_encoder_layers_match_the_hf_towers_and_cached_lower_layers(tiny_text):
@@ -141,11 +144,8 @@ def _config(
 
     def edit(data: dict) -> None:
         data["model"].update(
+            TINY_TOWERS,
             text=str(tiny_text),
-            vision_width=24,
-            vision_layers=2,
-            vision_heads=2,
-            embed_dim=8,
             pretrain_epochs=1,
             train_limit=96,
             epochs=1,

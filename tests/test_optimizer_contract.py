@@ -27,32 +27,22 @@ from peft_ext import RiemannionConfig
 from peft_ext.optim import DCTAdamW, NonFiniteGradientError, Riemannion, SubspaceAdamW
 from peft_ext.tuners.riemannion import find_adapters
 
+from .helpers import ContractMLP
 from .single_thread import single_thread  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin0 = nn.Linear(10, 24)
-        self.lin1 = nn.Linear(24, 16)
-        self.head = nn.Linear(16, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.lin1(torch.tanh(self.lin0(x)))))
-
-
 def _plain_model(dtype: torch.dtype) -> nn.Module:
     torch.manual_seed(0)
-    return MLP().to(dtype)
+    return ContractMLP((10, 24, 16, 3)).to(dtype)
 
 
 def _riemannion_model(dtype: torch.dtype) -> nn.Module:
     torch.manual_seed(0)
     config = RiemannionConfig(r=3, target_modules=["lin0", "lin1"], init_scale=0.5, modules_to_save=["head"])
     # autocast off: a bf16 model keeps bf16 adapters, which is what the bf16 promise is about
-    return get_peft_model(MLP().to(dtype), config, autocast_adapter_dtype=False)
+    return get_peft_model(ContractMLP((10, 24, 16, 3)).to(dtype), config, autocast_adapter_dtype=False)
 
 
 def _named(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

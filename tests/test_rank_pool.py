@@ -8,14 +8,16 @@ import torch
 from peft_ext.kernels import (
     KERNEL_ENV_VAR,
     RankPoolKernel,
-    choose_reference,
     rank_pool_gather,
+    rank_pool_gather_stores,
+    register_rank_pool_kernel,
+)
+from peft_ext.kernels.rank_pool import (
+    choose_reference,
     rank_pool_gather_indexed,
     rank_pool_gather_loop,
     rank_pool_gather_masked,
     rank_pool_gather_shared,
-    rank_pool_gather_stores,
-    register_rank_pool_kernel,
 )
 
 VARIANTS = {"indexed": rank_pool_gather_indexed, "masked": rank_pool_gather_masked}

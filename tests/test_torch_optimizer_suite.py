@@ -39,6 +39,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from peft_ext import RiemannionConfig
 from peft_ext.optim import REGISTRY, DCTAdamW, Riemannion, RiemannLoRA, SubspaceAdamW
 
+from .helpers import ContractMLP
 from .single_thread import single_thread  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -71,26 +72,15 @@ class OptimizerInfo:
     base_options: dict[str, Any] = field(default_factory=dict)
 
 
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin0 = nn.Linear(6, 9)
-        self.lin1 = nn.Linear(9, 5)
-        self.head = nn.Linear(5, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.lin1(torch.tanh(self.lin0(x)))))
-
-
 def _plain_model() -> nn.Module:
     torch.manual_seed(0)
-    return MLP().double()
+    return ContractMLP((6, 9, 5, 3)).double()
 
 
 def _adapter_model() -> nn.Module:
     torch.manual_seed(0)
     config = RiemannionConfig(r=2, target_modules=["lin0", "lin1"], init_scale=0.5, modules_to_save=["head"])
-    return get_peft_model(MLP().double(), config)
+    return get_peft_model(ContractMLP((6, 9, 5, 3)).double(), config)
 
 
 def _generic_errors(cls: Callable[..., torch.optim.Optimizer]) -> Callable[[Parameter, Parameter], list[ErrorInput]]:

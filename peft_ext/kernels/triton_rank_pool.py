@@ -46,6 +46,11 @@ def _precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
+def _strides(*tensors: torch.Tensor) -> tuple[int, ...]:
+    """The strides of ``tensors``, one after the other: the stride arguments of the kernels here, in their order."""
+    return tuple(stride for tensor in tensors for stride in tensor.stride())
+
+
 def _dot_options(dtype: torch.dtype) -> dict[str, object]:
     """The ``PRECISION`` and ``DOT_F32`` constexprs of every kernel here, for weights of ``dtype``."""
     # Triton's CPU interpreter multiplies bf16 tiles as their raw uint16 bits (np.matmul on the storage), so under
@@ -63,6 +68,28 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
     else:
         a = a.to(b.dtype)
     return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _span(start, BLOCK: tl.constexpr, n):
+    """The offsets ``start .. start + BLOCK - 1`` into a dimension of size ``n``, and the mask of those inside it."""
+    offs = start + tl.arange(0, BLOCK)
+    return offs, offs < n
+
+
+@triton.jit
+def _program_tiles(n1, n2, BLOCK_1: tl.constexpr, BLOCK_2: tl.constexpr):
+    """This program's sample (grid axis 0, as int64) and its tiles of two dimensions of sizes ``n1`` and ``n2`` (grid
+    axes 1 and 2): ``pid_b, offs_1, mask_1, offs_2, mask_2``."""
+    offs_1, mask_1 = _span(tl.program_id(1) * BLOCK_1, BLOCK_1, n1)
+    offs_2, mask_2 = _span(tl.program_id(2) * BLOCK_2, BLOCK_2, n2)
+    return tl.program_id(0).to(tl.int64), offs_1, mask_1, offs_2, mask_2
+
+
+@triton.jit
+def _h_rows(h_ptr, pid_b, offs_t, T, K):
+    """Pointers to rows ``offs_t`` of sample ``pid_b`` in the fp32 intermediate ``h`` (contiguous (batch, T, K))."""
+    return h_ptr + pid_b * T * K + offs_t[:, None] * K
 
 
 @triton.jit
@@ -98,18 +125,13 @@ def _shrink_kernel(
     PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
-    pid_b = tl.program_id(0).to(tl.int64)
-    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_k = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask_t = offs_t < T
-    mask_k = offs_k < K
-    ranks = _load_ranks(idx_ptr, pid_b, offs_k, mask_k, stride_ib, stride_ik)
+    pid_b, offs_t, mask_t, offs_k, mask_k = _program_tiles(T, K, BLOCK_T, BLOCK_K)
     x_rows = x_ptr + pid_b * stride_xb + offs_t[:, None].to(tl.int64) * stride_xt
+    ranks = _load_ranks(idx_ptr, pid_b, offs_k, mask_k, stride_ib, stride_ik)
     w_cols = w_ptr + ranks[None, :] * stride_wn
     acc = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        mask_d = offs_d < D
+        offs_d, mask_d = _span(d0, BLOCK_D, D)
         x = tl.load(x_rows + offs_d[None, :] * stride_xd, mask=mask_t[:, None] & mask_d[None, :], other=0.0)
         w = tl.load(w_cols + offs_d[:, None] * stride_wd, mask=mask_d[:, None] & mask_k[None, :], other=0.0)
         acc = _dot(x, w, acc, PRECISION, DOT_F32)
@@ -117,8 +139,7 @@ def _shrink_kernel(
         g = tl.load(gate_ptr + pid_b * stride_gb + offs_k * stride_gk, mask=mask_k, other=0.0)
         acc = acc * g.to(tl.float32)[None, :]
     acc = acc * scale
-    h_ptrs = h_ptr + pid_b * T * K + offs_t[:, None] * K + offs_k[None, :]
-    tl.store(h_ptrs, acc, mask=mask_t[:, None] & mask_k[None, :])
+    tl.store(_h_rows(h_ptr, pid_b, offs_t, T, K) + offs_k[None, :], acc, mask=mask_t[:, None] & mask_k[None, :])
 
 
 @triton.jit
@@ -144,16 +165,11 @@ def _expand_kernel(
     PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
-    pid_b = tl.program_id(0).to(tl.int64)
-    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_o = tl.program_id(2) * BLOCK_O + tl.arange(0, BLOCK_O)
-    mask_t = offs_t < T
-    mask_o = offs_o < N_OUT
-    h_rows = h_ptr + pid_b * T * K + offs_t[:, None] * K
+    pid_b, offs_t, mask_t, offs_o, mask_o = _program_tiles(T, N_OUT, BLOCK_T, BLOCK_O)
+    h_rows = _h_rows(h_ptr, pid_b, offs_t, T, K)
     acc = tl.zeros((BLOCK_T, BLOCK_O), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
+        offs_k, mask_k = _span(k0, BLOCK_K, K)
         ranks = _load_ranks(idx_ptr, pid_b, offs_k, mask_k, stride_ib, stride_ik)
         h = tl.load(h_rows + offs_k[None, :], mask=mask_t[:, None] & mask_k[None, :], other=0.0)
         w_ptrs = w_ptr + ranks[:, None] * stride_wn + offs_o[None, :] * stride_wo
@@ -186,16 +202,11 @@ def _wgrad_kernel(
     PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
-    pid_b = tl.program_id(0).to(tl.int64)
-    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask_k = offs_k < K
-    mask_c = offs_c < C
+    pid_b, offs_k, mask_k, offs_c, mask_c = _program_tiles(K, C, BLOCK_K, BLOCK_C)
     ranks = _load_ranks(idx_ptr, pid_b, offs_k, mask_k, stride_ib, stride_ik)
     acc = tl.zeros((BLOCK_K, BLOCK_C), dtype=tl.float32)
     for t0 in range(0, T, BLOCK_T):
-        offs_t = t0 + tl.arange(0, BLOCK_T)
-        mask_t = offs_t < T
+        offs_t, mask_t = _span(t0, BLOCK_T, T)
         p_ptrs = p_ptr + pid_b * T * K + offs_t[None, :] * K + offs_k[:, None]
         p = tl.load(p_ptrs, mask=mask_k[:, None] & mask_t[None, :], other=0.0)
         q_ptrs = q_ptr + pid_b * stride_qb + offs_t[:, None].to(tl.int64) * stride_qt + offs_c[None, :] * stride_qc
@@ -216,25 +227,9 @@ def _shrink(
     g = gates if gates is not None else h
     g_strides = gates.stride() if gates is not None else (0, 0)
     grid = (batch, triton.cdiv(tokens, bt), triton.cdiv(k, bk))
+    args = (x, w, idx, g, h, tokens, width, k, *_strides(x, w, idx), *g_strides, float(scale))
     _shrink_kernel[grid](
-        x,
-        w,
-        idx,
-        g,
-        h,
-        tokens,
-        width,
-        k,
-        *x.stride(),
-        *w.stride(),
-        *idx.stride(),
-        *g_strides,
-        float(scale),
-        HAS_GATES=gates is not None,
-        BLOCK_T=bt,
-        BLOCK_K=bk,
-        BLOCK_D=bd,
-        **_dot_options(w.dtype),
+        *args, HAS_GATES=gates is not None, BLOCK_T=bt, BLOCK_K=bk, BLOCK_D=bd, **_dot_options(w.dtype)
     )
     return h
 
@@ -246,23 +241,8 @@ def _expand(h: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, scale: float, d
     y = torch.empty(batch, tokens, width, dtype=dtype, device=h.device)
     bt, bk, bo = _block(tokens, 64), _block(k, 64), _block(width, 128)
     grid = (batch, triton.cdiv(tokens, bt), triton.cdiv(width, bo))
-    _expand_kernel[grid](
-        h,
-        w,
-        idx,
-        y,
-        tokens,
-        k,
-        width,
-        *w.stride(),
-        *idx.stride(),
-        *y.stride(),
-        float(scale),
-        BLOCK_T=bt,
-        BLOCK_K=bk,
-        BLOCK_O=bo,
-        **_dot_options(w.dtype),
-    )
+    args = (h, w, idx, y, tokens, k, width, *_strides(w, idx, y), float(scale))
+    _expand_kernel[grid](*args, BLOCK_T=bt, BLOCK_K=bk, BLOCK_O=bo, **_dot_options(w.dtype))
     return y
 
 
@@ -273,22 +253,8 @@ def _wgrad(p: torch.Tensor, q: torch.Tensor, idx: torch.Tensor, n_ranks: int) ->
     out = torch.zeros(n_ranks, width, dtype=torch.float32, device=p.device)
     bt, bk, bc = _block(tokens, 64), _block(k, 64), _block(width, 128)
     grid = (batch, triton.cdiv(k, bk), triton.cdiv(width, bc))
-    _wgrad_kernel[grid](
-        p,
-        q,
-        idx,
-        out,
-        tokens,
-        k,
-        width,
-        *q.stride(),
-        *idx.stride(),
-        *out.stride(),
-        BLOCK_T=bt,
-        BLOCK_K=bk,
-        BLOCK_C=bc,
-        **_dot_options(q.dtype),
-    )
+    args = (p, q, idx, out, tokens, k, width, *_strides(q, idx, out))
+    _wgrad_kernel[grid](*args, BLOCK_T=bt, BLOCK_K=bk, BLOCK_C=bc, **_dot_options(q.dtype))
     return out
 
 

@@ -20,6 +20,9 @@ from .missing import blank_image
 
 __all__ = ["ExperimentSettings", "Prepared", "Split", "prepare"]
 
+# the settings that size the towers: the keywords of build_dual_encoder
+_TOWER_SIZES = ("vision_width", "vision_layers", "vision_heads", "patch_size", "embed_dim")
+
 
 @dataclass
 class ExperimentSettings:
@@ -67,10 +70,13 @@ class ExperimentSettings:
     train_limit: int | None = None
     timing_batches: int = 20
 
+    def tower_sizes(self) -> dict[str, Any]:
+        """The towers' sizes, as the keywords of :func:`~.dual_encoder.build_dual_encoder`."""
+        return {k: getattr(self, k) for k in _TOWER_SIZES}
+
     def backbone_key(self) -> dict[str, Any]:
-        keys = ("text", "vision_width", "vision_layers", "vision_heads", "patch_size", "embed_dim", "max_length")
-        keys += ("pretrain_epochs", "pretrain_lr", "train_limit")
-        return {k: getattr(self, k) for k in keys}
+        later = ("max_length", "pretrain_epochs", "pretrain_lr", "train_limit")
+        return {"text": self.text, **self.tower_sizes(), **{k: getattr(self, k) for k in later}}
 
 
 @dataclass
@@ -138,15 +144,7 @@ def prepare(settings: ExperimentSettings, echo: Callable[[str], Any] = print, *,
             backbone's pretraining too, which then gets its own cache entry), so that :func:`run_method` can score
             on it. ``False``: train on the whole train split.
     """
-    model, tokenizer = build_dual_encoder(
-        settings.text,
-        vision_width=settings.vision_width,
-        vision_layers=settings.vision_layers,
-        vision_heads=settings.vision_heads,
-        patch_size=settings.patch_size,
-        embed_dim=settings.embed_dim,
-        seed=0,
-    )
+    model, tokenizer = build_dual_encoder(settings.text, seed=0, **settings.tower_sizes())
     for tower, layers in (("text", model.text_layers), ("vision", model.vision_layers)):
         if not 1 <= settings.top_layers <= len(layers):
             raise ValueError(f"`top_layers` must be in [1, {len(layers)}] (the {tower} tower's depth)")

@@ -14,7 +14,7 @@ here (every public module of this folder is imported, :mod:`peft_ext.plugins`) o
 
 from __future__ import annotations
 
-from ...plugins import ENTRY_POINT_GROUPS, import_modules, load_entry_points
+from ...plugins import load_plugins
 from .aligned import AlignedHead, AlignedOptions
 from .analytic import AnalyticHead, AnalyticOptions
 from .base import HEADS, ContinualHead, HeadOptions, build_head, classifier_module, head_spec, register_head
@@ -22,8 +22,7 @@ from .means import LDAHead, LDAOptions, PrototypeHead
 from .trained import CosineClassifier, CosineHead, CosineOptions, LinearHead
 
 # every head module of this folder registers its head; then the ones other packages declare
-import_modules(__name__, __path__, skip=("base",))
-load_entry_points(ENTRY_POINT_GROUPS["heads"])
+load_plugins(__name__, __path__, "heads")
 
 __all__ = [
     "HEADS",

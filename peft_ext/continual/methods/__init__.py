@@ -18,7 +18,7 @@ declares its capabilities and registers with :func:`register_continual_method` (
 
 from __future__ import annotations
 
-from ...plugins import ENTRY_POINT_GROUPS, import_modules, load_entry_points
+from ...plugins import load_plugins
 from .base import (
     CONTINUAL_METHODS,
     PEFT_BOOKKEEPING,
@@ -35,8 +35,7 @@ from .base import (
 )
 
 # every method module of this folder registers its method; then the ones other packages declare
-import_modules(__name__, __path__, skip=("base",))
-load_entry_points(ENTRY_POINT_GROUPS["continual_methods"])
+load_plugins(__name__, __path__, "continual_methods")
 
 __all__ = [
     "CONTINUAL_METHODS",

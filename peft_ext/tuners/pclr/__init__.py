@@ -29,7 +29,7 @@ from __future__ import annotations
 from ...registry import register_peft_type
 from .._architecture import encoder_decoder_stacks, find_input_embeddings, find_patch_embeddings
 from .config import INTEGRATE_ROUTING, PCLRConfig, PCLRCycleConfig
-from .distill import IntegrateResult, distill_loss, integrate, integrate_over_tasks, teacher_outputs
+from .distill import IntegrateOptions, IntegrateResult, distill_loss, integrate, integrate_over_tasks, teacher_outputs
 from .keys import pull_keys_to_prototypes, query_loss, query_prototype, routed_as, task_route
 from .layer import Linear, PCLRLayer
 from .model import PCLRModel
@@ -42,6 +42,7 @@ from .selection import allowed_by_prototype, per_sample, query_key_loss, route, 
 __all__ = [
     "INTEGRATE_ROUTING",
     "PCLR",
+    "IntegrateOptions",
     "IntegrateResult",
     "Linear",
     "PCLRConfig",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -28,6 +28,7 @@ from .keys import query_loss, routed_as, task_route
 from .pool import PoolSnapshot, group_layers, stored_prototypes
 
 __all__ = [
+    "IntegrateOptions",
     "IntegrateResult",
     "KeptOutputs",
     "default_forward",
@@ -73,6 +74,29 @@ def distill_loss(
     return temperature**2 * F.kl_div(log_p_s, log_p_t, log_target=True, reduction="batchmean")
 
 
+@dataclass(frozen=True)
+class IntegrateOptions:
+    """How :func:`integrate` and :func:`integrate_over_tasks` distill (both take these fields as keywords too).
+
+    Args:
+        epochs: Passes over the batches (with task routing, one task draw per batch).
+        lr: AdamW learning rate.
+        temperature: Distillation temperature.
+        top_logits: Distill only the teacher's top logits (docs/methods.md (PCLR)); ``None``: all.
+        forward: ``forward(model, batch) -> output``; default ``model(**batch without labels)``.
+        mask: Optional (C,) bool mask of logits that take part (e.g. the task's classes, or the classes seen so far).
+        measure: Measure the mean distillation loss before and after (two evaluation passes); off: ``None``.
+    """
+
+    epochs: int = 1
+    lr: float = 1e-3
+    temperature: float = 2.0
+    top_logits: Optional[int] = None
+    forward: Optional[Callable[[nn.Module, Batch], Any]] = None
+    mask: Optional[torch.Tensor] = None
+    measure: bool = True
+
+
 @dataclass
 class IntegrateResult:
     """What one integration did.
@@ -103,8 +127,12 @@ def _student_parameters(model: nn.Module, adapter: str) -> list[nn.Parameter]:
 
 
 @contextmanager
-def _student(model: nn.Module, adapter: str, lr: float) -> Iterator[Optional[torch.optim.Optimizer]]:
-    """Make the student (surviving new ranks, shared LoRA, keys) trainable for the block; ``None`` if it is empty."""
+def _student(model: nn.Module, adapter: str, opts: IntegrateOptions) -> Iterator[Optional[torch.optim.Optimizer]]:
+    """Make the student (surviving new ranks, shared LoRA, keys) trainable for the block and yield its optimizer;
+    ``None`` (and nothing changed) if it is empty or there are no epochs to train."""
+    if opts.epochs <= 0:
+        yield None
+        return
     params = _student_parameters(model, adapter)
     keys = [layers[0].pclr_keys[adapter] for layers in group_layers(model, adapter).values()]
     trainable = params + keys
@@ -117,7 +145,7 @@ def _student(model: nn.Module, adapter: str, lr: float) -> Iterator[Optional[tor
         p.requires_grad_(True)
     model.train()
     try:
-        yield torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
+        yield torch.optim.AdamW(trainable, lr=opts.lr, weight_decay=0.0)
     finally:
         model.train(was_training)
         for p, flag in zip(trainable, flags):
@@ -140,13 +168,12 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor
     optimizer.step()
 
 
-def _masked_distill(
-    student: Any, target: torch.Tensor, mask: Optional[torch.Tensor], temperature: float, top_logits: Optional[int]
-) -> torch.Tensor:
-    student = model_output(student)
-    if mask is not None:
-        student, target = student[..., mask], target[..., mask]
-    return distill_loss(student, target, temperature, top_logits)
+def _masked_distill(model: nn.Module, batch: Batch, target: torch.Tensor, opts: IntegrateOptions) -> torch.Tensor:
+    """The distillation loss of the model's output on ``batch`` against ``target`` (the teacher's), over the mask."""
+    student = model_output(opts.forward(model, batch))
+    if opts.mask is not None:
+        student, target = student[..., opts.mask], target[..., opts.mask]
+    return distill_loss(student, target, opts.temperature, opts.top_logits)
 
 
 @contextmanager
@@ -162,20 +189,25 @@ def evaluating(model: nn.Module) -> Iterator[None]:
 
 @torch.no_grad()
 def _mean_distill_loss(
-    model: nn.Module,
-    forward: Callable[[nn.Module, Batch], Any],
-    items: Sequence[tuple[Batch, torch.Tensor, Optional[torch.Tensor]]],
-    mask: Optional[torch.Tensor],
-    temperature: float,
-    top_logits: Optional[int],
-) -> float:
-    """Mean distillation loss in eval mode over ``(batch, teacher output, prototype to route as or None)``."""
+    model: nn.Module, items: Sequence[tuple[Batch, torch.Tensor, Optional[torch.Tensor]]], opts: IntegrateOptions
+) -> Optional[float]:
+    """Mean distillation loss in eval mode over ``(batch, teacher output, prototype to route as or None)``; ``None``
+    unless ``opts.measure``."""
+    if not opts.measure:
+        return None
     total = 0.0
     with evaluating(model):
         for batch, target, proto in items:
             with routed_as(model, proto):
-                total += float(_masked_distill(forward(model, batch), target, mask, temperature, top_logits))
+                total += float(_masked_distill(model, batch, target, opts))
     return total / max(len(items), 1)
+
+
+def _options(options: Optional[IntegrateOptions], overrides: Mapping[str, Any]) -> IntegrateOptions:
+    """``options`` (default :class:`IntegrateOptions`) with single fields replaced by ``overrides`` (an unknown name
+    raises ``TypeError``) and the default forward filled in."""
+    opts = replace(options or IntegrateOptions(), **overrides)
+    return opts if opts.forward is not None else replace(opts, forward=default_forward)
 
 
 @torch.no_grad()
@@ -224,13 +256,9 @@ def integrate(
     batches: Sequence[Batch],
     teacher: Sequence[torch.Tensor],
     adapter: str = "default",
-    epochs: int = 1,
-    lr: float = 1e-3,
-    temperature: float = 2.0,
-    top_logits: Optional[int] = None,
-    forward: Optional[Callable[[nn.Module, Batch], Any]] = None,
-    mask: Optional[torch.Tensor] = None,
-    measure: bool = True,
+    *,
+    options: Optional[IntegrateOptions] = None,
+    **overrides: Any,
 ) -> IntegrateResult:
     """Distill the uncompressed pool (``teacher`` outputs) into the compressed pool plus the shared LoRA.
 
@@ -244,36 +272,26 @@ def integrate(
         batches: The current task's input batches.
         teacher: The uncompressed model's outputs on ``batches`` (:func:`teacher_outputs`).
         adapter: The adapter.
-        epochs: Passes over ``batches``.
-        lr: AdamW learning rate.
-        temperature: Distillation temperature.
-        top_logits: Distill only the teacher's top logits (docs/methods.md (PCLR)); ``None``: all.
-        forward: ``forward(model, batch) -> output``; default ``model(**batch without labels)``.
-        mask: Optional (C,) bool mask of logits that take part (e.g. the task's classes).
-        measure: Measure the mean distillation loss before and after (two evaluation passes); off: ``None``.
+        options: The distillation's settings; default :class:`IntegrateOptions`.
+        **overrides: Single :class:`IntegrateOptions` fields (``epochs=15``, ``lr=1e-2``, ...), applied over
+            ``options``.
 
     Returns:
         The distillation loss before and after, and the number of steps.
     """
     if len(batches) != len(teacher):
         raise ValueError(f"got {len(batches)} batches but {len(teacher)} teacher outputs")
-    forward = forward or default_forward
+    opts = _options(options, overrides)
     items = [(batch, target, None) for batch, target in zip(batches, teacher)]
-
-    def mean_loss() -> Optional[float]:
-        return _mean_distill_loss(model, forward, items, mask, temperature, top_logits) if measure else None
-
-    before = mean_loss()
+    before = _mean_distill_loss(model, items, opts)
     steps = 0
-    if epochs > 0:
-        with _student(model, adapter, lr) as optimizer:
-            if optimizer is not None:
-                for _ in range(epochs):
-                    for batch, target in zip(batches, teacher):
-                        loss = _masked_distill(forward(model, batch), target, mask, temperature, top_logits)
-                        _step(model, optimizer, loss)
-                        steps += 1
-    return IntegrateResult(before, mean_loss(), steps)
+    with _student(model, adapter, opts) as optimizer:
+        if optimizer is not None:
+            for _ in range(opts.epochs):
+                for batch, target in zip(batches, teacher):
+                    _step(model, optimizer, _masked_distill(model, batch, target, opts))
+                    steps += 1
+    return IntegrateResult(before, _mean_distill_loss(model, items, opts), steps)
 
 
 def integrate_over_tasks(
@@ -282,16 +300,11 @@ def integrate_over_tasks(
     teacher: PoolSnapshot,
     adapter: str = "default",
     *,
-    epochs: int = 1,
-    lr: float = 1e-3,
-    temperature: float = 2.0,
-    top_logits: Optional[int] = None,
-    forward: Optional[Callable[[nn.Module, Batch], Any]] = None,
-    mask: Optional[torch.Tensor] = None,
+    options: Optional[IntegrateOptions] = None,
     generator: Optional[torch.Generator] = None,
-    measure: bool = True,
     route_current_by_input: bool = True,
     known_outputs: Optional[Mapping[tuple[int, int], torch.Tensor]] = None,
+    **overrides: Any,
 ) -> IntegrateResult:
     """Distill the uncompressed pool into the compressed one with every batch routed as one stored task.
 
@@ -309,15 +322,10 @@ def integrate_over_tasks(
         batches: The current task's input batches.
         teacher: A :class:`PoolSnapshot` taken before compression.
         adapter: The adapter.
-        epochs: Passes over ``batches`` (one task draw per batch).
-        lr: AdamW learning rate.
-        temperature: Distillation temperature.
-        top_logits: Distill only the teacher's top logits; ``None``: all.
-        forward: ``forward(model, batch) -> output``; default ``model(**batch without labels)``.
-        mask: Optional (C,) bool mask of logits that take part (e.g. the classes seen so far).
+        options: The distillation's settings (``epochs``: one task draw per batch; with ``measure`` the teacher's
+            outputs for the before/after passes are kept for the steps that draw the same pair); default
+            :class:`IntegrateOptions`.
         generator: Random generator for the task draws (reproducible runs).
-        measure: Measure the mean distillation loss before and after (two evaluation passes, the teacher's outputs
-            for them kept for the steps that draw the same pair); off: ``None``.
         route_current_by_input: When the draw is the current task (the last stored prototype, whose data the
             batches are), route teacher and student by the samples' own queries, as the task is routed at inference;
             off (the public code): by the prototype, which can select none of the task's own ranks (see
@@ -325,12 +333,14 @@ def integrate_over_tasks(
         known_outputs: Teacher outputs already at hand, by ``(batch index, task)``: the snapshot's outputs on that
             batch routed as that task (``end_task`` keeps them from :func:`~.scoring.contribution_scores`' pass over
             the uncompressed pool); the snapshot runs only for the pairs not among them.
+        **overrides: Single :class:`IntegrateOptions` fields (``epochs=2``, ``lr=1e-2``, ...), applied over
+            ``options``.
 
     Returns:
         Distillation loss before and after over the batches (batch ``i`` routed as task ``i mod T``), the steps, how
         often each task was drawn and the final sampling weights.
     """
-    forward = forward or default_forward
+    opts = _options(options, overrides)
     protos = stored_prototypes(model, adapter)
     n_tasks = protos.shape[0]
     if n_tasks == 0:
@@ -349,41 +359,36 @@ def integrate_over_tasks(
         if (index, task) in kept:
             return kept[(index, task)]
         with evaluating(model), teacher.active(), routing(task):
-            return model_output(forward(model, batches[index])).detach()
+            return model_output(opts.forward(model, batches[index])).detach()
 
     # fixed (batch, task) pairs for the before/after figures: every batch once, tasks in turn
     items = []
-    if measure:
+    if opts.measure:
         for i, batch in enumerate(batches):
             task = i % n_tasks
             kept[(i, task)] = teacher_on(i, task)
             items.append((batch, kept[(i, task)], task_route(protos, task, route_current_by_input)))
-
-    def mean_loss() -> Optional[float]:
-        return _mean_distill_loss(model, forward, items, mask, temperature, top_logits) if measure else None
-
-    before = mean_loss()
+    before = _mean_distill_loss(model, items, opts)
     weights = torch.ones(n_tasks, dtype=torch.float64)
     draws = [0] * n_tasks
     steps = 0
-    if epochs > 0:
-        with _student(model, adapter, lr) as optimizer:
-            if optimizer is not None:
-                for _ in range(epochs):
-                    for index, batch in enumerate(batches):
-                        draw = torch.multinomial(weights / weights.sum(), 1, generator=generator)
-                        broadcast_([draw])  # one draw for all processes (their generators may differ)
-                        task = int(draw)
-                        target = teacher_on(index, task)
-                        with routing(task):
-                            loss = _masked_distill(forward(model, batch), target, mask, temperature, top_logits)
-                            _step(model, optimizer, loss)
-                        last = loss.detach().double().reshape(1)
-                        all_reduce_([last], mean=True)
-                        weights[task] = math.sqrt(max(float(last), 0.0) + 1e-4)
-                        draws[task] += 1
-                        steps += 1
-    return IntegrateResult(before, mean_loss(), steps, draws, weights.tolist())
+    with _student(model, adapter, opts) as optimizer:
+        if optimizer is not None:
+            for _ in range(opts.epochs):
+                for index, batch in enumerate(batches):
+                    draw = torch.multinomial(weights / weights.sum(), 1, generator=generator)
+                    broadcast_([draw])  # one draw for all processes (their generators may differ)
+                    task = int(draw)
+                    target = teacher_on(index, task)
+                    with routing(task):
+                        loss = _masked_distill(model, batch, target, opts)
+                        _step(model, optimizer, loss)
+                    last = loss.detach().double().reshape(1)
+                    all_reduce_([last], mean=True)
+                    weights[task] = math.sqrt(max(float(last), 0.0) + 1e-4)
+                    draws[task] += 1
+                    steps += 1
+    return IntegrateResult(before, _mean_distill_loss(model, items, opts), steps, draws, weights.tolist())
 
 
 class KeptOutputs:

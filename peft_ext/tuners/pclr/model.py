@@ -34,7 +34,7 @@ from .._architecture import encoder_decoder_stacks
 from .._cycle import resolve_cycle_adapter
 from ..adapter_tuner import AdapterTuner
 from .config import MEASURED_RULES, PCLRConfig, PCLRCycleConfig
-from .distill import IntegrateResult, KeptOutputs, integrate, integrate_over_tasks, teacher_outputs
+from .distill import IntegrateOptions, IntegrateResult, KeptOutputs, integrate, integrate_over_tasks, teacher_outputs
 from .keys import pull_keys_to_prototypes, query_prototype
 from .layer import N_NEW, N_STATIC, TASK, Linear, PCLRLayer
 from .pool import PoolSnapshot, fold_new_ranks, group_layers, stored_prototypes
@@ -390,9 +390,18 @@ class PCLRModel(AdapterTuner):
         compress(self, n_drop, adapter=adapter, scores=scores)
         if not integrating:
             return None
-        options = {"epochs": settings.integrate_epochs, "lr": settings.integrate_lr, "forward": forward, "mask": mask}
-        options |= {"temperature": settings.temperature, "top_logits": settings.top_logits}
+        options = IntegrateOptions(
+            epochs=settings.integrate_epochs,
+            lr=settings.integrate_lr,
+            temperature=settings.temperature,
+            top_logits=settings.top_logits,
+            forward=forward,
+            mask=mask,
+            measure=settings.measure_integration,
+        )
         if by_tasks:
-            options |= {"generator": generator, "known_outputs": None if kept is None else kept.outputs}
-        distill = integrate_over_tasks if by_tasks else integrate
-        return distill(self, batches, teacher, adapter, measure=settings.measure_integration, **options)
+            known = None if kept is None else kept.outputs
+            return integrate_over_tasks(
+                self, batches, teacher, adapter, options=options, generator=generator, known_outputs=known
+            )
+        return integrate(self, batches, teacher, adapter, options=options)
