@@ -13,10 +13,10 @@ import pytest
 from transformers import BertConfig, LlamaConfig
 
 from peft_ext.continual.config import ConfigError, ModelSection, config_from_dict
-from peft_ext.continual.task_kinds import TASK_KINDS, task_kind
+from peft_ext.continual.task_kinds import TASK_KINDS, Classification, task_kind
 from peft_ext.continual.trained import FORMAT, MODEL_FILE, load_trained
 from peft_ext.data.tasks import SEQUENCE_KINDS, Example, Instruction, Task, TaskSequence
-from peft_ext.models.kinds import MODEL_KINDS, CausalLM, Classifier, ModelKind, model_kind, register_model_kind
+from peft_ext.models.kinds import MODEL_KINDS, CausalLM, Classifier, model_kind
 
 ROOT = Path(__file__).resolve().parents[1]
 UNKNOWN = r"unknown model kind 'regressor'; known kinds: \['causal_lm', 'classifier'\]"
@@ -28,16 +28,19 @@ def test_each_kind_is_found_by_its_name_and_an_unknown_one_names_the_known():
         model_kind("regressor")
 
 
-def test_a_registered_kind_is_found_by_its_name(monkeypatch):
-    monkeypatch.setattr("peft_ext.models.kinds.MODEL_KINDS", dict(MODEL_KINDS))
-    import peft_ext.models.kinds as module
-
-    @register_model_kind
-    class Seq2SeqLM(CausalLM):
-        name = "seq2seq_lm"
-
-    assert isinstance(module.model_kind("seq2seq_lm"), Seq2SeqLM) and "seq2seq_lm" not in MODEL_KINDS
-    assert issubclass(Seq2SeqLM, ModelKind)
+@pytest.mark.parametrize(
+    ("registry", "base", "lookup"), [(MODEL_KINDS, CausalLM, model_kind), (TASK_KINDS, Classification, task_kind)]
+)
+def test_a_registered_kind_is_found_by_its_name_until_it_is_removed(registry, base, lookup):
+    kind = registry.register(type("Ranking", (base,), {"name": "ranking"}))
+    try:
+        assert type(lookup("ranking")) is kind and isinstance(lookup("ranking"), base)
+        with pytest.raises(ValueError, match="a .* kind named 'ranking' is already registered"):
+            registry.register(type("Other", (base,), {"name": "ranking"}))
+    finally:
+        registry.unregister("ranking")
+    with pytest.raises(ValueError, match="unknown .*'ranking'; known kinds"):
+        lookup("ranking")
 
 
 def test_the_config_offers_the_registered_kinds():

@@ -14,16 +14,7 @@ import torch
 from peft_ext.continual import TrainConfig, get_continual_method
 from peft_ext.continual.config import ConfigError, config_from_dict, with_setting
 from peft_ext.continual.context import RunContext
-from peft_ext.optim import DCTAdamW, Riemannion, RiemannLoRA
-from peft_ext.optim.choices import (
-    OPTIMIZER_CHOICES,
-    OptimizerChoice,
-    OptimizerRequest,
-    StepTogether,
-    optimizer_choice,
-    optimizer_spec,
-    register_optimizer,
-)
+from peft_ext.optim import DCTAdamW, Riemannion, RiemannLoRA, choices
 
 from .helpers import lora_adapter, stack_collate, tiny_classifier, token_sequence
 
@@ -37,24 +28,24 @@ def _ctx(seq) -> RunContext:
 
 
 def test_the_defaults_are_the_optimizers_own():
-    dct = optimizer_spec("dct_adamw")[1]
+    dct = choices.optimizer_spec("dct_adamw")[1]
     signature = inspect.signature(DCTAdamW.__init__).parameters
     assert dct["rank"] == signature["rank"].default and dct["update_proj_gap"] == signature["update_proj_gap"].default
-    assert optimizer_spec("subspace_adamw")[1]["update_proj_gap"] == 50  # SubspaceAdamW's, not DCT-AdamW's 1
+    assert choices.optimizer_spec("subspace_adamw")[1]["update_proj_gap"] == 50  # SubspaceAdamW's, not DCT-AdamW's 1
     adamw = inspect.signature(torch.optim.AdamW.__init__).parameters
-    assert optimizer_spec("adamw")[1] == {k: adamw[k].default for k in ("betas", "eps", "amsgrad")}
+    assert choices.optimizer_spec("adamw")[1] == {k: adamw[k].default for k in ("betas", "eps", "amsgrad")}
 
 
 def test_an_unknown_name_suggests_the_close_one():
     with pytest.raises(ValueError, match=r"got 'dct_adam' \(did you mean 'dct_adamw'\?\)"):
-        optimizer_choice("dct_adam")
+        choices.optimizer_choice("dct_adam")
 
 
 def test_a_registered_optimizer_is_found_by_configs_and_built_by_the_method():
     """A new optimizer is one class: no method module or list to edit."""
 
-    @register_optimizer
-    class SignSGD(OptimizerChoice):
+    @choices.register_optimizer
+    class SignSGD(choices.OptimizerChoice):
         name = "test_sgd"
         steps = "parameters"
         summary = "torch SGD, for this test"
@@ -65,7 +56,7 @@ def test_a_registered_optimizer_is_found_by_configs_and_built_by_the_method():
             return {"momentum": 0.0}
 
         @classmethod
-        def build(cls, request: OptimizerRequest, options: dict[str, Any]) -> torch.optim.Optimizer:
+        def build(cls, request: choices.OptimizerRequest, options: dict[str, Any]) -> torch.optim.Optimizer:
             optimizer = torch.optim.SGD([p for _, p in request.params], lr=request.lr, **options)
             cls.built.append(optimizer)
             return optimizer
@@ -87,16 +78,16 @@ def test_a_registered_optimizer_is_found_by_configs_and_built_by_the_method():
         with pytest.raises(ConfigError, match="Invalid momentum value"):
             config_from_dict({"methods": [{"name": "full_ft", "optimizer": {"name": "test_sgd", "momentum": -1}}]})
     finally:
-        del OPTIMIZER_CHOICES["test_sgd"]
+        del choices.OPTIMIZER_CHOICES["test_sgd"]
 
 
 def test_a_name_is_registered_once():
-    class Other(OptimizerChoice):
+    class Other(choices.OptimizerChoice):
         name = "adamw"
         steps = "parameters"
 
     with pytest.raises(ValueError, match="an optimizer named 'adamw' is already registered"):
-        register_optimizer(Other)
+        choices.register_optimizer(Other)
 
 
 def test_lora_opt_steps_its_factors_with_any_parameter_optimizer_and_the_head_with_adamw():
@@ -106,7 +97,7 @@ def test_lora_opt_steps_its_factors_with_any_parameter_optimizer_and_the_head_wi
     )
     model = method.build(tiny_classifier(seq.num_classes), _ctx(seq))
     optimizer = method.make_optimizer(model, method.trainable_parameters(model, _ctx(seq)), _ctx(seq))
-    assert isinstance(optimizer, StepTogether)
+    assert isinstance(optimizer, choices.StepTogether)
     factors, head = optimizer.optimizers
     assert isinstance(factors, DCTAdamW) and factors.param_groups[0]["lr"] == 2e-3
     assert isinstance(head, torch.optim.AdamW) and head.param_groups[0]["lr"] == 1e-2
@@ -156,8 +147,8 @@ def test_a_tuned_setting_reaches_into_the_optimizer_section():
 
 def test_no_method_module_decides_by_an_optimizer_name():
     """The method modules hand their parameters to the registry; none tests an optimizer's name or lists them."""
-    names = "|".join(sorted(OPTIMIZER_CHOICES))
-    pattern = re.compile(rf"""(==|!=|\bin)\s*\(?\s*["']({names})["']|OPTIMIZER_CHOICES\s*=|DEFAULT_PROJ_GAP""")
+    names = "|".join(sorted(choices.OPTIMIZER_CHOICES))
+    pattern = re.compile(rf"""(==|!=|\bin)\s*\(?\s*["']({names})["']|choices.OPTIMIZER_CHOICES\s*=|DEFAULT_PROJ_GAP""")
     found = [
         f"{path.name}:{number}: {line.strip()}"
         for path in sorted(METHODS.glob("*.py"))

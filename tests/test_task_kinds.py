@@ -8,11 +8,8 @@ from pathlib import Path
 import pytest
 
 from peft_ext.continual.task_kinds import (
-    TASK_KINDS,
     Classification,
     Generation,
-    TaskKind,
-    register_task_kind,
     task_kind,
 )
 
@@ -27,18 +24,6 @@ def test_each_kind_says_what_differs():
     assert g.causal and g.measures_held_out_text and g.row_independent_scores
     with pytest.raises(ValueError, match=r"unknown task sequence kind 'regression'; known kinds: \['classification'"):
         task_kind("regression")
-
-
-def test_a_registered_kind_is_found_by_its_name(monkeypatch):
-    monkeypatch.setattr("peft_ext.continual.task_kinds.TASK_KINDS", dict(TASK_KINDS))
-    import peft_ext.continual.task_kinds as module
-
-    @register_task_kind
-    class Ranking(Classification):
-        name = "ranking"
-
-    assert isinstance(module.task_kind("ranking"), Ranking) and "ranking" not in TASK_KINDS
-    assert issubclass(Ranking, TaskKind)
 
 
 def test_no_module_of_the_engine_methods_or_jobs_tests_a_kind_by_its_name():

@@ -427,8 +427,33 @@ class ContinualEngine:
             }
         return dict(summarize([[0.0 if x is None else x for x in row] for row in R]))
 
+    def final_validation(self, model: nn.Module) -> dict[str, Any]:
+        """``{"final_validation": {"acc", "per_task", "heads"}}``: the final model's score on every task's validation
+        split (with the run's head, and each compared head's under ``heads``), when every task has one: what a choice
+        among methods or settings reads instead of the test split (``peft-ext predict`` picks its method by it)."""
+        tasks = self.sequence.tasks
+        if not tasks or not all(task.validation for task in tasks):
+            return {}
+        row, per_task, per_head = len(tasks) - 1, [], {}
+        for j in range(len(tasks)):
+            options: dict[str, Any] = dict(
+                batch_size=self.ctx.train.eval_batch_size,
+                progress=self.ctx.train.progress,
+                desc=f"{self.method.label} validation t{j}",
+            )
+            score, scores = self.kind.score_task(self, model, row, j, options, split="validation")
+            per_task.append(score)
+            for name, value in scores.items():
+                per_head.setdefault(name, []).append(value)
+        heads = {name[len("head:") :]: sum(v) / len(v) for name, v in per_head.items() if name.startswith("head:")}
+        out: dict[str, Any] = {"acc": sum(per_task) / len(per_task), "per_task": per_task}
+        return {"final_validation": {**out, "heads": heads} if heads else out}
+
     def result(self, model: nn.Module, record: RunRecord) -> MethodResult:
         """The :class:`MethodResult` of a finished run."""
+        start = time.perf_counter()
+        validation = self.final_validation(model)
+        record.eval_seconds += time.perf_counter() - start
         trainable, total = count_params(model)
         return MethodResult(
             method=self.method.name,
@@ -447,6 +472,7 @@ class ContinualEngine:
                 **{f"{k}_matrix": v for k, v in record.scores.items() if not k.startswith("head:")},
                 **self._final_correct(),
                 **self._general_ability(model),
+                **validation,
             },
         )
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar, Optional, Union
 
+from ..named import KindRegistry
 from .evaluation import evaluate_heads
 from .generation import generation_scores, require_causal_collate
 from .heads import build_head
@@ -61,9 +62,10 @@ class TaskKind:
         return sequence.protocol
 
     def score_task(
-        self, engine: Any, model: nn.Module, row: int, task: int, options: dict[str, Any]
+        self, engine: Any, model: nn.Module, row: int, task: int, options: dict[str, Any], split: str = "test"
     ) -> tuple[float, dict[str, float]]:
-        """Task ``task``'s score after phase row ``row``, and the further scores by name (for ``score_row``)."""
+        """Task ``task``'s score on its ``split`` (``test`` or ``validation``) after phase row ``row``, and the further
+        scores by name (for ``score_row``)."""
         raise NotImplementedError
 
 
@@ -78,15 +80,16 @@ class Classification(TaskKind):
     causal = False
 
     def score_task(
-        self, engine: Any, model: nn.Module, row: int, task: int, options: dict[str, Any]
+        self, engine: Any, model: nn.Module, row: int, task: int, options: dict[str, Any], split: str = "test"
     ) -> tuple[float, dict[str, float]]:
         ctx, sequence = engine.ctx, engine.sequence
         heads = {"": engine.head, **{f"head:{name}": head for name, head in engine.compared.items()}}
-        final = row == len(sequence) - 1  # the final row records which test examples the method gets right
+        # the final row records which test examples the method gets right
+        final = row == len(sequence) - 1 and split == "test"
         hits: list[bool] | None = [] if final else None
         scores = evaluate_heads(
             model,
-            sequence.tasks[task].test,
+            getattr(sequence.tasks[task], split),
             ctx.eval_classes(row, task),
             sequence.num_classes,
             ctx.collate,
@@ -123,26 +126,20 @@ class Generation(TaskKind):
         return f"instruction tasks, scored by {scored} of the generated answers"
 
     def score_task(
-        self, engine: Any, model: nn.Module, row: int, task: int, options: dict[str, Any]
+        self, engine: Any, model: nn.Module, row: int, task: int, options: dict[str, Any], split: str = "test"
     ) -> tuple[float, dict[str, float]]:
         ctx = engine.ctx
         spec = engine.sequence.tasks[task]
-        scores = generation_scores(model, spec.test, ctx.collate, ctx.device, **options)
+        scores = generation_scores(model, getattr(spec, split), ctx.collate, ctx.device, **options)
         score = scores[spec.metric]
         scores.pop("exact_match")
         return score, scores
 
 
 #: The kinds by name.
-TASK_KINDS: dict[str, TaskKind] = {}
-
-
-def register_task_kind(cls: type[TaskKind]) -> type[TaskKind]:
-    """Register ``cls`` (an instance of it) under its ``name``; returns the class (a decorator)."""
-    TASK_KINDS[cls.name] = cls()
-    return cls
-
-
+TASK_KINDS: KindRegistry[TaskKind] = KindRegistry("task sequence kind")
+#: Register a kind (a class decorator).
+register_task_kind = TASK_KINDS.register
 register_task_kind(Classification)
 register_task_kind(Generation)
 
@@ -153,11 +150,7 @@ def task_kind(sequence: Union[TaskSequence, str]) -> TaskKind:
     Raises:
         ValueError: A kind no one registered, naming the registered ones.
     """
-    name = sequence if isinstance(sequence, str) else sequence.kind
-    try:
-        return TASK_KINDS[name]
-    except KeyError:
-        raise ValueError(f"unknown task sequence kind {name!r}; known kinds: {sorted(TASK_KINDS)}") from None
+    return TASK_KINDS.lookup(sequence if isinstance(sequence, str) else sequence.kind)
 
 
 def check_heads(sequence: TaskSequence, method: Any, heads: Optional[list[ContinualHead]] = None) -> None:

@@ -183,11 +183,12 @@ class ResultsWriter(JobCallback):
         saved = saved_methods(job.config.output.dir)
         if saved and job.saves_trained:
             output = Path(job.config.output.dir)
-            best, _ = default_method(output, saved)
+            best, line = default_method(output, saved)
+            split = "validation" if "on the validation split" in line else "test"
             self.echo(
                 f"[peft-ext] trained models of {', '.join(saved)} in {output / 'adapters'}/: classify new texts with "
-                f"`peft-ext predict {output} TEXTS.txt` (it uses {best}, the best continual method of this run; "
-                "--method picks another; docs/own_data.md)"
+                f"`peft-ext predict {output} TEXTS.txt` (it uses {best}, the best continual method of this run on "
+                f"the {split} split; --method picks another; docs/own_data.md)"
             )
 
 
@@ -448,6 +449,8 @@ class ContinualJob:
             "seed": config.train.seed,
             "max_length": config.model.max_length,
             "final_acc": result.metrics.get("final_acc"),
+            # what `peft-ext predict` chooses a method by, when the sequence has a validation split
+            "final_val_acc": result.extras.get("final_validation", {}).get("acc"),
             "config": config.name,
             **kind.saved_settings(config.model),  # a causal LM's prompt settings
         }

@@ -53,8 +53,11 @@ def trained_folder(source: Union[str, Path], method: Optional[str] = None) -> tu
 
 
 def default_method(path: Union[str, Path], saved: Optional[list[str]] = None) -> tuple[str, str]:
-    """The saved method ``peft-ext predict`` uses for a job's folder when none is named: the continual method with
-    the best final accuracy (an upper bound, ``joint``, left out), else the first saved; and the line saying so.
+    """The saved method ``peft-ext predict`` uses for a job's folder when none is named, and the line saying so: the
+    continual method (an upper bound, ``joint``, left out) with the best final accuracy on the sequence's
+    **validation** split when every candidate was scored on one (so the test split stays a fair estimate of the
+    chosen method), else on the test split (a job without a validation split; the line says so), else the first
+    saved.
 
     Args:
         path: The job's output folder (holding ``adapters/``).
@@ -62,15 +65,26 @@ def default_method(path: Union[str, Path], saved: Optional[list[str]] = None) ->
     """
     path = Path(path)
     saved = saved_methods(path) if saved is None else saved
-    scores = {}
-    for label in saved:
-        meta = json.loads((path / "adapters" / label / MODEL_FILE).read_text())
-        if not method_capability(meta.get("method", ""), "is_upper_bound") and meta.get("final_acc") is not None:
-            scores[label] = float(meta["final_acc"])
-    if not scores:
+    metas = {label: json.loads((path / "adapters" / label / MODEL_FILE).read_text()) for label in saved}
+    candidates = {
+        label: meta for label, meta in metas.items() if not method_capability(meta.get("method", ""), "is_upper_bound")
+    }
+    scored = [
+        (split, {label: float(meta[key]) for label, meta in candidates.items() if meta.get(key) is not None})
+        for key, split in (("final_val_acc", "validation"), ("final_acc", "test"))
+    ]
+    complete = [(split, scores) for split, scores in scored if scores and len(scores) == len(candidates)]
+    if not complete:
         return saved[0], f"predicting with {saved[0]} (pass --method to pick one of {saved})"
+    split, scores = complete[0]
     best = max(scores, key=scores.get)
-    return best, (
-        f"predicting with {best} (final accuracy {100 * scores[best]:.1f} %, the best of the {len(scores)} continual "
-        f"methods saved; --method picks another of {saved})"
+    line = (
+        f"predicting with {best} (final accuracy {100 * scores[best]:.1f} % on the {split} split, the best of the "
+        f"{len(scores)} continual methods saved"
     )
+    if split == "test":
+        line += "; chosen on the test split, as the job had no validation split: its test figure is optimistic"
+    else:
+        test = candidates[best].get("final_acc")
+        line += "" if test is None else f"; {100 * float(test):.1f} % on the test split"
+    return best, line + f"; --method picks another of {saved})"

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from ..named import KindRegistry
+
 if TYPE_CHECKING:
     from ..data.tasks import TaskSequence
 
@@ -168,15 +170,9 @@ class CausalLM(ModelKind):
 
 
 #: The kinds by name.
-MODEL_KINDS: dict[str, ModelKind] = {}
-
-
-def register_model_kind(cls: type[ModelKind]) -> type[ModelKind]:
-    """Register ``cls`` (an instance of it) under its ``name``; returns the class (a decorator)."""
-    MODEL_KINDS[cls.name] = cls()
-    return cls
-
-
+MODEL_KINDS: KindRegistry[ModelKind] = KindRegistry("model kind")
+#: Register a kind (a class decorator).
+register_model_kind = MODEL_KINDS.register
 register_model_kind(Classifier)
 register_model_kind(CausalLM)
 
@@ -187,7 +183,4 @@ def model_kind(name: str) -> ModelKind:
     Raises:
         ValueError: A kind no one registered, naming the registered ones.
     """
-    try:
-        return MODEL_KINDS[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown model kind {name!r}; known kinds: {sorted(MODEL_KINDS)}") from None
+    return MODEL_KINDS.lookup(name)

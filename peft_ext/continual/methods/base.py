@@ -23,7 +23,7 @@ from peft import LoraConfig
 from torch import nn
 
 from ...fingerprint import added_later
-from ...optim.choices import optimizer_spec
+from ...optim.choices import check_optimizer, optimizer_spec
 from ..heads.base import HEADS, feature_heads, head_options
 from ..state_codec import decode_state, encode_state
 from ..task_kinds import task_kind
@@ -54,8 +54,11 @@ class MethodOptions:
             head must be one that learns from features).
     """
 
-    #: Old flat option names that became keys of the method's ``optimizer`` section (``rank`` -> ``rank``), on
-    #: methods whose options have one.
+    #: What the method hands the optimizer its ``optimizer`` field names (:data:`peft_ext.optim.choices.STEPS`), on
+    #: methods whose options have that field: the field is checked against the registry and replaced by its
+    #: effective settings (every option written out: what the run's fingerprint holds).
+    optimizer_steps: ClassVar[tuple[str, ...]] = ()
+    #: Old flat option names that became keys of the method's ``optimizer`` section (``rank`` -> ``rank``).
     legacy_optimizer_keys: ClassVar[dict[str, str]] = {}
 
     lr: float = 1e-3
@@ -86,6 +89,8 @@ class MethodOptions:
     def validate(self) -> None:
         if not self.lr > 0:
             raise ValueError(f"`lr` must be > 0, got {self.lr}")
+        if self.optimizer_steps:
+            self.optimizer = check_optimizer(self.optimizer, self.optimizer_steps)
         if self.weight_decay < 0:
             raise ValueError(f"`weight_decay` must be >= 0, got {self.weight_decay}")
         if self.adapt not in ADAPT_MODES:
@@ -201,6 +206,28 @@ class AdapterOptions(MethodOptions):
         if unknown:
             raise ValueError(f"{sorted(unknown)} are not among the method-set adapter fields {self.method_owned}")
         return dataclasses.replace(self.adapter, **method_set) if method_set else copy.deepcopy(self.adapter)
+
+
+@dataclass
+class HeadRateOptions(AdapterOptions):
+    """Options of an adapter method whose head (a ``modules_to_save`` copy) trains by AdamW at its own rate beside
+    the adapter's optimizer, so that comparing optimizers isolates the adapters.
+
+    Args:
+        head_lr: AdamW learning rate of the head (default ``lr``).
+    """
+
+    head_lr: float | None = None
+
+    @property
+    def head_rate(self) -> float:
+        """The head's learning rate: ``head_lr``, or ``lr`` when unset."""
+        return self.lr if self.head_lr is None else self.head_lr
+
+    def validate(self) -> None:
+        super().validate()
+        if self.head_lr is not None and not self.head_lr > 0:
+            raise ValueError(f"`head_lr` must be > 0 (or unset), got {self.head_lr}")
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from ...optim.choices import OptimizerRequest, check_optimizer, named_trainable, optimizer_spec
+from ...optim.choices import OptimizerRequest, named_trainable, optimizer_spec
 from .base import ContinualMethod, MethodOptions, register_continual_method
 
 if TYPE_CHECKING:
@@ -59,10 +59,6 @@ class FullFineTuneOptions(MethodOptions):
     }
 
     optimizer: str | dict[str, Any] = "adamw"
-
-    def validate(self) -> None:
-        super().validate()
-        self.optimizer = check_optimizer(self.optimizer, self.optimizer_steps)  # its effective settings
 
 
 @register_continual_method

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from ...optim.choices import OptimizerRequest, StepTogether, check_optimizer, optimizer_spec
-from .base import ContinualMethod, LoraOptions, head_module_name, register_continual_method
+from ...optim.choices import OptimizerRequest, StepTogether, optimizer_spec
+from .base import ContinualMethod, HeadRateOptions, LoraOptions, head_module_name, register_continual_method
 from .riemannion import calibration_batches
 
 if TYPE_CHECKING:
@@ -24,7 +24,7 @@ __all__ = ["LoraOpt", "LoraOptOptions", "StepTogether"]  # StepTogether: from pe
 
 
 @dataclass
-class LoraOptOptions(LoraOptions):
+class LoraOptOptions(LoraOptions, HeadRateOptions):
     """Options of ``lora_opt``.
 
     Args:
@@ -43,16 +43,12 @@ class LoraOptOptions(LoraOptions):
 
     optimizer: str | dict[str, Any] = "adamw"
     init: Literal["default", "lora_ga"] = "default"
-    head_lr: float | None = None
     init_batches: int = 4
 
     def validate(self) -> None:
         super().validate()
-        self.optimizer = check_optimizer(self.optimizer, self.optimizer_steps)  # its effective settings
         if self.init not in ("default", "lora_ga"):
             raise ValueError(f"`init` must be 'default' or 'lora_ga', got {self.init!r}")
-        if self.head_lr is not None and not self.head_lr > 0:
-            raise ValueError(f"`head_lr` must be > 0 (or unset), got {self.head_lr}")
         if self.init_batches < 1:
             raise ValueError(f"`init_batches` must be a positive integer, got {self.init_batches}")
 
@@ -105,6 +101,6 @@ class LoraOpt(ContinualMethod):
             opts.lr,
             opts.weight_decay,
             others=[p for p in params if not is_factor[id(p)]],
-            others_lr=opts.head_lr if opts.head_lr is not None else opts.lr,
+            others_lr=opts.head_rate,
         )
         return choice.build(request, options)

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from ...optim.choices import OptimizerRequest, check_optimizer, optimizer_spec
+from ...optim.choices import OptimizerRequest, optimizer_spec
 from ...tuners.riemannion import RiemannionConfig, initialize_loi
-from .base import AdapterOptions, ContinualMethod, head_module_name, register_continual_method
+from .base import ContinualMethod, HeadRateOptions, head_module_name, register_continual_method
 
 if TYPE_CHECKING:
     from ...data.tasks import Task
@@ -26,7 +26,7 @@ __all__ = ["RiemannionMethod", "RiemannionOptions", "calibration_batches"]
 
 
 @dataclass
-class RiemannionOptions(AdapterOptions):
+class RiemannionOptions(HeadRateOptions):
     """Options of ``riemannion``.
 
     Args:
@@ -53,7 +53,6 @@ class RiemannionOptions(AdapterOptions):
     adapter: RiemannionConfig = field(default_factory=RiemannionConfig)
     init: Literal["loi", "random"] = "loi"
     optimizer: str | dict[str, Any] = "riemannion"
-    head_lr: float | None = None
     loi_batches: int = 4
     loi_oversampling: int = 16
     loi_power_iters: int = 1
@@ -77,11 +76,8 @@ class RiemannionOptions(AdapterOptions):
 
     def validate(self) -> None:
         super().validate()
-        self.optimizer = check_optimizer(self.optimizer, self.optimizer_steps)  # its effective settings
         if self.init not in ("loi", "random"):
             raise ValueError(f"`init` must be 'loi' or 'random', got {self.init!r}")
-        if self.head_lr is not None and not self.head_lr > 0:
-            raise ValueError(f"`head_lr` must be > 0 (or unset), got {self.head_lr}")
         for key in ("loi_batches",):
             if getattr(self, key) < 1:
                 raise ValueError(f"`{key}` must be a positive integer, got {getattr(self, key)}")
@@ -132,7 +128,6 @@ class RiemannionMethod(ContinualMethod):
     def make_optimizer(self, model: nn.Module, params: list[nn.Parameter], ctx: RunContext) -> torch.optim.Optimizer:
         opts = self.options
         choice, options = optimizer_spec(opts.optimizer)
-        head_lr = opts.head_lr if opts.head_lr is not None else opts.lr
         # the optimizer finds the adapters in the model; every other trainable parameter (the head) gets its AdamW
-        request = OptimizerRequest(model, [], opts.lr, opts.weight_decay, others_lr=head_lr)
+        request = OptimizerRequest(model, [], opts.lr, opts.weight_decay, others_lr=opts.head_rate)
         return choice.build(request, options)
