@@ -27,10 +27,9 @@ from .context import (
     RunContext,
     TrainConfig,
     count_params,
-    masked_cross_entropy,
     model_logits,
 )
-from .generation import next_token_loss, require_causal_collate, text_perplexity
+from .generation import require_causal_collate, text_perplexity
 from .heads import ContinualHead, build_head
 from .heads.base import learn_heads
 from .heads.frozen import FrozenFeatures
@@ -157,7 +156,7 @@ def training_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The loss every driver trains on: masked cross-entropy plus the method's ``extra_loss``.
 
-    A batch whose ``labels`` are (batch, seq) token ids is a causal-LM batch of a generation sequence: its loss is
+    The sequence's task kind computes the loss (:meth:`.task_kinds.TaskKind.loss`): a generation sequence's is
     :func:`~.generation.next_token_loss` (cross-entropy on the answer tokens, labels -100 elsewhere) and ``mask``
     must be ``None``.
 
@@ -175,13 +174,8 @@ def training_loss(
     Raises:
         FloatingPointError: If the loss is not finite.
     """
-    if batch["labels"].dim() == 2:
-        if mask is not None:
-            raise ValueError("a causal-LM batch (2-D labels) takes no class mask; pass mask=None")
-        logits = model_logits(model, batch)
-        loss = next_token_loss(logits, batch["labels"])
-    else:
-        loss, logits = masked_cross_entropy(model_logits(model, batch), batch["labels"], mask)
+    # the sequence's kind says what the loss is (classification: masked cross-entropy; generation: the answers')
+    loss, logits = task_kind(ctx.sequence).loss(model_logits(model, batch), batch["labels"], mask)
     extra = method.extra_loss(model, batch, task_id, ctx)
     if extra is not None:
         loss = loss + extra

@@ -19,11 +19,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar, Optional, Union
 
 from ..named import KindRegistry
+from .context import masked_cross_entropy
 from .evaluation import evaluate_heads
-from .generation import generation_scores, require_causal_collate
+from .generation import generation_scores, next_token_loss, require_causal_collate
 from .heads import build_head
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from ..data.tasks import TaskSequence
@@ -56,6 +58,11 @@ class TaskKind:
 
     def check_collate(self, collate: Collate) -> None:
         """Refuse a collate that cannot batch this kind's examples (nothing to check by default)."""
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, mask: Optional[torch.Tensor]) -> tuple[Any, Any]:
+        """The task loss of a batch's ``logits`` and ``labels`` (``mask``: the logits it sees, ``None``: all), and
+        the logits it saw."""
+        raise NotImplementedError
 
     def describe(self, sequence: TaskSequence) -> str:
         """How the sequence is learnt and scored, in the words a job's first line uses."""
@@ -103,6 +110,9 @@ class Classification(TaskKind):
             engine.final_hits[task] = "".join("1" if h else "0" for h in hits)
         return scores.pop(""), scores
 
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, mask: Optional[torch.Tensor]) -> tuple[Any, Any]:
+        return masked_cross_entropy(logits, labels, mask)
+
 
 class Generation(TaskKind):
     name = "generation"
@@ -119,6 +129,12 @@ class Generation(TaskKind):
 
     def check_collate(self, collate: Collate) -> None:
         require_causal_collate(collate)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, mask: Optional[torch.Tensor]) -> tuple[Any, Any]:
+        """Cross-entropy of the answer tokens over the whole vocabulary (labels -100 elsewhere): no class mask."""
+        if mask is not None:
+            raise ValueError("a generation batch takes no class mask; pass mask=None")
+        return next_token_loss(logits, labels), logits
 
     def describe(self, sequence: TaskSequence) -> str:
         metrics = {t.metric for t in sequence.tasks}
