@@ -59,7 +59,7 @@ golden: $(STAMP)
 # After `make run`: keep its results as docs/results/quickstart.json and regenerate the tables built from it.
 readme-table: $(STAMP)
 	cp runs/quickstart/results.json docs/results/quickstart.json
-	$(VENV)/bin/peft-ext table --into README.md docs/benchmarks.md
+	$(VENV)/bin/peft-ext table --into README.md docs/*.md
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check peft_ext tests benchmarks

@@ -20,7 +20,13 @@ them):
 - ``lr_step SECTION ROW``: a method's validation accuracy at its chosen learning rate and at the next point of its
   grid, from the section's first table (grid, chosen lr) and the table of every grid point;
 - ``range SECTION TABLE COLUMN ROW...``: the smallest and largest cell of a column over rows (``8-58x``);
+- ``ratio_vs SECTION N OBJECT``: a target line's ratio with its interval as a verdict on 1: ``ties OBJECT (0.995x
+  [0.961, 1.031], data set, seeds)`` when the interval holds 1, ``is above OBJECT (...)`` / ``is below OBJECT (...)``
+  when it clears it (which side is better is the sentence's to say: a perplexity's ratio above 1 is worse);
+- ``met SECTION N``: the verdict a target line ends with (``met``, ``NOT met``, ``NOT met (met on the mean only)``);
 - ``measured SECTION N``: the ratio a target line measured (``... = 58x (>= 50x): met`` gives ``58x``);
+- ``speedup SECTION N OBJECT``: the same ratio as a speed-up in words, ``58x faster than OBJECT`` (a ratio below 1:
+  ``2.5x slower than OBJECT``);
 - ``cell SECTION TABLE ROW COLUMN``: one cell as printed;
 - ``targets SECTION``: the section's target lines, as its list prints them;
 - ``command SECTION``: the command that produced the section, less the options that only name output files
@@ -30,7 +36,7 @@ them):
 
 ROW is a row's first cell; COLUMN a column's 1-based index. Arguments after the first `` | `` are separated by
 `` | `` (for rows whose name holds a space): ``<!-- figure range dct 1 | 7 | 1024 x 256 (rectangular) | 4096 x 1024
-(rectangular) -->``.
+(rectangular) -->``; inside a markdown table cell write them ``\\|``, as the table needs.
 
 Usage, from the repository root::
 
@@ -192,10 +198,24 @@ def command_line(args: tuple[str, ...]) -> str:
 
 def render(key: str, sections: dict[str, Section], titles: dict[str, str] | None = None) -> str:
     """The text of the figure ``key`` (see the module docstring) from the parsed report."""
-    head, *rest = key.split(" | ")
+    head, *rest = key.replace("\\|", "|").split(" | ")  # a key inside a table cell escapes its pipes: \|
     parts = head.split() + [p.strip() for p in rest]
     kind, args = parts[0], parts[1:]
-    kinds = ("vs", "target", "measured", "ratio", "lr_step", "range", "cell", "table", "targets", "command")
+    kinds = (
+        "vs",
+        "target",
+        "ratio_vs",
+        "met",
+        "measured",
+        "speedup",
+        "ratio",
+        "lr_step",
+        "range",
+        "cell",
+        "table",
+        "targets",
+        "command",
+    )
     if kind not in kinds:
         raise ValueError(f"figure {key!r}: unknown kind {kind!r}; one of {kinds}")
     if not args:
@@ -212,11 +232,20 @@ def render(key: str, sections: dict[str, Section], titles: dict[str, str] | None
     try:
         if kind == "command":
             return f"`python -m {command_line(BY_NAME[name].args)}`"
-        if kind == "measured":
+        if kind in ("measured", "speedup"):
             line = section.targets[int(args[1]) - 1]
             found = re.search(r" = (\S+?x)\b", line)
             if found is None:
                 raise KeyError(f"target {args[1]} measures no ratio 'N.NNx': {line!r}")
+            if kind == "measured":
+                return found[1]
+            obj, ratio = " ".join(args[2:]), float(found[1][:-1])
+            return f"{found[1]} faster than {obj}" if ratio >= 1 else f"{1 / ratio:.2g}x slower than {obj}"
+        if kind == "met":
+            line = section.targets[int(args[1]) - 1]
+            found = re.search(r": ((?:NOT )?met(?: \([^)]*\))?)$", line)
+            if found is None:
+                raise KeyError(f"target {args[1]} ends with no verdict: {line!r}")
             return found[1]
         if kind == "targets":
             if not section.targets:
@@ -253,6 +282,15 @@ def render(key: str, sections: dict[str, Section], titles: dict[str, str] | None
             if found is None:
                 raise KeyError(f"target {args[1]} is neither a paired difference nor a ratio: {line!r}")
             return f"{found['r']}x {obj} [{found['lo']}, {found['hi']}] ({where()})"
+        if kind == "ratio_vs":
+            line = section.targets[int(args[1]) - 1]
+            found = re.search(r"ratio (?P<r>\d+\.\d+), 95 % CI \[(?P<lo>\S+), (?P<hi>\S+)\]", line)
+            if found is None:
+                raise KeyError(f"target {args[1]} gives no ratio with an interval: {line!r}")
+            low, high = float(found["lo"]), float(found["hi"])
+            word = "ties" if low <= 1 <= high else "is above" if low > 1 else "is below"
+            obj = " ".join(args[2:])
+            return f"{word} {obj} ({found['r']}x [{found['lo']}, {found['hi']}], {where()})"
         if kind == "ratio":
             table = section.table(int(args[1]))
             found = re.fullmatch(r"(\S+) \[(\S+), (\S+)\]", table.row(args[2])[table.column(int(args[3]))])

@@ -23,8 +23,8 @@ Usage, from the repository root::
 
 from __future__ import annotations
 
-import ast
 import datetime as _dt
+import json
 import os
 import re
 import subprocess
@@ -36,7 +36,7 @@ from pathlib import Path
 from benchmarks import figures
 from benchmarks._lib import machine
 from benchmarks._lib.cli import benchmark_parser
-from benchmarks.sections import ENTRIES, Entry
+from benchmarks.sections import ENTRIES, RESULT_FILES, Entry, imported_benchmark_files, result_code
 
 ROOT = Path(__file__).resolve().parents[1]
 LOGS = ROOT / "runs" / "benchmarks"
@@ -103,44 +103,10 @@ CARRIED_NOTE = f"{CARRIED}: its code is unchanged since the run named below (`ru
 FOOTER = re.compile(r"exit (-?\d+), (\d+) s wall(?:, code ([0-9a-f]+)( \+ uncommitted changes)?)?")
 
 
-def _module_file(module: str, script: str) -> str | None:
-    """The file of ``module`` relative to the repository when it is the ``script`` or one of the benchmarks (``None``
-    otherwise)."""
-    if module not in (script, "benchmarks") and not module.startswith("benchmarks."):
-        return None
-    stem = module.replace(".", "/")
-    return next((f for f in (f"{stem}.py", f"{stem}/__init__.py") if (ROOT / f).is_file()), None)
-
-
-def imported_benchmark_files(module: str) -> list[str]:
-    """The files of benchmark ``module`` and of every benchmark module it imports, transitively, read from their
-    source (nothing is imported): the files whose change makes its section older than its code."""
-    seen: dict[str, None] = {}
-    todo = [module]
-    while todo:
-        name = todo.pop()
-        path = _module_file(name, module)
-        if path is None or path in seen:
-            continue
-        seen[path] = None
-        package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
-        todo.append(name.rpartition(".")[0])  # importing a module runs its package's __init__ first
-        for node in ast.walk(ast.parse((ROOT / path).read_text())):
-            if isinstance(node, ast.Import):
-                todo += [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:  # relative: ``from .cache import RunCache`` in package ``benchmarks._lib``
-                    parents = package.split(".")
-                    base = ".".join(parents[: len(parents) - node.level + 1] + ([base] if base else []))
-                todo += [base, *(f"{base}.{alias.name}" for alias in node.names)]  # ``from package import module``
-    return list(seen)
-
-
 def code_paths(entry: Entry) -> tuple[str, ...]:
     """The files whose change makes ``entry``'s section older than its code: its package paths, its script and every
     benchmark module the script imports (``benchmarks/_lib``'s shared pieces among them)."""
-    return (*entry.code, *imported_benchmark_files(entry.args[0]))
+    return (*entry.code, *imported_benchmark_files(entry.args[0], ROOT))
 
 
 def provenance(entry: Entry) -> str:
@@ -263,6 +229,40 @@ def currency(entry: Entry, run: dict[str, object] | None) -> tuple[str, str]:
     return "current", f"code {run['commit']}"
 
 
+def result_files_currency(folder: Path | None = None) -> list[tuple[str, str, str]]:
+    """``(file, state, why)`` of every results file in ``folder`` that a benchmark outside this report writes
+    (:data:`~benchmarks.sections.RESULT_FILES`): ``current`` when none of its code changed since the commit it
+    records, ``stale`` otherwise (or when it records none)."""
+    out = []
+    for path in sorted((folder or ROOT / "docs" / "results").glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        kind = data.get("kind") if isinstance(data, dict) else None
+        if kind not in RESULT_FILES:
+            continue
+        name = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+        recorded = data.get("provenance") or {}
+        commit = recorded.get("commit")
+        if not commit:
+            out.append((name, "stale", "it records no commit (made before results files recorded theirs)"))
+            continue
+        module, code = result_code(kind, data.get("config"))
+        paths = recorded.get("code") or [*code, *imported_benchmark_files(module, ROOT)]
+        if machine.git("cat-file", "-e", f"{commit}^{{commit}}", cwd=ROOT) is None:
+            out.append((name, "stale", f"commit {commit[:7]} is not in this clone"))
+            continue
+        changed = (machine.git("diff", "--name-only", commit, "--", *paths, cwd=ROOT) or "").split()
+        if changed or recorded.get("dirty"):
+            shown_files = ", ".join(changed[:4]) + (", ..." if len(changed) > 4 else "")
+            why = f"{len(changed)} file(s) changed since {commit[:7]}" + (f": {shown_files}" if changed else "")
+            out.append((name, "stale", why + (" (it ran with uncommitted changes)" if recorded.get("dirty") else "")))
+        else:
+            out.append((name, "current", f"code {commit[:7]}"))
+    return out
+
+
 def listing(text: str | None, stale_only: bool = False) -> list[str]:
     """``--list`` (every entry: its expected minutes on 2 idle cores, its last run's as the report says, whether that
     run is current, and its command) or ``--stale`` (only the entries whose section is missing or older than their
@@ -280,8 +280,15 @@ def listing(text: str | None, stale_only: bool = False) -> list[str]:
         out.append(f"{entry.name:<18} ~{entry.minutes:>4.0f} min  {last:<14} {state:<8} {why}".rstrip())
         if not stale_only:
             out.append(f"{'':<18} {shown(entry)}")
+    results = result_files_currency()
+    for name, state, why in results:
+        if not (stale_only and state == "current"):
+            out.append(f"{name:<44} {state:<8} {why}")
     if stale_only:
         out.append(f"{stale} of {len(ENTRIES)} section(s) to re-run" if stale else "every section is current")
+        old_files = sum(state != "current" for _, state, _ in results)
+        if results:
+            out.append(f"{old_files} of {len(results)} results file(s) older than their code")
     else:
         total = sum(e.minutes for e in ENTRIES)
         out.append(f"{'total':<18} ~{total:>4.0f} min on 2 idle cores, one entry after another")
@@ -299,7 +306,8 @@ def report(entries: list[Entry], earlier: str | None = None) -> str:
         "table below is the benchmark script's own output, every target line its own verdict. Sizes are chosen so the "
         "whole report fits a 2-core CPU machine; each method's docs page has the larger runs. Each section's Run "
         "line names the commit of the code it ran; `python -m benchmarks.run_all --stale` lists the sections whose "
-        "code changed since, `--list` every entry with its minutes.",
+        "code changed since (and the heads protocol's results files, which record their commit, code and settings), "
+        "`--list` every entry with its minutes.",
         "",
         f"Machine: {machine.summary()}. Report written {_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M} UTC.",
         "",

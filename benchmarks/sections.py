@@ -7,9 +7,13 @@ to rewrite the pages after the report, and figures needs nothing of run_all.
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["ENTRIES", "Entry"]
+__all__ = ["ENTRIES", "RESULT_FILES", "Entry", "imported_benchmark_files", "result_code"]
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -342,3 +346,50 @@ ENTRIES: tuple[Entry, ...] = (
         code=RIEMANNION + ("peft_ext/continual", "peft_ext/data"),
     ),
 )
+
+
+#: Results files written outside this report (``kind`` in the file -> the benchmark module that writes it and the
+#: package paths it measures): ``run_all --stale`` lists the files whose code changed since their recorded commit.
+RESULT_FILES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "continual_heads": ("benchmarks.continual_heads", CONTINUAL),
+}
+
+
+def result_code(kind: str, config: str | None) -> tuple[str, tuple[str, ...]]:
+    """The writing module and the code paths of a results file of ``kind`` made from shipped config ``config``."""
+    module, code = RESULT_FILES[kind]
+    return module, code + ((f"configs/{config}.yaml",) if config else ())
+
+
+def _module_file(module: str, script: str, root: Path) -> str | None:
+    """The file of ``module`` relative to the repository when it is the ``script`` or one of the benchmarks (``None``
+    otherwise)."""
+    if module not in (script, "benchmarks") and not module.startswith("benchmarks."):
+        return None
+    stem = module.replace(".", "/")
+    return next((f for f in (f"{stem}.py", f"{stem}/__init__.py") if (root / f).is_file()), None)
+
+
+def imported_benchmark_files(module: str, root: Path = ROOT) -> list[str]:
+    """The files of benchmark ``module`` and of every benchmark module it imports, transitively, read from their
+    source under ``root`` (nothing is imported): the files whose change makes its section older than its code."""
+    seen: dict[str, None] = {}
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        path = _module_file(name, module, root)
+        if path is None or path in seen:
+            continue
+        seen[path] = None
+        package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+        todo.append(name.rpartition(".")[0])  # importing a module runs its package's __init__ first
+        for node in ast.walk(ast.parse((root / path).read_text())):
+            if isinstance(node, ast.Import):
+                todo += [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: ``from .cache import RunCache`` in package ``benchmarks._lib``
+                    parents = package.split(".")
+                    base = ".".join(parents[: len(parents) - node.level + 1] + ([base] if base else []))
+                todo += [base, *(f"{base}.{alias.name}" for alias in node.names)]  # ``from package import module``
+    return list(seen)

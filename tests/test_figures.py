@@ -69,6 +69,15 @@ def test_the_verdict_follows_the_interval():
     assert _render("target continual 3 GaLore's") == "1.108x GaLore's [1.053, 1.165] (WordNet, 3 seeds)"
 
 
+def test_a_ratio_reads_as_a_verdict_on_one_and_a_target_as_its_outcome():
+    assert _render("ratio_vs continual 3 GaLore's") == "is above GaLore's (1.108x [1.053, 1.165], WordNet, 3 seeds)"
+    tie = FAKE.replace("[1.053, 1.165]", "[0.953, 1.165]")
+    assert _render("ratio_vs continual 3 GaLore's", tie).startswith("ties GaLore's (1.108x [0.953, 1.165]")
+    assert _render("met continual 3") == "NOT met" and _render("met continual 2") == "met"
+    assert _render("speedup continual 1 the SVD") == "58x faster than the SVD"
+    assert _render("speedup continual 1 x", FAKE.replace("= 58x", "= 0.4x")) == "2.5x slower than x"
+
+
 def test_ranges_cells_steps_and_measured_ratios():
     assert _render("range continual 3 | 2 | tall | wide") == "8-16x"
     assert _render("range continual 3 | 2 | square") == "58x"

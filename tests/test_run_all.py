@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -219,6 +220,47 @@ def test_each_run_records_its_commit_and_stale_names_the_sections_whose_code_cha
     # a commit this clone does not have cannot vouch for the section either
     unknown = report.replace(f"code {first}", "code abcdef1")
     assert "commit abcdef1 is not in this clone" in run_all.listing(unknown, stale_only=True)[0]
+
+
+def test_stale_lists_the_results_files_whose_code_changed_since_the_commit_they_record(run_all, tmp_path):
+    """A heads-protocol results file records its commit, code paths and settings (``provenance``); ``--stale`` names
+    it once one of those paths changes, and a file that records no commit is never shown current."""
+    (tmp_path / "peft_ext" / "continual").mkdir(parents=True)
+    (tmp_path / "peft_ext" / "continual" / "engine.py").write_text("x = 1\n")
+    (tmp_path / "README.md").write_text("readme\n")
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-q", "-m", "first")
+    first = _git(tmp_path, "rev-parse", "HEAD")
+    results = tmp_path / "docs" / "results"
+    results.mkdir(parents=True)
+    recorded = {"commit": first, "dirty": False, "code": ["peft_ext/continual"], "settings": {"command": "x"}}
+    (results / "heads_new.json").write_text(json.dumps({"kind": "continual_heads", "provenance": recorded}))
+    (results / "heads_old.json").write_text(json.dumps({"kind": "continual_heads"}))
+    (results / "other.json").write_text(json.dumps({"kind": "something_else"}))
+    (tmp_path / "README.md").write_text("changed\n")  # outside the recorded code: still current
+    _git(tmp_path, "commit", "-q", "-am", "docs")
+    states = {name.split("/")[-1]: (state, why) for name, state, why in run_all.result_files_currency()}
+    assert states["heads_new.json"] == ("current", f"code {first[:7]}")
+    assert states["heads_old.json"][0] == "stale" and "records no commit" in states["heads_old.json"][1]
+    assert "other.json" not in states
+    (tmp_path / "peft_ext" / "continual" / "engine.py").write_text("x = 2\n")
+    _git(tmp_path, "commit", "-q", "-am", "engine")
+    lines = run_all.listing(None, stale_only=True)
+    assert any(
+        "heads_new.json" in line and "1 file(s) changed since" in line and "engine.py" in line for line in lines
+    )
+    assert lines[-1] == "2 of 2 results file(s) older than their code"
+
+
+def test_the_heads_protocol_records_what_made_its_results_file():
+    from benchmarks._lib import machine
+
+    made = machine.provenance(["peft_ext/continual"], command="python -m benchmarks.continual_heads", config="x")
+    assert made["commit"] and len(made["commit"]) == 40 and isinstance(made["dirty"], bool)
+    assert made["code"] == ["peft_ext/continual"] and made["settings"]["config"] == "x"
+    source = (ROOT / "benchmarks" / "continual_heads.py").read_text()
+    assert 'summary["provenance"] = machine.provenance(' in source  # what main writes into the results file
 
 
 def test_a_section_follows_the_benchmark_modules_its_script_imports_and_says_when_it_is_carried_current(

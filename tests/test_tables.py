@@ -4,6 +4,7 @@ table its results file gives, and ``peft-ext table`` prints and rewrites them.""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -49,64 +50,111 @@ def test_every_generated_claim_equals_its_results_file(markdown):
         )
 
 
-def _summary(**vs: tuple[float, float, float]) -> dict:
+def _summary(config: str = "quickstart") -> dict:
+    """A heads protocol summary with per-draw values: SplitLoRA's highest row (``lda``) is not the head
+    configs/quickstart.yaml gives it (``analytic``), and slda, not SimpleCIL, is the strongest training-free
+    baseline."""
+
+    def cell(*values):
+        return {"values": list(values), "mean": 100 * sum(values) / len(values), "half_width": 1.0}
+
     methods = {
-        label: {
-            "best_head": "analytic",
-            "best_every_task_head": "lda",
-            "vs_ncm": list(v),
-            "vs_ncm_every_task": list(v),
-        }
-        for label, v in vs.items()
+        "seq_lora": {"heads": {"linear": cell(0.30, 0.32, 0.31), "first_task+lda": cell(0.66, 0.65, 0.67)}},
+        "inflora": {"heads": {"analytic": cell(0.55, 0.56, 0.57), "first_task+analytic": cell(0.64, 0.62, 0.65)}},
+        "splitlora": {
+            "heads": {
+                "analytic": cell(0.66, 0.67, 0.69),
+                "lda": cell(0.70, 0.71, 0.72),
+                "first_task+analytic": cell(0.62, 0.64, 0.63),
+                "cosine+lda": cell(0.60, 0.70, 0.65),
+            }
+        },
+        "joint": {"heads": {"linear": cell(0.70, 0.70, 0.71), "lda": cell(0.72, 0.73, 0.74)}},
+        "ncm": {"heads": {"prototype": cell(0.60, 0.61, 0.62)}},
+        "slda": {"heads": {"lda": cell(0.62, 0.63, 0.64)}},
+        "ranpac": {"heads": {"analytic": cell(0.61, 0.60, 0.62)}},
     }
-    methods["pclr"] |= {"best_head": "first_task+lda"}
-    methods["ncm"] = {"best_head": "prototype"}
-    return {"kind": "continual_heads", "config": "quickstart", "draws": [0, 1, 2], "methods": methods}
+    return {"kind": "continual_heads", "config": config, "draws": [0, 1, 2], "methods": methods, "command": "cmd"}
 
 
-def test_a_claim_says_beats_only_when_the_interval_clears():
-    summary = _summary(splitlora=(4.3, 2.6, 6.0), inflora=(-0.4, -3.0, 2.2), pclr=(-3.0, -5.0, -1.0))
-    said = heads_claim(summary, "vs_simplecil:splitlora")
-    assert said == "beats SimpleCIL on WordNet (+4.3 points [+2.6, +6.0], analytic head, 3 class draws)"
-    assert heads_claim(summary, "vs_simplecil:inflora").startswith(
-        "ties SimpleCIL on WordNet (-0.4 points [-3.0, +2.2]"
+def test_a_claim_compares_the_head_the_config_gives_not_the_highest_row():
+    """configs/quickstart.yaml gives SplitLoRA ``analytic``; its ``lda`` row is higher on these draws, and no claim
+    picks it unless it says the pick is optimistic."""
+    summary = _summary()
+    said = heads_claim(summary, "vs_free:splitlora")
+    # analytic - slda: +4, +4, +5 points; lda's +8 would be the test-draw pick
+    assert said.startswith(
+        "beats streaming LDA (slda), the strongest training-free baseline on WordNet, trained on every task with the "
+        "analytic head its config gives it (+4.3 points ["
     )
-    pclr = heads_claim(summary, "vs_simplecil:pclr")
-    assert pclr.startswith("trails SimpleCIL") and "trained on the first task only, lda head" in pclr
-    assert "lda head" in heads_claim(summary, "vs_simplecil_every_task:splitlora")
-    summary["methods"]["inflora"]["best_head"] = "cosine+lda"  # trained with SEQ*'s cosine head, scored by lda
-    assert "(-0.4 points [-3.0, +2.2], trained with the cosine head, lda head, 3 class draws)" in heads_claim(
-        summary, "vs_simplecil:inflora"
+    assert heads_claim(summary, "vs_simplecil:splitlora").startswith("beats SimpleCIL on WordNet, trained on every")
+    first = heads_claim(summary, "vs_free_first_task:splitlora")  # 0, +1, -1: a tie
+    assert first.startswith("ties streaming LDA (slda)") and "trained on the first task only, then scored by" in first
+    assert heads_claim(summary, "vs_free:inflora").startswith("trails streaming LDA (slda)")
+    best = heads_claim(summary, "best_variant:splitlora")
+    assert best.startswith(
+        "its best of 4 variants on these test draws, picked on the draws it is scored on (optimistic)"
     )
-    winners = heads_claim(summary, "winners")  # a summary without a best training-free baseline: SimpleCIL
-    assert winners == (
-        "on WordNet these beat SimpleCIL, the strongest training-free baseline: splitlora (analytic head, +4.3 points "
-        "[+2.6, +6.0]) (3 class draws)"
-    )
-    # against the strongest baseline of the draws when the summary names one (slda here): only who clears it
-    summary["best_training_free"] = "slda"
-    summary["methods"]["splitlora"]["vs_best_free"] = [2.0, 0.5, 3.5]
-    summary["methods"]["inflora"]["vs_best_free"] = [4.0, -0.1, 8.1]
+    assert "is trained on every task with the lda head" in best
+    with pytest.raises(ValueError, match=r"no row 'first_task\+configured' of 'seq_lora'"):
+        heads_claim(summary, "vs_free_first_task:seq_lora")  # its config gives it linear: no first-task run of that
+
+
+def test_winners_are_against_the_strongest_free_baseline_and_say_how_each_method_trained():
+    summary = _summary()
     assert heads_claim(summary, "winners") == (
-        "on WordNet these beat streaming LDA (slda), the strongest training-free baseline: splitlora (analytic head, "
-        "+2.0 points [+0.5, +3.5]) (3 class draws)"
+        "on WordNet, of the 3 adapter methods trained on every task with the head its config gives each, 1 beats "
+        "streaming LDA (slda), the strongest training-free baseline: splitlora (analytic, +4.3 points [+2.9, +5.8]) "
+        "(3 class draws)"
     )
-    assert heads_claim(summary, "vs_best_free:inflora").startswith(
-        "ties streaming LDA (slda), the strongest training-free baseline on WordNet (+4.0 points [-0.1, +8.1]"
+    first = heads_claim(summary, "winners_first_task")  # seq_lora's config head is linear: no first-task row
+    assert first.startswith(
+        "on WordNet, of the 2 adapter methods trained on the first task only, then scored by the head its config "
+        "gives each, none beats streaming LDA (slda), the strongest training-free baseline (closest: inflora"
     )
-    del summary["best_training_free"]
-    summary["config"] = "fortunes"
-    summary["methods"]["splitlora"]["vs_ncm"] = [1.0, -0.5, 2.5]
-    assert heads_claim(summary, "winners").startswith("on fortunes no adapter method here beats SimpleCIL")
-    with pytest.raises(ValueError, match=r"'joint' is not compared with SimpleCIL here; one of \['splitlora'"):
-        heads_claim(summary, "vs_simplecil:joint")
-    with pytest.raises(ValueError, match=r"unknown claim 'best:splitlora'"):
-        heads_claim(summary, "best:splitlora")
+    # the training-free baselines' order decides which one is named
+    summary["methods"]["slda"]["heads"]["lda"]["values"] = [0.55, 0.55, 0.55]
+    summary["methods"]["ranpac"]["heads"]["analytic"]["values"] = [0.55, 0.55, 0.55]
+    assert "beats SimpleCIL, the strongest training-free baseline" in heads_claim(summary, "winners")
+    verdicts = heads_claim(summary, "verdicts:simplecil:configured")
+    assert "beat it: splitlora (analytic, +6.3 [" in verdicts and "trail it: seq_lora (linear, " in verdicts
+    with pytest.raises(ValueError, match=r"unknown claim 'vs_simplecil_every_task:pclr'"):
+        heads_claim(summary, "vs_simplecil_every_task:pclr")  # the old test-draw pick is no claim any more
+    with pytest.raises(ValueError, match=r"no method 'nobody' here"):
+        heads_claim(summary, "vs_free:nobody")
+
+
+def test_a_summary_of_no_shipped_config_says_its_pick_is_optimistic():
+    said = heads_claim(_summary("toy"), "vs_free:splitlora")  # no config gives a head: the highest row
+    assert "(+8.0 points [" in said and "optimistic" in said
+
+
+def test_the_configured_heads_are_read_from_the_shipped_configs():
+    import yaml
+
+    from peft_ext.continual.methods import method_capability
+    from peft_ext.continual.published import configured_heads
+
+    for name in ("quickstart", "fortunes"):
+        raw = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())["methods"]
+        expected = {}
+        for entry in raw:
+            head = entry.get("head")
+            head = head.get("name") if isinstance(head, dict) else head
+            expected[entry.get("label", entry["name"])] = head or method_capability(entry["name"], "default_head")
+        assert configured_heads(name) == expected
+    assert configured_heads("no_such_config") == {}
+
+
+def test_the_first_task_tie_of_the_issue_is_what_the_config_head_gives():
+    """InfLoRA-style after first-task adaptation with the head its config gives it (analytic) ties SimpleCIL on
+    WordNet; the highest first-task row (lda) was what used to be quoted as "beats"."""
+    said = published_claim(ROOT / "docs" / "results" / "heads_quickstart.json", "vs_simplecil_first_task:inflora")
+    assert said.startswith("ties SimpleCIL on WordNet") and "(+3.0 points [-0.2, +6.3]" in said
 
 
 def test_table_rewrites_claims_inside_sentences_and_refuses_a_bad_one_leaving_the_page(tmp_path, capsys):
-    summary = _summary(splitlora=(4.3, 2.6, 6.0), inflora=(-0.4, -3.0, 2.2), pclr=(-3.0, -5.0, -1.0))
-    (tmp_path / "heads.json").write_text(json.dumps(summary))
+    (tmp_path / "heads.json").write_text(json.dumps(_summary()))
     claim = CLAIM_OPEN.format(source="heads.json", key="vs_simplecil:splitlora") + "beats it by 9" + CLAIM_CLOSE
     page = tmp_path / "page.md"
     page.write_text(f"| row | SplitLoRA {claim}; more |\n")
@@ -122,8 +170,16 @@ def test_table_rewrites_claims_inside_sentences_and_refuses_a_bad_one_leaving_th
     page.write_text(before + CLAIM_OPEN.format(source="heads.json", key="vs_simplecil:nope") + "x" + CLAIM_CLOSE)
     before = page.read_text()
     assert main(["table", "--into", str(page)]) == 2
-    assert "'nope' is not compared with SimpleCIL" in capsys.readouterr().err
+    assert "no method 'nope' here" in capsys.readouterr().err
     assert page.read_text() == before
+
+
+def test_a_results_file_claims_its_rows(tmp_path):
+    results = _results(tmp_path / "r.json", 0.65)
+    assert published_claim(results, "row:seq_lora") == "65.0 / 40.0 / 85.0 (linear head)"
+    assert published_claim(results, "final:seq_lora") == "65.0"
+    with pytest.raises(ValueError, match=r"keys row:METHOD and final:METHOD, methods \['seq_lora'\]"):
+        published_claim(results, "row:pclr")
 
 
 def _results(path: Path, final: float) -> Path:
@@ -189,40 +245,63 @@ def test_table_refuses_a_file_that_is_not_results_and_leaves_the_page(tmp_path, 
     assert "missing.json" in capsys.readouterr().err
 
 
-def _numbers(value) -> list[float]:
-    """Every number in a parsed JSON value, and each times 100 (results files keep some shares as fractions)."""
-    if isinstance(value, bool) or value is None:
-        return []
-    if isinstance(value, (int, float)):
-        return [float(value), 100.0 * value]
-    if isinstance(value, dict):
-        return [n for v in value.values() for n in _numbers(v)]
-    if isinstance(value, list):
-        return [n for v in value for n in _numbers(v)]
-    return []
+#: Words that rank or compare: in the heads page's prose only a generated claim says them, from an interval.
+COMPARATIVES = (
+    r"\b(the best|is best|highest|lowest|least|fastest|slowest|beats?|ties|trails?|ahead|behind|better|worse|wins?|"
+    r"above|below|as good)\b"
+)
+#: A verdict and the paired intervals it speaks for, as the heads claims write them: one verb for one interval
+#: ("beats X ... (+4.3 points [+2.6, +6.0]") or a group ("beat it: a (analytic, +3.4 [+1.0, +5.9]), b (...)").
+_ONE = re.compile(r"^(beats|ties|trails) .*?\(([+-]\d+\.\d) points \[([+-]\d+\.\d), ([+-]\d+\.\d)\]")
+_GROUP = re.compile(r"(beat it|tie|trail it|beats it for|ties it for|trails it for): (.*?)(?=; [a-z ]+(?: for)?: |$)")
+_ITEM = re.compile(r"([+-]\d+\.\d) \[([+-]\d+\.\d), ([+-]\d+\.\d)\]")
 
 
-def test_the_heads_page_says_only_figures_of_its_results_files():
-    """docs/continual_heads.md's prose under "What the tables say": every decimal it writes is, to the digits shown,
-    a figure of the heads protocol summaries it discusses (a re-run that moves one fails here until the sentence
-    follows); the tables above it are generated."""
-    import re
+def _verdicts_said(text: str) -> list[tuple[str, float, float]]:
+    """``(verb, low, high)`` of every verdict a claim's text says."""
+    said = []
+    one = _ONE.match(text)
+    if one:
+        said.append((one[1], float(one[3]), float(one[4])))
+    for verb, items in _GROUP.findall(text.split("): ", 1)[-1] if "): " in text else text):
+        said += [(verb.split()[0], float(lo), float(hi)) for _, lo, hi in _ITEM.findall(items)]
+    return said
 
+
+def _agrees(verb: str, low: float, high: float) -> bool:
+    if verb.startswith("beat"):
+        return low > 0
+    if verb.startswith("trail"):
+        return high < 0
+    return low <= 0 <= high
+
+
+def test_the_heads_page_says_its_figures_and_verdicts_only_through_claims():
+    """docs/continual_heads.md's "What the tables say": no figure and no ranking word typed by hand (each sits in a
+    claim that a re-run rewrites, tests above), and every verdict word of every claim there agrees with the sign of
+    the interval it names."""
     page = (ROOT / "docs" / "continual_heads.md").read_text()
     prose = page[page.index("## What the tables say") :].split("\n## ")[0]
-    figures = [
-        n
-        for path in sorted((ROOT / "docs" / "results").glob("heads_*.json"))
-        for n in _numbers(json.loads(path.read_text()))
+    claims = generated_claims(prose)
+    assert len(claims) >= 15 and all(source.startswith("results/heads_") for source, _, _ in claims)
+    by_hand = re.sub(r"<!-- claim .*?<!-- /claim -->", "", prose, flags=re.S)
+    assert not re.findall(r"\d+\.\d+|\d+ ?%|\[", by_hand), f"a figure typed by hand: {by_hand}"
+    assert not re.findall(COMPARATIVES, by_hand, re.I), f"a ranking typed by hand: {by_hand}"
+    checked = 0
+    for _, _, body in claims:
+        for verb, low, high in _verdicts_said(body):
+            assert _agrees(verb, low, high), f"{verb!r} for [{low}, {high}] in: {body}"
+            checked += 1
+    assert checked >= 40
+
+
+def test_the_verdict_check_catches_a_word_the_interval_does_not_back():
+    assert _verdicts_said("ties X on WordNet, trained (+3.0 points [-0.2, +6.3], 5 class draws)") == [
+        ("ties", -0.2, 6.3)
     ]
-    shown = re.findall(r"(?<![\w.])[-+]?\d+\.\d+", prose)
-    assert len(shown) >= 10
-    for number in shown:
-        digits = len(number.partition(".")[2])
-        value = abs(float(number))
-        assert any(round(abs(f), digits) == value for f in figures), (
-            f"{number} is no figure of docs/results/heads_*.json"
-        )
+    said = _verdicts_said("against X (paired): beat it: a (analytic, +3.4 [+1.0, +5.9]); tie: b (+2.2 [-1.9, +6.2])")
+    assert said == [("beat", 1.0, 5.9), ("tie", -1.9, 6.2)]
+    assert not _agrees("beats", -0.2, 6.3) and not _agrees("ties", 0.5, 2.0) and _agrees("trails", -3.0, -1.0)
 
 
 def test_the_noise_line_says_what_one_run_can_tell_apart():
@@ -252,8 +331,11 @@ def test_a_claim_about_one_head_row_pairs_its_draws_with_simplecils():
     }
     # differences +2, -1, +3 points: mean 1.33, sd 2.08, t(2) = 4.303: half-width 5.17
     said = heads_claim(summary, "vs_simplecil_head:splitlora:analytic")
-    assert said == "ties SimpleCIL on fortunes (+1.3 points [-3.8, +6.5], analytic head, 3 class draws)"
-    with pytest.raises(ValueError, match=r"no row 'lda' of 'splitlora' beside SimpleCIL here; rows: \['analytic'\]"):
+    assert said == (
+        "ties SimpleCIL on fortunes, trained on every task with the analytic head (+1.3 points [-3.8, +6.5], 3 class "
+        "draws)"
+    )
+    with pytest.raises(ValueError, match=r"no row 'lda' of 'splitlora' in this summary .*its rows: \['analytic'\]"):
         heads_claim(summary, "vs_simplecil_head:splitlora:lda")
 
 
@@ -280,8 +362,8 @@ def test_the_leader_is_named_only_when_the_paired_interval_clears():
     assert d == pytest.approx(40.0) and lo > 30
     line = leader_line([far, joint, close, best])
     assert line.startswith(
-        "Who won (final accuracy, paired over the same 200 test examples, 95 % intervals; joint, the upper bound, "
-        "left out): best 90.0 % leads, but this run cannot tell it from close (+2.0 points ["
+        "Who won (final accuracy, paired over the same 200 test examples, 95 % intervals; joint, trained on all "
+        "tasks at once, left out): best 90.0 % leads, but this run cannot tell it from close (+2.0 points ["
     )
     assert line.endswith("]): ties; it is ahead of the other 1.")
     clear = leader_line([far, best])

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cpu_name", "git", "load_average", "record", "summary", "torch_platform"]
+__all__ = ["cpu_name", "git", "load_average", "provenance", "record", "summary", "torch_platform"]
 
 #: The repository's root (the checkout the benchmarks run from).
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,3 +93,16 @@ def record(**extra: Any) -> dict[str, Any]:
         "commit": git("rev-parse", "HEAD"),
         **extra,
     }
+
+
+def provenance(code: list[str], **settings: Any) -> dict[str, Any]:
+    """What made a results file, for ``python -m benchmarks.run_all --stale``: the commit of this checkout, whether
+    ``code`` (paths) had uncommitted changes, the paths themselves and the run's ``settings`` (its command, config).
+
+    Args:
+        code: The files and folders whose change makes the results older than their code.
+        settings: The settings to record beside them (JSON-able).
+    """
+    commit = git("rev-parse", "HEAD")
+    dirty = bool(git("status", "--porcelain", "--", *code)) if commit else None
+    return {"commit": commit, "dirty": dirty, "code": list(code), "settings": settings}

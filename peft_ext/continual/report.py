@@ -30,7 +30,7 @@ def _upper_bound(r: MethodResult) -> bool:
     return method_capability(r.method, "is_upper_bound")
 
 
-def _metric(r: MethodResult, key: str) -> Optional[float]:
+def result_metric(r: MethodResult, key: str) -> Optional[float]:
     """``r.metrics[key]``; ``learning_acc`` of results saved before it existed comes from the matrix's diagonal."""
     if key == "learning_acc" and key not in r.metrics and not _upper_bound(r):
         diagonal = [r.accuracy_matrix[i][i] for i in range(len(r.accuracy_matrix))]
@@ -72,7 +72,11 @@ def metrics_table(results: Sequence[MethodResult], timings: bool = True) -> str:
     align = ["---"] * (2 if with_heads else 1)
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align + ["---:"] * (len(head) - len(align))) + "|"]
     for r, head_used, held_out in zip(results, heads, ppl):
-        cells = [r.label, *([head_used] if with_heads else []), *(_pct(_metric(r, key)) for key, _ in METRIC_COLUMNS)]
+        cells = [
+            r.label,
+            *([head_used] if with_heads else []),
+            *(_pct(result_metric(r, key)) for key, _ in METRIC_COLUMNS),
+        ]
         if len(titles) > len(METRIC_COLUMNS):
             cells.append("—" if held_out is None else f"{held_out['ratio']:.3f}")
         final = r.metrics.get("final_acc")
@@ -267,9 +271,9 @@ def paired_final(a: MethodResult, b: MethodResult) -> Optional[tuple[float, floa
 
 def leader_line(results: Sequence[MethodResult]) -> str:
     """Who won on final accuracy, said only as far as the run shows it: the leader is named as ahead of a method only
-    when the paired 95 % interval over the same test examples clears 0; the others are ties. An upper bound
-    (``is_upper_bound``: ``joint``, trained on every task at once) is left out; ``""`` when fewer than two methods
-    recorded their per-example outcomes."""
+    when the paired 95 % interval over the same test examples clears 0; the others are ties. Joint training
+    (``is_upper_bound``: ``joint``, trained on every task at once, a reference rather than a contender) is left
+    out; ``""`` when fewer than two methods recorded their per-example outcomes."""
     ranked = sorted(
         (r for r in results if not _upper_bound(r) and r.extras.get("final_correct")),
         key=lambda r: -r.metrics["final_acc"],
@@ -279,8 +283,8 @@ def leader_line(results: Sequence[MethodResult]) -> str:
     leader, others = ranked[0], ranked[1:]
     n = sum(len(t) for t in leader.extras["final_correct"])
     head = (
-        f"Who won (final accuracy, paired over the same {n} test examples, 95 % intervals; joint, the upper bound, "
-        f"left out): {leader.label} {100 * leader.metrics['final_acc']:.1f} %"
+        f"Who won (final accuracy, paired over the same {n} test examples, 95 % intervals; joint, trained on all "
+        f"tasks at once, left out): {leader.label} {100 * leader.metrics['final_acc']:.1f} %"
     )
     versus = {r.label: paired_final(leader, r) for r in others}
     shown = {label: p for label, p in versus.items() if p is not None}
