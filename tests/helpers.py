@@ -143,6 +143,38 @@ def training_only(method, *, head: bool = True, adapter: bool = True, adapter_ma
     return method
 
 
+def dead_adapter(method, adapter_markers: tuple[str, ...]):
+    """``method`` with its adapter's update zeroed: after every step of the method's optimizer, the parameters whose
+    names contain one of ``adapter_markers`` (e.g. ``("lora_A", "lora_B")``) are put back where the step found them.
+    Everything else runs as before (the same optimizer over the same parameters, the method's hooks, its head if it
+    trains one), so a learning check run on it shows that its bound fails when the adapter learns nothing. Unlike
+    ``training_only(adapter=False)`` it works when the adapter is all a method trains (with the head frozen: the
+    runner refuses an empty parameter list) and for optimizers that find their adapters in the model.
+    """
+    make_optimizer = method.make_optimizer
+
+    def make_dead_optimizer(model, params, ctx):
+        optimizer = make_optimizer(model, params, ctx)
+        adapter = [p for n, p in model.named_parameters() if any(m in n for m in adapter_markers)]
+        assert adapter, f"no parameter of the model is named with one of {adapter_markers}"
+        before: list[torch.Tensor] = []
+
+        def remember(*_):
+            before[:] = [p.detach().clone() for p in adapter]
+
+        def restore(*_):
+            with torch.no_grad():
+                for p, value in zip(adapter, before):
+                    p.copy_(value)
+
+        optimizer.register_step_pre_hook(remember)
+        optimizer.register_step_post_hook(restore)
+        return optimizer
+
+    method.make_optimizer = make_dead_optimizer
+    return method
+
+
 #: The analytic head's random projection in the jobs tests build on tiny backbones: RanPAC's 2048 columns make its
 #: per-task eigendecomposition of a 2048 x 2048 Gram matrix most of such a job's time (108 of 145 s in the resume
 #: test's job, profiled), and nothing those tests check depends on the width.
@@ -223,13 +255,20 @@ def launcher(name: str) -> str | None:
     return shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
 
 
-def opt_in_accelerate(cost: str) -> str:
-    """The ``accelerate`` launcher for an opt-in test; skips unless accelerate is installed and
-    ``PEFT_EXT_ACCELERATE_TEST=1`` (``cost``: what the run costs, for the skip message)."""
+def accelerate_launcher() -> str:
+    """The ``accelerate`` launcher; skips unless accelerate is installed (``accelerate launch`` is optional). The
+    cheap form of each accelerate test runs with it by default; the full forms are :func:`opt_in_accelerate`'s."""
     accelerate = launcher("accelerate")
     if accelerate is None:
         pytest.skip("accelerate is not installed; `accelerate launch` is optional")
     pytest.importorskip("accelerate")
+    return accelerate
+
+
+def opt_in_accelerate(cost: str) -> str:
+    """The ``accelerate`` launcher for an opt-in test; skips unless accelerate is installed and
+    ``PEFT_EXT_ACCELERATE_TEST=1`` (``cost``: what the run costs, for the skip message)."""
+    accelerate = accelerate_launcher()
     if os.environ.get("PEFT_EXT_ACCELERATE_TEST") != "1":
         pytest.skip(f"{cost}; set PEFT_EXT_ACCELERATE_TEST=1 (docs/distributed.md)")
     return accelerate

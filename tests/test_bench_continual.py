@@ -67,11 +67,18 @@ def test_quick_run_keeps_the_grid_and_chooses_on_validation(quick):
     assert list(study["validation"]["splitlora"]) == ["0.00158", "0.005", "0.0158"]
     assert [row["method"] for row in payload["convergence"]] == ["seq_lora", "joint"]
     assert payload["data"]["draws_differ"] is True
-    # every continual method learns its first task (2 classes, chance 0.5): mean over the 2 test draws at least 0.75
-    # (measured: 0.875 to 1.0; one epoch on 4 glosses per class is too little to ask more of the second task)
-    for method in METHODS[:-1]:
-        first = [extras["matrix"][0][0] for extras in study["extras"][method]]
-        assert sum(first) / len(first) >= 0.75, (method, first)
+    # every run scored each task after each later one, on its 2 x 2 test glosses. Whether a method learns is not
+    # asked of this toy size: a task is one optimizer step, and with the adapter's update zeroed (tests/helpers.py
+    # dead_adapter; each method at its grid centre) seq_lora, inflora, olora, splitlora and pclr score the first task
+    # on both test draws exactly as they do live, so a bound on it would pass a dead adapter (it did: "at least
+    # 0.75"). Learning through the adapter is checked with the head frozen: tests/test_dead_adapter.py, and on real
+    # MiniLM tests/test_splitlora.py.
+    for method in METHODS:
+        for extras in study["extras"][method]:
+            matrix = extras["matrix"]
+            rows = [1] if method == "joint" else [0, 1]  # joint trains once, on both tasks
+            for i in rows:
+                assert all(4 * x == round(4 * x) for x in matrix[i][: i + 1]), (method, matrix)
 
 
 def test_resume_trains_only_the_missing_run_and_reproduces_the_study(quick):

@@ -114,10 +114,13 @@ def test_module_entry_point_and_console_script():
 
 @pytest.mark.slow
 def test_quickstart_on_real_minilm_learns_and_forgets(tmp_path, capsys):
-    """The default job, shrunk to 2 tasks: real pretrained MiniLM learns each task well above chance, and plain
-    sequential LoRA forgets the first task (the problem every continual method here is measured against). 32
-    glosses per class (measured: seq_lora 0.75 on task 0, then 0.58 / 0.68, forgetting 0.17; joint 0.90); the frozen
-    backbone's head-only training on real MiniLM is tests/test_fortunes.py's."""
+    """The default job, shrunk to 2 tasks: real pretrained MiniLM learns each task through its adapter, and plain
+    sequential LoRA forgets the first task (the problem every continual method here is measured against). 32 glosses
+    per class, 8 classes in all. A trained head learns these tasks on the frozen backbone by itself, so the bounds sit
+    between the runs and the same runs with their LoRA's update zeroed (tests/helpers.py dead_adapter), measured:
+    seq_lora 0.75 on task 0 and 0.68 on task 1 (dead: 0.59, 0.46), forgetting 0.17 (dead 0.13: the head forgets
+    too); joint 0.90 final (dead 0.79). The frozen backbone's head-only training on real MiniLM is
+    tests/test_fortunes.py's."""
     path = tmp_path / "q.yaml"
     data = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
     data["data"].update(n_tasks=2, train_per_class=32, test_per_class=24)
@@ -127,8 +130,7 @@ def test_quickstart_on_real_minilm_learns_and_forgets(tmp_path, capsys):
     path.write_text(yaml.safe_dump(data))
     assert main(["run", str(path), "--no-progress"]) == 0
     results = {r["method"]: r for r in json.loads((tmp_path / "out" / "results.json").read_text())["results"]}
-    chance = 1 / 8
     R = results["seq_lora"]["accuracy_matrix"]
-    assert R[0][0] > 4 * chance and R[1][1] > 3 * chance, R
+    assert R[0][0] > 0.67 and R[1][1] > 0.57, R  # a dead adapter: 0.59 and 0.46
     assert results["seq_lora"]["metrics"]["forgetting"] > 0.1
-    assert results["joint"]["metrics"]["final_acc"] > 3 * chance
+    assert results["joint"]["metrics"]["final_acc"] > 0.85, results["joint"]["metrics"]  # a dead adapter: 0.79

@@ -19,7 +19,7 @@ from peft_ext import RiemannionConfig
 from peft_ext.models import tiny_llama
 from peft_ext.optim import DCTAdamW, Riemannion, create_riemannion_optimizer
 
-from .helpers import opt_in_accelerate, run_launcher, torchrun_ranks
+from .helpers import accelerate_launcher, opt_in_accelerate, run_launcher, torchrun_ranks
 from .single_thread import one_thread, single_thread  # noqa: F401  (fixture)
 from .workers import distributed as worker
 
@@ -81,9 +81,8 @@ def test_selections_splits_prototypes_and_draws_are_global(ranks, single):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
-@pytest.mark.distributed
-def test_accelerate_launch_runs_the_same_worker(tmp_path):
-    accelerate = opt_in_accelerate("runs the whole worker again (~20 s)")
+def _accelerate_ranks(accelerate: str, out: Path) -> list[dict]:
+    """``accelerate launch --config_file tests/accelerate_cpu.yaml`` of the worker: what each of its 2 ranks saved."""
     config = ROOT / "tests" / "accelerate_cpu.yaml"
     run_launcher(
         [
@@ -92,10 +91,35 @@ def test_accelerate_launch_runs_the_same_worker(tmp_path):
             "--config_file",
             str(config),
             str(ROOT / "tests" / "workers" / "distributed.py"),
-            str(tmp_path),
+            str(out),
         ]
     )
-    zero, one = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.distributed
+def test_accelerate_launch_trains_a_method_like_one_process(tmp_path, single, monkeypatch):
+    """The cheap form, run by default: accelerate's launcher (its DDP config on CPUs) starts the worker for SplitLoRA
+    alone; the two ranks end bit-identical and equal to one process on the whole batches. Its cost is the launch
+    (two processes importing transformers and PEFT, ~10 s), not the method (a tenth of a second)."""
+    accelerate = accelerate_launcher()
+    monkeypatch.setenv("DDP_METHODS", "splitlora")
+    zero, one = _accelerate_ranks(accelerate, tmp_path)
+    assert zero["world"] == 2 and set(zero) == {"world", "splitlora"}
+    assert zero["splitlora"]["state"]
+    for name, value in zero["splitlora"]["state"].items():
+        assert torch.equal(value, one["splitlora"]["state"][name]), name
+    for name, value in single["splitlora"]["state"].items():
+        torch.testing.assert_close(zero["splitlora"]["state"][name], value, rtol=1e-4, atol=1e-5, msg=name)
+    assert zero["splitlora"]["splits"] == single["splitlora"]["splits"]
+
+
+@pytest.mark.distributed
+def test_accelerate_launch_runs_the_same_worker(tmp_path, monkeypatch):
+    """The full form (opt-in): every method of the worker under accelerate's launcher."""
+    accelerate = opt_in_accelerate("runs the whole worker again (~15 s; its cheap form runs SplitLoRA alone)")
+    monkeypatch.delenv("DDP_METHODS", raising=False)
+    zero, one = _accelerate_ranks(accelerate, tmp_path)
     assert zero["world"] == 2
     for method in METHODS:
         for name, value in zero[method]["state"].items():

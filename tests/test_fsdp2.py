@@ -24,7 +24,7 @@ from peft_ext.distributed import full_tensor, gathered_parameters, is_dtensor, w
 from peft_ext.models import tiny_clip, tiny_llama
 from peft_ext.tuners.pclr import PCLRLayer
 
-from .helpers import opt_in_accelerate, run_launcher, torchrun_ranks
+from .helpers import accelerate_launcher, opt_in_accelerate, run_launcher, torchrun_ranks
 from .single_thread import one_thread
 from .workers import fsdp2 as worker
 
@@ -158,16 +158,33 @@ def test_mora_shared_factors_are_root_shards_and_trained(ranks, single):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+def _accelerate_case(accelerate: str, case: str, out: Path, monkeypatch) -> list[dict]:
+    """``accelerate launch --config_file tests/accelerate_fsdp2.yaml`` of the worker for ``case`` alone: what each
+    of its 2 ranks saved, after checking that they were sharded by accelerate and end bit-identical."""
+    monkeypatch.setenv("FSDP2_CASES", case)
+    config = ROOT / "tests" / "accelerate_fsdp2.yaml"
+    run_launcher([accelerate, "launch", "--config_file", str(config), str(WORKER), str(out)])
+    zero, one = (torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2))
+    assert zero["world"] == 2 and zero["accelerate"] and zero[case]["sharded"]
+    for name, value in zero[case]["state"].items():
+        assert torch.equal(value, one[case]["state"][name]), name
+    return [zero, one]
+
+
+@pytest.mark.distributed
+def test_accelerate_fsdp2_config_runs_a_splitlora_cycle(tmp_path, monkeypatch):
+    """The cheap form, run by default: accelerate's own FSDP2 preparation (its launcher's FSDP2 config) of two
+    SplitLoRA tasks; the adapters are DTensor shards, and the ranks end bit-identical and equal to one process. Its
+    cost is the launch (two processes importing transformers and PEFT, ~10 s), not the case."""
+    zero, _ = _accelerate_case(accelerate_launcher(), "splitlora", tmp_path, monkeypatch)
+    _assert_matches(zero["splitlora"], _one_process(["splitlora"])["splitlora"], "splitlora")
+
+
 @pytest.mark.distributed
 def test_accelerate_fsdp2_config_runs_the_pclr_cycle(tmp_path, single, monkeypatch):
-    accelerate = opt_in_accelerate("launches the PCLR case again (~40 s)")
-    monkeypatch.setenv("FSDP2_CASES", "pclr")
-    config = ROOT / "tests" / "accelerate_fsdp2.yaml"
-    run_launcher([accelerate, "launch", "--config_file", str(config), str(WORKER), str(tmp_path)])
-    zero, one = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
-    assert zero["world"] == 2 and zero["accelerate"] and zero["pclr"]["sharded"]
-    for name, value in zero["pclr"]["state"].items():
-        assert torch.equal(value, one["pclr"]["state"][name]), name
+    """The full form (opt-in): PCLR's cycle, whose routing query calls the embedding alone."""
+    accelerate = opt_in_accelerate("launches the PCLR case again (~15 s; its cheap form runs SplitLoRA's cycle)")
+    zero, _ = _accelerate_case(accelerate, "pclr", tmp_path, monkeypatch)
     _assert_matches(zero["pclr"], single["pclr"], "pclr")
 
 
@@ -391,15 +408,14 @@ def test_sharding_is_checked_and_the_default_keeps_earlier_fingerprints():
     with pytest.raises(ConfigError, match=r"`train.sharding` must be one of \['none', 'fsdp2'\], got 'fsdp'"):
         load_config(ROOT / "configs" / "quickstart.yaml", ["train.sharding=fsdp"])
     config = load_config(ROOT / "configs" / "quickstart.yaml")
-    # the fingerprint as it was computed before the keys added since existed: train.sharding, data.val_per_class,
-    # tune, the adapters' loading_note (a saved adapter's note, not a setting) and SplitLoRA's shard_statistics,
-    # the methods' head, compare_heads and adapt, the model's chat_template and system_prompt, the instruction
-    # data's sizes per task
+    # the fingerprint as it was computed before the keys added since existed: train.sharding, tune, the adapters'
+    # loading_note (a saved adapter's note, not a setting) and SplitLoRA's shard_statistics, the methods' head,
+    # compare_heads and adapt, the model's chat_template and system_prompt, the instruction data's sizes per task
     data = dataclasses.asdict(config)
     del data["model"]["chat_template"], data["model"]["system_prompt"]
     for key in ("train_per_task", "test_per_task", "val_per_task"):
         del data["data"][key]
-    del data["train"]["progress"], data["train"]["sharding"], data["data"]["val_per_class"], data["tune"]
+    del data["train"]["progress"], data["train"]["sharding"], data["tune"]
     del data["output"]["save_adapters"]  # where the trained models go, not a setting of the run
     for method in data["methods"]:
         method["options"].get("adapter", {}).pop("loading_note", None)
@@ -412,8 +428,8 @@ def test_sharding_is_checked_and_the_default_keeps_earlier_fingerprints():
     # what runs of the shipped quickstart have in their results.json (change it only with configs/quickstart.yaml
     # itself: c810dc10e5568d87 until its learning rates for olora, osf, pclr and joint moved, 6cc4906bad4be375 until
     # five methods got the analytic head and the training-free baselines joined, 470fff2a7fb6e602 until olora and osf
-    # took the prototype head)
-    assert before == "6f67818e93b3d836"
+    # took the prototype head, 6f67818e93b3d836 until it gained a validation split, data.val_per_class: 20)
+    assert before == "cf1c141c3a33bc6b"
     sharded = dataclasses.replace(config, train=dataclasses.replace(config.train, sharding="fsdp2"))
     assert config_hash(sharded) != before
     override = ["methods.splitlora.adapter.shard_statistics=false"]

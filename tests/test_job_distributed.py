@@ -22,7 +22,15 @@ import torch
 from peft_ext.distributed import is_dtensor
 from peft_ext_cli import main
 
-from .helpers import ROOT, job_config, launcher, opt_in_accelerate, run_launcher, save_tiny_bert
+from .helpers import (
+    ROOT,
+    accelerate_launcher,
+    job_config,
+    launcher,
+    opt_in_accelerate,
+    run_launcher,
+    save_tiny_bert,
+)
 
 METHODS = ["seq_lora", "splitlora"]
 LOSS_RTOL = 1e-6
@@ -187,17 +195,36 @@ def test_fsdp2_job_resumes_mid_method_like_an_uninterrupted_run(tmp_path, backbo
     assert _report(out) == _report(sharded[1])
 
 
-@pytest.mark.distributed
-def test_accelerate_launch_with_an_fsdp2_config_shards_the_job(tmp_path, backbone):
-    """``accelerate launch --config_file FSDP2.yaml -m peft_ext run CONFIG``: the launcher's FSDP settings (version 2,
-    the layer class to wrap) turn the job's sharding on without `train.sharding` in the config."""
-    accelerate = opt_in_accelerate("launches the job again under accelerate (~30 s)")
+def _accelerate_fsdp2_job(accelerate: str, tmp_path: Path, backbone: Path, methods: list[str]) -> str:
+    """``accelerate launch --config_file FSDP2.yaml -m peft_ext run CONFIG`` of ``methods`` (the config has no
+    `train.sharding`): its stdout, after checking that the launcher's FSDP2 settings sharded the job."""
     settings = (ROOT / "tests" / "accelerate_fsdp2.yaml").read_text()
     launch_config = tmp_path / "accelerate_fsdp2_bert.yaml"
     launch_config.write_text(settings.replace("LlamaDecoderLayer", "BertLayer"))
-    cfg = _cfg(tmp_path, backbone, ["seq_lora"])
+    cfg = _cfg(tmp_path, backbone, methods)
     launch = [accelerate, "launch", "--config_file", str(launch_config)]
     stdout, _ = run_launcher([*launch, "-m", "peft_ext", "run", str(cfg), "--no-progress"])
     assert "FSDP2: each method's parameters sharded over 2 processes" in stdout
     results = _results(tmp_path / "out")
-    assert results["meta"]["sharding"] == "fsdp2" and results["results"][0]["extras"]["fsdp2_units"] == 3
+    assert results["meta"]["sharding"] == "fsdp2" and results["meta"]["world_size"] == 2
+    return stdout
+
+
+@pytest.mark.distributed
+def test_accelerate_launch_with_an_fsdp2_config_shards_the_job(tmp_path, backbone):
+    """The cheap form, run by default: ``accelerate launch --config_file FSDP2.yaml -m peft_ext run CONFIG`` of
+    sequential LoRA alone: the launcher's FSDP settings (version 2, the layer class to wrap) turn the job's sharding
+    on without `train.sharding` in the config. Its cost is the launch (~12 s), not the tiny job."""
+    _accelerate_fsdp2_job(accelerate_launcher(), tmp_path, backbone, ["seq_lora"])
+    results = _results(tmp_path / "out")
+    assert results["results"][0]["extras"]["fsdp2_units"] == 3
+
+
+@pytest.mark.distributed
+def test_accelerate_launch_with_an_fsdp2_config_reports_like_torchrun(tmp_path, backbone, request):
+    """The full form (opt-in): every method of the torchrun FSDP2 job, whose report it equals within rounding."""
+    accelerate = opt_in_accelerate("launches the FSDP2 job again under accelerate (~20 s; its cheap form: seq_lora)")
+    sharded = request.getfixturevalue("sharded")  # only when opted in: it launches the torchrun job
+    stdout = _accelerate_fsdp2_job(accelerate, tmp_path, backbone, FSDP2_METHODS)
+    assert stdout.count("trains with whole parameters on every process") == 1  # inflora
+    _assert_same_report(_results(sharded[1]), _results(tmp_path / "out"))

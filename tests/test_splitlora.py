@@ -35,7 +35,16 @@ from peft_ext.tuners.splitlora.subspace import (
     split_objective,
 )
 
-from .helpers import QUERY_VALUE, lora_adapter, padded_batches, stack_collate, tiny_classifier, token_sequence
+from .helpers import (
+    QUERY_VALUE,
+    dead_adapter,
+    lora_adapter,
+    padded_batches,
+    stack_collate,
+    tiny_classifier,
+    token_sequence,
+    training_only,
+)
 from .tuner_contract import TunerCase, contract_test
 
 
@@ -724,28 +733,44 @@ def test_method_options_are_validated():
 
 @pytest.mark.slow
 def test_on_real_minilm_splitlora_forgets_far_less_than_sequential_lora():
-    """Three WordNet tasks on the real pretrained MiniLM-L6: SplitLoRA keeps old tasks where plain LoRA forgets."""
+    """Three WordNet tasks on the real pretrained MiniLM-L6: SplitLoRA keeps old tasks where plain LoRA forgets, and
+    what it learns there comes through its adapter.
+
+    With its head trained, SplitLoRA scores about what the frozen backbone's head alone scores (final 0.678 against
+    frozen_linear's 0.672, measured), and with its adapter's update zeroed it *is* frozen_linear, to the last digit:
+    no bound on that run can tell a dead adapter. So the learning is checked with the head frozen at its random init:
+    the first task, at the same rate and epochs, through B alone (measured 0.63; the dead adapter 0.35, chance 1/3).
+    """
     from peft_ext.data import wordnet_task_sequence
     from peft_ext.data.collate import TextCollator
+    from peft_ext.data.tasks import TaskSequence
     from peft_ext.models import load_text_classifier
 
     sequence = wordnet_task_sequence(n_tasks=3, classes_per_task=3, seed=0, train_per_class=32, test_per_class=20)
     base, tokenizer = load_text_classifier("minilm", sequence.num_classes)
     train = TrainConfig(epochs=2, batch_size=32, seed=0, progress=False, device="cpu")
+    collate = TextCollator(tokenizer, 32)
+    split_options = {"lr": 5e-3, "adapter": {"r": 10, "target_modules": QUERY_VALUE}}
     results = {}
     for name, options in (
         # 3e-3: at 1e-3 plain LoRA barely learns the later tasks in 2 epochs, so it has little to forget
         ("seq_lora", {"lr": 3e-3, "adapter": lora_adapter(10, lora_alpha=20.0)}),
-        ("splitlora", {"lr": 5e-3, "adapter": {"r": 10, "target_modules": QUERY_VALUE}}),
+        ("splitlora", split_options),
     ):
         method = get_continual_method(name)(**options)
-        results[name] = run_sequence(sequence, method, base, TextCollator(tokenizer, 32), train)
+        results[name] = run_sequence(sequence, method, base, collate, train)
     split, plain = results["splitlora"], results["seq_lora"]
-    chance = 1 / 3  # within a task; class-incremental evaluation is harder still
-    assert min(split.accuracy_matrix[i][i] for i in range(3)) > 1.5 * chance, split.accuracy_matrix
     assert plain.metrics["forgetting"] > 0.2, plain.accuracy_matrix
     assert split.metrics["forgetting"] < 0.5 * plain.metrics["forgetting"], (split.metrics, plain.metrics)
     assert split.metrics["final_acc"] > plain.metrics["final_acc"], (split.metrics, plain.metrics)
+
+    first = TaskSequence(sequence.name, sequence.class_names, sequence.tasks[:1])
+    for live, low, high in ((True, 0.5, 1.0), (False, 0.0, 0.45)):
+        method = training_only(get_continual_method("splitlora")(**split_options), head=False)
+        if not live:
+            method = dead_adapter(method, ("splitlora_B",))
+        accuracy = run_sequence(first, method, base, collate, train).accuracy_matrix[0][0]
+        assert low <= accuracy <= high, (live, accuracy)
 
 
 def test_modules_fed_the_same_input_share_one_product():
