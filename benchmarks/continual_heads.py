@@ -94,6 +94,7 @@ def load(args: argparse.Namespace) -> Any:
         sets.append(f"data.test_per_class={args.test_per_class}")
     if args.quick:
         sets += ["data.n_tasks=2", "data.train_per_class=8", "data.test_per_class=6", "train.epochs=1"]
+        sets += ["data.val_per_class=4"]  # the config's 20 would outnumber the 8 training glosses
     return load_config(root / "configs" / f"{args.config}.yaml", sets)
 
 

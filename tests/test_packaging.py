@@ -79,7 +79,10 @@ def test_check_by_name_and_unknown_name(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "valid (11 methods:" in out
     # and what it would run: the sequence, its splits and each task
-    summary = "would run: wordnet-supersenses-5x4-seed0 (class-incremental), 5 tasks, 20 classes, 800 train / 800 test"
+    summary = (
+        "would run: wordnet-supersenses-5x4-seed0 (class-incremental), 5 tasks, 20 classes, 800 train / "
+        "400 validation / 800 test"
+    )
     assert summary in out
     assert out.count("\n  t") == 5
     assert peft_ext_cli.main(["check", "quickstart_typo"]) == 2

@@ -426,7 +426,7 @@ class ContinualEngine:
         split (with the run's head, and each compared head's under ``heads``), when every task has one: what a choice
         among methods or settings reads instead of the test split (``peft-ext predict`` picks its method by it)."""
         tasks = self.sequence.tasks
-        if not tasks or not all(task.validation for task in tasks):
+        if not self.kind.scores_final_validation or not tasks or not all(task.validation for task in tasks):
             return {}
         row, per_task, per_head = len(tasks) - 1, [], {}
         for j in range(len(tasks)):

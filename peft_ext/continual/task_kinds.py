@@ -55,6 +55,10 @@ class TaskKind:
     measures_held_out_text: ClassVar[bool]
     #: Batches are prompts with answers, for a causal LM (queries are read from the prompt's tokens).
     causal: ClassVar[bool]
+    #: The final model is also scored on the validation split, when the sequence has one (what ``peft-ext predict``
+    #: chooses its method by). ``False`` where that costs as much as the test evaluation (generating every answer):
+    #: such a job keeps its validation split for ``--tune``.
+    scores_final_validation: ClassVar[bool]
 
     def check_collate(self, collate: Collate) -> None:
         """Refuse a collate that cannot batch this kind's examples (nothing to check by default)."""
@@ -85,6 +89,7 @@ class Classification(TaskKind):
     records_hits = True
     measures_held_out_text = False
     causal = False
+    scores_final_validation = True
 
     def score_task(
         self, engine: Any, model: nn.Module, row: int, task: int, options: dict[str, Any], split: str = "test"
@@ -123,6 +128,7 @@ class Generation(TaskKind):
     records_hits = False
     measures_held_out_text = True
     causal = True
+    scores_final_validation = False
 
     #: A task's metric as a reader says it.
     METRIC_WORDS: ClassVar[dict[str, str]] = {"exact_match": "exact match", "rouge_l": "ROUGE-L"}
