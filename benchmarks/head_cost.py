@@ -91,8 +91,8 @@ def memory(width: int = 4096) -> list[list[Any]]:
     return rows
 
 
-def timing(repeats: int) -> list[dict[str, float]]:
-    """Per repeat: the task's training seconds, the heads' pass, and each head's solve."""
+def timing(repeats: int, epochs: int = 3) -> list[dict[str, float]]:
+    """Per repeat: the task's training seconds (``epochs`` of them), the heads' pass, and each head's solve."""
     from peft_ext.continual import ContinualEngine, TrainConfig, get_continual_method
     from peft_ext.continual.heads.base import feature_batches
     from peft_ext.continual.runner import train_examples
@@ -112,7 +112,7 @@ def timing(repeats: int) -> list[dict[str, float]]:
     )
     base, tokenizer = load_text_classifier("minilm", seq.num_classes, 0.1, seed=0)
     collate = TextCollator(tokenizer, 32)
-    train = TrainConfig(epochs=3, batch_size=32, progress=False, device="cpu")
+    train = TrainConfig(epochs=epochs, batch_size=32, progress=False, device="cpu")
     method = get_continual_method("seq_lora")(
         lr=1e-3, adapter={"r": 8, "lora_alpha": 16.0, "target_modules": ["query", "value"]}, compare_heads=HEADS
     )
@@ -145,8 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="runs/bench_head_cost.json")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: one repeat of one epoch, memory at width 1024",
+    )
     args = parser.parse_args(argv)
-    rows = timing(args.repeats)
+    epochs, width = (1, 1024) if args.quick else (3, 4096)
+    rows = timing(1 if args.quick else args.repeats, epochs)
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     table = [
         [
@@ -159,15 +165,15 @@ def main(argv: list[str] | None = None) -> int:
         for head in HEADS
     ]
     print(
-        f"Task 0 of quickstart (160 glosses), seq_lora 3 epochs: {med['train']:.1f} s training (median of "
+        f"Task 0 of quickstart (160 glosses), seq_lora {epochs} epochs: {med['train']:.1f} s training (median of "
         f"{len(rows)}; {machine.torch_platform()})\n"
     )
     print(markdown_table(["head", "pass s (shared)", "solve s", "head / training", "<= 5 %"], table))
     shares = ", ".join(f"{row[0]} {row[3]}" for row in table)
     verdict = "met" if all(row[4] == "met" for row in table) else "NOT met"
     print(f"\n- target: every head <= 5 % of the task's training (pass + solve): {shares}: {verdict}")
-    mem = memory()
-    print("\nMemory at width 4096 (saved state):\n")
+    mem = memory(width)
+    print(f"\nMemory at width {width} (saved state):\n")
     print(markdown_table(["head", "KiB per class (measured)", "KiB per class (bytes_per_class)", "fixed MiB"], mem))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"timing": rows, "median": med, "memory": mem}, indent=1))

@@ -42,7 +42,7 @@ def test_the_quick_run_times_a_real_job_and_prints_the_verdict(tmp_path):
 @pytest.mark.slow
 def test_head_cost_smoke_run_prints_each_head_against_the_target(tmp_path):
     out = tmp_path / "head_cost.json"
-    proc = run_module("benchmarks.head_cost", "--repeats", "1", "--out", out, timeout=600)
+    proc = run_module("benchmarks.head_cost", "--quick", "--out", out, timeout=600)
     for head in ("prototype", "lda", "analytic", "aligned"):
         assert f"| {head} |" in proc.stdout
     assert "<= 5 %" in proc.stdout
