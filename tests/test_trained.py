@@ -192,13 +192,14 @@ def test_predict_chooses_on_validation_and_says_when_it_could_only_use_the_test_
     _saved(tmp_path, "a", "seq_lora", final_acc=0.9, final_val_acc=0.5)
     _saved(tmp_path, "b", "splitlora", final_acc=0.6, final_val_acc=0.7)
     _saved(tmp_path, "joint", "joint", final_acc=0.99, final_val_acc=0.99)  # an upper bound: never chosen
-    best, line = default_method(tmp_path)
-    assert best == "b" and "70.0 % on the validation split" in line and "60.0 % on the test split" in line
+    best, line, split = default_method(tmp_path)
+    assert split == "validation" and best == "b"
+    assert "70.0 % on the validation split" in line and "60.0 % on the test split" in line
     older = tmp_path / "older"
     _saved(older, "a", "seq_lora", final_acc=0.9, final_val_acc=None)
     _saved(older, "b", "splitlora", final_acc=0.6, final_val_acc=None)
-    best, line = default_method(older)
-    assert best == "a" and "on the test split" in line and "optimistic" in line
+    best, line, split = default_method(older)
+    assert split == "test" and best == "a" and "on the test split" in line and "optimistic" in line
 
 
 def test_the_validation_score_is_the_final_model_on_the_validation_split(job):

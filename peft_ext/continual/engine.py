@@ -282,7 +282,9 @@ class ContinualEngine:
             for i, task in enumerate(sequence.tasks)
         ]
 
-    def score_row(self, model: nn.Module, row: int, first: int = 0) -> tuple[list[float], dict[str, list[float]]]:
+    def score_row(
+        self, model: nn.Module, row: int, first: int = 0, split: str = "test"
+    ) -> tuple[list[float], dict[str, list[float]]]:
         """Accuracy (a generation sequence: each task's metric) on the test sets of tasks ``first..row`` after
         training up to phase row ``row``, and the further scores of the row by name (a generation sequence: ``rouge_l``
         and ``answer_loss`` of :func:`~.generation.generation_scores`; none for classification)."""
@@ -293,9 +295,9 @@ class ContinualEngine:
             options: dict[str, Any] = dict(
                 batch_size=ctx.train.eval_batch_size,
                 progress=ctx.train.progress,
-                desc=f"{self.method.label} eval t{j}",
+                desc=f"{self.method.label} {'eval' if split == 'test' else split} t{j}",
             )
-            score, scores = self.kind.score_task(self, model, row, j, options)
+            score, scores = self.kind.score_task(self, model, row, j, options, split=split)
             for name, value in scores.items():
                 extra.setdefault(name, []).append(value)
             row_scores.append(score)
@@ -428,17 +430,7 @@ class ContinualEngine:
         tasks = self.sequence.tasks
         if not self.kind.scores_final_validation or not tasks or not all(task.validation for task in tasks):
             return {}
-        row, per_task, per_head = len(tasks) - 1, [], {}
-        for j in range(len(tasks)):
-            options: dict[str, Any] = dict(
-                batch_size=self.ctx.train.eval_batch_size,
-                progress=self.ctx.train.progress,
-                desc=f"{self.method.label} validation t{j}",
-            )
-            score, scores = self.kind.score_task(self, model, row, j, options, split="validation")
-            per_task.append(score)
-            for name, value in scores.items():
-                per_head.setdefault(name, []).append(value)
+        per_task, per_head = self.score_row(model, len(tasks) - 1, split="validation")
         heads = {name[len("head:") :]: sum(v) / len(v) for name, v in per_head.items() if name.startswith("head:")}
         out: dict[str, Any] = {"acc": sum(per_task) / len(per_task), "per_task": per_task}
         return {"final_validation": {**out, "heads": heads} if heads else out}

@@ -183,8 +183,8 @@ class ResultsWriter(JobCallback):
         saved = saved_methods(job.config.output.dir)
         if saved and job.saves_trained:
             output = Path(job.config.output.dir)
-            best, line = default_method(output, saved)
-            split = "validation" if "on the validation split" in line else "test"
+            best, _, split = default_method(output, saved)
+            split = split or "test"  # no method was scored: the first saved (as before)
             self.echo(
                 f"[peft-ext] trained models of {', '.join(saved)} in {output / 'adapters'}/: classify new texts with "
                 f"`peft-ext predict {output} TEXTS.txt` (it uses {best}, the best continual method of this run on "

@@ -48,12 +48,13 @@ def trained_folder(source: Union[str, Path], method: Optional[str] = None) -> tu
         if method not in saved:
             raise ValueError(f"no saved method {method!r} under {str(path / 'adapters')!r}; saved: {saved}")
         return path / "adapters" / method, None
-    best, line = default_method(path, saved)
+    best, line, _ = default_method(path, saved)
     return path / "adapters" / best, line
 
 
-def default_method(path: Union[str, Path], saved: Optional[list[str]] = None) -> tuple[str, str]:
-    """The saved method ``peft-ext predict`` uses for a job's folder when none is named, and the line saying so: the
+def default_method(path: Union[str, Path], saved: Optional[list[str]] = None) -> tuple[str, str, Optional[str]]:
+    """The saved method ``peft-ext predict`` uses for a job's folder when none is named, the line saying so, and the
+    split it was chosen on (``"validation"``, ``"test"``, or ``None`` when no score decided it): the
     continual method (an upper bound, ``joint``, left out) with the best final accuracy on the sequence's
     **validation** split when every candidate was scored on one (so the test split stays a fair estimate of the
     chosen method), else on the test split (a job without a validation split; the line says so), else the first
@@ -75,7 +76,7 @@ def default_method(path: Union[str, Path], saved: Optional[list[str]] = None) ->
     ]
     complete = [(split, scores) for split, scores in scored if scores and len(scores) == len(candidates)]
     if not complete:
-        return saved[0], f"predicting with {saved[0]} (pass --method to pick one of {saved})"
+        return saved[0], f"predicting with {saved[0]} (pass --method to pick one of {saved})", None
     split, scores = complete[0]
     best = max(scores, key=scores.get)
     line = (
@@ -87,4 +88,4 @@ def default_method(path: Union[str, Path], saved: Optional[list[str]] = None) ->
     else:
         test = candidates[best].get("final_acc")
         line += "" if test is None else f"; {100 * float(test):.1f} % on the test split"
-    return best, line + f"; --method picks another of {saved})"
+    return best, line + f"; --method picks another of {saved})", split

@@ -33,7 +33,7 @@ from .dct_adamw import DCTAdamW
 from .riemannion import create_riemannion_optimizer
 from .riemannion_checks import check_group
 from .subspace_adamw import SubspaceAdamW
-from .subspace_checks import matches_target
+from .subspace_checks import matches_target, positive_int
 
 __all__ = [
     "OPTIMIZER_CHOICES",
@@ -326,8 +326,7 @@ class GaLoreAdamWChoice(OptimizerChoice):
     def check(cls, options: dict[str, Any]) -> None:
         # the package is optional: its checks cannot run here, so the values it would refuse are refused by hand
         for key in ("rank", "update_proj_gap", "max_shape"):
-            if isinstance(options[key], bool) or not isinstance(options[key], int) or options[key] < 1:
-                raise ValueError(f"`{key}` must be a positive integer, got {options[key]!r}")
+            positive_int(key, options[key])
         if not (isinstance(options["scale"], (int, float)) and options["scale"] > 0):
             raise ValueError(f"`scale` must be > 0, got {options['scale']!r}")
         if options["proj_type"] not in ("std", "reverse_std", "left", "right", "full"):
